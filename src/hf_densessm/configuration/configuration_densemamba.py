@@ -1,0 +1,167 @@
+"""Configuration of DenseMamba (DenseSSM paper §4.2, Table 2; DESIGN.md §3)."""
+
+from __future__ import annotations
+
+import math
+
+from transformers import PretrainedConfig
+
+from .dense import KERNEL_BACKENDS, check_choice, check_int, check_positive_float, resolve_preset, set_dense_knobs
+
+# Table 2 of the DenseSSM paper (vocabulary 32000, expand 2, state 16, conv 4), plus small sizes for examples,
+# tests and CPU benchmarks. "densemamba-1.3b" follows Table 2 exactly (50 layers, d_model 2048); that is about
+# 1.42B parameters: the paper added two layers to Mamba-1.4B's 48 "to match the parameters" (§4.2), so its
+# "1.3B" label names Mamba-1.4B's size class, and the preset's count is checked against 1.4B.
+DENSEMAMBA_PRESETS = {
+    "densemamba-tiny": dict(hidden_size=256, num_hidden_layers=4, dense_layers=4),
+    "densemamba-30m": dict(hidden_size=512, num_hidden_layers=8, dense_layers=4),
+    "densemamba-360m": dict(hidden_size=1024, num_hidden_layers=50, dense_layers=4),
+    "densemamba-1.3b": dict(hidden_size=2048, num_hidden_layers=50, dense_layers=4),
+}
+
+
+class DenseMambaConfig(PretrainedConfig):
+    r"""Configuration of a :class:`~hf_densessm.DenseMambaModel` / :class:`~hf_densessm.DenseMambaForCausalLM`.
+
+    The Mamba fields keep the names, defaults and meanings of ``transformers.MambaConfig``; with
+    ``dense_layers=0`` the model is exactly ``transformers.MambaForCausalLM`` (same parameter names, shapes and
+    logits). The dense fields add the DenseSSM connection (paper §3.3), applied to the state inputs ``u`` and
+    ``B`` of the selective scan (DESIGN.md §3).
+
+    Args:
+        vocab_size (`int`, defaults to 32000): vocabulary size (the paper's LLaMA tokenizer).
+        hidden_size (`int`, defaults to 768): model width ``d_model``.
+        state_size (`int`, defaults to 16): SSM state size ``N`` per channel.
+        num_hidden_layers (`int`, defaults to 32): number of Mamba blocks.
+        layer_norm_epsilon (`float`, defaults to 1e-5): RMSNorm epsilon.
+        pad_token_id, bos_token_id, eos_token_id (`int`, defaults to 0, 1, 2): LLaMA tokenizer ids.
+        expand (`int`, defaults to 2): ``intermediate_size = expand * hidden_size`` (``D`` of the scan).
+        conv_kernel (`int`, defaults to 4): width of the causal depthwise convolution.
+        use_bias (`bool`, defaults to False): bias in ``in_proj`` and ``out_proj``.
+        use_conv_bias (`bool`, defaults to True): bias in the convolution.
+        hidden_act (`str`, defaults to "silu"): activation after the convolution and on the gate ``z``.
+        initializer_range (`float`, defaults to 0.1): std of the normal init of linear layers/embeddings.
+        residual_in_fp32 (`bool`, defaults to True): keep the residual stream in float32.
+        time_step_rank (`int` or "auto", defaults to "auto"): rank of ``dt_proj``; "auto" is ``ceil(hidden_size/16)``.
+        time_step_scale, time_step_min, time_step_max, time_step_init_scheme, time_step_floor: ``dt`` init
+            (``dt`` bias from log-uniform [time_step_min, time_step_max]; Mamba paper §3.6).
+        rescale_prenorm_residual (`bool`, defaults to False): GPT-2 style rescaling of ``out_proj`` at init.
+        use_cache (`bool`, defaults to True): return the recurrent-state cache.
+        tie_word_embeddings (`bool`, defaults to True): tie ``lm_head`` to the embeddings.
+        dense_layers (`int`, defaults to 4): ``m`` (Table 2 uses 4 for DenseMamba); 0 gives plain Mamba.
+        dense_projection (`str`, defaults to "identity"): "identity" | "linear" (Table 5).
+        dense_selection (`str`, defaults to "mlp"): "mlp" | "linear" | "none" (Table 5).
+        dense_shared_gate (`bool`, defaults to True): one gate for the ``m`` predecessors (Table 7).
+        dense_fusion (`str`, defaults to "add"): "add" | "concat" (Table 8).
+        dense_every (`int`, defaults to 1): dense connection on every k-th layer (Table 9).
+        dense_gate_hidden_size (`int`, *optional*): MLP gate width; default ``max(1, hidden_size // 32)``.
+        kernel_backend (`str`, defaults to "auto"): "auto" (Triton on CUDA, PyTorch otherwise) | "triton" | "torch";
+            "torch" forces the reference path for debugging.
+
+    Raises:
+        ValueError, TypeError: at construction, for any field outside its allowed values (the message names it).
+    """
+
+    model_type = "densemamba"
+
+    def __init__(
+        self,
+        vocab_size: int = 32000,
+        hidden_size: int = 768,
+        state_size: int = 16,
+        num_hidden_layers: int = 32,
+        layer_norm_epsilon: float = 1e-5,
+        pad_token_id: int | None = 0,
+        bos_token_id: int | None = 1,
+        eos_token_id: int | list[int] | None = 2,
+        expand: int = 2,
+        conv_kernel: int = 4,
+        use_bias: bool = False,
+        use_conv_bias: bool = True,
+        hidden_act: str = "silu",
+        initializer_range: float = 0.1,
+        residual_in_fp32: bool = True,
+        time_step_rank: int | str = "auto",
+        time_step_scale: float = 1.0,
+        time_step_min: float = 0.001,
+        time_step_max: float = 0.1,
+        time_step_init_scheme: str = "random",
+        time_step_floor: float = 1e-4,
+        rescale_prenorm_residual: bool = False,
+        use_cache: bool = True,
+        tie_word_embeddings: bool = True,
+        dense_layers: int = 4,
+        dense_projection: str = "identity",
+        dense_selection: str = "mlp",
+        dense_shared_gate: bool = True,
+        dense_fusion: str = "add",
+        dense_every: int = 1,
+        dense_gate_hidden_size: int | None = None,
+        kernel_backend: str = "auto",
+        **kwargs,
+    ):
+        kwargs.pop("intermediate_size", None)  # derived; present in saved configs
+        self.vocab_size = check_int("vocab_size", vocab_size, 1)
+        self.hidden_size = check_int("hidden_size", hidden_size, 1)
+        self.state_size = check_int("state_size", state_size, 1)
+        self.num_hidden_layers = check_int("num_hidden_layers", num_hidden_layers, 1)
+        self.layer_norm_epsilon = check_positive_float("layer_norm_epsilon", layer_norm_epsilon)
+        self.expand = check_int("expand", expand, 1)
+        self.conv_kernel = check_int("conv_kernel", conv_kernel, 1)
+        self.intermediate_size = int(self.expand * self.hidden_size)
+        self.use_bias = use_bias
+        self.use_conv_bias = use_conv_bias
+        self.hidden_act = check_choice("hidden_act", hidden_act, ("silu",))
+        self.initializer_range = check_positive_float("initializer_range", initializer_range)
+        self.residual_in_fp32 = residual_in_fp32
+        if time_step_rank == "auto":
+            time_step_rank = math.ceil(self.hidden_size / 16)
+        self.time_step_rank = check_int("time_step_rank", time_step_rank, 1)
+        self.time_step_scale = check_positive_float("time_step_scale", time_step_scale)
+        self.time_step_min = check_positive_float("time_step_min", time_step_min)
+        self.time_step_max = check_positive_float("time_step_max", time_step_max)
+        if self.time_step_min > self.time_step_max:
+            raise ValueError(
+                f"`time_step_min` ({time_step_min}) must be <= `time_step_max` ({time_step_max})."
+            )
+        self.time_step_init_scheme = check_choice("time_step_init_scheme", time_step_init_scheme, ("random", "constant"))
+        self.time_step_floor = check_positive_float("time_step_floor", time_step_floor)
+        self.rescale_prenorm_residual = rescale_prenorm_residual
+        self.use_cache = use_cache
+        set_dense_knobs(
+            self,
+            dense_layers=dense_layers,
+            dense_projection=dense_projection,
+            dense_selection=dense_selection,
+            dense_shared_gate=dense_shared_gate,
+            dense_fusion=dense_fusion,
+            dense_every=dense_every,
+            dense_gate_hidden_size=dense_gate_hidden_size,
+        )
+        self.kernel_backend = check_choice("kernel_backend", kernel_backend, KERNEL_BACKENDS)
+        super().__init__(
+            pad_token_id=pad_token_id,
+            bos_token_id=bos_token_id,
+            eos_token_id=eos_token_id,
+            tie_word_embeddings=tie_word_embeddings,
+            **kwargs,
+        )
+
+    @property
+    def layer_types(self) -> list[str]:
+        """One transformers linear-attention cache layer (conv state + SSM state) per block."""
+        return ["linear_attention"] * self.num_hidden_layers
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides) -> "DenseMambaConfig":
+        """Build a config from a named size: ``"densemamba-360m"``, ``"densemamba-1.3b"`` (paper Table 2),
+        ``"densemamba-30m"`` (CPU benchmarks), ``"densemamba-tiny"`` (examples, tests).
+
+        ``overrides`` are any config fields (e.g. ``vocab_size`` of your tokenizer, ``dense_layers=0``).
+
+        Raises:
+            ValueError: unknown ``name`` (the message lists the known presets), or a bad override.
+        """
+        kwargs = resolve_preset(DENSEMAMBA_PRESETS, name, "DenseMamba")
+        kwargs.update(overrides)
+        return cls(**kwargs)

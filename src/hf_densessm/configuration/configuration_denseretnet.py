@@ -1,0 +1,168 @@
+"""Configuration of DenseRetNet (DenseSSM paper §3.3 "Extension to RetNet", §4.2, Table 3; DESIGN.md §2)."""
+
+from __future__ import annotations
+
+from transformers import PretrainedConfig
+
+from .dense import KERNEL_BACKENDS, check_choice, check_int, check_positive_float, resolve_preset, set_dense_knobs
+
+# Table 3 of the DenseSSM paper (vocabulary 32000), plus small sizes for examples, tests and CPU benchmarks.
+DENSERETNET_PRESETS = {
+    "denseretnet-tiny": dict(
+        hidden_size=256, num_hidden_layers=4, num_attention_heads=2, query_key_dim=128, v_factor=2.0, dense_layers=2
+    ),
+    "denseretnet-30m": dict(
+        hidden_size=384, num_hidden_layers=6, num_attention_heads=2, query_key_dim=192, v_factor=2.0, dense_layers=2
+    ),
+    "denseretnet-350m": dict(
+        hidden_size=1536,
+        num_hidden_layers=16,
+        num_attention_heads=2,
+        query_key_dim=768,
+        v_factor=2.0,
+        dense_layers=2,
+        dropout=0.1,
+    ),
+    "denseretnet-1.3b": dict(
+        hidden_size=2560,
+        num_hidden_layers=25,
+        num_attention_heads=4,
+        query_key_dim=1280,
+        v_factor=2.0,
+        dense_layers=2,
+        dropout=0.1,
+    ),
+}
+
+
+class DenseRetNetConfig(PretrainedConfig):
+    r"""Configuration of a :class:`~hf_densessm.DenseRetNetModel` / :class:`~hf_densessm.DenseRetNetForCausalLM`.
+
+    Each block is a pre-norm GAU-style multi-scale retention unit (token and channel mixing in one block, no
+    FFN): ``q = SiLU(W_q x)``, ``k = SiLU(W_k x) / sqrt(query_key_dim / heads)``, ``[v, g] = split(SiLU(W_h x))``,
+    dense KV connection (Eq. 20-23), rotary "theta shift" on ``q`` and ``k'``, retention with decay
+    ``gamma_h = 1 - 2^(-5-h)`` (Eq. 18, 19, 24), per-head RMSNorm, ``W_o(norm(o) * g)``.
+
+    Args:
+        vocab_size (`int`, defaults to 32000): vocabulary size (the paper's LLaMA tokenizer).
+        hidden_size (`int`, defaults to 1536): model width ``d``.
+        num_hidden_layers (`int`, defaults to 16): number of retention blocks.
+        num_attention_heads (`int`, defaults to 2): retention heads ``H`` (each with its own decay).
+        query_key_dim (`int`, defaults to 768): total query/key width ``d_qk``; ``d_qk / H`` must be even.
+        v_factor (`float`, defaults to 2.0): value/gate width ``d_v = v_factor * d``.
+        rms_norm_eps (`float`, defaults to 1e-6): epsilon of every RMSNorm.
+        dropout (`float`, defaults to 0.0): dropout on each block's output (0.1 in the paper's presets).
+        rope_theta (`float`, defaults to 10000.0): base of the rotary angles ``rope_theta^-linspace(0, 1, d_qk/H/2)``.
+        initializer_range (`float`, defaults to 0.02): std of the embedding init.
+        pad_token_id, bos_token_id, eos_token_id (`int`, defaults to 0, 1, 2): LLaMA tokenizer ids.
+        use_cache (`bool`, defaults to True): return the recurrent-state cache.
+        tie_word_embeddings (`bool`, defaults to False): the published model has an untied ``lm_head``.
+        dense_layers (`int`, defaults to 2): ``m`` (Table 3); 0 gives plain RetNet-GAU.
+        dense_projection, dense_selection, dense_shared_gate, dense_fusion, dense_every, dense_gate_hidden_size:
+            the dense knobs, see :func:`hf_densessm.configuration.dense.set_dense_knobs` (Tables 5, 7, 8, 9).
+        kernel_backend (`str`, defaults to "auto"): "auto" | "triton" | "torch" for the retention op.
+
+    Raises:
+        ValueError, TypeError: at construction, for any field outside its allowed values (the message names it),
+            including head counts that do not divide ``query_key_dim`` or ``d_v``.
+    """
+
+    model_type = "denseretnet"
+
+    def __init__(
+        self,
+        vocab_size: int = 32000,
+        hidden_size: int = 1536,
+        num_hidden_layers: int = 16,
+        num_attention_heads: int = 2,
+        query_key_dim: int = 768,
+        v_factor: float = 2.0,
+        rms_norm_eps: float = 1e-6,
+        dropout: float = 0.0,
+        rope_theta: float = 10000.0,
+        initializer_range: float = 0.02,
+        pad_token_id: int | None = 0,
+        bos_token_id: int | None = 1,
+        eos_token_id: int | list[int] | None = 2,
+        use_cache: bool = True,
+        tie_word_embeddings: bool = False,
+        dense_layers: int = 2,
+        dense_projection: str = "identity",
+        dense_selection: str = "mlp",
+        dense_shared_gate: bool = True,
+        dense_fusion: str = "add",
+        dense_every: int = 1,
+        dense_gate_hidden_size: int | None = None,
+        kernel_backend: str = "auto",
+        **kwargs,
+    ):
+        self.vocab_size = check_int("vocab_size", vocab_size, 1)
+        self.hidden_size = check_int("hidden_size", hidden_size, 1)
+        self.num_hidden_layers = check_int("num_hidden_layers", num_hidden_layers, 1)
+        self.num_attention_heads = check_int("num_attention_heads", num_attention_heads, 1)
+        self.query_key_dim = check_int("query_key_dim", query_key_dim, 1)
+        self.v_factor = check_positive_float("v_factor", v_factor)
+        value_dim = self.v_factor * self.hidden_size
+        if value_dim != int(value_dim):
+            raise ValueError(f"`v_factor * hidden_size` must be an integer, got {v_factor} * {hidden_size}.")
+        heads = self.num_attention_heads
+        if self.query_key_dim % heads or (self.query_key_dim // heads) % 2:
+            raise ValueError(
+                f"`query_key_dim` ({query_key_dim}) must be divisible by `num_attention_heads` ({heads}) into "
+                "heads of even width (the rotary shift rotates channel pairs)."
+            )
+        if int(value_dim) % heads:
+            raise ValueError(
+                f"`v_factor * hidden_size` ({int(value_dim)}) must be divisible by `num_attention_heads` ({heads})."
+            )
+        self.rms_norm_eps = check_positive_float("rms_norm_eps", rms_norm_eps)
+        if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
+            raise ValueError(f"`dropout` must be a float in [0, 1), got {dropout!r}.")
+        self.dropout = float(dropout)
+        self.rope_theta = check_positive_float("rope_theta", rope_theta)
+        self.initializer_range = check_positive_float("initializer_range", initializer_range)
+        self.use_cache = use_cache
+        set_dense_knobs(
+            self,
+            dense_layers=dense_layers,
+            dense_projection=dense_projection,
+            dense_selection=dense_selection,
+            dense_shared_gate=dense_shared_gate,
+            dense_fusion=dense_fusion,
+            dense_every=dense_every,
+            dense_gate_hidden_size=dense_gate_hidden_size,
+        )
+        self.kernel_backend = check_choice("kernel_backend", kernel_backend, KERNEL_BACKENDS)
+        # transformers' linear-attention cache layer keeps two recurrent slots per block: the retention state
+        # (slot 0) and the number of tokens seen, which places the rotary angles of later tokens (slot 1).
+        kwargs.pop("number_of_conv_states", None)
+        self.number_of_conv_states = 2
+        super().__init__(
+            pad_token_id=pad_token_id,
+            bos_token_id=bos_token_id,
+            eos_token_id=eos_token_id,
+            tie_word_embeddings=tie_word_embeddings,
+            **kwargs,
+        )
+
+    @property
+    def value_dim(self) -> int:
+        """``d_v = v_factor * hidden_size``, the value and gate width."""
+        return int(self.v_factor * self.hidden_size)
+
+    @property
+    def layer_types(self) -> list[str]:
+        """One transformers linear-attention cache layer (retention state + position) per block."""
+        return ["linear_attention"] * self.num_hidden_layers
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides) -> "DenseRetNetConfig":
+        """Build a config from a named size: ``"denseretnet-350m"``, ``"denseretnet-1.3b"`` (paper Table 3),
+        ``"denseretnet-30m"`` (CPU benchmarks), ``"denseretnet-tiny"`` (examples, tests).
+
+        Raises:
+            ValueError: unknown ``name`` (the message lists the known presets), or a bad override.
+        """
+        kwargs = resolve_preset(DENSERETNET_PRESETS, name, "DenseRetNet")
+        kwargs.update(overrides)
+        return cls(**kwargs)

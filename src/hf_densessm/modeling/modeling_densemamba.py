@@ -1,0 +1,400 @@
+"""DenseMamba: Mamba (Gu & Dao 2023) with DenseSSM's dense hidden connection (He et al. 2024, §3.3, §4.2).
+
+Read top to bottom: mixer (one Mamba-1 block's sequence mixing, DESIGN.md §3), block (pre-norm residual),
+pre-trained base (init, flags), base model, causal-LM head. With ``dense_layers=0`` the parameter names, shapes and
+logits are those of ``transformers.MambaForCausalLM``.
+
+The dense connection (DESIGN.md §3): Mamba's state ``h_t = sum_s (prod exp(dt A)) dt_s B_s u_s`` is built from ``B``
+and ``u`` as RetNet's ``S`` is built from ``k`` and ``v`` (C~q, B~k, u~v), so DenseMamba fuses the scan inputs:
+``u' = u + sum_i phi_u(u^{l-i})`` and ``B' = B + sum_i phi_B(B^{l-i})`` (Eq. 10-17), gates computed from the block's
+normalized input; ``dt`` and ``C`` come from the un-fused ``u`` (as RetNet's ``q`` is not fused), and the scan runs on
+``(u', dt, A, B', C, D)``. The dense inputs of a step come from the lower layers of the same step, so the cache stays
+the standard Mamba cache and decoding stays O(1) per token.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import GenerationMixin, PreTrainedModel
+from transformers import initialization as init
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.utils import ModelOutput
+
+from ..configuration.configuration_densemamba import DenseMambaConfig
+from ..ops.selective_scan import selective_scan, selective_state_update
+from .cache import check_cache, conv_state, record_tokens, new_cache, recurrent_state
+from .dense import build_dense_connection
+from .norm import DenseSSMRMSNorm
+from .stack import (
+    DenseSSMCausalLMMixin,
+    check_inputs,
+    group_dense_inputs,
+    prepare_attention_mask,
+    run_dense_stack,
+)
+
+class DenseMambaMixer(nn.Module):
+    """Sequence mixing of one DenseMamba block (Mamba paper Alg. 2 / Fig. 3, plus DenseSSM Eq. 10-17 on ``u`` and ``B``).
+
+    ``in_proj: d -> 2*D`` gives ``(x, z)``; ``u = SiLU(causal depthwise conv1d(x))``; ``x_proj(u) -> (dt_low, B, C)``;
+    ``dt = softplus(dt_proj(dt_low))``; dense fusion of ``u`` and ``B`` (``dense_u``, ``dense_B``, layers with
+    predecessors only); ``y = selective_scan(u', dt, A, B', C, D) * SiLU(z)``; ``out_proj: D -> d``.
+    ``D = intermediate_size``, ``N = state_size``.
+    """
+
+    def __init__(self, config: DenseMambaConfig, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.hidden_size = config.hidden_size
+        self.intermediate_size = config.intermediate_size
+        self.ssm_state_size = config.state_size
+        self.conv_kernel_size = config.conv_kernel
+        self.time_step_rank = config.time_step_rank
+        self.conv1d = nn.Conv1d(
+            in_channels=self.intermediate_size,
+            out_channels=self.intermediate_size,
+            bias=config.use_conv_bias,
+            kernel_size=config.conv_kernel,
+            groups=self.intermediate_size,
+            padding=config.conv_kernel - 1,
+        )
+        self.in_proj = nn.Linear(self.hidden_size, self.intermediate_size * 2, bias=config.use_bias)
+        self.x_proj = nn.Linear(self.intermediate_size, self.time_step_rank + self.ssm_state_size * 2, bias=False)
+        self.dt_proj = nn.Linear(self.time_step_rank, self.intermediate_size, bias=True)
+        # S4D-Real initialization (A = -(1..N)) is done in `DenseMambaPreTrainedModel._init_weights`.
+        self.A_log = nn.Parameter(torch.empty(self.intermediate_size, self.ssm_state_size))
+        self.D = nn.Parameter(torch.empty(self.intermediate_size))
+        self.out_proj = nn.Linear(self.intermediate_size, self.hidden_size, bias=config.use_bias)
+        self.dense_u = build_dense_connection(config, layer_idx, self.intermediate_size)
+        self.dense_B = build_dense_connection(config, layer_idx, self.ssm_state_size)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        dense_inputs: list[tuple[torch.Tensor, torch.Tensor]],
+        cache_params=None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """
+        Args:
+            hidden_states: ``(batch, seq_len, hidden_size)``, the block's normalized input ``x^l``.
+            dense_inputs: pre-fusion ``(u, B)`` of the predecessors, nearest first; ``u`` ``(batch, seq_len, D)``,
+                ``B`` ``(batch, seq_len, N)``.
+            cache_params: a transformers ``Cache`` (see ``hf_densessm.modeling.cache``) or ``None``.
+            attention_mask: ``(batch, seq_len)`` 0/1 or ``None``; padded positions get ``u = 0`` and ``dt = 0``, so
+                they never change the SSM state.
+
+        Returns:
+            ``(output (batch, seq_len, hidden_size), (u, B))`` with this layer's pre-fusion ``u`` and ``B``.
+        """
+        batch, seq_len, _ = hidden_states.shape
+        dtype = hidden_states.dtype
+        backend = self.config.kernel_backend
+        mask = attention_mask[:, None, :].to(dtype) if attention_mask is not None else None
+
+        # 1. input projection: x (to the conv) and the gate z, channels first (batch, D, seq_len)
+        x, z = self.in_proj(hidden_states).transpose(1, 2).chunk(2, dim=1)
+        if mask is not None:
+            x = x * mask
+
+        # 2. causal depthwise convolution, continuing from the cached window of the last `conv_kernel` inputs
+        window = conv_state(cache_params, self.layer_idx)
+        previous_window = window.clone() if window is not None and mask is not None else None
+        context = window[..., 1:].to(x.dtype) if window is not None else x.new_zeros(batch, x.shape[1], self.conv_kernel_size - 1)
+        u = F.conv1d(torch.cat([context, x], dim=-1), self.conv1d.weight, self.conv1d.bias, groups=self.intermediate_size)
+        if cache_params is not None:
+            cache_params.update_conv_state(x, self.layer_idx, conv_kernel_size=self.conv_kernel_size)
+            if previous_window is not None:  # rows given only padding keep their window
+                padded_rows = ~attention_mask.bool().any(dim=-1)
+                updated = conv_state(cache_params, self.layer_idx)
+                updated.copy_(torch.where(padded_rows[:, None, None], previous_window, updated))
+        u = F.silu(u)
+        if mask is not None:
+            u = u * mask
+        u = u.transpose(1, 2)  # (batch, seq_len, D)
+
+        # 3. input-dependent dt, B, C from the un-fused u
+        time_step, B, C = torch.split(
+            self.x_proj(u), [self.time_step_rank, self.ssm_state_size, self.ssm_state_size], dim=-1
+        )
+        dt = (self.dt_proj.weight @ time_step.transpose(1, 2)).contiguous()  # (batch, D, seq_len), bias in the scan
+        dt_bias = self.dt_proj.bias.float()
+        softplus = True
+        if mask is not None:  # dt = 0 at padding: exp(0 * A) = 1 and no input, the state is left as it was
+            dt = F.softplus(dt.float() + dt_bias[:, None]) * mask
+            dt_bias, softplus = None, False
+
+        # 4. dense connection (Eq. 10-17) on the state inputs u and B
+        features = (u, B)
+        if self.dense_u is not None:
+            u = self.dense_u(hidden_states, u, [p[0] for p in dense_inputs])
+            B = self.dense_B(hidden_states, B, [p[1] for p in dense_inputs])
+
+        # 5. selective scan (Mamba paper Alg. 2), continuing from the cached SSM state
+        A = -torch.exp(self.A_log.float())
+        state = recurrent_state(cache_params, self.layer_idx)
+        if state is not None and seq_len == 1:
+            y = selective_state_update(
+                state, u[:, 0], dt[..., 0], A, B[:, 0], C[:, 0], self.D.float(), z=z[..., 0],
+                dt_bias=dt_bias, dt_softplus=softplus, backend=backend,
+            ).unsqueeze(-1)
+        else:
+            result = selective_scan(
+                u.transpose(1, 2).contiguous(), dt, A, B.transpose(1, 2).contiguous(), C.transpose(1, 2).contiguous(),
+                D=self.D.float(), z=z.contiguous(), delta_bias=dt_bias, delta_softplus=softplus,
+                initial_state=state, return_last_state=cache_params is not None, backend=backend,
+            )
+            if cache_params is not None:
+                y, last_state = result
+                cache_params.update_recurrent_state(last_state, self.layer_idx)
+            else:
+                y = result
+        return self.out_proj(y.transpose(1, 2).to(dtype)), features
+
+
+class DenseMambaBlock(GradientCheckpointingLayer):
+    """Pre-norm residual block ``x + mixer(RMSNorm(x))`` (``norm``, ``mixer`` as in ``transformers.MambaBlock``).
+
+    ``forward(hidden_states, *dense_inputs, cache_params=None, attention_mask=None)``: ``dense_inputs`` are the
+    predecessors' ``u, B`` tensors flattened, nearest first. Returns the flat ``(hidden_states, u, B)``; the residual
+    stream is float32 when ``config.residual_in_fp32``.
+    """
+
+    def __init__(self, config: DenseMambaConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.residual_in_fp32 = config.residual_in_fp32
+        self.norm = DenseSSMRMSNorm(config.hidden_size, eps=config.layer_norm_epsilon)
+        self.mixer = DenseMambaMixer(config, layer_idx=layer_idx)
+
+    def forward(self, hidden_states, *dense_inputs, cache_params=None, attention_mask=None):
+        residual = hidden_states
+        hidden_states = self.norm(hidden_states.to(dtype=self.norm.weight.dtype))
+        if self.residual_in_fp32:
+            residual = residual.to(torch.float32)
+        out, features = self.mixer(
+            hidden_states, group_dense_inputs(dense_inputs, 2), cache_params=cache_params, attention_mask=attention_mask
+        )
+        return (residual + out, *features)
+
+
+class DenseMambaPreTrainedModel(PreTrainedModel):
+    """Weight init and flags shared by the DenseMamba models."""
+
+    config_class = DenseMambaConfig
+    config: DenseMambaConfig
+    base_model_prefix = "backbone"
+    _no_split_modules = ["DenseMambaBlock"]
+    supports_gradient_checkpointing = True
+    _is_stateful = True
+
+    @torch.no_grad()
+    def _init_weights(self, module):
+        """Mamba's init (S4D-Real ``A``, ``dt`` bias from log-uniform [time_step_min, time_step_max], Kaiming conv and
+        ``out_proj``), plus the dense gates' Xavier-uniform init (gain 2^-2.5, the published DenseRetNet's). Only weights not loaded from a checkpoint are touched."""
+        super()._init_weights(module)
+        config = self.config
+        if isinstance(module, DenseSSMRMSNorm):
+            init.ones_(module.weight)
+        elif isinstance(module, DenseMambaMixer):
+            A = torch.arange(1, module.ssm_state_size + 1, dtype=torch.float32, device=module.A_log.device)
+            init.copy_(module.A_log, torch.log(A).expand(module.intermediate_size, -1).contiguous())
+            init.ones_(module.D)
+            dt_init_std = config.time_step_rank**-0.5 * config.time_step_scale
+            if config.time_step_init_scheme == "constant":
+                init.constant_(module.dt_proj.weight, dt_init_std)
+            else:
+                init.uniform_(module.dt_proj.weight, -dt_init_std, dt_init_std)
+            dt = torch.exp(
+                torch.rand(module.intermediate_size, device=module.dt_proj.bias.device, dtype=torch.float32)
+                * (math.log(config.time_step_max) - math.log(config.time_step_min))
+                + math.log(config.time_step_min)
+            ).clamp(min=config.time_step_floor)
+            init.copy_(module.dt_proj.bias, dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
+            init.kaiming_uniform_(module.conv1d.weight, a=math.sqrt(5))
+            if module.conv1d.bias is not None:
+                init.zeros_(module.conv1d.bias)
+            init.kaiming_uniform_(module.out_proj.weight, a=math.sqrt(5))
+            if config.rescale_prenorm_residual:
+                init.copy_(module.out_proj.weight, module.out_proj.weight / math.sqrt(config.num_hidden_layers))
+            for dense in (module.dense_u, module.dense_B):
+                if dense is not None:
+                    dense.init_weights(init)
+
+
+@dataclass
+class DenseMambaOutput(ModelOutput):
+    """Output of :class:`DenseMambaModel`.
+
+    Args:
+        last_hidden_state: ``(batch, seq_len, hidden_size)``, after the final norm.
+        cache_params: the recurrent-state cache (a transformers ``DynamicCache``) when ``use_cache``.
+        hidden_states: ``num_hidden_layers + 1`` tensors ``(batch, seq_len, hidden_size)``: the embeddings, the
+            input of every later block, and the final normed output; when ``output_hidden_states``.
+    """
+
+    last_hidden_state: torch.Tensor | None = None
+    cache_params: object | None = None
+    hidden_states: tuple[torch.Tensor, ...] | None = None
+
+
+@dataclass
+class DenseMambaCausalLMOutput(ModelOutput):
+    """Output of :class:`DenseMambaForCausalLM`.
+
+    Args:
+        loss: scalar next-token cross-entropy when ``labels`` are given.
+        logits: ``(batch, kept_positions, vocab_size)`` float32.
+        cache_params, hidden_states: as in :class:`DenseMambaOutput`.
+    """
+
+    loss: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+    cache_params: object | None = None
+    hidden_states: tuple[torch.Tensor, ...] | None = None
+
+
+class DenseMambaModel(DenseMambaPreTrainedModel):
+    """The DenseMamba backbone: embeddings, ``num_hidden_layers`` :class:`DenseMambaBlock` with the dense
+    connection, final RMSNorm (``embeddings``, ``layers``, ``norm_f`` as in ``transformers.MambaModel``)."""
+
+    def __init__(self, config: DenseMambaConfig):
+        super().__init__(config)
+        self.embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DenseMambaBlock(config, layer_idx=i) for i in range(config.num_hidden_layers))
+        self.gradient_checkpointing = False
+        self.norm_f = DenseSSMRMSNorm(config.hidden_size, eps=config.layer_norm_epsilon)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.embeddings
+
+    def set_input_embeddings(self, new_embeddings):
+        self.embeddings = new_embeddings
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        cache_params=None,
+        use_cache: bool | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+        attention_mask: torch.Tensor | None = None,
+        **kwargs,
+    ) -> tuple | DenseMambaOutput:
+        r"""
+        Args:
+            input_ids: ``(batch, seq_len)`` token ids; or ``inputs_embeds`` ``(batch, seq_len, hidden_size)`` (exactly one).
+            cache_params: a cache from a previous call (or ``DynamicCache(config=model.config)``); the tokens given
+                continue the cached sequence, whatever their number (prefill in chunks works).
+            use_cache: return the cache (default ``config.use_cache``, off in training).
+            attention_mask: ``(batch, seq_len)`` or ``(batch, cached + seq_len)``, 1 for tokens and 0 for padding
+                (pad on the left for batched generation).
+
+        Raises:
+            ValueError, TypeError: bad inputs (see ``check_inputs``, ``prepare_attention_mask``, ``check_cache``).
+        """
+        output_hidden_states = (
+            output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
+        )
+        use_cache = use_cache if use_cache is not None else (self.config.use_cache if not self.training else False)
+        return_dict = return_dict if return_dict is not None else self.config.return_dict
+        check_inputs(input_ids, inputs_embeds, self.config.hidden_size)
+        if inputs_embeds is None:
+            inputs_embeds = self.embeddings(input_ids)
+        if self.gradient_checkpointing and self.training and use_cache:
+            use_cache = False
+        if cache_params is not None:
+            check_cache(cache_params, self.config, "cache_params")
+        elif use_cache:
+            cache_params = new_cache(self.config)
+        if not use_cache:
+            cache_params = None
+        batch, seq_len = inputs_embeds.shape[:2]
+        attention_mask = prepare_attention_mask(attention_mask, batch, seq_len)
+
+        hidden_states, all_hidden_states = run_dense_stack(
+            self.layers,
+            inputs_embeds,
+            self.config,
+            output_hidden_states,
+            cache_params=cache_params,
+            attention_mask=attention_mask,
+        )
+        record_tokens(cache_params, seq_len)
+        hidden_states = self.norm_f(hidden_states)
+        if output_hidden_states:
+            all_hidden_states += (hidden_states,)
+        if not return_dict:
+            return tuple(v for v in (hidden_states, cache_params, all_hidden_states) if v is not None)
+        return DenseMambaOutput(
+            last_hidden_state=hidden_states, cache_params=cache_params, hidden_states=all_hidden_states
+        )
+
+
+class DenseMambaForCausalLM(DenseSSMCausalLMMixin, DenseMambaPreTrainedModel, GenerationMixin):
+    """DenseMamba with a language-modeling head tied to the input embeddings (``backbone``, ``lm_head`` as in
+    ``transformers.MambaForCausalLM``)."""
+
+    _tied_weights_keys = {"lm_head.weight": "backbone.embeddings.weight"}
+    _cache_arg_name = "cache_params"
+
+    def __init__(self, config: DenseMambaConfig):
+        super().__init__(config)
+        self.backbone = DenseMambaModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.backbone.get_input_embeddings()
+
+    def set_input_embeddings(self, new_embeddings):
+        return self.backbone.set_input_embeddings(new_embeddings)
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        cache_params=None,
+        labels: torch.LongTensor | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        **kwargs,
+    ) -> tuple | DenseMambaCausalLMOutput:
+        r"""
+        Args:
+            labels: ``(batch, seq_len)``; shifted inside (``labels = input_ids`` works), -100 is ignored.
+            logits_to_keep: an int keeps the last that many positions' logits (0 keeps all); a 1-D tensor keeps
+                those positions.
+            others: see :meth:`DenseMambaModel.forward`.
+        """
+        return_dict = return_dict if return_dict is not None else self.config.return_dict
+        outputs = self.backbone(
+            input_ids,
+            cache_params=cache_params,
+            inputs_embeds=inputs_embeds,
+            output_hidden_states=output_hidden_states,
+            return_dict=True,
+            use_cache=use_cache,
+            attention_mask=attention_mask,
+        )
+        loss, logits = self._logits_and_loss(outputs.last_hidden_state, labels, logits_to_keep, **kwargs)
+        if not return_dict:
+            output = tuple(v for v in (logits, outputs.cache_params, outputs.hidden_states) if v is not None)
+            return ((loss,) + output) if loss is not None else output
+        return DenseMambaCausalLMOutput(
+            loss=loss, logits=logits, cache_params=outputs.cache_params, hidden_states=outputs.hidden_states
+        )
+
+
+__all__ = ["DenseMambaForCausalLM", "DenseMambaModel", "DenseMambaPreTrainedModel"]

@@ -1,0 +1,363 @@
+"""DenseRetNet: RetNet-GAU with DenseSSM's dense KV connection (He et al. 2024, §3.3 "Extension to RetNet", §4.2).
+
+Read top to bottom: rotary "theta shift", retention unit (one GAU-style block's token and channel mixing,
+DESIGN.md §2), block (pre-norm residual), pre-trained base (init, flags), base model, causal-LM head.
+
+Inside a block (``d`` hidden, ``d_qk`` query/key, ``d_v = v_factor * d``, ``H`` heads):
+``q = SiLU(W_q x)``, ``k = SiLU(W_k x) * (d_qk/H)^-0.5``, ``[v, g] = split(SiLU(W_h x))``; in layers with
+predecessors ``k' = RMSNorm(k + sum_i SiLU(G_k(x)) * k^{l-i})``, ``v' = RMSNorm(v + sum_i SiLU(G_v(x)) * v^{l-i})``
+(Eq. 20-23); theta shift on ``q`` and ``k'``; retention ``o_t = q_t S_t``, ``S_t = gamma_h S_{t-1} + k'_t^T v'_t``
+with ``gamma_h = 1 - 2^(-5-h)`` (Eq. 18, 19, 24); per-head RMSNorm; ``out = W_o(norm(o) * g)``; dropout.
+
+Relation to the published parallel form: it also rescales each row of the decay mask and of ``q k^T`` by positive
+factors. The per-head RMSNorm after retention is invariant to a positive scale per row (up to its eps), so this
+implementation (chunked for training and prefill, recurrent for decoding) leaves those rescalings out, as fast
+retention kernels do; the parallel, chunked and recurrent forms are tested against each other.
+"""
+
+from __future__ import annotations
+
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import GenerationMixin, PreTrainedModel
+from transformers import initialization as init
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+
+from ..configuration.configuration_denseretnet import DenseRetNetConfig
+from ..ops.retention import chunk_retention, retention_state_update
+from .cache import check_cache, record_tokens, new_cache, recurrent_state
+from .dense import build_dense_connection
+from .norm import DenseSSMRMSNorm
+from .stack import (
+    DenseSSMCausalLMMixin,
+    check_inputs,
+    group_dense_inputs,
+    prepare_attention_mask,
+    run_dense_stack,
+)
+
+
+class DenseRetNetThetaShift(nn.Module):
+    """RetNet's rotary "theta shift": rotate every channel pair ``(2j, 2j+1)`` of each head by ``n * theta_j``,
+    ``theta_j = rope_theta^-linspace(0, 1, head_dim/2)_j``, at absolute position ``n``.
+
+    ``forward(x, positions)``: ``x`` ``(batch, seq_len, heads, head_dim)``, ``positions`` ``(batch, seq_len)`` int64;
+    returns ``x`` rotated, same shape and dtype. Only position differences matter for ``q_n . k_m``.
+    """
+
+    def __init__(self, head_dim: int, rope_theta: float):
+        super().__init__()
+        self.head_dim, self.rope_theta = head_dim, rope_theta
+        self.register_buffer("theta", self.compute_theta(), persistent=False)
+
+    def compute_theta(self, device=None) -> torch.Tensor:
+        """The angles ``(head_dim / 2,)`` float32 (a non-persistent buffer, rebuilt by ``_init_weights`` on load)."""
+        exponents = torch.linspace(0, 1, self.head_dim // 2, dtype=torch.float64, device=device)
+        return (self.rope_theta**-exponents).float()
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        angles = positions.to(torch.float32)[..., None] * self.theta.to(positions.device)  # (batch, seq_len, hd/2)
+        cos = angles.cos().repeat_interleave(2, dim=-1)[:, :, None, :]
+        sin = angles.sin().repeat_interleave(2, dim=-1)[:, :, None, :]
+        xf = x.float()
+        rotated = torch.stack((-xf[..., 1::2], xf[..., ::2]), dim=-1).flatten(-2)
+        return (xf * cos + rotated * sin).to(x.dtype)
+
+
+class DenseRetNetRetention(nn.Module):
+    """One GAU-style multi-scale retention unit with the dense KV connection (see the module docstring).
+
+    Parameters: ``q_proj``, ``k_proj`` (``d -> d_qk``), ``hidden_proj`` (``W_h: d -> 2 d_v``), ``o_proj``
+    (``W_o: d_v -> d``), ``group_norm`` (per-head RMSNorm, ``d_v``), and in layers with predecessors ``dense_k``,
+    ``dense_v`` (the gates ``G_k: d -> d/32 -> d_qk``, ``G_v: d -> d/32 -> d_v``) and ``k_norm``, ``v_norm``.
+    """
+
+    def __init__(self, config: DenseRetNetConfig, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.key_dim = config.query_key_dim
+        self.value_dim = config.value_dim
+        self.head_dim = self.key_dim // self.num_heads
+        self.key_scale = self.head_dim**-0.5
+        self.q_proj = nn.Linear(config.hidden_size, self.key_dim, bias=False)
+        self.k_proj = nn.Linear(config.hidden_size, self.key_dim, bias=False)
+        self.hidden_proj = nn.Linear(config.hidden_size, 2 * self.value_dim, bias=False)
+        self.o_proj = nn.Linear(self.value_dim, config.hidden_size, bias=False)
+        self.group_norm = DenseSSMRMSNorm(self.value_dim, eps=config.rms_norm_eps, num_groups=self.num_heads)
+        self.theta_shift = DenseRetNetThetaShift(self.head_dim, config.rope_theta)
+        self.dense_k = build_dense_connection(config, layer_idx, self.key_dim)
+        self.dense_v = build_dense_connection(config, layer_idx, self.value_dim)
+        if self.dense_k is not None:
+            self.k_norm = DenseSSMRMSNorm(self.key_dim, eps=config.rms_norm_eps)
+            self.v_norm = DenseSSMRMSNorm(self.value_dim, eps=config.rms_norm_eps)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        dense_inputs: list[tuple[torch.Tensor, torch.Tensor]],
+        past_key_values=None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """
+        Args:
+            hidden_states: ``(batch, seq_len, hidden_size)``, the block's normalized input ``x^l``.
+            dense_inputs: pre-fusion ``(k, v)`` of the predecessors, nearest first: ``(batch, seq_len, d_qk)``,
+                ``(batch, seq_len, d_v)``.
+            past_key_values: a transformers ``Cache`` (see ``hf_densessm.modeling.cache``) or ``None``.
+            attention_mask: ``(batch, seq_len)`` 0/1 or ``None``. Padded positions get ``k = v = 0``, so they add
+                nothing to the state; in a one-token step a padded row's state is left as it was.
+
+        Returns:
+            ``(output (batch, seq_len, hidden_size), (k, v))`` with this layer's pre-fusion ``k`` and ``v``.
+        """
+        batch, seq_len, _ = hidden_states.shape
+        backend = self.config.kernel_backend
+        q = F.silu(self.q_proj(hidden_states))
+        k = F.silu(self.k_proj(hidden_states)) * self.key_scale
+        v, g = F.silu(self.hidden_proj(hidden_states)).chunk(2, dim=-1)
+        if attention_mask is not None:
+            keep = attention_mask[..., None].to(k.dtype)
+            k, v = k * keep, v * keep
+        features = (k, v)
+        if self.dense_k is not None:  # dense KV connection, Eq. 20-23
+            k = self.k_norm(self.dense_k(hidden_states, k, [p[0] for p in dense_inputs]))
+            v = self.v_norm(self.dense_v(hidden_states, v, [p[1] for p in dense_inputs]))
+
+        state = recurrent_state(past_key_values, self.layer_idx, 0)
+        seen = recurrent_state(past_key_values, self.layer_idx, 1)
+        offset = seen if seen is not None else torch.zeros(batch, dtype=torch.long, device=q.device)
+        if attention_mask is None:
+            positions = offset[:, None] + torch.arange(seq_len, device=q.device)
+            new_offset = offset + seq_len
+        else:  # count real tokens only, so padding never moves a row's position
+            counted = attention_mask.long().cumsum(-1)
+            positions = offset[:, None] + counted - 1
+            new_offset = offset + counted[:, -1]
+        q = self.theta_shift(q.view(batch, seq_len, self.num_heads, self.head_dim), positions)
+        k = self.theta_shift(k.view(batch, seq_len, self.num_heads, self.head_dim), positions)
+        v = v.reshape(batch, seq_len, self.num_heads, -1)
+
+        if state is not None and seq_len == 1:  # decode: S = gamma S + k^T v; o = q S (Eq. 18, 19)
+            previous = state.clone() if attention_mask is not None else None
+            o = retention_state_update(state, q[:, 0], k[:, 0], v[:, 0], scale=1.0, backend=backend)[:, None]
+            if previous is not None:  # a padded row keeps its state
+                state.copy_(torch.where(attention_mask[:, 0, None, None, None].bool(), state, previous))
+        else:  # training / prefill: chunkwise form of Eq. 24, continuing from the cached state
+            o, final_state = chunk_retention(
+                q, k, v, scale=1.0, initial_state=state,
+                output_final_state=past_key_values is not None, backend=backend,
+            )
+            if past_key_values is not None:
+                past_key_values.update_recurrent_state(final_state, self.layer_idx, state_idx=0)
+        if past_key_values is not None:
+            past_key_values.update_recurrent_state(new_offset, self.layer_idx, state_idx=1)
+
+        o = self.group_norm(o.reshape(batch, seq_len, self.value_dim))
+        return self.dropout(self.o_proj(o * g)), features
+
+
+class DenseRetNetBlock(GradientCheckpointingLayer):
+    """Pre-norm residual block ``x + self_attn(input_layernorm(x))`` (GAU-style: no separate FFN).
+
+    ``forward(hidden_states, *dense_inputs, past_key_values=None, attention_mask=None)``: ``dense_inputs`` are the
+    predecessors' ``k, v`` tensors flattened, nearest first. Returns the flat ``(hidden_states, k, v)``.
+    """
+
+    def __init__(self, config: DenseRetNetConfig, layer_idx: int):
+        super().__init__()
+        self.input_layernorm = DenseSSMRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.self_attn = DenseRetNetRetention(config, layer_idx)
+
+    def forward(self, hidden_states, *dense_inputs, past_key_values=None, attention_mask=None):
+        out, features = self.self_attn(
+            self.input_layernorm(hidden_states),
+            group_dense_inputs(dense_inputs, 2),
+            past_key_values=past_key_values,
+            attention_mask=attention_mask,
+        )
+        return (hidden_states + out, *features)
+
+
+class DenseRetNetPreTrainedModel(PreTrainedModel):
+    """Weight init and flags shared by the DenseRetNet models."""
+
+    config_class = DenseRetNetConfig
+    config: DenseRetNetConfig
+    base_model_prefix = "model"
+    _no_split_modules = ["DenseRetNetBlock"]
+    supports_gradient_checkpointing = True
+    _is_stateful = True
+
+    @torch.no_grad()
+    def _init_weights(self, module):
+        """The published DenseRetNet init (DESIGN.md §2): Xavier-uniform with gain 2^-2.5 on ``W_q, W_k, W_h`` and
+        the gates, gain 2^-1 on ``W_o``, embeddings normal(0, initializer_range), ``lm_head`` normal(0, d^-0.5),
+        norms at 1, the rotary angles. Only weights not loaded from a checkpoint are touched."""
+        if isinstance(module, DenseSSMRMSNorm):
+            init.ones_(module.weight)
+        elif isinstance(module, DenseRetNetThetaShift):
+            init.copy_(module.theta, module.compute_theta(module.theta.device))
+        elif isinstance(module, nn.Embedding):
+            init.normal_(module.weight, mean=0.0, std=self.config.initializer_range)
+        elif isinstance(module, DenseRetNetRetention):
+            for proj in (module.q_proj, module.k_proj, module.hidden_proj):
+                init.xavier_uniform_(proj.weight, gain=2**-2.5)
+            init.xavier_uniform_(module.o_proj.weight, gain=2**-1)
+            for dense in (module.dense_k, module.dense_v):
+                if dense is not None:
+                    dense.init_weights(init)
+        elif isinstance(module, nn.Linear) and module is getattr(self, "lm_head", None):
+            init.normal_(module.weight, mean=0.0, std=self.config.hidden_size**-0.5)
+
+
+class DenseRetNetModel(DenseRetNetPreTrainedModel):
+    """The DenseRetNet backbone: ``embed_tokens``, ``num_hidden_layers`` :class:`DenseRetNetBlock` with the dense
+    KV connection, final RMSNorm ``norm``."""
+
+    def __init__(self, config: DenseRetNetConfig):
+        super().__init__(config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DenseRetNetBlock(config, layer_idx=i) for i in range(config.num_hidden_layers))
+        self.norm = DenseSSMRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.embed_tokens
+
+    def set_input_embeddings(self, new_embeddings):
+        self.embed_tokens = new_embeddings
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        past_key_values=None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+        **kwargs,
+    ) -> tuple | BaseModelOutputWithPast:
+        r"""
+        Args:
+            input_ids: ``(batch, seq_len)`` token ids; or ``inputs_embeds`` ``(batch, seq_len, hidden_size)`` (exactly one).
+            past_key_values: a cache from a previous call (or ``DynamicCache(config=model.config)``); the tokens
+                given continue the cached sequence, whatever their number (prefill in chunks works).
+            use_cache: return the cache (default ``config.use_cache``, off in training).
+            attention_mask: ``(batch, seq_len)`` or ``(batch, cached + seq_len)``, 1 for tokens and 0 for padding
+                (pad on the left for batched generation).
+
+        Returns:
+            ``BaseModelOutputWithPast`` with ``hidden_states`` of ``num_hidden_layers + 1`` entries when asked.
+
+        Raises:
+            ValueError, TypeError: bad inputs (see ``check_inputs``, ``prepare_attention_mask``, ``check_cache``).
+        """
+        output_hidden_states = (
+            output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
+        )
+        use_cache = use_cache if use_cache is not None else (self.config.use_cache if not self.training else False)
+        return_dict = return_dict if return_dict is not None else self.config.return_dict
+        check_inputs(input_ids, inputs_embeds, self.config.hidden_size)
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        if self.gradient_checkpointing and self.training and use_cache:
+            use_cache = False
+        if past_key_values is not None:
+            check_cache(past_key_values, self.config, "past_key_values")
+        elif use_cache:
+            past_key_values = new_cache(self.config)
+        if not use_cache:
+            past_key_values = None
+        batch, seq_len = inputs_embeds.shape[:2]
+        attention_mask = prepare_attention_mask(attention_mask, batch, seq_len)
+
+        hidden_states, all_hidden_states = run_dense_stack(
+            self.layers,
+            inputs_embeds,
+            self.config,
+            output_hidden_states,
+            past_key_values=past_key_values,
+            attention_mask=attention_mask,
+        )
+        record_tokens(past_key_values, seq_len)
+        hidden_states = self.norm(hidden_states)
+        if output_hidden_states:
+            all_hidden_states += (hidden_states,)
+        if not return_dict:
+            return tuple(v for v in (hidden_states, past_key_values, all_hidden_states) if v is not None)
+        return BaseModelOutputWithPast(
+            last_hidden_state=hidden_states, past_key_values=past_key_values, hidden_states=all_hidden_states
+        )
+
+
+class DenseRetNetForCausalLM(DenseSSMCausalLMMixin, DenseRetNetPreTrainedModel, GenerationMixin):
+    """DenseRetNet with an (untied by default) language-modeling head ``lm_head``."""
+
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        # generate() would build a plain DynamicCache, which cannot tell the sequence length it asks for; the
+        # first forward builds a DenseSSMCache instead (as transformers' own stateful models supply theirs).
+        return False
+
+    def __init__(self, config: DenseRetNetConfig):
+        super().__init__(config)
+        self.model = DenseRetNetModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.model.get_input_embeddings()
+
+    def set_input_embeddings(self, new_embeddings):
+        return self.model.set_input_embeddings(new_embeddings)
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        past_key_values=None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        **kwargs,
+    ) -> tuple | CausalLMOutputWithPast:
+        r"""
+        Args:
+            labels: ``(batch, seq_len)``; shifted inside (``labels = input_ids`` works), -100 is ignored.
+            logits_to_keep: an int keeps the last that many positions' logits (0 keeps all); a 1-D tensor keeps
+                those positions.
+            others: see :meth:`DenseRetNetModel.forward`.
+        """
+        return_dict = return_dict if return_dict is not None else self.config.return_dict
+        outputs = self.model(
+            input_ids,
+            attention_mask=attention_mask,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            output_hidden_states=output_hidden_states,
+            return_dict=True,
+        )
+        loss, logits = self._logits_and_loss(outputs.last_hidden_state, labels, logits_to_keep, **kwargs)
+        if not return_dict:
+            output = tuple(v for v in (logits, outputs.past_key_values, outputs.hidden_states) if v is not None)
+            return ((loss,) + output) if loss is not None else output
+        return CausalLMOutputWithPast(
+            loss=loss, logits=logits, past_key_values=outputs.past_key_values, hidden_states=outputs.hidden_states
+        )
+
+
+__all__ = ["DenseRetNetForCausalLM", "DenseRetNetModel", "DenseRetNetPreTrainedModel"]

@@ -1,0 +1,43 @@
+"""Small configs and model builders shared by the tests."""
+
+import torch
+
+from hf_densessm import DenseMambaConfig, DenseMambaForCausalLM, DenseRetNetConfig, DenseRetNetForCausalLM
+
+FAMILIES = ("densemamba", "denseretnet")
+VOCAB = 97
+
+
+def micro_config(family: str, **overrides):
+    """A few-thousand-parameter config of ``family`` with the dense connection on (m = 2 unless overridden)."""
+    if family == "densemamba":
+        kwargs = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=4, state_size=8, dense_layers=2)
+        kwargs.update(overrides)
+        return DenseMambaConfig(**kwargs)
+    kwargs = dict(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=4, num_attention_heads=2, query_key_dim=16, dense_layers=2
+    )
+    kwargs.update(overrides)
+    return DenseRetNetConfig(**kwargs)
+
+
+def micro_model(family: str, seed: int = 0, **overrides):
+    """A float32 causal LM of ``family`` in eval mode, with deterministic weights."""
+    torch.manual_seed(seed)
+    config = micro_config(family, **overrides)
+    cls = DenseMambaForCausalLM if family == "densemamba" else DenseRetNetForCausalLM
+    return cls(config).eval()
+
+
+def cache_kwarg(model) -> str:
+    """The keyword under which the model takes and returns its cache."""
+    return "cache_params" if isinstance(model, DenseMambaForCausalLM) else "past_key_values"
+
+
+def get_cache(outputs):
+    return outputs.cache_params if hasattr(outputs, "cache_params") else outputs.past_key_values
+
+
+def random_ids(batch: int, length: int, seed: int = 1, low: int = 3):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(low, VOCAB, (batch, length), generator=g)
