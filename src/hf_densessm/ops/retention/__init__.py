@@ -1,0 +1,187 @@
+"""Multi-scale retention (DenseSSM paper Eq. 18, 19, 24; RetNet): public ops, argument checks, dispatch.
+
+- :func:`chunk_retention`: training / prefill, chunkwise form, ``(batch, length, heads, dim)`` layout.
+- :func:`retention_state_update`: one decoding step, the recurrent state updated in place.
+
+``backend="auto"`` runs the Triton kernels (``chunk.py``, ``fused_recurrent.py``) on CUDA tensors and the
+PyTorch references (``naive.py``) otherwise. Triton is imported only when a Triton backend runs, so the
+package and the PyTorch path work where triton is not installed.
+"""
+
+import math
+import numbers
+import os
+
+import torch
+
+from .naive import chunk_retention_torch, parallel_retention, retention_gamma, retention_step_torch
+
+__all__ = ["chunk_retention", "retention_state_update", "parallel_retention", "retention_gamma"]
+
+_BACKENDS = ("auto", "triton", "torch")
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _triton_available():
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _use_triton(backend, device):
+    """Resolve ``backend`` to True (Triton kernel) or False (PyTorch reference) for tensors on ``device``."""
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+    if backend == "torch":
+        return False
+    if backend == "auto":
+        return device.type == "cuda" and _triton_available()
+    if not _triton_available():
+        raise RuntimeError("backend='triton' needs the triton package, which is not installed; use backend='torch'")
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError(
+            f"backend='triton' on {device.type} tensors needs the Triton interpreter: set the environment "
+            "variable TRITON_INTERPRET=1 before triton is imported, or use backend='torch'"
+        )
+    return True
+
+
+def _check_scale(scale, key_dim):
+    if scale is None:
+        return key_dim**-0.5
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"scale must be a positive finite number (default key_dim ** -0.5), got {scale!r}")
+    return float(scale)
+
+
+def _check_qkv(q, k, v, layout):
+    """Check that q, k, v are tensors of one supported dtype and device, shaped ``layout + (key/value_dim,)``."""
+    rank = len(layout) + 1
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() != rank:
+            dim = "value_dim" if name == "v" else "key_dim"
+            raise ValueError(f"{name} must have shape ({', '.join(layout + (dim,))}), got shape {tuple(x.shape)}")
+        if x.dtype not in _DTYPES:
+            raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got {x.dtype}")
+    if not q.dtype == k.dtype == v.dtype:
+        raise TypeError(f"q, k and v must have one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
+    if not q.device == k.device == v.device:
+        raise ValueError(f"q, k and v must be on one device, got q {q.device}, k {k.device}, v {v.device}")
+    if q.shape != k.shape:
+        names = ", ".join(layout + ("key_dim",))
+        raise ValueError(f"q and k must have the same shape ({names}), got q {tuple(q.shape)}, k {tuple(k.shape)}")
+    if v.shape[:-1] != q.shape[:-1]:
+        names = ", ".join(layout)
+        raise ValueError(f"v must match q in ({names}), got q {tuple(q.shape)}, v {tuple(v.shape)}")
+    if q.shape[-1] == 0 or v.shape[-1] == 0:
+        raise ValueError(f"key_dim and value_dim must be positive, got q {tuple(q.shape)}, v {tuple(v.shape)}")
+
+
+def _check_state(name, state, q, v):
+    """Check a recurrent state against q (..., heads, key_dim) and v (..., heads, value_dim)."""
+    expected = (q.shape[0], q.shape[-2], q.shape[-1], v.shape[-1])
+    if not isinstance(state, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(state).__name__}")
+    if tuple(state.shape) != expected:
+        raise ValueError(
+            f"{name} must have shape (batch, heads, key_dim, value_dim) = {expected}, got {tuple(state.shape)}"
+        )
+    allowed = (torch.float32, torch.float64) if v.dtype == torch.float64 else (torch.float32,)
+    if state.dtype not in allowed:
+        raise TypeError(
+            f"{name} must be float32 (or float64 with float64 inputs), got {state.dtype} with {v.dtype} inputs"
+        )
+    if state.device != q.device:
+        raise ValueError(f"{name} must be on the device of q ({q.device}), got {state.device}")
+
+
+def chunk_retention(q, k, v, scale=None, initial_state=None, output_final_state=False, backend="auto"):
+    """Multi-scale retention over a sequence, chunkwise form (DenseSSM paper Eq. 18, 19, 24; RetNet).
+
+    Per head ``h`` with decay ``gamma_h = 1 - 2**(-5 - h)`` (``h = 0 .. heads-1``, from the number of heads):
+
+        S_t = gamma_h S_{t-1} + k_t^T v_t,    S_0 = initial_state (or 0)        (Eq. 18)
+        o_t = (scale q_t) S_t                                                  (Eq. 19)
+            = scale sum_{s<=t} gamma_h^(t-s) (q_t . k_s) v_s + scale gamma_h^t q_t S_0    (Eq. 24)
+
+    so token ``t`` sees itself. The sequence is cut into chunks of ``C`` tokens (64 in the Triton kernel; the
+    torch path picks ``C`` from ``key_dim * value_dim``, see ``naive.default_chunk_size``): inside a chunk,
+    ``((q k^T) * D) v`` with ``D[i, j] = gamma^(i-j)`` for ``j <= i``; from earlier chunks,
+    ``gamma^(i+1) q_i S_prev``, with ``S_prev`` carried chunk to chunk (``S <- gamma^C S + sum_j gamma^(C-1-j)
+    k_j^T v_j``). This is the same sum as Eq. 24 and as the recurrence, accumulated in float32 (float64 for
+    float64 inputs).
+
+    Relation to the published RetNet parallel form: it also divides each row ``t`` of the decay mask by the
+    square root of its sum, and each row of ``(q k^T) * D`` by ``max(1, sum of its absolute values)``. Both are
+    positive factors per token and head, and the model applies a per-head RMSNorm to ``o`` right after
+    retention, which is invariant to a positive factor per row (up to its eps). So this op, like fast retention
+    kernels, leaves them out; its chunked form, :func:`parallel_retention` (Eq. 24 with the plain decay mask)
+    and the recurrent step :func:`retention_state_update` agree exactly with each other (DESIGN.md §2).
+
+    Args:
+        q (Tensor): queries ``(batch, length, heads, key_dim)``.
+        k (Tensor): keys ``(batch, length, heads, key_dim)``.
+        v (Tensor): values ``(batch, length, heads, value_dim)``. q, k, v share one dtype among float16,
+            bfloat16, float32, float64 (meant for tests) and one device.
+        scale (float, optional): positive factor on ``q``; defaults to ``key_dim ** -0.5``.
+        initial_state (Tensor, optional): ``(batch, heads, key_dim, value_dim)`` float32 (float64 allowed with
+            float64 inputs), the state before token 0; gradients flow into it if it requires grad.
+        output_final_state (bool): also return the state after the last token (to fill a decoding cache).
+        backend (str): ``"auto"`` (Triton on CUDA tensors, PyTorch otherwise), ``"triton"`` or ``"torch"``.
+
+    Returns:
+        o (Tensor): ``(batch, length, heads, value_dim)`` in ``v``'s dtype.
+        final_state (Tensor or None): ``(batch, heads, key_dim, value_dim)`` float32 (float64 with float64
+            inputs) if ``output_final_state``, else None; gradients flow back through it.
+
+    Raises:
+        TypeError: a non-tensor argument, an unsupported or mixed dtype, an initial_state that is not float32.
+        ValueError: wrong ranks, q/k/v shapes that disagree, tensors on different devices, a bad
+            ``initial_state`` shape, a non-positive ``scale``, an unknown ``backend``.
+        RuntimeError: ``backend="triton"`` without triton, or on CPU tensors without ``TRITON_INTERPRET=1``.
+    """
+    _check_qkv(q, k, v, ("batch", "length", "heads"))
+    scale = _check_scale(scale, q.shape[-1])
+    if initial_state is not None:
+        _check_state("initial_state", initial_state, q, v)
+    if _use_triton(backend, q.device):
+        from .chunk import chunk_retention_triton
+
+        return chunk_retention_triton(q, k, v, scale, initial_state, output_final_state)
+    return chunk_retention_torch(q, k, v, scale, initial_state, output_final_state)
+
+
+def retention_state_update(state, q, k, v, scale=None, backend="auto"):
+    """One decoding step of multi-scale retention (DenseSSM paper Eq. 18, 19), the state updated in place.
+
+    ``state <- gamma_h state + k^T v`` and then ``o = (scale q) state``, per head ``h`` with
+    ``gamma_h = 1 - 2**(-5 - h)``: the step that continues :func:`chunk_retention`'s ``final_state`` by one token.
+
+    Args:
+        state (Tensor): ``(batch, heads, key_dim, value_dim)`` float32 (float64 allowed with float64 inputs);
+            overwritten with the new state.
+        q (Tensor): ``(batch, heads, key_dim)``.
+        k (Tensor): ``(batch, heads, key_dim)``.
+        v (Tensor): ``(batch, heads, value_dim)``; q, k, v share one dtype and device.
+        scale (float, optional): positive factor on ``q``; defaults to ``key_dim ** -0.5``.
+        backend (str): ``"auto"`` (Triton on CUDA tensors, PyTorch otherwise), ``"triton"`` or ``"torch"``.
+
+    Returns:
+        o (Tensor): ``(batch, heads, value_dim)`` in ``v``'s dtype.
+
+    Raises:
+        TypeError, ValueError, RuntimeError: as :func:`chunk_retention`, with ``state`` in place of
+        ``initial_state``.
+    """
+    _check_qkv(q, k, v, ("batch", "heads"))
+    scale = _check_scale(scale, q.shape[-1])
+    _check_state("state", state, q, v)
+    if _use_triton(backend, q.device):
+        from .fused_recurrent import retention_step_triton
+
+        return retention_step_triton(state, q, k, v, scale)
+    return retention_step_torch(state, q, k, v, scale)

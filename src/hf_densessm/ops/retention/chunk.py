@@ -1,0 +1,305 @@
+"""Chunkwise multi-scale retention in Triton: forward and backward kernels, and their autograd function.
+
+Maths (DenseSSM paper Eq. 18, 19, 24; RetNet chunkwise form), per head with decay ``gamma`` and chunks of
+``BT`` tokens, ``q~ = scale q``, ``D[i, j] = gamma^(i-j)`` for ``j <= i`` (0 above the diagonal), ``n`` the
+number of tokens in the chunk (``BT``, or fewer in the last one):
+
+    forward   o     = ((q~ k^T) * D) v + gamma^(i+1) q~ S                   (S: state before the chunk)
+              S    <- gamma^n S + sum_j gamma^(n-1-j) k_j^T v_j
+    backward  dq~   = ((dO v^T) * D) k + gamma^(i+1) dO S^T                 (forward in time, S recomputed)
+              dk    = ((dO v^T) * D)^T q~ + gamma^(n-1-j) v dH^T           (backward in time)
+              dv    = ((q~ k^T) * D)^T dO + gamma^(n-1-j) k dH
+              dH   <- gamma^n dH + sum_i gamma^(i+1) q~_i^T dO_i            (dH: gradient of the state after
+                                                                            the chunk; starts at d final_state,
+                                                                            ends as d initial_state)
+
+Each program owns one ``(BK, BV)`` tile of the state (or of ``dH``) in registers and walks the chunks of one
+``(batch, head)``: the grid is ``(value tiles, key tiles, batch * heads)``, so no ``(length, K, V)`` state ever
+reaches memory (states are recomputed in the backward pass). Every output that sums over the other axis
+(``o`` and ``dq`` over value tiles or key tiles, ``dk`` over value tiles, ``dv`` over key tiles) is written
+as float32 partial sums, one per tile, and added on the host. Key and value sizes that are not powers of two
+(key 320 of the 1.3B preset) are masked. Products run through ``tl.dot`` in the input dtype (tensor cores for
+float16 / bfloat16; exact, not TF32, for float32) with float32 accumulation (float64 for float64 inputs).
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from .naive import retention_log2_gamma
+
+#: Tokens per chunk.
+BLOCK_T = 64
+#: Largest key / value tile of the state held by one program.
+MAX_BLOCK_KV = 64
+
+
+@triton.jit
+def _decay_masks(log2_gamma, BT: tl.constexpr, ACC: tl.constexpr):
+    """``D[i, j] = gamma^(i-j)`` for ``j <= i`` else 0, and ``gamma^(i+1)``, both in the accumulator dtype."""
+    offs_t = tl.arange(0, BT)
+    distance = (offs_t[:, None] - offs_t[None, :]).to(ACC)
+    decay = tl.where(distance >= 0, tl.exp2(tl.maximum(distance, 0) * log2_gamma), 0.0)
+    q_decay = tl.exp2((offs_t + 1).to(ACC) * log2_gamma)
+    return decay, q_decay
+
+
+@triton.jit
+def _dot(a, b, ACC: tl.constexpr, PRECISION: tl.constexpr):
+    """``a @ b`` in the operands' dtype, accumulated in ``ACC``."""
+    return tl.dot(a, b, out_dtype=ACC, input_precision=PRECISION)
+
+
+@triton.jit
+def _retention_fwd_kernel(
+    q, k, v, o_partial, initial_state, final_state, log2_gamma_ptr, scale, L,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    HAS_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Grid (value tiles, key tiles, batch * heads): o partial sums over key tiles, and the final state."""
+    i_v, i_k, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    BH = tl.num_programs(2)
+    i_b, i_h = (i_bh // H).to(tl.int64), i_bh % H
+    log2_gamma = tl.load(log2_gamma_ptr + i_h)
+    offs_t = tl.arange(0, BT)
+    offs_k = i_k * BK + tl.arange(0, BK)
+    offs_v = i_v * BV + tl.arange(0, BV)
+    mask_k, mask_v = offs_k < K, offs_v < V
+    # (batch, length, heads, dim) layout, contiguous: token stride H * dim; o_partial: (key tiles, B, L, H, V).
+    q_base = q + i_b * L * H * K + i_h * K
+    k_base = k + i_b * L * H * K + i_h * K
+    v_base = v + i_b * L * H * V + i_h * V
+    o_base = o_partial + (i_k * BH).to(tl.int64) * L * V + i_b * L * H * V + i_h * V
+    state_offs = (i_bh * K + offs_k[:, None]).to(tl.int64) * V + offs_v[None, :]
+    mask_kv = mask_k[:, None] & mask_v[None, :]
+
+    decay, q_decay = _decay_masks(log2_gamma, BT, ACC)
+    state = tl.zeros([BK, BV], dtype=ACC)
+    if HAS_INITIAL_STATE:
+        state += tl.load(initial_state + state_offs, mask=mask_kv, other=0.0).to(ACC)
+    for start in range(0, L, BT):
+        t = start + offs_t
+        mask_t = t < L
+        n = tl.minimum(L - start, BT)
+        mask_tk = mask_t[:, None] & mask_k[None, :]
+        mask_tv = mask_t[:, None] & mask_v[None, :]
+        q_blk = tl.load(q_base + t[:, None] * (H * K) + offs_k[None, :], mask=mask_tk, other=0.0)
+        k_blk = tl.load(k_base + t[:, None] * (H * K) + offs_k[None, :], mask=mask_tk, other=0.0)
+        v_blk = tl.load(v_base + t[:, None] * (H * V) + offs_v[None, :], mask=mask_tv, other=0.0)
+        dt = v_blk.dtype
+        q_blk = q_blk * scale
+        # Intra-chunk ((q~ k^T) * D) v, plus the earlier chunks through the state: gamma^(i+1) q~ S.
+        scores = _dot(q_blk.to(dt), tl.trans(k_blk), ACC, PRECISION) * decay
+        o = _dot(scores.to(dt), v_blk, ACC, PRECISION)
+        o += _dot((q_blk * q_decay[:, None]).to(dt), state.to(dt), ACC, PRECISION)
+        tl.store(o_base + t[:, None] * (H * V) + offs_v[None, :], o, mask=mask_tv)
+        # S <- gamma^n S + sum_j gamma^(n-1-j) k_j^T v_j.
+        k_decay = tl.where(mask_t, tl.exp2((n - 1 - offs_t).to(ACC) * log2_gamma), 0.0)
+        k_blk = (k_blk * k_decay[:, None]).to(dt)
+        state = state * tl.exp2(n.to(ACC) * log2_gamma) + _dot(tl.trans(k_blk), v_blk, ACC, PRECISION)
+    if STORE_FINAL_STATE:
+        tl.store(final_state + state_offs, state.to(final_state.dtype.element_ty), mask=mask_kv)
+
+
+@triton.jit
+def _retention_bwd_dq_kernel(
+    k, v, do, dq_partial, initial_state, log2_gamma_ptr, scale, L,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    HAS_INITIAL_STATE: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Grid (value tiles, key tiles, batch * heads), forward in time: dq partial sums over value tiles."""
+    i_v, i_k, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    BH = tl.num_programs(2)
+    i_b, i_h = (i_bh // H).to(tl.int64), i_bh % H
+    log2_gamma = tl.load(log2_gamma_ptr + i_h)
+    offs_t = tl.arange(0, BT)
+    offs_k = i_k * BK + tl.arange(0, BK)
+    offs_v = i_v * BV + tl.arange(0, BV)
+    mask_k, mask_v = offs_k < K, offs_v < V
+    k_base = k + i_b * L * H * K + i_h * K
+    v_base = v + i_b * L * H * V + i_h * V
+    do_base = do + i_b * L * H * V + i_h * V
+    dq_base = dq_partial + (i_v * BH).to(tl.int64) * L * K + i_b * L * H * K + i_h * K
+    mask_kv = mask_k[:, None] & mask_v[None, :]
+
+    decay, q_decay = _decay_masks(log2_gamma, BT, ACC)
+    state = tl.zeros([BK, BV], dtype=ACC)
+    if HAS_INITIAL_STATE:
+        state_offs = (i_bh * K + offs_k[:, None]).to(tl.int64) * V + offs_v[None, :]
+        state += tl.load(initial_state + state_offs, mask=mask_kv, other=0.0).to(ACC)
+    for start in range(0, L, BT):
+        t = start + offs_t
+        mask_t = t < L
+        n = tl.minimum(L - start, BT)
+        mask_tk = mask_t[:, None] & mask_k[None, :]
+        mask_tv = mask_t[:, None] & mask_v[None, :]
+        k_blk = tl.load(k_base + t[:, None] * (H * K) + offs_k[None, :], mask=mask_tk, other=0.0)
+        v_blk = tl.load(v_base + t[:, None] * (H * V) + offs_v[None, :], mask=mask_tv, other=0.0)
+        do_blk = tl.load(do_base + t[:, None] * (H * V) + offs_v[None, :], mask=mask_tv, other=0.0)
+        dt = v_blk.dtype
+        # dq~ = ((dO v^T) * D) k + gamma^(i+1) dO S^T; dq = scale dq~.
+        scores = _dot(do_blk, tl.trans(v_blk), ACC, PRECISION) * decay
+        dq = _dot(scores.to(dt), k_blk, ACC, PRECISION)
+        dq += _dot((do_blk * q_decay[:, None]).to(dt), tl.trans(state.to(dt)), ACC, PRECISION)
+        tl.store(dq_base + t[:, None] * (H * K) + offs_k[None, :], dq * scale, mask=mask_tk)
+        # The forward state update, recomputed.
+        k_decay = tl.where(mask_t, tl.exp2((n - 1 - offs_t).to(ACC) * log2_gamma), 0.0)
+        k_blk = (k_blk * k_decay[:, None]).to(dt)
+        state = state * tl.exp2(n.to(ACC) * log2_gamma) + _dot(tl.trans(k_blk), v_blk, ACC, PRECISION)
+
+
+@triton.jit
+def _retention_bwd_dkv_kernel(
+    q, k, v, do, dk_partial, dv_partial, d_final_state, d_initial_state, log2_gamma_ptr, scale, L,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    HAS_D_FINAL_STATE: tl.constexpr, STORE_D_INITIAL_STATE: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Grid (value tiles, key tiles, batch * heads), backward in time: dk partial sums over value tiles,
+    dv partial sums over key tiles, and the gradient of the initial state."""
+    i_v, i_k, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    BH = tl.num_programs(2)
+    i_b, i_h = (i_bh // H).to(tl.int64), i_bh % H
+    log2_gamma = tl.load(log2_gamma_ptr + i_h)
+    offs_t = tl.arange(0, BT)
+    offs_k = i_k * BK + tl.arange(0, BK)
+    offs_v = i_v * BV + tl.arange(0, BV)
+    mask_k, mask_v = offs_k < K, offs_v < V
+    q_base = q + i_b * L * H * K + i_h * K
+    k_base = k + i_b * L * H * K + i_h * K
+    v_base = v + i_b * L * H * V + i_h * V
+    do_base = do + i_b * L * H * V + i_h * V
+    dk_base = dk_partial + (i_v * BH).to(tl.int64) * L * K + i_b * L * H * K + i_h * K
+    dv_base = dv_partial + (i_k * BH).to(tl.int64) * L * V + i_b * L * H * V + i_h * V
+    state_offs = (i_bh * K + offs_k[:, None]).to(tl.int64) * V + offs_v[None, :]
+    mask_kv = mask_k[:, None] & mask_v[None, :]
+
+    decay, q_decay = _decay_masks(log2_gamma, BT, ACC)
+    d_state = tl.zeros([BK, BV], dtype=ACC)  # dH: gradient of the state after the current chunk
+    if HAS_D_FINAL_STATE:
+        d_state += tl.load(d_final_state + state_offs, mask=mask_kv, other=0.0).to(ACC)
+    num_chunks = tl.cdiv(L, BT)
+    for i in range(0, num_chunks):
+        start = (num_chunks - 1 - i) * BT
+        t = start + offs_t
+        mask_t = t < L
+        n = tl.minimum(L - start, BT)
+        mask_tk = mask_t[:, None] & mask_k[None, :]
+        mask_tv = mask_t[:, None] & mask_v[None, :]
+        q_blk = tl.load(q_base + t[:, None] * (H * K) + offs_k[None, :], mask=mask_tk, other=0.0)
+        k_blk = tl.load(k_base + t[:, None] * (H * K) + offs_k[None, :], mask=mask_tk, other=0.0)
+        v_blk = tl.load(v_base + t[:, None] * (H * V) + offs_v[None, :], mask=mask_tv, other=0.0)
+        do_blk = tl.load(do_base + t[:, None] * (H * V) + offs_v[None, :], mask=mask_tv, other=0.0)
+        dt = v_blk.dtype
+        q_blk = q_blk * scale
+        k_decay = tl.where(mask_t, tl.exp2((n - 1 - offs_t).to(ACC) * log2_gamma), 0.0)
+        d_state_dt = d_state.to(dt)
+        # dk = ((dO v^T) * D)^T q~ + gamma^(n-1-j) v dH^T
+        scores = _dot(do_blk, tl.trans(v_blk), ACC, PRECISION) * decay
+        dk = _dot(tl.trans(scores.to(dt)), q_blk.to(dt), ACC, PRECISION)
+        dk += _dot((v_blk * k_decay[:, None]).to(dt), tl.trans(d_state_dt), ACC, PRECISION)
+        tl.store(dk_base + t[:, None] * (H * K) + offs_k[None, :], dk, mask=mask_tk)
+        # dv = ((q~ k^T) * D)^T dO + gamma^(n-1-j) k dH
+        scores = _dot(q_blk.to(dt), tl.trans(k_blk), ACC, PRECISION) * decay
+        dv = _dot(tl.trans(scores.to(dt)), do_blk, ACC, PRECISION)
+        dv += _dot((k_blk * k_decay[:, None]).to(dt), d_state_dt, ACC, PRECISION)
+        tl.store(dv_base + t[:, None] * (H * V) + offs_v[None, :], dv, mask=mask_tv)
+        # dH <- gamma^n dH + sum_i gamma^(i+1) q~_i^T dO_i
+        q_blk = (q_blk * q_decay[:, None]).to(dt)
+        d_state = d_state * tl.exp2(n.to(ACC) * log2_gamma) + _dot(tl.trans(q_blk), do_blk, ACC, PRECISION)
+    if STORE_D_INITIAL_STATE:
+        tl.store(d_initial_state + state_offs, d_state.to(d_initial_state.dtype.element_ty), mask=mask_kv)
+
+
+def _tiles(key_dim, value_dim):
+    """Tile sizes of the state: powers of two from 16 (the smallest ``tl.dot`` operand) to ``MAX_BLOCK_KV``."""
+    block_k = min(MAX_BLOCK_KV, max(16, triton.next_power_of_2(key_dim)))
+    block_v = min(MAX_BLOCK_KV, max(16, triton.next_power_of_2(value_dim)))
+    return block_k, block_v, triton.cdiv(key_dim, block_k), triton.cdiv(value_dim, block_v)
+
+
+def _kernel_dtypes(dtype):
+    """Accumulator dtype (torch, triton) and ``tl.dot`` input precision for inputs of ``dtype``: float32 inputs
+    get exact float32 products ("ieee"), not TF32; float16 / bfloat16 products run on tensor cores."""
+    if dtype == torch.float64:
+        return torch.float64, tl.float64, "ieee"
+    return torch.float32, tl.float32, "ieee" if dtype == torch.float32 else "tf32"
+
+
+class ChunkRetentionFunction(torch.autograd.Function):
+    """Autograd wrapper of the chunkwise kernels; states are recomputed in the backward pass, never stored."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale, initial_state, output_final_state):
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        batch, length, heads, key_dim = q.shape
+        value_dim = v.shape[-1]
+        block_k, block_v, num_k, num_v = _tiles(key_dim, value_dim)
+        acc_torch, acc_tl, precision = _kernel_dtypes(v.dtype)
+        state_dtype = torch.float64 if v.dtype == torch.float64 else torch.float32
+        log2_gamma = retention_log2_gamma(heads, q.device, acc_torch)
+        if initial_state is not None:
+            initial_state = initial_state.contiguous()
+        o_partial = q.new_empty(num_k, batch, length, heads, value_dim, dtype=acc_torch)
+        final_state = q.new_empty(batch, heads, key_dim, value_dim, dtype=state_dtype) if output_final_state else None
+        _retention_fwd_kernel[(num_v, num_k, batch * heads)](
+            q, k, v, o_partial, initial_state, final_state, log2_gamma, scale, length,
+            H=heads, K=key_dim, V=value_dim, BT=BLOCK_T, BK=block_k, BV=block_v,
+            HAS_INITIAL_STATE=initial_state is not None, STORE_FINAL_STATE=output_final_state, ACC=acc_tl,
+            PRECISION=precision,
+        )
+        o = o_partial.sum(0).to(v.dtype)
+        ctx.save_for_backward(q, k, v, initial_state, log2_gamma)
+        ctx.scale = scale
+        return o, final_state
+
+    @staticmethod
+    def backward(ctx, d_o, d_final_state):
+        q, k, v, initial_state, log2_gamma = ctx.saved_tensors
+        batch, length, heads, key_dim = q.shape
+        value_dim = v.shape[-1]
+        block_k, block_v, num_k, num_v = _tiles(key_dim, value_dim)
+        acc_torch, acc_tl, precision = _kernel_dtypes(v.dtype)
+        d_o = d_o.to(v.dtype).contiguous()
+        if d_final_state is not None:
+            d_final_state = d_final_state.contiguous()
+        grid = (num_v, num_k, batch * heads)
+        meta = dict(H=heads, K=key_dim, V=value_dim, BT=BLOCK_T, BK=block_k, BV=block_v)
+        meta.update(ACC=acc_tl, PRECISION=precision)
+
+        dq_partial = q.new_empty(num_v, batch, length, heads, key_dim, dtype=acc_torch)
+        _retention_bwd_dq_kernel[grid](
+            k, v, d_o, dq_partial, initial_state, log2_gamma, ctx.scale, length,
+            HAS_INITIAL_STATE=initial_state is not None, **meta,
+        )
+        dk_partial = q.new_empty(num_v, batch, length, heads, key_dim, dtype=acc_torch)
+        dv_partial = q.new_empty(num_k, batch, length, heads, value_dim, dtype=acc_torch)
+        need_d_initial = initial_state is not None and ctx.needs_input_grad[4]
+        d_initial_state = torch.empty_like(initial_state) if need_d_initial else None
+        _retention_bwd_dkv_kernel[grid](
+            q, k, v, d_o, dk_partial, dv_partial, d_final_state, d_initial_state, log2_gamma, ctx.scale, length,
+            HAS_D_FINAL_STATE=d_final_state is not None, STORE_D_INITIAL_STATE=need_d_initial, **meta,
+        )
+        dq = dq_partial.sum(0).to(q.dtype)
+        dk = dk_partial.sum(0).to(k.dtype)
+        dv = dv_partial.sum(0).to(v.dtype)
+        return dq, dk, dv, None, d_initial_state, None
+
+
+def chunk_retention_triton(q, k, v, scale, initial_state=None, output_final_state=False):
+    """Chunkwise retention with the Triton kernels (arguments checked by :func:`chunk_retention`).
+
+    Args:
+        q, k (Tensor): ``(batch, length, heads, key_dim)``; v (Tensor): ``(batch, length, heads, value_dim)``;
+            float16, bfloat16, float32 (float64 where the device allows it).
+        scale (float): positive factor on ``q``.
+        initial_state (Tensor, optional): ``(batch, heads, key_dim, value_dim)`` float32.
+        output_final_state (bool): also return the state after the last token.
+
+    Returns:
+        o ``(batch, length, heads, value_dim)`` in ``v``'s dtype, and the final state
+        ``(batch, heads, key_dim, value_dim)`` float32 or None.
+    """
+    return ChunkRetentionFunction.apply(q, k, v, scale, initial_state, output_final_state)

@@ -1,0 +1,74 @@
+"""One decoding step of multi-scale retention in Triton, the state updated in place.
+
+DenseSSM paper Eq. 18-19 for a single token, per head with decay ``gamma``:
+``S <- gamma S + k^T v``, then ``o = (scale q) S``. Each program owns a ``BV``-wide column strip of one
+``(batch, head)`` state and walks its key rows in ``BK`` tiles: it reads and writes every state element once
+(the step is bound by memory traffic, O(1) in the context length) and sums ``o`` in registers, so no partial
+outputs reach memory. Key and value sizes that are not powers of two are masked.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from .naive import retention_log2_gamma
+
+#: Key rows per tile and value columns per program.
+BLOCK_K = 64
+BLOCK_V = 64
+
+
+@triton.jit
+def _retention_step_kernel(
+    state, q, k, v, o, log2_gamma_ptr, scale,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, ACC: tl.constexpr,
+):
+    """Grid (value tiles, batch * heads); q, k: (B, H, K), v, o: (B, H, V), state: (B, H, K, V), contiguous."""
+    i_v, i_bh = tl.program_id(0), tl.program_id(1)
+    i_h = i_bh % H
+    gamma = tl.exp2(tl.load(log2_gamma_ptr + i_h))
+    offs_v = i_v * BV + tl.arange(0, BV)
+    mask_v = offs_v < V
+    v_row = tl.load(v + i_bh * V + offs_v, mask=mask_v, other=0.0).to(ACC)
+    state_base = state + i_bh.to(tl.int64) * K * V
+    o_acc = tl.zeros([BV], dtype=ACC)
+    for k_start in range(0, K, BK):
+        offs_k = k_start + tl.arange(0, BK)
+        mask_k = offs_k < K
+        mask_kv = mask_k[:, None] & mask_v[None, :]
+        q_row = tl.load(q + i_bh * K + offs_k, mask=mask_k, other=0.0).to(ACC) * scale
+        k_row = tl.load(k + i_bh * K + offs_k, mask=mask_k, other=0.0).to(ACC)
+        ptrs = state_base + offs_k[:, None] * V + offs_v[None, :]
+        s = tl.load(ptrs, mask=mask_kv, other=0.0).to(ACC)
+        s = gamma * s + k_row[:, None] * v_row[None, :]  # Eq. 18
+        tl.store(ptrs, s.to(state.dtype.element_ty), mask=mask_kv)
+        o_acc += tl.sum(q_row[:, None] * s, axis=0)  # Eq. 19
+    tl.store(o + i_bh * V + offs_v, o_acc.to(o.dtype.element_ty), mask=mask_v)
+
+
+def retention_step_triton(state, q, k, v, scale):
+    """One retention decoding step with the Triton kernel (arguments checked by :func:`retention_state_update`).
+
+    Args:
+        state (Tensor): ``(batch, heads, key_dim, value_dim)`` float32 (float64 with float64 inputs), updated in place.
+        q, k (Tensor): ``(batch, heads, key_dim)``; v (Tensor): ``(batch, heads, value_dim)``.
+        scale (float): positive factor on ``q``.
+
+    Returns:
+        o (Tensor): ``(batch, heads, value_dim)`` in ``v``'s dtype.
+    """
+    batch, heads, key_dim = q.shape
+    value_dim = v.shape[-1]
+    acc = tl.float64 if state.dtype == torch.float64 else tl.float32
+    log2_gamma = retention_log2_gamma(heads, q.device, state.dtype)
+    work = state if state.is_contiguous() else state.contiguous()
+    o = torch.empty_like(v)
+    block_k = min(BLOCK_K, max(16, triton.next_power_of_2(key_dim)))
+    block_v = min(BLOCK_V, max(16, triton.next_power_of_2(value_dim)))
+    _retention_step_kernel[(triton.cdiv(value_dim, block_v), batch * heads)](
+        work, q.contiguous(), k.contiguous(), v.contiguous(), o, log2_gamma, scale,
+        H=heads, K=key_dim, V=value_dim, BK=block_k, BV=block_v, ACC=acc,
+    )
+    if work is not state:
+        state.copy_(work)
+    return o

@@ -1,0 +1,303 @@
+"""Multi-scale retention: parallel, chunked and recurrent references against each other, and the Triton
+kernels against the references (under ``TRITON_INTERPRET=1`` on the CPU, set by ``tests/conftest.py``)."""
+
+import os
+
+import pytest
+import torch
+
+from hf_densessm.ops import retention
+from hf_densessm.ops.retention import chunk_retention, parallel_retention, retention_gamma, retention_state_update
+from hf_densessm.ops.retention.naive import chunk_retention_torch, retention_step_torch
+
+try:
+    import triton  # noqa: F401
+
+    HAS_TRITON = True
+except ImportError:
+    HAS_TRITON = False
+
+ON_CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if ON_CUDA else "cpu"
+# The interpreter runs the kernels in float64; on a GPU they are compared in float32 (exact "ieee" products).
+KERNEL_DTYPE = torch.float32 if ON_CUDA else torch.float64
+needs_triton = pytest.mark.skipif(
+    not HAS_TRITON or not (ON_CUDA or os.environ.get("TRITON_INTERPRET") == "1"),
+    reason="the Triton kernels need triton and either a GPU or TRITON_INTERPRET=1",
+)
+
+
+def _inputs(batch, length, heads, key_dim, value_dim, dtype=torch.float64, initial_state=False, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (
+        torch.randn(batch, length, heads, d, generator=gen, dtype=torch.float64) for d in (key_dim, key_dim, value_dim)
+    )
+    state_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    s0 = torch.randn(batch, heads, key_dim, value_dim, generator=gen, dtype=torch.float64) if initial_state else None
+    q, k, v = (x.to(DEVICE, dtype) for x in (q, k, v))
+    return q, k, v, (None if s0 is None else s0.to(DEVICE, state_dtype))
+
+
+def _recurrent(q, k, v, initial_state=None, scale=None, backend="torch"):
+    """Token-by-token loop over :func:`retention_state_update`: o (B, L, H, V) and the final state."""
+    batch, length, heads, key_dim = q.shape
+    dtype = torch.float64 if v.dtype == torch.float64 else torch.float32
+    if initial_state is None:
+        state = q.new_zeros(batch, heads, key_dim, v.shape[-1], dtype=dtype)
+    else:
+        state = initial_state.clone()
+    outputs = [
+        retention_state_update(state, q[:, t], k[:, t], v[:, t], scale=scale, backend=backend) for t in range(length)
+    ]
+    return torch.stack(outputs, dim=1), state
+
+
+def _rel_err(a, b):
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp(min=1e-30)).item()
+
+
+def _assert_matches(got, expected, name="", rel=3e-3):
+    """Exact to 1e-10 in float64; elsewhere a largest error below ``rel`` of the largest entry."""
+    assert got.dtype == expected.dtype, name
+    if got.dtype == torch.float64:
+        torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-10, msg=lambda m: f"{name}: {m}")
+    else:
+        assert _rel_err(got, expected) < rel, f"{name}: relative error {_rel_err(got, expected):.2e}"
+
+
+# ----------------------------------------------------------------------------------------------- references
+
+
+def test_gamma_per_head():
+    expected = torch.tensor([1 - 2.0**-5, 1 - 2.0**-6, 1 - 2.0**-7, 1 - 2.0**-8], dtype=torch.float64)
+    assert torch.equal(retention_gamma(4, dtype=torch.float64), expected)
+
+
+@pytest.mark.parametrize("length", [1, 7, 64, 131])
+@pytest.mark.parametrize("chunk_size", [1, 16, 64])
+def test_chunked_matches_parallel(length, chunk_size):
+    q, k, v, _ = _inputs(2, length, 3, 8, 12)
+    expected = parallel_retention(q, k, v, scale=0.7)
+    o, final_state = chunk_retention_torch(q, k, v, scale=0.7, chunk_size=chunk_size)
+    assert final_state is None
+    torch.testing.assert_close(o, expected, rtol=1e-10, atol=1e-10)
+
+
+def test_parallel_matches_eq24_sum():
+    """Eq. 24 written out as a double loop on a tiny input: o_t = scale sum_{s<=t} gamma^(t-s) (q_t . k_s) v_s."""
+    q, k, v, _ = _inputs(1, 6, 2, 3, 4)
+    gamma = retention_gamma(2, dtype=torch.float64)
+    expected = torch.zeros_like(v)
+    for t in range(6):
+        for s in range(t + 1):
+            weight = gamma ** (t - s) * (q[0, t] * k[0, s]).sum(-1)  # (H,)
+            expected[0, t] += 3**-0.5 * weight[:, None] * v[0, s]
+    torch.testing.assert_close(parallel_retention(q, k, v), expected, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("length", [1, 5, 70])
+@pytest.mark.parametrize("initial_state", [False, True])
+def test_chunked_matches_recurrent(length, initial_state):
+    q, k, v, s0 = _inputs(2, length, 3, 8, 12, initial_state=initial_state)
+    o, final_state = chunk_retention(q, k, v, initial_state=s0, output_final_state=True, backend="torch")
+    o_rec, state_rec = _recurrent(q, k, v, s0)
+    torch.testing.assert_close(o, o_rec, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(final_state, state_rec, rtol=1e-10, atol=1e-10)
+
+
+def test_chunked_gradients_match_parallel():
+    q, k, v, _ = _inputs(2, 100, 2, 8, 12)
+    grad_out = torch.randn_like(v)
+    grads = []
+    for fn in (lambda *x: parallel_retention(*x), lambda *x: chunk_retention(*x, backend="torch")[0]):
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        (fn(*leaves) * grad_out).sum().backward()
+        grads.append([x.grad for x in leaves])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+def test_initial_state_gradient_torch():
+    q, k, v, s0 = _inputs(1, 20, 2, 4, 5, initial_state=True)
+    s0.requires_grad_()
+    assert torch.autograd.gradcheck(lambda s: chunk_retention_torch(q, k, v, initial_state=s, chunk_size=8)[0], (s0,))
+
+
+def test_state_update_is_in_place():
+    q, k, v, s0 = _inputs(2, 1, 3, 8, 12, initial_state=True)
+    state = s0.clone()
+    pointer = state.data_ptr()
+    retention_step_torch(state, q[:, 0], k[:, 0], v[:, 0])
+    assert state.data_ptr() == pointer and not torch.equal(state, s0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_torch_low_precision_dtypes(dtype):
+    q, k, v, s0 = _inputs(2, 70, 2, 8, 12, initial_state=True)
+    expected, expected_state = chunk_retention(q, k, v, initial_state=s0, output_final_state=True, backend="torch")
+    q, k, v = (x.to(dtype) for x in (q, k, v))
+    o, state = chunk_retention(q, k, v, initial_state=s0.float(), output_final_state=True, backend="torch")
+    assert o.dtype == dtype and state.dtype == torch.float32
+    assert _rel_err(o, expected) < (1e-5 if dtype == torch.float32 else 3e-2)
+    assert _rel_err(state, expected_state) < (1e-5 if dtype == torch.float32 else 3e-2)
+
+
+# --------------------------------------------------------------------------------------------------- Triton
+
+TRITON_CASES = [
+    # batch, length, heads, key_dim, value_dim, initial_state
+    (1, 1, 1, 8, 8, False),
+    (2, 5, 3, 16, 32, True),
+    (2, 37, 2, 12, 24, False),  # non-power-of-two key_dim and value_dim
+    (1, 64, 4, 16, 16, True),  # exactly one chunk
+    (2, 67, 2, 8, 16, True),  # one chunk and a prime remainder
+    (1, 131, 3, 16, 8, False),  # prime, three chunks
+    (1, 67, 2, 80, 72, True),  # two key tiles and two value tiles, both masked (as key 320 of the 1.3B preset)
+]
+
+
+@needs_triton
+@pytest.mark.parametrize("case", TRITON_CASES, ids=lambda c: "B{}-L{}-H{}-K{}-V{}".format(*c) + ("-s0" if c[5] else ""))
+def test_triton_matches_reference(case):
+    batch, length, heads, key_dim, value_dim, initial_state = case
+    q, k, v, s0 = _inputs(batch, length, heads, key_dim, value_dim, dtype=KERNEL_DTYPE, initial_state=initial_state)
+    leaves = [q, k, v] + ([s0] if initial_state else [])
+    grad_out = torch.randn_like(v)
+    grad_state = torch.randn(batch, heads, key_dim, value_dim, dtype=KERNEL_DTYPE, device=DEVICE)
+    results = {}
+    for backend in ("torch", "triton"):
+        inputs = [x.clone().requires_grad_() for x in leaves]
+        s0_leaf = inputs[3] if initial_state else None
+        o, final_state = chunk_retention(
+            *inputs[:3], scale=0.6, initial_state=s0_leaf, output_final_state=True, backend=backend
+        )
+        ((o * grad_out).sum() + (final_state * grad_state).sum()).backward()
+        results[backend] = [o, final_state] + [x.grad for x in inputs]
+    names = ["o", "final_state", "dq", "dk", "dv", "d_initial_state"]
+    for name, got, expected in zip(names, results["triton"], results["torch"]):
+        _assert_matches(got, expected, name)
+
+
+@needs_triton
+def test_triton_many_small_tiles(monkeypatch):
+    """Tiles of 16 on key 40 / value 24: three key tiles and two value tiles whose partial sums add up."""
+    from hf_densessm.ops.retention import chunk
+
+    monkeypatch.setattr(chunk, "MAX_BLOCK_KV", 16)
+    test_triton_matches_reference((2, 70, 2, 40, 24, True))
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_triton_low_precision(dtype):
+    if dtype == torch.bfloat16 and not ON_CUDA:
+        pytest.skip("the Triton interpreter computes bfloat16 tl.dot and arithmetic wrongly (numpy has no bfloat16)")
+    q, k, v, s0 = _inputs(2, 70, 2, 16, 32, initial_state=True)
+    grad_out = torch.randn_like(v)
+    leaves64 = [x.clone().requires_grad_() for x in (q, k, v, s0)]
+    o64, state64 = chunk_retention(*leaves64[:3], initial_state=leaves64[3], output_final_state=True, backend="torch")
+    (o64 * grad_out).sum().backward()
+    leaves = [x.to(dtype).detach().requires_grad_() for x in (q, k, v)] + [s0.float().requires_grad_()]
+    o, state = chunk_retention(*leaves[:3], initial_state=leaves[3], output_final_state=True, backend="triton")
+    (o * grad_out.to(dtype)).sum().backward()
+    assert o.dtype == dtype and state.dtype == torch.float32
+    tolerance = 3e-3 if dtype == torch.float32 else 2e-2
+    names = ["o", "final_state", "dq", "dk", "dv", "d_initial_state"]
+    got_all, expected_all = [o, state] + [x.grad for x in leaves], [o64, state64] + [x.grad for x in leaves64]
+    for name, got, expected in zip(names, got_all, expected_all):
+        assert _rel_err(got, expected) < tolerance, name
+
+
+@needs_triton
+def test_triton_without_final_state_and_partial_grads():
+    q, k, v, s0 = _inputs(1, 20, 2, 8, 8, dtype=KERNEL_DTYPE, initial_state=True)
+    v.requires_grad_()
+    o, final_state = chunk_retention(q, k, v, initial_state=s0, backend="triton")
+    assert final_state is None
+    o.sum().backward()
+    v_ref = v.detach().clone().requires_grad_()
+    chunk_retention(q, k, v_ref, initial_state=s0, backend="torch")[0].sum().backward()
+    _assert_matches(v.grad, v_ref.grad)
+
+
+# --------------------------------------------------------------------------------------------------- decoding
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_triton)])
+@pytest.mark.parametrize("key_dim, value_dim", [(8, 12), (80, 72)])
+def test_state_update_matches_chunked(backend, key_dim, value_dim):
+    dtype = KERNEL_DTYPE if backend == "triton" else torch.float64
+    q, k, v, s0 = _inputs(2, 9, 3, key_dim, value_dim, dtype=dtype, initial_state=True)
+    o, final_state = chunk_retention(q, k, v, initial_state=s0, output_final_state=True, backend="torch")
+    o_rec, state_rec = _recurrent(q, k, v, s0, backend=backend)
+    _assert_matches(o_rec, o, "o")
+    _assert_matches(state_rec, final_state, "state")
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_state_update_triton_low_precision(dtype):
+    q, k, v, s0 = _inputs(2, 1, 3, 12, 20, dtype=dtype, initial_state=True)
+    state_ref, state = s0.clone(), s0.clone().transpose(-1, -2).contiguous().transpose(-1, -2)  # non-contiguous
+    expected = retention_state_update(state_ref, q[:, 0], k[:, 0], v[:, 0], backend="torch")
+    o = retention_state_update(state, q[:, 0], k[:, 0], v[:, 0], backend="triton")
+    assert o.dtype == dtype
+    assert _rel_err(o, expected) < 3e-3 and _rel_err(state, state_ref) < 1e-6
+
+
+def test_prefill_then_decode_continues_the_sequence():
+    q, k, v, _ = _inputs(1, 30, 2, 8, 12)
+    o_full, _ = chunk_retention(q, k, v, backend="torch")
+    _, state = chunk_retention(q[:, :25], k[:, :25], v[:, :25], output_final_state=True, backend="torch")
+    o_next, _ = _recurrent(q[:, 25:], k[:, 25:], v[:, 25:], state)
+    torch.testing.assert_close(o_next, o_full[:, 25:], rtol=1e-10, atol=1e-10)
+
+
+# ----------------------------------------------------------------------------------------------- bad inputs
+
+_Q, _K, _V, _S = _inputs(2, 5, 3, 8, 12, dtype=torch.float32, initial_state=True)
+
+_Q1, _K1, _V1 = _Q[:, 0], _K[:, 0], _V[:, 0]
+BAD_CALLS = [
+    ("rank", lambda: chunk_retention(_Q[0], _K, _V), ValueError, r"q must have shape \(batch, length, heads, key_dim\)"),
+    ("batch", lambda: chunk_retention(_Q, _K, _V[:1]), ValueError, "v must match q"),
+    ("length", lambda: chunk_retention(_Q, _K[:, :4], _V), ValueError, "q and k must have the same shape"),
+    ("heads", lambda: chunk_retention(_Q, _K, _V[:, :, :2]), ValueError, "v must match q"),
+    ("key_dim", lambda: chunk_retention(_Q, _K[..., :4], _V), ValueError, "q and k must have the same shape"),
+    ("int dtype", lambda: chunk_retention(_Q.int(), _K.int(), _V.int()), TypeError, "q must be float16, bfloat16"),
+    ("mixed dtype", lambda: chunk_retention(_Q, _K.half(), _V), TypeError, "one dtype"),
+    ("not a tensor", lambda: chunk_retention(_Q.tolist(), _K, _V), TypeError, "q must be a torch.Tensor"),
+    ("mixed device", lambda: chunk_retention(_Q, _K, _V.to("meta")), ValueError, "one device"),
+    ("state shape", lambda: chunk_retention(_Q, _K, _V, initial_state=_S[:, :2]), ValueError, "initial_state must have"),
+    ("state dtype", lambda: chunk_retention(_Q, _K, _V, initial_state=_S.half()), TypeError, "initial_state must be"),
+    ("scale zero", lambda: chunk_retention(_Q, _K, _V, scale=0.0), ValueError, "scale must be a positive"),
+    ("scale nan", lambda: chunk_retention(_Q, _K, _V, scale=float("nan")), ValueError, "scale must be a positive"),
+    ("backend", lambda: chunk_retention(_Q, _K, _V, backend="cuda"), ValueError, "backend must be one of"),
+    ("step rank", lambda: retention_state_update(_S, _Q, _K, _V), ValueError, r"q must have shape \(batch, heads, key_dim\)"),
+    ("step state", lambda: retention_state_update(_S[..., :4], _Q1, _K1, _V1), ValueError, "state must have shape"),
+    ("step state dtype", lambda: retention_state_update(_S.double(), _Q1, _K1, _V1), TypeError, "state must be float32"),
+    ("step scale", lambda: retention_state_update(_S, _Q1, _K1, _V1, scale=-1), ValueError, "scale must be a positive"),
+    ("step backend", lambda: retention_state_update(_S, _Q1, _K1, _V1, backend="numpy"), ValueError, "backend must be one"),
+]
+
+
+@pytest.mark.parametrize("name, call, error, match", BAD_CALLS, ids=[c[0] for c in BAD_CALLS])
+def test_bad_inputs_raise_at_entry(name, call, error, match):
+    with pytest.raises(error, match=match):
+        call()
+
+
+@pytest.mark.skipif(ON_CUDA, reason="CPU tensors only")
+def test_triton_backend_on_cpu_needs_the_interpreter(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(retention, "_triton_available", lambda: True)
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        chunk_retention(_Q, _K, _V, backend="triton")
+
+
+def test_missing_triton(monkeypatch):
+    monkeypatch.setattr(retention, "_triton_available", lambda: False)
+    with pytest.raises(RuntimeError, match="needs the triton package"):
+        chunk_retention(_Q, _K, _V, backend="triton")
+    o, _ = chunk_retention(_Q, _K, _V, backend="auto")  # falls back to the PyTorch reference
+    torch.testing.assert_close(o, chunk_retention(_Q, _K, _V, backend="torch")[0])
