@@ -26,6 +26,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.utils import ModelOutput
 
 from ..configuration.configuration_densemamba import DenseMambaConfig
+from ..hub import DenseSSMHubMixin
 from ..ops.selective_scan import selective_scan, selective_state_update
 from .cache import check_cache, conv_state, record_tokens, new_cache, recurrent_state
 from .dense import build_dense_connection
@@ -184,7 +185,7 @@ class DenseMambaBlock(GradientCheckpointingLayer):
         return (residual + out, *features)
 
 
-class DenseMambaPreTrainedModel(PreTrainedModel):
+class DenseMambaPreTrainedModel(DenseSSMHubMixin, PreTrainedModel):
     """Weight init and flags shared by the DenseMamba models."""
 
     config_class = DenseMambaConfig

@@ -27,6 +27,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
 from ..configuration.configuration_denseretnet import DenseRetNetConfig
+from ..hub import DenseSSMHubMixin
 from ..ops.retention import chunk_retention, retention_state_update
 from .cache import check_cache, record_tokens, new_cache, recurrent_state
 from .dense import build_dense_connection
@@ -184,7 +185,7 @@ class DenseRetNetBlock(GradientCheckpointingLayer):
         return (hidden_states + out, *features)
 
 
-class DenseRetNetPreTrainedModel(PreTrainedModel):
+class DenseRetNetPreTrainedModel(DenseSSMHubMixin, PreTrainedModel):
     """Weight init and flags shared by the DenseRetNet models."""
 
     config_class = DenseRetNetConfig

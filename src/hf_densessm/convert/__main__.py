@@ -1,0 +1,131 @@
+"""Command line of :mod:`hf_densessm.convert`: convert a checkpoint folder and write a Hub-ready folder.
+
+    python -m hf_densessm.convert mamba SRC OUT [--dense-layers N ...]   # upcycle a transformers Mamba
+    python -m hf_densessm.convert official-denseretnet SRC OUT            # the authors' DenseRetNet
+
+OUT is written by ``save_pretrained`` (atomically: it appears complete or not at all), with the bundled modeling
+code, ``auto_map`` and a model card, so ``AutoModelForCausalLM.from_pretrained(OUT, trust_remote_code=True)`` loads
+it anywhere and ``hf upload <user>/<repo> OUT`` publishes it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from . import densemamba_from_mamba, denseretnet_from_official
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``argparse`` parser of ``python -m hf_densessm.convert``: subcommands ``mamba`` and
+    ``official-denseretnet``."""
+    parser = argparse.ArgumentParser(
+        prog="python -m hf_densessm.convert",
+        description="Convert a checkpoint into an hf_densessm model and write a Hub-ready folder (weights, config "
+        "with auto_map, bundled modeling code, model card) that loads with trust_remote_code=True.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    mamba = commands.add_parser(
+        "mamba",
+        help="upcycle a transformers Mamba checkpoint into DenseMamba (same logits at conversion)",
+        description="Upcycle a transformers Mamba checkpoint (e.g. a local copy of state-spaces/mamba-130m-hf) into "
+        "DenseMamba. The dense gates start closed, so the result computes exactly the Mamba's function; "
+        "fine-tune it to learn the dense connection.",
+    )
+    mamba.add_argument("src", metavar="SRC", help="folder with the Mamba's config.json and weights")
+    mamba.add_argument(
+        "out",
+        metavar="OUT",
+        help="folder to write, atomically (files of an existing OUT that the save does not write are kept)",
+    )
+    mamba.add_argument(
+        "--dense-layers",
+        type=int,
+        default=4,
+        metavar="M",
+        help="m, preceding layers fed to each layer (default 4, paper Table 2)",
+    )
+    mamba.add_argument(
+        "--dense-projection",
+        choices=("identity", "linear"),
+        default="identity",
+        help="Proj of Eq. 15 (default identity)",
+    )
+    mamba.add_argument(
+        "--dense-selection", choices=("mlp", "linear", "none"), default="mlp", help="Gate of Eq. 16 (default mlp)"
+    )
+    mamba.add_argument(
+        "--dense-gates",
+        choices=("shared", "per-layer"),
+        default="shared",
+        help="one gate for the m predecessors or one each (default shared)",
+    )
+    mamba.add_argument("--dense-fusion", choices=("add", "concat"), default="add", help="hidden fusion (default add)")
+    mamba.add_argument(
+        "--dense-every", type=int, default=1, metavar="K", help="dense connection on every K-th layer (default 1)"
+    )
+    mamba.add_argument(
+        "--dense-gate-hidden-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="MLP gate width (default hidden_size // 32)",
+    )
+
+    official = commands.add_parser(
+        "official-denseretnet",
+        help="convert a checkpoint of the authors' published DenseRetNet",
+        description="Convert a checkpoint of the authors' published DenseRetNet (their config.json with "
+        "dense_block_layers and pytorch_model.bin or safetensors weights) into DenseRetNetForCausalLM.",
+    )
+    official.add_argument("src", metavar="SRC", help="folder with the authors' config.json and weights")
+    official.add_argument(
+        "out",
+        metavar="OUT",
+        help="folder to write, atomically (files of an existing OUT that the save does not write are kept)",
+    )
+
+    for command in (mamba, official):
+        command.add_argument(
+            "--dtype", choices=tuple(DTYPES), default="float32", help="dtype of the saved weights (default float32)"
+        )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the command line with ``argv`` (default ``sys.argv[1:]``); returns the exit status (0 on success, 1 when
+    the conversion fails, with the error on stderr and OUT untouched; 2 for bad arguments, from argparse)."""
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "mamba":
+            model = densemamba_from_mamba(
+                args.src,
+                dense_layers=args.dense_layers,
+                dense_projection=args.dense_projection,
+                dense_selection=args.dense_selection,
+                dense_shared_gate=args.dense_gates == "shared",
+                dense_fusion=args.dense_fusion,
+                dense_every=args.dense_every,
+                dense_gate_hidden_size=args.dense_gate_hidden_size,
+            )
+        else:
+            model = denseretnet_from_official(args.src)
+        model.to(DTYPES[args.dtype]).save_pretrained(args.out)
+    except (OSError, ValueError, TypeError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    config = model.config
+    print(
+        f"wrote {args.out}: {type(model).__name__}, {model.num_parameters() / 1e6:.2f}M parameters, "
+        f"{config.num_hidden_layers} layers, dense_layers={config.dense_layers}, {args.dtype}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
