@@ -1,0 +1,109 @@
+"""Fused Triton decode step of the selective SSM (Mamba paper eq. 2a/2b in recurrent mode).
+
+One program per (sequence, block of ``BLOCK_D`` channels) loads the state block, discretizes
+(``dt = softplus(dt + dt_bias)``, ``exp(dt A)``, ``dt B x``), updates the state IN PLACE and writes
+``y = (sum_n C_n h_n + D x) * silu(z)``: one read and one write of the state, O(1) in the context length.
+Computes in float32 (float64 for a float64 state, for tests). Runs under ``TRITON_INTERPRET=1``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["fused_selective_state_update"]
+
+BLOCK_D_MAX = 32
+
+
+@triton.jit
+def _acc(x, USE_FP64: tl.constexpr):
+    """Cast to the accumulation dtype."""
+    if USE_FP64:
+        return x.to(tl.float64)
+    else:
+        return x.to(tl.float32)
+
+
+@triton.jit
+def _selective_state_update_kernel(
+    state_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, bias_ptr, y_ptr,
+    s_h_b, s_h_d, s_h_n,
+    s_x_b, s_x_d,
+    s_dt_b, s_dt_d,
+    s_A_d, s_A_n,
+    s_B_b, s_B_n,
+    s_C_b, s_C_n,
+    s_z_b, s_z_d,
+    dim, nstate,
+    HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
+    USE_FP64: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid_b = tl.program_id(0)
+    pid_d = tl.program_id(1)
+    offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    mask_d = offs_d < dim
+    mask_n = offs_n < nstate
+    mask_dn = mask_d[:, None] & mask_n[None, :]
+
+    h_ptrs = state_ptr + pid_b * s_h_b + offs_d[:, None] * s_h_d + offs_n[None, :] * s_h_n
+    h = _acc(tl.load(h_ptrs, mask=mask_dn, other=0.0), USE_FP64)
+    x = _acc(tl.load(x_ptr + pid_b * s_x_b + offs_d * s_x_d, mask=mask_d, other=0.0), USE_FP64)
+    dt = _acc(tl.load(dt_ptr + pid_b * s_dt_b + offs_d * s_dt_d, mask=mask_d, other=0.0), USE_FP64)
+    if HAS_BIAS:
+        dt += _acc(tl.load(bias_ptr + offs_d, mask=mask_d, other=0.0), USE_FP64)
+    if SOFTPLUS:
+        dt = tl.where(dt > 20.0, dt, tl.log(1.0 + tl.exp(dt)))
+    A = _acc(tl.load(A_ptr + offs_d[:, None] * s_A_d + offs_n[None, :] * s_A_n, mask=mask_dn, other=0.0), USE_FP64)
+    Bv = _acc(tl.load(B_ptr + pid_b * s_B_b + offs_n * s_B_n, mask=mask_n, other=0.0), USE_FP64)
+    Cv = _acc(tl.load(C_ptr + pid_b * s_C_b + offs_n * s_C_n, mask=mask_n, other=0.0), USE_FP64)
+
+    h = tl.exp(dt[:, None] * A) * h + (dt * x)[:, None] * Bv[None, :]  # eq. 2a, discretized as eq. 4
+    tl.store(h_ptrs, h.to(state_ptr.dtype.element_ty), mask=mask_dn)
+    y = tl.sum(h * Cv[None, :], axis=1)  # eq. 2b
+    if HAS_D:
+        y += _acc(tl.load(D_ptr + offs_d, mask=mask_d, other=0.0), USE_FP64) * x
+    if HAS_Z:
+        z = _acc(tl.load(z_ptr + pid_b * s_z_b + offs_d * s_z_d, mask=mask_d, other=0.0), USE_FP64)
+        y = y * z * tl.sigmoid(z)
+    tl.store(y_ptr + pid_b * dim + offs_d, y.to(y_ptr.dtype.element_ty), mask=mask_d)
+
+
+def fused_selective_state_update(
+    state: torch.Tensor,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None = None,
+    z: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    dt_softplus: bool = False,
+) -> torch.Tensor:
+    """One selective-SSM decode step in one Triton kernel; ``state`` (batch, dim, state) is updated in place.
+
+    Args and return as :func:`hf_densessm.ops.selective_state_update` (which checks the arguments and should be
+    called instead): ``x, dt, z`` (batch, dim); ``A`` (dim, state); ``B, C`` (batch, state); ``D, dt_bias``
+    (dim,); any strides. Returns ``y`` (batch, dim) in ``x``'s dtype. Not differentiable (decoding only).
+    """
+    batch, dim, nstate = state.shape
+    D = None if D is None else D.contiguous()  # the kernel indexes the (dim,) vectors as contiguous
+    dt_bias = None if dt_bias is None else dt_bias.contiguous()
+    y = torch.empty(batch, dim, dtype=x.dtype, device=x.device)
+    block_d = min(BLOCK_D_MAX, triton.next_power_of_2(dim))
+
+    def s2(t):
+        return (t.stride(0), t.stride(1)) if t is not None else (0, 0)
+
+    grid = (batch, triton.cdiv(dim, block_d))
+    _selective_state_update_kernel[grid](
+        state, x, dt, A, B, C, D, z, dt_bias, y,
+        state.stride(0), state.stride(1), state.stride(2), *s2(x), *s2(dt), *s2(A), *s2(B), *s2(C), *s2(z),
+        dim, nstate,
+        HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=dt_bias is not None, SOFTPLUS=bool(dt_softplus),
+        USE_FP64=state.dtype == torch.float64, BLOCK_D=block_d, BLOCK_N=triton.next_power_of_2(nstate),
+    )
+    return y
