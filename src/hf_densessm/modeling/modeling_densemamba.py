@@ -124,12 +124,12 @@ class DenseMambaMixer(nn.Module):
         time_step, B, C = torch.split(
             self.x_proj(u), [self.time_step_rank, self.ssm_state_size, self.ssm_state_size], dim=-1
         )
-        dt = (self.dt_proj.weight @ time_step.transpose(1, 2)).contiguous()  # (batch, D, seq_len), bias in the scan
-        dt_bias = self.dt_proj.bias.float()
+        # dt_proj is called as a module (bias included), so adapters such as LoRA on it take effect
+        dt = self.dt_proj(time_step).transpose(1, 2)  # (batch, D, seq_len), before the softplus
         softplus = True
         if mask is not None:  # dt = 0 at padding: exp(0 * A) = 1 and no input, the state is left as it was
-            dt = F.softplus(dt.float() + dt_bias[:, None]) * mask
-            dt_bias, softplus = None, False
+            dt = F.softplus(dt.float()) * mask
+            softplus = False
 
         # 4. dense connection (Eq. 10-17) on the state inputs u and B
         features = (u, B)
@@ -143,12 +143,12 @@ class DenseMambaMixer(nn.Module):
         if state is not None and seq_len == 1:
             y = selective_state_update(
                 state, u[:, 0], dt[..., 0], A, B[:, 0], C[:, 0], self.D.float(), z=z[..., 0],
-                dt_bias=dt_bias, dt_softplus=softplus, backend=backend,
+                dt_softplus=softplus, backend=backend,
             ).unsqueeze(-1)
         else:
             result = selective_scan(
-                u.transpose(1, 2).contiguous(), dt, A, B.transpose(1, 2).contiguous(), C.transpose(1, 2).contiguous(),
-                D=self.D.float(), z=z.contiguous(), delta_bias=dt_bias, delta_softplus=softplus,
+                u.transpose(1, 2), dt, A, B.transpose(1, 2), C.transpose(1, 2),
+                D=self.D.float(), z=z, delta_softplus=softplus,
                 initial_state=state, return_last_state=cache_params is not None, backend=backend,
             )
             if cache_params is not None:
