@@ -1,0 +1,114 @@
+"""Smoke test of ``examples/pretrain.py``: the whole job, with tiny settings, for both model families.
+
+Each run trains a tokenizer and a tiny model for a few steps on a slice of Python's documentation written to a
+text file (``--train-files``; the held-out set of the full documentation is too large to evaluate ten times in a
+smoke test), saves the Hub-ready folder, reloads it with the Auto classes and generates. The checks: the folder's
+files, the PNG, the reload, and that the held-out loss fell. The default text source and its split, and the
+option checks, are tested on their own without training.
+"""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import hf_densessm  # noqa: F401  (registers the model types)
+
+SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "pretrain.py"
+EXPECTED_FILES = {
+    "config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "generation_config.json",
+    "README.md",
+    "loss_curves.png",
+}
+TINY = ["--max-steps", "4", "--block-size", "32", "--batch-size", "8", "--vocab-size", "512", "--learning-rate", "1e-2"]
+
+
+@pytest.fixture(scope="module")
+def pretrain():
+    spec = importlib.util.spec_from_file_location("pretrain_example", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def corpus(pretrain, tmp_path_factory):
+    """About 20 kB of Python's documentation as one UTF-8 file."""
+    documents = pretrain.load_documents(None)
+    path = tmp_path_factory.mktemp("corpus") / "pydoc_slice.txt"
+    path.write_text("\n\n".join(documents[:12])[:20_000], encoding="utf-8")
+    return path
+
+
+@pytest.mark.parametrize("model_type", ["densemamba", "denseretnet"])
+def test_pretrain_end_to_end(pretrain, corpus, tmp_path, model_type):
+    output_dir = tmp_path / "out" / model_type
+    output_dir.mkdir(parents=True)  # an earlier run's output folder is replaced as a whole
+    (output_dir / "config.json").write_text("{}")
+    (output_dir / "stale.txt").write_text("from an earlier run")
+
+    result = pretrain.main(["--model", model_type, "--train-files", str(corpus), "--output-dir", str(output_dir), *TINY])
+
+    assert result["output_dir"] == output_dir
+    assert EXPECTED_FILES <= {p.name for p in output_dir.iterdir()}  # plus the remote code of the hub mixin
+    assert not (output_dir / "stale.txt").exists()
+    assert [p.name for p in output_dir.parent.iterdir()] == [model_type], "staging folder left behind"
+    assert result["png"] == output_dir / "loss_curves.png"
+    assert result["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert result["loss_after"] < result["loss_before"]
+    assert result["loss_reloaded"] == pytest.approx(result["loss_after"], rel=1e-4)
+    prompt = pretrain.parse_args([]).prompt
+    assert result["generated"].startswith(prompt) and len(result["generated"]) > len(prompt)
+
+    model = AutoModelForCausalLM.from_pretrained(output_dir)
+    tokenizer = AutoTokenizer.from_pretrained(output_dir)
+    assert model.config.model_type == model_type
+    assert model.config.vocab_size == len(tokenizer) == 512
+    assert (tokenizer.bos_token, tokenizer.eos_token, tokenizer.pad_token) == ("<s>", "</s>", "<pad>")
+    assert tokenizer("x")["input_ids"][0] == tokenizer.bos_token_id == model.config.bos_token_id
+
+
+def test_default_text_is_pydoc_with_a_deterministic_split(pretrain):
+    from pydoc_data.topics import topics
+
+    documents = pretrain.load_documents(None)
+    assert documents == [topics[name] for name in sorted(topics)]
+    train, held_out = pretrain.split_held_out(documents)
+    assert pretrain.split_held_out(documents[::-1]) == (train[::-1], held_out[::-1])  # order-independent
+    train_paragraphs = {p for text in train for p in text.split("\n\n")}
+    held_out_paragraphs = {p for text in held_out for p in text.split("\n\n")}
+    assert not train_paragraphs & held_out_paragraphs
+    fraction = sum(map(len, held_out)) / (sum(map(len, train)) + sum(map(len, held_out)))
+    assert 0.04 < fraction < 0.2
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--max-steps", "0"],
+        ["--block-size", "abc"],
+        ["--learning-rate", "-1"],
+        ["--vocab-size", "100"],
+        ["--model", "transformer"],
+        ["--model", "denseretnet", "--preset", "densemamba-tiny"],
+        ["--train-files", "/nonexistent/file.txt"],
+        ["--output-dir", str(Path(__file__).parent)],  # exists and is not a model folder: never replaced
+    ],
+)
+def test_bad_options_are_argparse_errors(pretrain, argv, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        pretrain.parse_args(argv)
+    assert exit_info.value.code == 2
+    assert f"argument {argv[-2]}" in capsys.readouterr().err
+
+
+def test_too_little_text_names_the_options(pretrain, tmp_path):
+    text_file = tmp_path / "short.txt"
+    text_file.write_text("Only one short paragraph.", encoding="utf-8")
+    with pytest.raises(ValueError, match="--train-files.*--block-size"):
+        pretrain.main(["--train-files", str(text_file), "--output-dir", str(tmp_path / "out")])
