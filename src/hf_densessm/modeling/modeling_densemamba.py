@@ -28,16 +28,10 @@ from transformers.utils import ModelOutput
 from ..configuration.configuration_densemamba import DenseMambaConfig
 from ..hub import DenseSSMHubMixin
 from ..ops.selective_scan import selective_scan, selective_state_update
-from .cache import check_cache, conv_state, record_tokens, new_cache, recurrent_state
+from .cache import conv_state, recurrent_state
 from .dense import build_dense_connection
 from .norm import DenseSSMRMSNorm
-from .stack import (
-    DenseSSMCausalLMMixin,
-    check_inputs,
-    group_dense_inputs,
-    prepare_attention_mask,
-    run_dense_stack,
-)
+from .stack import DenseSSMCausalLMMixin, group_dense_inputs, run_backbone
 
 class DenseMambaMixer(nn.Module):
     """Sequence mixing of one DenseMamba block (Mamba paper Alg. 2 / Fig. 3, plus DenseSSM Eq. 10-17 on ``u`` and ``B``).
@@ -300,39 +294,13 @@ class DenseMambaModel(DenseMambaPreTrainedModel):
                 (pad on the left for batched generation).
 
         Raises:
-            ValueError, TypeError: bad inputs (see ``check_inputs``, ``prepare_attention_mask``, ``check_cache``).
+            ValueError, TypeError: bad inputs (see :func:`hf_densessm.modeling.stack.run_backbone`).
         """
-        output_hidden_states = (
-            output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
-        )
-        use_cache = use_cache if use_cache is not None else (self.config.use_cache if not self.training else False)
         return_dict = return_dict if return_dict is not None else self.config.return_dict
-        check_inputs(input_ids, inputs_embeds, self.config.hidden_size)
-        if inputs_embeds is None:
-            inputs_embeds = self.embeddings(input_ids)
-        if self.gradient_checkpointing and self.training and use_cache:
-            use_cache = False
-        if cache_params is not None:
-            check_cache(cache_params, self.config, "cache_params")
-        elif use_cache:
-            cache_params = new_cache(self.config)
-        if not use_cache:
-            cache_params = None
-        batch, seq_len = inputs_embeds.shape[:2]
-        attention_mask = prepare_attention_mask(attention_mask, batch, seq_len)
-
-        hidden_states, all_hidden_states = run_dense_stack(
-            self.layers,
-            inputs_embeds,
-            self.config,
-            output_hidden_states,
-            cache_params=cache_params,
-            attention_mask=attention_mask,
+        hidden_states, cache_params, all_hidden_states = run_backbone(
+            self, self.embeddings, self.norm_f, "cache_params", input_ids, inputs_embeds, cache_params, use_cache,
+            output_hidden_states, attention_mask,
         )
-        record_tokens(cache_params, seq_len)
-        hidden_states = self.norm_f(hidden_states)
-        if output_hidden_states:
-            all_hidden_states += (hidden_states,)
         if not return_dict:
             return tuple(v for v in (hidden_states, cache_params, all_hidden_states) if v is not None)
         return DenseMambaOutput(

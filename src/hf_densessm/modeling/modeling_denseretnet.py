@@ -29,16 +29,10 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 from ..configuration.configuration_denseretnet import DenseRetNetConfig
 from ..hub import DenseSSMHubMixin
 from ..ops.retention import chunk_retention, retention_state_update
-from .cache import check_cache, record_tokens, new_cache, recurrent_state
+from .cache import recurrent_state
 from .dense import build_dense_connection
 from .norm import DenseSSMRMSNorm
-from .stack import (
-    DenseSSMCausalLMMixin,
-    check_inputs,
-    group_dense_inputs,
-    prepare_attention_mask,
-    run_dense_stack,
-)
+from .stack import DenseSSMCausalLMMixin, group_dense_inputs, run_backbone
 
 
 class DenseRetNetThetaShift(nn.Module):
@@ -259,39 +253,13 @@ class DenseRetNetModel(DenseRetNetPreTrainedModel):
             ``BaseModelOutputWithPast`` with ``hidden_states`` of ``num_hidden_layers + 1`` entries when asked.
 
         Raises:
-            ValueError, TypeError: bad inputs (see ``check_inputs``, ``prepare_attention_mask``, ``check_cache``).
+            ValueError, TypeError: bad inputs (see :func:`hf_densessm.modeling.stack.run_backbone`).
         """
-        output_hidden_states = (
-            output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
-        )
-        use_cache = use_cache if use_cache is not None else (self.config.use_cache if not self.training else False)
         return_dict = return_dict if return_dict is not None else self.config.return_dict
-        check_inputs(input_ids, inputs_embeds, self.config.hidden_size)
-        if inputs_embeds is None:
-            inputs_embeds = self.embed_tokens(input_ids)
-        if self.gradient_checkpointing and self.training and use_cache:
-            use_cache = False
-        if past_key_values is not None:
-            check_cache(past_key_values, self.config, "past_key_values")
-        elif use_cache:
-            past_key_values = new_cache(self.config)
-        if not use_cache:
-            past_key_values = None
-        batch, seq_len = inputs_embeds.shape[:2]
-        attention_mask = prepare_attention_mask(attention_mask, batch, seq_len)
-
-        hidden_states, all_hidden_states = run_dense_stack(
-            self.layers,
-            inputs_embeds,
-            self.config,
-            output_hidden_states,
-            past_key_values=past_key_values,
-            attention_mask=attention_mask,
+        hidden_states, past_key_values, all_hidden_states = run_backbone(
+            self, self.embed_tokens, self.norm, "past_key_values", input_ids, inputs_embeds, past_key_values, use_cache,
+            output_hidden_states, attention_mask,
         )
-        record_tokens(past_key_values, seq_len)
-        hidden_states = self.norm(hidden_states)
-        if output_hidden_states:
-            all_hidden_states += (hidden_states,)
         if not return_dict:
             return tuple(v for v in (hidden_states, past_key_values, all_hidden_states) if v is not None)
         return BaseModelOutputWithPast(

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .cache import check_cache, new_cache, record_tokens
 from .dense import dense_predecessor_count
 
 
@@ -86,6 +87,64 @@ def run_dense_stack(
             if len(history) > m:
                 history.pop(0)
     return hidden_states, all_hidden_states
+
+
+def run_backbone(
+    model,
+    embeddings: nn.Embedding,
+    final_norm: nn.Module,
+    cache_arg_name: str,
+    input_ids: torch.Tensor | None,
+    inputs_embeds: torch.Tensor | None,
+    cache,
+    use_cache: bool | None,
+    output_hidden_states: bool | None,
+    attention_mask: torch.Tensor | None,
+):
+    """The body of a DenseSSM backbone's ``forward``, shared by both families: check the inputs, embed, set up
+    the cache (a new :class:`~hf_densessm.modeling.cache.DenseSSMCache` when ``use_cache`` and none is given),
+    run the densely connected blocks (``model.layers``), count the tokens on the cache, apply the final norm.
+
+    The blocks take the cache under ``cache_arg_name`` (``"cache_params"`` or ``"past_key_values"``).
+
+    Returns:
+        ``(last_hidden_state (batch, seq_len, hidden_size), cache or None, hidden_states or None)``; the
+        ``hidden_states`` tuple has ``num_hidden_layers + 1`` entries (block inputs, then the normed output).
+
+    Raises:
+        ValueError, TypeError: bad inputs (see :func:`check_inputs`, :func:`prepare_attention_mask`,
+            :func:`~hf_densessm.modeling.cache.check_cache`).
+    """
+    config = model.config
+    if output_hidden_states is None:
+        output_hidden_states = config.output_hidden_states
+    if use_cache is None:
+        use_cache = config.use_cache and not model.training
+    check_inputs(input_ids, inputs_embeds, config.hidden_size)
+    if inputs_embeds is None:
+        inputs_embeds = embeddings(input_ids)
+    if model.gradient_checkpointing and model.training:
+        use_cache = False
+    if cache is not None:
+        check_cache(cache, config, cache_arg_name)
+    elif use_cache:
+        cache = new_cache(config)
+    if not use_cache:
+        cache = None
+    batch, seq_len = inputs_embeds.shape[:2]
+    attention_mask = prepare_attention_mask(attention_mask, batch, seq_len)
+    hidden_states, all_hidden_states = run_dense_stack(
+        model.layers,
+        inputs_embeds,
+        config,
+        output_hidden_states,
+        **{cache_arg_name: cache, "attention_mask": attention_mask},
+    )
+    record_tokens(cache, seq_len)
+    hidden_states = final_norm(hidden_states)
+    if output_hidden_states:
+        all_hidden_states += (hidden_states,)
+    return hidden_states, cache, all_hidden_states
 
 
 def group_dense_inputs(dense_inputs: tuple[torch.Tensor, ...], per_layer: int) -> list[tuple[torch.Tensor, ...]]:
