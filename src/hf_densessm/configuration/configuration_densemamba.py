@@ -1,12 +1,10 @@
-"""Configuration of DenseMamba (DenseSSM paper §4.2, Table 2; DESIGN.md §3)."""
+"""Configuration of DenseMamba (DenseSSM paper §4.2, Table 2; docs/design.md §4)."""
 
 from __future__ import annotations
 
 import math
 
-from transformers import PretrainedConfig
-
-from .dense import KERNEL_BACKENDS, check_choice, check_int, check_positive_float, resolve_preset, set_dense_knobs
+from .configuration_densessm import DenseSSMConfig, check_bool, check_choice, check_int, check_positive_float, resolve_preset
 
 # Table 2 of the DenseSSM paper (vocabulary 32000, expand 2, state 16, conv 4), plus small sizes for examples,
 # tests and CPU benchmarks. "densemamba-1.3b" follows Table 2 exactly (50 layers, d_model 2048); that is about
@@ -20,7 +18,7 @@ DENSEMAMBA_PRESETS = {
 }
 
 
-class DenseMambaConfig(PretrainedConfig):
+class DenseMambaConfig(DenseSSMConfig):
     r"""Configuration of a :class:`~hf_densessm.DenseMambaModel` / :class:`~hf_densessm.DenseMambaForCausalLM`.
 
     The Mamba fields keep the names, defaults and meanings of ``transformers.MambaConfig``; with
@@ -49,20 +47,16 @@ class DenseMambaConfig(PretrainedConfig):
         use_cache (`bool`, defaults to True): return the recurrent-state cache.
         tie_word_embeddings (`bool`, defaults to True): tie ``lm_head`` to the embeddings.
         dense_layers (`int`, defaults to 4): ``m`` (Table 2 uses 4 for DenseMamba); 0 gives plain Mamba.
-        dense_projection (`str`, defaults to "identity"): "identity" | "linear" (Table 5).
-        dense_selection (`str`, defaults to "mlp"): "mlp" | "linear" | "none" (Table 5).
-        dense_shared_gate (`bool`, defaults to True): one gate for the ``m`` predecessors (Table 7).
-        dense_fusion (`str`, defaults to "add"): "add" | "concat" (Table 8).
-        dense_every (`int`, defaults to 1): dense connection on every k-th layer (Table 9).
-        dense_gate_hidden_size (`int`, *optional*): MLP gate width; default ``max(1, hidden_size // 32)``.
-        kernel_backend (`str`, defaults to "auto"): "auto" (Triton on CUDA, PyTorch otherwise) | "triton" | "torch";
-            "torch" forces the reference path for debugging.
+        dense_projection, dense_selection, dense_shared_gate, dense_fusion, dense_every, dense_gate_hidden_size,
+        kernel_backend: the dense knobs and the kernel backend, declared once in
+            :data:`hf_densessm.configuration.configuration_densessm.DENSE_KNOBS` (Tables 5, 7, 8, 9).
 
     Raises:
         ValueError, TypeError: at construction, for any field outside its allowed values (the message names it).
     """
 
     model_type = "densemamba"
+    dense_defaults = {"dense_layers": 4}
 
     def __init__(
         self,
@@ -90,14 +84,6 @@ class DenseMambaConfig(PretrainedConfig):
         rescale_prenorm_residual: bool = False,
         use_cache: bool = True,
         tie_word_embeddings: bool = True,
-        dense_layers: int = 4,
-        dense_projection: str = "identity",
-        dense_selection: str = "mlp",
-        dense_shared_gate: bool = True,
-        dense_fusion: str = "add",
-        dense_every: int = 1,
-        dense_gate_hidden_size: int | None = None,
-        kernel_backend: str = "auto",
         **kwargs,
     ):
         kwargs.pop("intermediate_size", None)  # derived; present in saved configs
@@ -109,11 +95,11 @@ class DenseMambaConfig(PretrainedConfig):
         self.expand = check_int("expand", expand, 1)
         self.conv_kernel = check_int("conv_kernel", conv_kernel, 1)
         self.intermediate_size = int(self.expand * self.hidden_size)
-        self.use_bias = use_bias
-        self.use_conv_bias = use_conv_bias
+        self.use_bias = check_bool("use_bias", use_bias)
+        self.use_conv_bias = check_bool("use_conv_bias", use_conv_bias)
         self.hidden_act = check_choice("hidden_act", hidden_act, ("silu",))
         self.initializer_range = check_positive_float("initializer_range", initializer_range)
-        self.residual_in_fp32 = residual_in_fp32
+        self.residual_in_fp32 = check_bool("residual_in_fp32", residual_in_fp32)
         if time_step_rank == "auto":
             time_step_rank = math.ceil(self.hidden_size / 16)
         self.time_step_rank = check_int("time_step_rank", time_step_rank, 1)
@@ -126,24 +112,13 @@ class DenseMambaConfig(PretrainedConfig):
             )
         self.time_step_init_scheme = check_choice("time_step_init_scheme", time_step_init_scheme, ("random", "constant"))
         self.time_step_floor = check_positive_float("time_step_floor", time_step_floor)
-        self.rescale_prenorm_residual = rescale_prenorm_residual
-        self.use_cache = use_cache
-        set_dense_knobs(
-            self,
-            dense_layers=dense_layers,
-            dense_projection=dense_projection,
-            dense_selection=dense_selection,
-            dense_shared_gate=dense_shared_gate,
-            dense_fusion=dense_fusion,
-            dense_every=dense_every,
-            dense_gate_hidden_size=dense_gate_hidden_size,
-        )
-        self.kernel_backend = check_choice("kernel_backend", kernel_backend, KERNEL_BACKENDS)
+        self.rescale_prenorm_residual = check_bool("rescale_prenorm_residual", rescale_prenorm_residual)
+        self.use_cache = check_bool("use_cache", use_cache)
         super().__init__(
             pad_token_id=pad_token_id,
             bos_token_id=bos_token_id,
             eos_token_id=eos_token_id,
-            tie_word_embeddings=tie_word_embeddings,
+            tie_word_embeddings=check_bool("tie_word_embeddings", tie_word_embeddings),
             **kwargs,
         )
 

@@ -1,10 +1,8 @@
-"""Configuration of DenseRetNet (DenseSSM paper §3.3 "Extension to RetNet", §4.2, Table 3; DESIGN.md §2)."""
+"""Configuration of DenseRetNet (DenseSSM paper §3.3 "Extension to RetNet", §4.2, Table 3; docs/design.md §3)."""
 
 from __future__ import annotations
 
-from transformers import PretrainedConfig
-
-from .dense import KERNEL_BACKENDS, check_choice, check_int, check_positive_float, resolve_preset, set_dense_knobs
+from .configuration_densessm import DenseSSMConfig, check_bool, check_choice, check_int, check_positive_float, resolve_preset
 
 # Table 3 of the DenseSSM paper (vocabulary 32000), plus small sizes for examples, tests and CPU benchmarks.
 DENSERETNET_PRESETS = {
@@ -35,7 +33,7 @@ DENSERETNET_PRESETS = {
 }
 
 
-class DenseRetNetConfig(PretrainedConfig):
+class DenseRetNetConfig(DenseSSMConfig):
     r"""Configuration of a :class:`~hf_densessm.DenseRetNetModel` / :class:`~hf_densessm.DenseRetNetForCausalLM`.
 
     Each block is a pre-norm GAU-style multi-scale retention unit (token and channel mixing in one block, no
@@ -58,9 +56,9 @@ class DenseRetNetConfig(PretrainedConfig):
         use_cache (`bool`, defaults to True): return the recurrent-state cache.
         tie_word_embeddings (`bool`, defaults to False): the published model has an untied ``lm_head``.
         dense_layers (`int`, defaults to 2): ``m`` (Table 3); 0 gives plain RetNet-GAU.
-        dense_projection, dense_selection, dense_shared_gate, dense_fusion, dense_every, dense_gate_hidden_size:
-            the dense knobs, see :func:`hf_densessm.configuration.dense.set_dense_knobs` (Tables 5, 7, 8, 9).
-        kernel_backend (`str`, defaults to "auto"): "auto" | "triton" | "torch" for the retention op.
+        dense_projection, dense_selection, dense_shared_gate, dense_fusion, dense_every, dense_gate_hidden_size,
+        kernel_backend: the dense knobs and the kernel backend, declared once in
+            :data:`hf_densessm.configuration.configuration_densessm.DENSE_KNOBS` (Tables 5, 7, 8, 9).
 
     Raises:
         ValueError, TypeError: at construction, for any field outside its allowed values (the message names it),
@@ -68,6 +66,7 @@ class DenseRetNetConfig(PretrainedConfig):
     """
 
     model_type = "denseretnet"
+    dense_defaults = {"dense_layers": 2}
 
     def __init__(
         self,
@@ -86,14 +85,6 @@ class DenseRetNetConfig(PretrainedConfig):
         eos_token_id: int | list[int] | None = 2,
         use_cache: bool = True,
         tie_word_embeddings: bool = False,
-        dense_layers: int = 2,
-        dense_projection: str = "identity",
-        dense_selection: str = "mlp",
-        dense_shared_gate: bool = True,
-        dense_fusion: str = "add",
-        dense_every: int = 1,
-        dense_gate_hidden_size: int | None = None,
-        kernel_backend: str = "auto",
         **kwargs,
     ):
         self.vocab_size = check_int("vocab_size", vocab_size, 1)
@@ -121,18 +112,7 @@ class DenseRetNetConfig(PretrainedConfig):
         self.dropout = float(dropout)
         self.rope_theta = check_positive_float("rope_theta", rope_theta)
         self.initializer_range = check_positive_float("initializer_range", initializer_range)
-        self.use_cache = use_cache
-        set_dense_knobs(
-            self,
-            dense_layers=dense_layers,
-            dense_projection=dense_projection,
-            dense_selection=dense_selection,
-            dense_shared_gate=dense_shared_gate,
-            dense_fusion=dense_fusion,
-            dense_every=dense_every,
-            dense_gate_hidden_size=dense_gate_hidden_size,
-        )
-        self.kernel_backend = check_choice("kernel_backend", kernel_backend, KERNEL_BACKENDS)
+        self.use_cache = check_bool("use_cache", use_cache)
         # transformers' linear-attention cache layer keeps two recurrent slots per block: the retention state
         # (slot 0) and the number of tokens seen, which places the rotary angles of later tokens (slot 1).
         kwargs.pop("number_of_conv_states", None)
@@ -141,7 +121,7 @@ class DenseRetNetConfig(PretrainedConfig):
             pad_token_id=pad_token_id,
             bos_token_id=bos_token_id,
             eos_token_id=eos_token_id,
-            tie_word_embeddings=tie_word_embeddings,
+            tie_word_embeddings=check_bool("tie_word_embeddings", tie_word_embeddings),
             **kwargs,
         )
 

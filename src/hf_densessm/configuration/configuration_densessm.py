@@ -1,0 +1,183 @@
+"""The config base shared by every DenseSSM family: the dense-connection knobs and ``kernel_backend``, declared once.
+
+Source: DenseSSM paper (He et al. 2024, arXiv 2403.00818) §3.3, Eq. 10-17, and its ablations, Tables 5, 7, 8, 9;
+``docs/design.md`` §2 gives the meaning of each knob and the choices the paper leaves open.
+
+:data:`DENSE_KNOBS` is the one declaration of the knobs: :class:`DenseSSMConfig` validates and sets them, the
+converters (``hf_densessm.convert``) take them as keyword arguments, the conversion CLI builds its options from
+them, and the model card lists them. A family config subclasses :class:`DenseSSMConfig`, sets its own default of
+``dense_layers`` in :attr:`DenseSSMConfig.dense_defaults`, and validates its own fields with :func:`check_int`,
+:func:`check_positive_float` and :func:`check_choice`.
+
+Why not transformers' ``@strict`` dataclass fields (present in transformers >= 5.17): their type errors are
+``StrictDataclassFieldValidationError``, which is neither a ``TypeError`` nor a ``ValueError``, while every
+boundary error of this package is one of those two (``docs/design.md`` §6).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
+from transformers import PretrainedConfig
+
+
+def check_int(name: str, value, minimum: int) -> int:
+    """Return ``value`` if it is an ``int`` (not a ``bool``) ``>= minimum``.
+
+    Raises:
+        TypeError: ``value`` is not an integer.
+        ValueError: ``value < minimum``. Both messages name the field ``name``.
+    """
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"`{name}` must be an int >= {minimum}, got {value!r} ({type(value).__name__}).")
+    if value < minimum:
+        raise ValueError(f"`{name}` must be an int >= {minimum}, got {value}.")
+    return value
+
+
+def check_positive_float(name: str, value) -> float:
+    """Return ``float(value)`` if it is a finite real number ``> 0``.
+
+    Raises:
+        TypeError: ``value`` is not a real number (a ``bool`` is refused).
+        ValueError: ``value`` is not finite or not ``> 0``. Both messages name the field ``name``.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"`{name}` must be a positive number, got {value!r} ({type(value).__name__}).")
+    if not (value > 0 and math.isfinite(value)):
+        raise ValueError(f"`{name}` must be a finite number > 0, got {value}.")
+    return float(value)
+
+
+def check_bool(name: str, value) -> bool:
+    """Return ``value`` if it is a ``bool``; else raise ``TypeError`` naming ``name`` (``'false'`` is refused)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"`{name}` must be a bool (True or False), got {value!r} ({type(value).__name__}).")
+    return value
+
+
+def check_choice(name: str, value, allowed: tuple[str, ...]) -> str:
+    """Return ``value`` if it is one of ``allowed``; else raise ``ValueError`` naming ``name`` and the allowed values."""
+    if not isinstance(value, str) or value not in allowed:
+        raise ValueError(f"`{name}` must be one of {', '.join(repr(a) for a in allowed)}; got {value!r}.")
+    return value
+
+
+@dataclass(frozen=True)
+class Knob:
+    """One config field of the dense connection (or the kernel backend).
+
+    Attributes:
+        name: the config field, e.g. ``"dense_layers"``.
+        kind: ``int``, ``bool`` or ``str``.
+        default: the default (``None`` for ``dense_layers``, whose default is the family's, and for
+            ``dense_gate_hidden_size``, derived from ``hidden_size``).
+        help: one line: what it does and the paper's equation or table.
+        choices: the allowed strings (``kind is str``).
+        minimum: the smallest allowed int (``kind is int``).
+        optional: ``None`` is allowed (and resolved by :meth:`DenseSSMConfig.set_dense_knobs`).
+        families: the ``model_type`` values that have the knob (``None``: every family).
+    """
+
+    name: str
+    kind: type
+    default: object
+    help: str
+    choices: tuple[str, ...] | None = None
+    minimum: int | None = None
+    optional: bool = False
+    families: tuple[str, ...] | None = None
+
+    def check(self, value):
+        """Return ``value`` if allowed; raise ``TypeError``/``ValueError`` naming the knob otherwise."""
+        if value is None and self.optional:
+            return None
+        if self.kind is bool:
+            return check_bool(self.name, value)
+        if self.kind is int:
+            return check_int(self.name, value, self.minimum)
+        return check_choice(self.name, value, self.choices)
+
+    def applies_to(self, model_type: str) -> bool:
+        """Whether a config of ``model_type`` has this knob."""
+        return self.families is None or model_type in self.families
+
+
+#: Every dense-connection knob and ``kernel_backend``, in the order the docs list them.
+DENSE_KNOBS: tuple[Knob, ...] = (
+    Knob("dense_layers", int, None, "m, how many preceding layers feed each layer (Eq. 10; Table 7); 0 = the base "
+         "model; the default is the family's (4 DenseMamba, 2 DenseRetNet)", minimum=0),
+    Knob("dense_projection", str, "identity", "Proj of the selective transition (Eq. 15; Table 5)",
+         choices=("identity", "linear")),
+    Knob("dense_selection", str, "mlp", "Gate of the selective transition, from the layer's normalized input "
+         "(Eq. 16; Table 5)", choices=("mlp", "linear", "none")),
+    Knob("dense_shared_gate", bool, True, "one gate shared by the m predecessors (True) or one per predecessor "
+         "(Table 7, 'Diff. gates')"),
+    Knob("dense_fusion", str, "add", "hidden fusion: sum (Eq. 17) or concat + linear reduction (Table 8)",
+         choices=("add", "concat")),
+    Knob("dense_every", int, 1, "only layers whose index is a multiple fuse (Table 9)", minimum=1),
+    Knob("dense_gate_hidden_size", int, None, "hidden width of the 'mlp' gate; None = max(1, hidden_size // 32)",
+         minimum=1, optional=True),
+    Knob("kernel_backend", str, "auto", "'auto' (Triton on CUDA, PyTorch otherwise), 'triton' or 'torch'",
+         choices=("auto", "triton", "torch")),
+)
+
+DENSE_KNOB_NAMES: tuple[str, ...] = tuple(knob.name for knob in DENSE_KNOBS)
+
+
+def knobs_for(model_type: str) -> tuple[Knob, ...]:
+    """The knobs of the family ``model_type`` (``"densemamba"``, ``"denseretnet"``)."""
+    return tuple(knob for knob in DENSE_KNOBS if knob.applies_to(model_type))
+
+
+def resolve_preset(presets: dict, name, family: str) -> dict:
+    """Return a copy of ``presets[name]``.
+
+    Raises:
+        TypeError: ``name`` is not a string.
+        ValueError: ``name`` is not a preset of ``family``; the message lists the known names.
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"The {family} preset name must be a str, got {name!r} ({type(name).__name__}).")
+    if name not in presets:
+        raise ValueError(f"Unknown {family} preset {name!r}; known presets: {', '.join(sorted(presets))}.")
+    return dict(presets[name])
+
+
+class DenseSSMConfig(PretrainedConfig):
+    """Base of the DenseSSM family configs: sets and validates the :data:`DENSE_KNOBS`.
+
+    A subclass calls ``super().__init__(**kwargs)`` after setting ``hidden_size`` (the default gate width is
+    derived from it); the knobs arrive in ``kwargs`` under their names (absent ones take their defaults;
+    ``dense_layers`` defaults to ``dense_defaults["dense_layers"]``). Every other keyword goes to
+    ``transformers.PretrainedConfig``.
+
+    Raises:
+        ValueError, TypeError: a knob outside its allowed values; the message names the knob and what is allowed.
+    """
+
+    model_type = ""
+    #: Family defaults that differ from the knob table's (``dense_layers``: 4 for DenseMamba, 2 for DenseRetNet).
+    dense_defaults: ClassVar[dict] = {}
+
+    def __init__(self, **kwargs):
+        self.set_dense_knobs(kwargs)
+        super().__init__(**kwargs)
+
+    def set_dense_knobs(self, kwargs: dict) -> None:
+        """Pop the knobs of this family from ``kwargs``, validate them and set them on the config."""
+        for knob in knobs_for(self.model_type):
+            default = self.dense_defaults.get(knob.name, knob.default)
+            setattr(self, knob.name, knob.check(kwargs.pop(knob.name, default)))
+        if self.dense_gate_hidden_size is None:
+            self.dense_gate_hidden_size = max(1, self.hidden_size // 32)
+
+    def to_diff_dict(self) -> dict:
+        """transformers' diff against the defaults, plus every knob: a saved ``config.json`` always carries the
+        knobs, so a model never reloads with a different dense connection when a default changes."""
+        diff = super().to_diff_dict()
+        for knob in knobs_for(self.model_type):
+            diff[knob.name] = getattr(self, knob.name)
+        return diff
