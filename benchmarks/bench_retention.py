@@ -29,8 +29,9 @@ import time
 
 import torch
 
-from hf_densessm.ops.retention import chunk_retention, parallel_retention, retention_state_update
-from hf_densessm.ops.retention.naive import chunk_retention_torch, default_chunk_size
+from hf_densessm.ops.retention import chunk_retention, retention_state_update
+from hf_densessm.ops.retention.chunked_torch import chunk_retention_torch, default_chunk_size
+from hf_densessm.ops.retention.naive import chunk_retention_naive
 
 
 def _sync(device):
@@ -169,7 +170,7 @@ def bench_cpu(args, device):
         for chunk_size in args.chunk_sizes:
             name = f"torch chunked C={chunk_size}" + (" (default)" if chunk_size == default else "")
             impls[name] = functools.partial(_chunked_output, chunk_size=chunk_size)
-        impls["torch parallel (quadratic)"] = parallel_retention
+        impls["torch parallel (quadratic, naive)"] = chunk_retention_naive
         for name, fn in impls.items():
             row = _measure(name, fn, inputs, device, args.warmup, args.repeats)
             rows.append({"length": length, "batch": batch, **row})

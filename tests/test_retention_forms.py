@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import hf_densessm.modeling.modeling_denseretnet as retnet_module
-from hf_densessm.ops.retention import parallel_retention, retention_gamma
+from hf_densessm.ops.retention.naive import chunk_retention_naive as parallel_retention, retention_gamma
 from helpers import get_cache, micro_model, random_ids
 
 

@@ -6,9 +6,10 @@ import os
 import pytest
 import torch
 
-from hf_densessm.ops import retention
-from hf_densessm.ops.retention import chunk_retention, parallel_retention, retention_gamma, retention_state_update
-from hf_densessm.ops.retention.naive import chunk_retention_torch, retention_step_torch
+from hf_densessm.ops import backend
+from hf_densessm.ops.retention import chunk_retention, retention_gamma, retention_state_update
+from hf_densessm.ops.retention.chunked_torch import chunk_retention_torch, retention_state_update_torch
+from hf_densessm.ops.retention.naive import chunk_retention_naive
 
 try:
     import triton  # noqa: F401
@@ -77,7 +78,7 @@ def test_gamma_per_head():
 @pytest.mark.parametrize("chunk_size", [1, 16, 64])
 def test_chunked_matches_parallel(length, chunk_size):
     q, k, v, _ = _inputs(2, length, 3, 8, 12)
-    expected = parallel_retention(q, k, v, scale=0.7)
+    expected = chunk_retention_naive(q, k, v, scale=0.7)
     o, final_state = chunk_retention_torch(q, k, v, scale=0.7, chunk_size=chunk_size)
     assert final_state is None
     torch.testing.assert_close(o, expected, rtol=1e-10, atol=1e-10)
@@ -92,7 +93,7 @@ def test_parallel_matches_eq24_sum():
         for s in range(t + 1):
             weight = gamma ** (t - s) * (q[0, t] * k[0, s]).sum(-1)  # (H,)
             expected[0, t] += 3**-0.5 * weight[:, None] * v[0, s]
-    torch.testing.assert_close(parallel_retention(q, k, v), expected, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(chunk_retention_naive(q, k, v), expected, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("length", [1, 5, 70])
@@ -109,7 +110,7 @@ def test_chunked_gradients_match_parallel():
     q, k, v, _ = _inputs(2, 100, 2, 8, 12)
     grad_out = torch.randn_like(v)
     grads = []
-    for fn in (lambda *x: parallel_retention(*x), lambda *x: chunk_retention(*x, backend="torch")[0]):
+    for fn in (lambda *x: chunk_retention_naive(*x), lambda *x: chunk_retention(*x, backend="torch")[0]):
         leaves = [x.clone().requires_grad_() for x in (q, k, v)]
         (fn(*leaves) * grad_out).sum().backward()
         grads.append([x.grad for x in leaves])
@@ -127,7 +128,7 @@ def test_state_update_is_in_place():
     q, k, v, s0 = _inputs(2, 1, 3, 8, 12, initial_state=True)
     state = s0.clone()
     pointer = state.data_ptr()
-    retention_step_torch(state, q[:, 0], k[:, 0], v[:, 0])
+    retention_state_update_torch(state, q[:, 0], k[:, 0], v[:, 0])
     assert state.data_ptr() == pointer and not torch.equal(state, s0)
 
 
@@ -290,13 +291,13 @@ def test_bad_inputs_raise_at_entry(name, call, error, match):
 @pytest.mark.skipif(ON_CUDA, reason="CPU tensors only")
 def test_triton_backend_on_cpu_needs_the_interpreter(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    monkeypatch.setattr(retention, "_triton_available", lambda: True)
+    monkeypatch.setattr(backend, "triton_available", lambda: True)
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
         chunk_retention(_Q, _K, _V, backend="triton")
 
 
 def test_missing_triton(monkeypatch):
-    monkeypatch.setattr(retention, "_triton_available", lambda: False)
+    monkeypatch.setattr(backend, "triton_available", lambda: False)
     with pytest.raises(RuntimeError, match="needs the triton package"):
         chunk_retention(_Q, _K, _V, backend="triton")
     o, _ = chunk_retention(_Q, _K, _V, backend="auto")  # falls back to the PyTorch reference

@@ -1,12 +1,12 @@
-"""Selective scan: chunked PyTorch reference vs a plain sequential loop, Triton kernels vs the reference
+"""Selective scan: chunked PyTorch path vs the plain token loop (``naive.py``), Triton kernels vs the PyTorch path
 (under ``TRITON_INTERPRET=1`` on the CPU, see ``tests/conftest.py``), decode step vs the scan, argument checks."""
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from hf_densessm.ops.selective_scan import selective_scan, selective_state_update
-from hf_densessm.ops.selective_scan.naive import selective_scan_ref
+from hf_densessm.ops.selective_scan.chunked_torch import selective_scan_torch
+from hf_densessm.ops.selective_scan.naive import selective_scan_naive
 
 try:
     import triton  # noqa: F401
@@ -16,26 +16,6 @@ except ImportError:
     HAS_TRITON = False
 
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
-
-
-def sequential_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False, initial_state=None):
-    """Ground truth: Mamba's recurrence one token at a time, in float64 (Mamba paper Algorithm 2, eq. 2a/2b)."""
-    u, delta, A, B, C = (t.double() for t in (u, delta, A, B, C))
-    dt = delta + (delta_bias.double()[:, None] if delta_bias is not None else 0.0)
-    if delta_softplus:
-        dt = F.softplus(dt)
-    batch, dim, length = u.shape
-    h = torch.zeros(batch, dim, A.shape[1], dtype=torch.float64) if initial_state is None else initial_state.double()
-    ys = []
-    for t in range(length):
-        h = torch.exp(dt[:, :, t, None] * A) * h + (dt[:, :, t] * u[:, :, t])[:, :, None] * B[:, None, :, t]
-        ys.append((h * C[:, None, :, t]).sum(-1))
-    y = torch.stack(ys, dim=-1)
-    if D is not None:
-        y = y + u * D.double()[:, None]
-    if z is not None:
-        y = y * F.silu(z.double())
-    return y, h
 
 
 def make_inputs(batch, dim, state, length, dtype=torch.float64, full=True, seed=0):
@@ -69,7 +49,7 @@ def grads_of(fn, kw, seed=1):
 
 
 def seq_fn(return_last_state=True, **kw):
-    return sequential_scan(**kw)
+    return selective_scan_naive(**kw)
 
 
 def assert_close(a, b, rtol, name=""):
@@ -85,7 +65,7 @@ def assert_close(a, b, rtol, name=""):
 @pytest.mark.parametrize("full", [True, False])
 def test_reference_matches_sequential(length, chunk, full):
     kw = make_inputs(2, 6, 5, length, full=full)
-    y, last, grads = grads_of(lambda **k: selective_scan_ref(**k, chunk_size=chunk), kw)
+    y, last, grads = grads_of(lambda **k: selective_scan_torch(**k, chunk_size=chunk), kw)
     y0, last0, grads0 = grads_of(seq_fn, kw)
     assert_close(y, y0, 1e-10, "y")
     assert_close(last, last0, 1e-10, "last_state")
@@ -96,7 +76,7 @@ def test_reference_matches_sequential(length, chunk, full):
 
 def test_reference_chunk_size_does_not_change_result():
     kw = make_inputs(1, 4, 3, 50)
-    outs = [selective_scan_ref(**kw, chunk_size=c, return_last_state=True) for c in (1, 3, 8, 50, 64)]
+    outs = [selective_scan_torch(**kw, chunk_size=c, return_last_state=True) for c in (1, 3, 8, 50, 64)]
     for y, last in outs[1:]:
         assert_close(y, outs[0][0], 1e-12)
         assert_close(last, outs[0][1], 1e-12)
@@ -107,7 +87,7 @@ def test_reference_low_precision(dtype):
     kw = make_inputs(2, 8, 4, 33, dtype=dtype)
     y, last = selective_scan(**kw, return_last_state=True, backend="torch")
     assert y.dtype == dtype and last.dtype == torch.float32
-    y0, last0 = sequential_scan(**kw)
+    y0, last0 = selective_scan_naive(**kw)
     assert_close(y, y0, 1e-5 if dtype == torch.float32 else 1e-2)
     assert_close(last, last0, 1e-5)
 
@@ -117,8 +97,8 @@ def test_reference_long_decay_is_stable():
     kw = make_inputs(1, 4, 4, 300, full=False)
     kw["delta"] = kw["delta"] * 50
     kw["A"] = kw["A"] * 20
-    y, last = selective_scan_ref(**kw, return_last_state=True)
-    y0, last0 = sequential_scan(**kw)
+    y, last = selective_scan_torch(**kw, return_last_state=True)
+    y0, last0 = selective_scan_naive(**kw)
     assert torch.isfinite(y).all()
     assert_close(y, y0, 1e-10)
     assert_close(last, last0, 1e-10)
@@ -140,11 +120,11 @@ def test_reference_long_decay_is_stable():
     ],
 )
 def test_triton_scan_matches_reference_float64(batch, dim, state, length, chunk, full):
-    from hf_densessm.ops.selective_scan.chunk import selective_scan_chunk
+    from hf_densessm.ops.selective_scan.chunk import selective_scan_triton
 
     kw = make_inputs(batch, dim, state, length, full=full, seed=length)
-    y, last, grads = grads_of(lambda **k: selective_scan_chunk(**k, chunk_size=chunk), kw)
-    y0, last0, grads0 = grads_of(selective_scan_ref, kw)
+    y, last, grads = grads_of(lambda **k: selective_scan_triton(**k, chunk_size=chunk), kw)
+    y0, last0, grads0 = grads_of(selective_scan_torch, kw)
     assert_close(y, y0, 1e-10, "y")
     assert_close(last, last0, 1e-10, "last_state")
     for k in grads0:
@@ -181,14 +161,14 @@ def test_triton_scan_float32_through_public_api():
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_triton_scan_half_precision_smoke(dtype):
-    from hf_densessm.ops.selective_scan.chunk import selective_scan_chunk
+    from hf_densessm.ops.selective_scan.chunk import selective_scan_triton
 
     kw = make_inputs(1, 8, 4, 19, dtype=dtype)
     kw = {k: (v.requires_grad_(True) if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
           for k, v in kw.items()}
-    y, last = selective_scan_chunk(**kw, return_last_state=True, chunk_size=8)
+    y, last = selective_scan_triton(**kw, return_last_state=True, chunk_size=8)
     assert y.dtype == dtype and last.dtype == torch.float32
-    y0, last0 = selective_scan_ref(**kw, return_last_state=True)
+    y0, last0 = selective_scan_torch(**kw, return_last_state=True)
     assert_close(y, y0, 2e-2, "y")
     assert_close(last, last0, 1e-4, "last_state")
     y.float().sum().backward()
@@ -197,12 +177,12 @@ def test_triton_scan_half_precision_smoke(dtype):
 
 @needs_triton
 def test_triton_scan_no_grad_stores_no_chunk_states():
-    from hf_densessm.ops.selective_scan.chunk import selective_scan_chunk
+    from hf_densessm.ops.selective_scan.chunk import selective_scan_triton
 
     kw = make_inputs(1, 8, 4, 20)
     with torch.no_grad():
-        y = selective_scan_chunk(**kw, chunk_size=8)
-    assert_close(y, selective_scan_ref(**kw), 1e-10)
+        y = selective_scan_triton(**kw, chunk_size=8)
+    assert_close(y, selective_scan_torch(**kw), 1e-10)
 
 
 # ---------------------------------------------------------------------------------------------- decode step
@@ -213,7 +193,7 @@ def test_triton_scan_no_grad_stores_no_chunk_states():
 def test_decode_steps_match_scan(backend, full):
     batch, dim, state, length = 2, 40, 5, 6  # dim 40: two channel blocks of the step kernel
     kw = make_inputs(batch, dim, state, length, full=full)
-    y_scan, last_scan = selective_scan_ref(**kw, return_last_state=True)
+    y_scan, last_scan = selective_scan_torch(**kw, return_last_state=True)
     h = kw["initial_state"].clone() if full else torch.zeros(batch, dim, state, dtype=torch.float64)
     for t in range(length):
         y_t = selective_state_update(
@@ -236,7 +216,7 @@ def test_decode_step_float32_state_bfloat16_inputs(backend):
     h0 = h.clone()
     y = selective_state_update(h, x, dt, A, B, C, z=z, dt_softplus=True, backend=backend)
     assert y.dtype == torch.bfloat16 and h.dtype == torch.float32
-    y0, h1 = sequential_scan(x[..., None], dt[..., None], A, B[..., None], C[..., None], z=z[..., None],
+    y0, h1 = selective_scan_naive(x[..., None], dt[..., None], A, B[..., None], C[..., None], z=z[..., None],
                              delta_softplus=True, initial_state=h0)
     assert_close(h, h1, 1e-5)
     assert_close(y, y0[..., 0], 1e-2)

@@ -3,49 +3,32 @@
 - :func:`chunk_retention`: training / prefill, chunkwise form, ``(batch, length, heads, dim)`` layout.
 - :func:`retention_state_update`: one decoding step, the recurrent state updated in place.
 
-``backend="auto"`` runs the Triton kernels (``chunk.py``, ``fused_recurrent.py``) on CUDA tensors and the
-PyTorch references (``naive.py``) otherwise. Triton is imported only when a Triton backend runs, so the
+The forms of the op, one file each (the layout of flash-linear-attention's ``fla/ops/retention/``):
+
+- ``naive.py``: ``chunk_retention_naive``, the quadratic parallel form (Eq. 24), the ground truth of the tests,
+  and the per-head decay :func:`retention_gamma` / :func:`retention_log2_gamma` that every form and the model use;
+- ``chunked_torch.py``: ``chunk_retention_torch`` / ``retention_state_update_torch``, the vectorized
+  PyTorch path (chunkwise form; loop over chunks), what the models run on the CPU;
+- ``chunk.py``: ``chunk_retention_triton``, the chunkwise Triton kernels (forward, backward) for training/prefill;
+- ``fused_recurrent.py``: ``retention_state_update_triton``, the Triton decode step.
+
+``backend="auto"`` runs the Triton kernels on CUDA tensors and the PyTorch path otherwise
+(:func:`hf_densessm.ops.backend.use_triton`). Triton is imported only when a Triton backend runs, so the
 package and the PyTorch path work where triton is not installed.
 """
 
 import math
 import numbers
-import os
 
 import torch
 
-from .naive import chunk_retention_torch, parallel_retention, retention_gamma, retention_step_torch
+from ..backend import use_triton
+from .chunked_torch import chunk_retention_torch, retention_state_update_torch
+from .naive import retention_gamma, retention_log2_gamma
 
-__all__ = ["chunk_retention", "retention_state_update", "parallel_retention", "retention_gamma"]
+__all__ = ["chunk_retention", "retention_gamma", "retention_log2_gamma", "retention_state_update"]
 
-_BACKENDS = ("auto", "triton", "torch")
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
-
-def _triton_available():
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def _use_triton(backend, device):
-    """Resolve ``backend`` to True (Triton kernel) or False (PyTorch reference) for tensors on ``device``."""
-    if backend not in _BACKENDS:
-        raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
-    if backend == "torch":
-        return False
-    if backend == "auto":
-        return device.type == "cuda" and _triton_available()
-    if not _triton_available():
-        raise RuntimeError("backend='triton' needs the triton package, which is not installed; use backend='torch'")
-    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise RuntimeError(
-            f"backend='triton' on {device.type} tensors needs the Triton interpreter: set the environment "
-            "variable TRITON_INTERPRET=1 before triton is imported, or use backend='torch'"
-        )
-    return True
 
 
 def _check_scale(scale, key_dim):
@@ -109,7 +92,7 @@ def chunk_retention(q, k, v, scale=None, initial_state=None, output_final_state=
             = scale sum_{s<=t} gamma_h^(t-s) (q_t . k_s) v_s + scale gamma_h^t q_t S_0    (Eq. 24)
 
     so token ``t`` sees itself. The sequence is cut into chunks of ``C`` tokens (64 in the Triton kernel; the
-    torch path picks ``C`` from ``key_dim * value_dim``, see ``naive.default_chunk_size``): inside a chunk,
+    torch path picks ``C`` from ``key_dim * value_dim``, see ``chunked_torch.default_chunk_size``): inside a chunk,
     ``((q k^T) * D) v`` with ``D[i, j] = gamma^(i-j)`` for ``j <= i``; from earlier chunks,
     ``gamma^(i+1) q_i S_prev``, with ``S_prev`` carried chunk to chunk (``S <- gamma^C S + sum_j gamma^(C-1-j)
     k_j^T v_j``). This is the same sum as Eq. 24 and as the recurrence, accumulated in float32 (float64 for
@@ -119,8 +102,8 @@ def chunk_retention(q, k, v, scale=None, initial_state=None, output_final_state=
     square root of its sum, and each row of ``(q k^T) * D`` by ``max(1, sum of its absolute values)``. Both are
     positive factors per token and head, and the model applies a per-head RMSNorm to ``o`` right after
     retention, which is invariant to a positive factor per row (up to its eps). So this op, like fast retention
-    kernels, leaves them out; its chunked form, :func:`parallel_retention` (Eq. 24 with the plain decay mask)
-    and the recurrent step :func:`retention_state_update` agree exactly with each other (DESIGN.md §2).
+    kernels, leaves them out; its chunked form, ``naive.chunk_retention_naive`` (Eq. 24 with the plain decay mask)
+    and the recurrent step :func:`retention_state_update` agree exactly with each other (docs/design.md, on DenseRetNet's retention).
 
     Args:
         q (Tensor): queries ``(batch, length, heads, key_dim)``.
@@ -148,7 +131,7 @@ def chunk_retention(q, k, v, scale=None, initial_state=None, output_final_state=
     scale = _check_scale(scale, q.shape[-1])
     if initial_state is not None:
         _check_state("initial_state", initial_state, q, v)
-    if _use_triton(backend, q.device):
+    if use_triton(backend, q.device):
         from .chunk import chunk_retention_triton
 
         return chunk_retention_triton(q, k, v, scale, initial_state, output_final_state)
@@ -180,8 +163,8 @@ def retention_state_update(state, q, k, v, scale=None, backend="auto"):
     _check_qkv(q, k, v, ("batch", "heads"))
     scale = _check_scale(scale, q.shape[-1])
     _check_state("state", state, q, v)
-    if _use_triton(backend, q.device):
-        from .fused_recurrent import retention_step_triton
+    if use_triton(backend, q.device):
+        from .fused_recurrent import retention_state_update_triton
 
-        return retention_step_triton(state, q, k, v, scale)
-    return retention_step_torch(state, q, k, v, scale)
+        return retention_state_update_triton(state, q, k, v, scale)
+    return retention_state_update_torch(state, q, k, v, scale)

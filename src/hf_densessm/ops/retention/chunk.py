@@ -23,8 +23,12 @@ float16 / bfloat16; exact, not TF32, for float32) with float32 accumulation (flo
 """
 
 import torch
-import triton
-import triton.language as tl
+
+try:  # triton: needed only when a kernel of this file runs
+    import triton
+    import triton.language as tl
+except ImportError as error:
+    raise ImportError(f"{__name__} holds Triton kernels and needs the `triton` package") from error
 
 from .naive import retention_log2_gamma
 

@@ -8,8 +8,12 @@ outputs reach memory. Key and value sizes that are not powers of two are masked.
 """
 
 import torch
-import triton
-import triton.language as tl
+
+try:  # triton: needed only when a kernel of this file runs
+    import triton
+    import triton.language as tl
+except ImportError as error:
+    raise ImportError(f"{__name__} holds Triton kernels and needs the `triton` package") from error
 
 from .naive import retention_log2_gamma
 
@@ -46,7 +50,7 @@ def _retention_step_kernel(
     tl.store(o + i_bh * V + offs_v, o_acc.to(o.dtype.element_ty), mask=mask_v)
 
 
-def retention_step_triton(state, q, k, v, scale):
+def retention_state_update_triton(state, q, k, v, scale):
     """One retention decoding step with the Triton kernel (arguments checked by :func:`retention_state_update`).
 
     Args:

@@ -5,9 +5,18 @@
 - :func:`selective_state_update`: one token (decoding), updating the state in place; as ``mamba_ssm``'s
   ``selective_state_update``.
 
-Backends (``backend=``): ``"auto"`` runs the Triton kernel on CUDA tensors (when triton is installed) and the
-PyTorch reference otherwise; ``"triton"`` forces the kernel (on CPU tensors only under ``TRITON_INTERPRET=1``,
-the interpreter, for tests); ``"torch"`` forces the reference (:mod:`.naive`, chunked and vectorized).
+The forms of the op, one file each (the layout of flash-linear-attention's ``fla/ops/<op>/``):
+
+- ``naive.py``: ``selective_scan_naive``, the token-by-token loop in float64, the ground truth of the tests;
+- ``chunked_torch.py``: ``selective_scan_torch`` / ``selective_state_update_torch``, the vectorized
+  PyTorch path (chunked over the length, hand-written backward), what the models run on the CPU;
+- ``chunk.py``: ``selective_scan_triton``, the fused Triton kernels for training and prefill;
+- ``fused_recurrent.py``: ``selective_state_update_triton``, the Triton decode step.
+
+Backends (``backend=``, resolved by :func:`hf_densessm.ops.backend.use_triton`): ``"auto"`` runs the Triton
+kernel on CUDA tensors (when triton is installed) and the PyTorch path otherwise; ``"triton"`` forces the kernel
+(on CPU tensors only under ``TRITON_INTERPRET=1``, the interpreter, for tests); ``"torch"`` forces the PyTorch
+path. The Triton files are imported only when a kernel runs.
 
 Choices made here:
 
@@ -22,46 +31,14 @@ Choices made here:
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from .naive import selective_scan_ref, selective_state_update_ref
+from ..backend import use_triton
+from .chunked_torch import selective_scan_torch, selective_state_update_torch
 
-__all__ = ["selective_scan", "selective_state_update", "selective_scan_ref", "selective_state_update_ref"]
+__all__ = ["selective_scan", "selective_state_update"]
 
-BACKENDS = ("auto", "triton", "torch")
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-
-
-def _triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
-
-
-def _use_triton(backend: str, device: torch.device) -> bool:
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got backend={backend!r}")
-    if backend == "torch":
-        return False
-    if backend == "auto":
-        return device.type == "cuda" and _triton_available()
-    if not _triton_available():
-        raise RuntimeError("backend='triton' needs the triton package, which is not installed; use backend='torch'")
-    if device.type != "cuda" and not _interpreting():
-        raise RuntimeError(
-            f"backend='triton' on {device.type} tensors needs the Triton interpreter: set the environment variable "
-            "TRITON_INTERPRET=1 before triton kernels are defined (before importing this package), or use "
-            "backend='torch'"
-        )
-    return True
 
 
 def _check_tensor(name, t, shape, device, optional=False):
@@ -162,17 +139,17 @@ def selective_scan(
             ``TRITON_INTERPRET=1``.
     """
     _check_scan_args(u, delta, A, B, C, D, z, delta_bias, initial_state)
-    use_triton = _use_triton(backend, u.device)
+    use_triton_kernel = use_triton(backend, u.device)
     if not (u.is_cuda and torch.cuda.is_current_stream_capturing()):
         _check_decay(A)
-    if use_triton:
-        from .chunk import selective_scan_chunk
+    if use_triton_kernel:
+        from .chunk import selective_scan_triton
 
-        return selective_scan_chunk(
+        return selective_scan_triton(
             u, delta, A, B, C, D=D, z=z, delta_bias=delta_bias, delta_softplus=delta_softplus,
             initial_state=initial_state, return_last_state=return_last_state,
         )
-    return selective_scan_ref(
+    return selective_scan_torch(
         u, delta, A, B, C, D=D, z=z, delta_bias=delta_bias, delta_softplus=delta_softplus,
         initial_state=initial_state, return_last_state=return_last_state,
     )
@@ -229,9 +206,9 @@ def selective_state_update(
     _check_tensor("D", D, ((dim,), ("dim",)), dev, optional=True)
     _check_tensor("z", z, ((batch, dim), ("batch", "dim")), dev, optional=True)
     _check_tensor("dt_bias", dt_bias, ((dim,), ("dim",)), dev, optional=True)
-    use_triton = _use_triton(backend, dev)
-    if use_triton:
-        from .fused_recurrent import fused_selective_state_update
+    use_triton_kernel = use_triton(backend, dev)
+    if use_triton_kernel:
+        from .fused_recurrent import selective_state_update_triton
 
-        return fused_selective_state_update(state, x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus)
-    return selective_state_update_ref(state, x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus)
+        return selective_state_update_triton(state, x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus)
+    return selective_state_update_torch(state, x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus)

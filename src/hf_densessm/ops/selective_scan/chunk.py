@@ -31,10 +31,16 @@ Accumulation is in float32 (float64 when an input is float64, for tests). Runs u
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
-__all__ = ["SelectiveScanChunkFn", "selective_scan_chunk"]
+try:  # triton: needed only when a kernel of this file runs
+    import triton
+    import triton.language as tl
+except ImportError as error:
+    raise ImportError(f"{__name__} holds Triton kernels and needs the `triton` package") from error
+
+from ..triton_utils import acc, silu, softplus
+
+__all__ = ["SelectiveScanTritonFn", "selective_scan_triton"]
 
 # Tile sizes (not tuned on hardware yet): the 3-D scan tiles hold BLOCK_D * state * BLOCK_L elements per
 # tensor. BLOCK_L (the chunk, ``chunk_size``, default CHUNK_SIZE) is shared by both passes: the backward
@@ -45,23 +51,9 @@ CHUNK_SIZE = 32
 
 
 @triton.jit
-def _acc(x, USE_FP64: tl.constexpr):
-    """Cast to the accumulation dtype."""
-    if USE_FP64:
-        return x.to(tl.float64)
-    else:
-        return x.to(tl.float32)
-
-
-@triton.jit
 def _combine(a1, b1, a2, b2):
     """Composition of two affine maps ``h -> a h + b``: first ``(a1, b1)``, then ``(a2, b2)``."""
     return a1 * a2, a2 * b1 + b2
-
-
-@triton.jit
-def _softplus(x):
-    return tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))
 
 
 @triton.jit
@@ -88,35 +80,35 @@ def _selective_scan_fwd_kernel(
     mask_n = offs_n < nstate
     mask_dn = mask_d[:, None] & mask_n[None, :]
 
-    A = _acc(tl.load(A_ptr + offs_d[:, None] * s_A_d + offs_n[None, :] * s_A_n, mask=mask_dn, other=0.0), USE_FP64)
+    A = acc(tl.load(A_ptr + offs_d[:, None] * s_A_d + offs_n[None, :] * s_A_n, mask=mask_dn, other=0.0), USE_FP64)
     if HAS_D:
-        Dv = _acc(tl.load(D_ptr + offs_d, mask=mask_d, other=0.0), USE_FP64)
+        Dv = acc(tl.load(D_ptr + offs_d, mask=mask_d, other=0.0), USE_FP64)
     if HAS_BIAS:
-        bias = _acc(tl.load(bias_ptr + offs_d, mask=mask_d, other=0.0), USE_FP64)
+        bias = acc(tl.load(bias_ptr + offs_d, mask=mask_d, other=0.0), USE_FP64)
     # states are (batch, [chunk,] dim, state), contiguous
     state_offs = offs_d[:, None] * nstate + offs_n[None, :]
     if HAS_H0:
-        h = _acc(tl.load(h0_ptr + pid_b * dim * nstate + state_offs, mask=mask_dn, other=0.0), USE_FP64)
+        h = acc(tl.load(h0_ptr + pid_b * dim * nstate + state_offs, mask=mask_dn, other=0.0), USE_FP64)
     else:
-        h = _acc(tl.zeros([BLOCK_D, BLOCK_N], dtype=tl.float32), USE_FP64)
+        h = acc(tl.zeros([BLOCK_D, BLOCK_N], dtype=tl.float32), USE_FP64)
 
     for c in range(n_chunks):
         offs_l = c * BLOCK_L + offs_t
         mask_l = offs_l < length
         mask_dl = mask_d[:, None] & mask_l[None, :]
         mask_nl = mask_n[:, None] & mask_l[None, :]
-        dt = _acc(tl.load(delta_ptr + pid_b * s_dt_b + offs_d[:, None] * s_dt_d + offs_l[None, :] * s_dt_l,
+        dt = acc(tl.load(delta_ptr + pid_b * s_dt_b + offs_d[:, None] * s_dt_d + offs_l[None, :] * s_dt_l,
                           mask=mask_dl, other=0.0), USE_FP64)
         if HAS_BIAS:
             dt += bias[:, None]
         if SOFTPLUS:
-            dt = _softplus(dt)
+            dt = softplus(dt)
         dt = tl.where(mask_dl, dt, 0.0)  # padding: decay 1, input 0
-        u = _acc(tl.load(u_ptr + pid_b * s_u_b + offs_d[:, None] * s_u_d + offs_l[None, :] * s_u_l,
+        u = acc(tl.load(u_ptr + pid_b * s_u_b + offs_d[:, None] * s_u_d + offs_l[None, :] * s_u_l,
                          mask=mask_dl, other=0.0), USE_FP64)
-        Bt = _acc(tl.load(B_ptr + pid_b * s_B_b + offs_n[:, None] * s_B_n + offs_l[None, :] * s_B_l,
+        Bt = acc(tl.load(B_ptr + pid_b * s_B_b + offs_n[:, None] * s_B_n + offs_l[None, :] * s_B_l,
                           mask=mask_nl, other=0.0), USE_FP64)
-        Ct = _acc(tl.load(C_ptr + pid_b * s_C_b + offs_n[:, None] * s_C_n + offs_l[None, :] * s_C_l,
+        Ct = acc(tl.load(C_ptr + pid_b * s_C_b + offs_n[:, None] * s_C_n + offs_l[None, :] * s_C_l,
                           mask=mask_nl, other=0.0), USE_FP64)
         if STORE_CHUNKS:
             tl.store(hchunk_ptr + (pid_b * n_chunks + c) * dim * nstate + state_offs, h, mask=mask_dn)
@@ -129,9 +121,9 @@ def _selective_scan_fwd_kernel(
         if HAS_D:
             y += Dv[:, None] * u
         if HAS_Z:
-            z = _acc(tl.load(z_ptr + pid_b * s_z_b + offs_d[:, None] * s_z_d + offs_l[None, :] * s_z_l,
+            z = acc(tl.load(z_ptr + pid_b * s_z_b + offs_d[:, None] * s_z_d + offs_l[None, :] * s_z_l,
                              mask=mask_dl, other=0.0), USE_FP64)
-            y = y * z * tl.sigmoid(z)
+            y = y * silu(z)
         # y is (batch, dim, length) contiguous
         tl.store(y_ptr + pid_b * dim * length + offs_d[:, None] * length + offs_l[None, :],
                  y.to(y_ptr.dtype.element_ty), mask=mask_dl)
@@ -167,17 +159,17 @@ def _selective_scan_bwd_kernel(
     mask_dn = mask_d[:, None] & mask_n[None, :]
     first = (offs_t == 0)[None, None, :]
 
-    A = _acc(tl.load(A_ptr + offs_d[:, None] * s_A_d + offs_n[None, :] * s_A_n, mask=mask_dn, other=0.0), USE_FP64)
+    A = acc(tl.load(A_ptr + offs_d[:, None] * s_A_d + offs_n[None, :] * s_A_n, mask=mask_dn, other=0.0), USE_FP64)
     if HAS_D:
-        Dv = _acc(tl.load(D_ptr + offs_d, mask=mask_d, other=0.0), USE_FP64)
+        Dv = acc(tl.load(D_ptr + offs_d, mask=mask_d, other=0.0), USE_FP64)
     if HAS_BIAS:
-        bias = _acc(tl.load(bias_ptr + offs_d, mask=mask_d, other=0.0), USE_FP64)
+        bias = acc(tl.load(bias_ptr + offs_d, mask=mask_d, other=0.0), USE_FP64)
     state_offs = offs_d[:, None] * nstate + offs_n[None, :]
     # adjoint of the state after the current chunk's last position (carried from the next chunk)
     if HAS_DLAST:
-        g_carry = _acc(tl.load(dlast_ptr + pid_b * dim * nstate + state_offs, mask=mask_dn, other=0.0), USE_FP64)
+        g_carry = acc(tl.load(dlast_ptr + pid_b * dim * nstate + state_offs, mask=mask_dn, other=0.0), USE_FP64)
     else:
-        g_carry = _acc(tl.zeros([BLOCK_D, BLOCK_N], dtype=tl.float32), USE_FP64)
+        g_carry = acc(tl.zeros([BLOCK_D, BLOCK_N], dtype=tl.float32), USE_FP64)
     dA_acc = g_carry * 0.0
     dh0 = g_carry * 0.0
     if HAS_D:
@@ -194,39 +186,39 @@ def _selective_scan_bwd_kernel(
         io_nl = offs_n[:, None] * length + offs_l[None, :]  # ... and in the (batch, state, length) ones
 
         # inputs of position t
-        dt_raw = _acc(tl.load(delta_ptr + pid_b * s_dt_b + offs_d[:, None] * s_dt_d + offs_l[None, :] * s_dt_l,
+        dt_raw = acc(tl.load(delta_ptr + pid_b * s_dt_b + offs_d[:, None] * s_dt_d + offs_l[None, :] * s_dt_l,
                               mask=mask_dl, other=0.0), USE_FP64)
         if HAS_BIAS:
             dt_raw += bias[:, None]
         dt = dt_raw
         if SOFTPLUS:
-            dt = _softplus(dt_raw)
+            dt = softplus(dt_raw)
         dt = tl.where(mask_dl, dt, 0.0)
-        u = _acc(tl.load(u_ptr + pid_b * s_u_b + offs_d[:, None] * s_u_d + offs_l[None, :] * s_u_l,
+        u = acc(tl.load(u_ptr + pid_b * s_u_b + offs_d[:, None] * s_u_d + offs_l[None, :] * s_u_l,
                          mask=mask_dl, other=0.0), USE_FP64)
-        Bt = _acc(tl.load(B_ptr + pid_b * s_B_b + offs_n[:, None] * s_B_n + offs_l[None, :] * s_B_l,
+        Bt = acc(tl.load(B_ptr + pid_b * s_B_b + offs_n[:, None] * s_B_n + offs_l[None, :] * s_B_l,
                           mask=mask_nl, other=0.0), USE_FP64)
-        Ct = _acc(tl.load(C_ptr + pid_b * s_C_b + offs_n[:, None] * s_C_n + offs_l[None, :] * s_C_l,
+        Ct = acc(tl.load(C_ptr + pid_b * s_C_b + offs_n[:, None] * s_C_n + offs_l[None, :] * s_C_l,
                           mask=mask_nl, other=0.0), USE_FP64)
-        dy = _acc(tl.load(dy_ptr + pid_b * s_dy_b + offs_d[:, None] * s_dy_d + offs_l[None, :] * s_dy_l,
+        dy = acc(tl.load(dy_ptr + pid_b * s_dy_b + offs_d[:, None] * s_dy_d + offs_l[None, :] * s_dy_l,
                           mask=mask_dl, other=0.0), USE_FP64)
 
         # 1. h_{t-1}: scan over the inputs of position t - 1, the first element replaced by the entry state
         offs_p = offs_l - 1
         mask_pdl = mask_d[:, None] & ((offs_p >= t0) & (offs_p < length))[None, :]
         mask_pnl = mask_n[:, None] & ((offs_p >= t0) & (offs_p < length))[None, :]
-        dt_p = _acc(tl.load(delta_ptr + pid_b * s_dt_b + offs_d[:, None] * s_dt_d + offs_p[None, :] * s_dt_l,
+        dt_p = acc(tl.load(delta_ptr + pid_b * s_dt_b + offs_d[:, None] * s_dt_d + offs_p[None, :] * s_dt_l,
                             mask=mask_pdl, other=0.0), USE_FP64)
         if HAS_BIAS:
             dt_p += bias[:, None]
         if SOFTPLUS:
-            dt_p = _softplus(dt_p)
+            dt_p = softplus(dt_p)
         dt_p = tl.where(mask_pdl, dt_p, 0.0)
-        u_p = _acc(tl.load(u_ptr + pid_b * s_u_b + offs_d[:, None] * s_u_d + offs_p[None, :] * s_u_l,
+        u_p = acc(tl.load(u_ptr + pid_b * s_u_b + offs_d[:, None] * s_u_d + offs_p[None, :] * s_u_l,
                            mask=mask_pdl, other=0.0), USE_FP64)
-        B_p = _acc(tl.load(B_ptr + pid_b * s_B_b + offs_n[:, None] * s_B_n + offs_p[None, :] * s_B_l,
+        B_p = acc(tl.load(B_ptr + pid_b * s_B_b + offs_n[:, None] * s_B_n + offs_p[None, :] * s_B_l,
                            mask=mask_pnl, other=0.0), USE_FP64)
-        entry = _acc(tl.load(hchunk_ptr + (pid_b * n_chunks + c) * dim * nstate + state_offs, mask=mask_dn,
+        entry = acc(tl.load(hchunk_ptr + (pid_b * n_chunks + c) * dim * nstate + state_offs, mask=mask_dn,
                              other=0.0), USE_FP64)
         a_p = tl.where(first, 0.0, tl.exp(dt_p[:, None, :] * A[:, :, None]))
         b_p = tl.where(first, entry[:, :, None], (dt_p * u_p)[:, None, :] * B_p[None, :, :])
@@ -236,7 +228,7 @@ def _selective_scan_bwd_kernel(
 
         # 2. output gate and skip
         if HAS_Z:
-            z = _acc(tl.load(z_ptr + pid_b * s_z_b + offs_d[:, None] * s_z_d + offs_l[None, :] * s_z_l,
+            z = acc(tl.load(z_ptr + pid_b * s_z_b + offs_d[:, None] * s_z_d + offs_l[None, :] * s_z_l,
                              mask=mask_dl, other=0.0), USE_FP64)
             y = tl.sum(h * Ct[None, :, :], axis=1)
             if HAS_D:
@@ -253,12 +245,12 @@ def _selective_scan_bwd_kernel(
         # adjoint: reverse scan over (exp(dt_{t+1} A), C_t gy_t), started from the carried adjoint
         offs_q = offs_l + 1
         mask_qdl = mask_d[:, None] & (offs_q < length)[None, :]
-        dt_q = _acc(tl.load(delta_ptr + pid_b * s_dt_b + offs_d[:, None] * s_dt_d + offs_q[None, :] * s_dt_l,
+        dt_q = acc(tl.load(delta_ptr + pid_b * s_dt_b + offs_d[:, None] * s_dt_d + offs_q[None, :] * s_dt_l,
                             mask=mask_qdl, other=0.0), USE_FP64)
         if HAS_BIAS:
             dt_q += bias[:, None]
         if SOFTPLUS:
-            dt_q = _softplus(dt_q)
+            dt_q = softplus(dt_q)
         dt_q = tl.where(mask_qdl, dt_q, 0.0)
         a_q = tl.exp(dt_q[:, None, :] * A[:, :, None])
         a_cum, g_loc = tl.associative_scan((a_q, Ct[None, :, :] * gy[:, None, :]), axis=2, combine_fn=_combine,
@@ -295,9 +287,9 @@ def _strides3(t):
     return (t.stride(0), t.stride(1), t.stride(2)) if t is not None else (0, 0, 0)
 
 
-class SelectiveScanChunkFn(torch.autograd.Function):
+class SelectiveScanTritonFn(torch.autograd.Function):
     """Autograd wrapper of the fused kernels: ``(u, delta, A, B, C, D, z, delta_bias, initial_state) ->
-    (y, last_state)``; see :func:`selective_scan_chunk` for shapes. The forward pass saves the inputs and the
+    (y, last_state)``; see :func:`selective_scan_triton` for shapes. The forward pass saves the inputs and the
     chunk entry states (only when an input needs a gradient); the backward pass recomputes the rest."""
 
     @staticmethod
@@ -376,20 +368,8 @@ class SelectiveScanChunkFn(torch.autograd.Function):
         )
 
 
-def selective_scan_chunk(
-    u: torch.Tensor,
-    delta: torch.Tensor,
-    A: torch.Tensor,
-    B: torch.Tensor,
-    C: torch.Tensor,
-    D: torch.Tensor | None = None,
-    z: torch.Tensor | None = None,
-    delta_bias: torch.Tensor | None = None,
-    delta_softplus: bool = False,
-    initial_state: torch.Tensor | None = None,
-    return_last_state: bool = False,
-    chunk_size: int = CHUNK_SIZE,
-):
+def selective_scan_triton(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
+                          initial_state=None, return_last_state=False, chunk_size=CHUNK_SIZE):
     """Fused Triton selective scan (Mamba paper Algorithm 2, kernel of §3.3.2 / App. D), differentiable.
 
     Args and returns as :func:`hf_densessm.ops.selective_scan` (which checks the arguments and should be
@@ -401,7 +381,7 @@ def selective_scan_chunk(
     """
     if chunk_size < 1 or chunk_size & (chunk_size - 1):
         raise ValueError(f"chunk_size must be a power of 2, got {chunk_size}")
-    y, last_state = SelectiveScanChunkFn.apply(
+    y, last_state = SelectiveScanTritonFn.apply(
         u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus, chunk_size
     )
     return (y, last_state) if return_last_state else y

@@ -9,21 +9,18 @@ Computes in float32 (float64 for a float64 state, for tests). Runs under ``TRITO
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
-__all__ = ["fused_selective_state_update"]
+try:  # triton: needed only when a kernel of this file runs
+    import triton
+    import triton.language as tl
+except ImportError as error:
+    raise ImportError(f"{__name__} holds Triton kernels and needs the `triton` package") from error
+
+from ..triton_utils import acc, silu, softplus
+
+__all__ = ["selective_state_update_triton"]
 
 BLOCK_D_MAX = 32
-
-
-@triton.jit
-def _acc(x, USE_FP64: tl.constexpr):
-    """Cast to the accumulation dtype."""
-    if USE_FP64:
-        return x.to(tl.float64)
-    else:
-        return x.to(tl.float32)
 
 
 @triton.jit
@@ -49,40 +46,29 @@ def _selective_state_update_kernel(
     mask_dn = mask_d[:, None] & mask_n[None, :]
 
     h_ptrs = state_ptr + pid_b * s_h_b + offs_d[:, None] * s_h_d + offs_n[None, :] * s_h_n
-    h = _acc(tl.load(h_ptrs, mask=mask_dn, other=0.0), USE_FP64)
-    x = _acc(tl.load(x_ptr + pid_b * s_x_b + offs_d * s_x_d, mask=mask_d, other=0.0), USE_FP64)
-    dt = _acc(tl.load(dt_ptr + pid_b * s_dt_b + offs_d * s_dt_d, mask=mask_d, other=0.0), USE_FP64)
+    h = acc(tl.load(h_ptrs, mask=mask_dn, other=0.0), USE_FP64)
+    x = acc(tl.load(x_ptr + pid_b * s_x_b + offs_d * s_x_d, mask=mask_d, other=0.0), USE_FP64)
+    dt = acc(tl.load(dt_ptr + pid_b * s_dt_b + offs_d * s_dt_d, mask=mask_d, other=0.0), USE_FP64)
     if HAS_BIAS:
-        dt += _acc(tl.load(bias_ptr + offs_d, mask=mask_d, other=0.0), USE_FP64)
+        dt += acc(tl.load(bias_ptr + offs_d, mask=mask_d, other=0.0), USE_FP64)
     if SOFTPLUS:
-        dt = tl.where(dt > 20.0, dt, tl.log(1.0 + tl.exp(dt)))
-    A = _acc(tl.load(A_ptr + offs_d[:, None] * s_A_d + offs_n[None, :] * s_A_n, mask=mask_dn, other=0.0), USE_FP64)
-    Bv = _acc(tl.load(B_ptr + pid_b * s_B_b + offs_n * s_B_n, mask=mask_n, other=0.0), USE_FP64)
-    Cv = _acc(tl.load(C_ptr + pid_b * s_C_b + offs_n * s_C_n, mask=mask_n, other=0.0), USE_FP64)
+        dt = softplus(dt)
+    A = acc(tl.load(A_ptr + offs_d[:, None] * s_A_d + offs_n[None, :] * s_A_n, mask=mask_dn, other=0.0), USE_FP64)
+    Bv = acc(tl.load(B_ptr + pid_b * s_B_b + offs_n * s_B_n, mask=mask_n, other=0.0), USE_FP64)
+    Cv = acc(tl.load(C_ptr + pid_b * s_C_b + offs_n * s_C_n, mask=mask_n, other=0.0), USE_FP64)
 
     h = tl.exp(dt[:, None] * A) * h + (dt * x)[:, None] * Bv[None, :]  # eq. 2a, discretized as eq. 4
     tl.store(h_ptrs, h.to(state_ptr.dtype.element_ty), mask=mask_dn)
     y = tl.sum(h * Cv[None, :], axis=1)  # eq. 2b
     if HAS_D:
-        y += _acc(tl.load(D_ptr + offs_d, mask=mask_d, other=0.0), USE_FP64) * x
+        y += acc(tl.load(D_ptr + offs_d, mask=mask_d, other=0.0), USE_FP64) * x
     if HAS_Z:
-        z = _acc(tl.load(z_ptr + pid_b * s_z_b + offs_d * s_z_d, mask=mask_d, other=0.0), USE_FP64)
-        y = y * z * tl.sigmoid(z)
+        z = acc(tl.load(z_ptr + pid_b * s_z_b + offs_d * s_z_d, mask=mask_d, other=0.0), USE_FP64)
+        y = y * silu(z)
     tl.store(y_ptr + pid_b * dim + offs_d, y.to(y_ptr.dtype.element_ty), mask=mask_d)
 
 
-def fused_selective_state_update(
-    state: torch.Tensor,
-    x: torch.Tensor,
-    dt: torch.Tensor,
-    A: torch.Tensor,
-    B: torch.Tensor,
-    C: torch.Tensor,
-    D: torch.Tensor | None = None,
-    z: torch.Tensor | None = None,
-    dt_bias: torch.Tensor | None = None,
-    dt_softplus: bool = False,
-) -> torch.Tensor:
+def selective_state_update_triton(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False):
     """One selective-SSM decode step in one Triton kernel; ``state`` (batch, dim, state) is updated in place.
 
     Args and return as :func:`hf_densessm.ops.selective_state_update` (which checks the arguments and should be

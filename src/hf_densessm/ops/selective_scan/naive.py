@@ -1,396 +1,48 @@
-"""Plain PyTorch selective scan (Mamba paper, Algorithm 2 and §3.3): the reference for the Triton kernels
-and the path the models take on the CPU.
+"""The selective scan as plainly as it can be written: the ground truth the other forms are tested against.
 
-The recurrence (Mamba paper eq. 2a/2b with the discretization of eq. 4 as the authors' code applies it,
-ZOH for ``A`` and Euler for ``B``)::
-
-    dt_t = softplus(delta_t + delta_bias)                 (bias and softplus optional)
-    h_t  = exp(dt_t * A) * h_{t-1} + dt_t * B_t * u_t     (h_0 = initial_state or 0; per channel d, state n)
-    y_t  = sum_n C_{t,n} h_{t,n} + D * u_t                then y_t *= silu(z_t)
-
-**Chunked evaluation.** A loop over tokens costs ``length`` Python steps on tiny tensors. Here the length is
-split into ``n_chunks`` chunks of ``chunk_size`` tokens and every chunk runs at once:
-
-1. a local recurrence from a zero state, one Python step per position in the chunk and vectorized over all
-   chunks, gives each chunk's end state;
-2. a recurrence over chunks, ``S_c = exp(A * sum_{t in c} dt_t) * S_{c-1} + local_end_c``, gives the true
-   state entering each chunk (``n_chunks`` steps on ``(batch, state, dim)`` tensors);
-3. the local recurrence runs again from those entry states and contracts each state with ``C`` at once.
-
-Every decay that is multiplied in is ``exp(dt * A)`` with ``dt >= 0`` and ``A <= 0``, a number in ``(0, 1]``:
-nothing is divided and nothing can overflow. Python-level steps: ``2 * chunk_size + n_chunks`` (``chunk_size``
-about ``sqrt(length)``), and no tensor of shape ``(batch, length, dim, state)`` is formed in the forward
-pass; states are kept in a ``(batch * n_chunks, state, dim)`` layout so that the ``C`` contraction is one
-batched matrix product per step, and every step works in place in preallocated buffers (fresh allocations of
-large tensors cost page faults). Positions padded onto the last chunk have ``dt = 0``: their decay is 1 and
-their input 0, so they leave the state unchanged. The ``D`` skip and the ``silu(z)`` gate are applied in place
-on the output.
-
-**Backward** (:class:`SelectiveScanRefFn`). The forward pass saves only the inputs and the chunk entry states
-``(batch, n_chunks, state, dim)``. The backward pass recomputes the states of a block of channels from the
-entry states (one forward sweep), runs the adjoint recurrence ``g_t = exp(dt_{t+1} A) g_{t+1} + C_t gy_t``
-the same chunked way in reverse (a local sweep, a sweep over chunks, a sweep with the true adjoints) and
-reads every gradient off ``g_t``, ``h_{t-1}`` and the decay (``d(dt_t A) = g_t exp(dt_t A) h_{t-1}``).
-Channels are processed in blocks so that the recomputed states take at most ``_BWD_BLOCK_ELEMENTS`` elements.
-The backward pass does form ``(length, state, dim)`` states (for one block of channels at a time): on the CPU,
-recomputing them per chunk a third time would cost more than the memory saves.
-
-Accumulation is in float32 whatever the input dtype (float64 inputs are computed in float64, for tests).
+Mamba's recurrence one token at a time, in float64 (Mamba paper Algorithm 2; eq. 2a/2b with the
+discretization of eq. 4 as the authors' code applies it, ZOH for ``A`` and Euler for ``B``). Slow (one Python
+step per token) and never used by the models: ``chunked_torch.py`` is the PyTorch path, ``chunk.py`` and
+``fused_recurrent.py`` are the Triton kernels.
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 
-__all__ = ["SelectiveScanRefFn", "default_chunk_size", "selective_scan_ref", "selective_state_update_ref"]
-
-# Upper bound on the elements of the recomputed-state buffer of the backward pass (64 MiB in float32).
-_BWD_BLOCK_ELEMENTS = 1 << 24
+__all__ = ["selective_scan_naive"]
 
 
-def default_chunk_size(length: int) -> int:
-    """Chunk size of the chunked reference: about ``sqrt(length)`` (balances the in-chunk and the
-    across-chunk Python steps), at least 8 and at most ``length``, so a short prefill is one chunk."""
-    return max(1, min(length, max(8, int(round(math.sqrt(length))))))
+def selective_scan_naive(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False, initial_state=None):
+    """Selective scan token by token in float64 (Mamba paper Algorithm 2, eq. 2a, 2b, 4)::
 
-
-def _compute_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
-    return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else torch.float32
-
-
-# Layout. Per-token tensors are held "token-major", ``(batch, n_chunks * chunk_size, k)`` contiguous, and used
-# through the view ``(chunk_size, batch * n_chunks, k)`` (position in chunk, chunk, feature): step ``t`` of
-# every chunk is then ``x[t]``, a ``(batch * n_chunks, k)`` slice with unit stride along ``k``. Converting
-# from and to the ``(batch, k, length)`` layout of the API is one 2-D transpose per sequence, which PyTorch
-# copies in cache blocks.
-
-
-def _empty_chunks(chunk_size: int, bc: int, k: int, **kw) -> torch.Tensor:
-    """Uninitialized ``(chunk_size, bc, k)`` view of a token-major ``(bc, chunk_size, k)`` buffer."""
-    return torch.empty(bc, chunk_size, k, **kw).transpose(0, 1)
-
-
-def _to_chunks(x: torch.Tensor, chunk_size: int, n_chunks: int, dtype: torch.dtype) -> torch.Tensor:
-    """``(batch, k, length)`` -> ``(chunk_size, batch * n_chunks, k)`` view (see above) in ``dtype``,
-    zero-padded to ``n_chunks * chunk_size`` positions."""
-    batch, k, length = x.shape
-    out = torch.empty(batch, n_chunks * chunk_size, k, dtype=dtype, device=x.device)
-    if x.dtype == dtype and x.stride(2) == 1 and x.stride(1) == length:
-        for i in range(batch):  # 2-D transposes take PyTorch's blocked copy
-            out[i, :length].copy_(x[i].t())
-    else:
-        out[:, :length].copy_(x.transpose(1, 2))
-    out[:, length:].zero_()
-    return out.view(batch * n_chunks, chunk_size, k).transpose(0, 1)
-
-
-def _from_chunks(x: torch.Tensor, batch: int, length: int) -> torch.Tensor:
-    """Inverse of :func:`_to_chunks`: ``(T, batch * n_chunks, k)`` -> contiguous ``(batch, k, length)``."""
-    chunk_size, bc, k = x.shape
-    tokens = x.transpose(0, 1).reshape(batch, bc // batch * chunk_size, k)  # a view for token-major buffers
-    out = torch.empty(batch, k, length, dtype=x.dtype, device=x.device)
-    for i in range(batch):
-        out[i].copy_(tokens[i, :length].t())
-    return out
-
-
-def _scan_fwd(u, dt, A, B, C, D, z, initial_state, chunk_size):
-    """Chunked forward scan with the D skip and the gate. ``u, z``: (batch, dim, length); ``dt``: (batch, dim,
-    length) in the compute dtype, already discretized; ``A``: (dim, state); ``B, C``: (batch, state, length);
-    ``D``: (dim,); ``initial_state``: (batch, dim, state); ``D, z, initial_state`` may be None.
-
-    Returns ``y`` (batch, dim, length) and ``last_state`` (batch, dim, state) in the compute dtype (``dt``'s),
-    and the chunk entry states (batch, n_chunks, state, dim) that the backward pass starts from."""
-    cdt = dt.dtype
-    batch, dim, length = u.shape
-    n = A.shape[1]
-    T = chunk_size
-    nc = -(-length // T)
-    bc = batch * nc
-    kw = dict(dtype=cdt, device=u.device)
-    dt_c = _to_chunks(dt, T, nc, cdt)  # (T, bc, dim)
-    dtu_c = _to_chunks(dt * u, T, nc, cdt)  # (T, bc, dim)
-    B_c = _to_chunks(B, T, nc, cdt)  # (T, bc, n)
-    C_c = _to_chunks(C, T, nc, cdt)  # (T, bc, n)
-    At = A.t().to(cdt).contiguous()  # (n, dim)
-    decay = torch.empty(bc, n, dim, **kw)  # exp(dt_t A), reused every step
-    h = torch.zeros(bc, n, dim, **kw)
-
-    # Entry state of every chunk, (batch, nc, n, dim).
-    entry = torch.empty(batch, nc, n, dim, **kw)
-    if initial_state is None:
-        entry[:, 0].zero_()
-    else:
-        entry[:, 0].copy_(initial_state.transpose(1, 2))
-    if nc > 1:
-        # 1. local recurrence from zero: each chunk's end state
-        for t in range(T):
-            torch.mul(dt_c[t][:, None, :], At, out=decay).exp_()
-            h.mul_(decay).addcmul_(B_c[t][:, :, None], dtu_c[t][:, None, :])
-        # 2. across chunks: S_c = exp(A * sum_c dt) * S_{c-1} + local_end_c
-        chunk_decay = torch.exp(dt_c.sum(0)[:, None, :] * At).view(batch, nc, n, dim)
-        local_end = h.view(batch, nc, n, dim)
-        for c in range(1, nc):
-            torch.addcmul(local_end[:, c - 1], chunk_decay[:, c - 1], entry[:, c - 1], out=entry[:, c])
-
-    # 3. the recurrence again from the true entry states, contracting with C on the way
-    h.copy_(entry.view(bc, n, dim))
-    y_c = _empty_chunks(T, bc, dim, **kw)
-    y_t = torch.empty(bc, 1, dim, **kw)
-    for t in range(T):
-        torch.mul(dt_c[t][:, None, :], At, out=decay).exp_()
-        h.mul_(decay).addcmul_(B_c[t][:, :, None], dtu_c[t][:, None, :])
-        y_c[t].copy_(torch.bmm(C_c[t][:, None, :], h, out=y_t)[:, 0])
-    last_state = h.view(batch, nc, n, dim)[:, -1].transpose(1, 2).contiguous()  # padding kept the state
-    y = _from_chunks(y_c, batch, length)
-    if D is not None:
-        y.addcmul_(u, D[:, None])
-    if z is not None:
-        y.mul_(F.silu(z.to(y.dtype)))
-    return y, last_state, entry
-
-
-def _scan_bwd(u, dt, A, B, C, D, z, entry, gout, glast, chunk_size):
-    """Gradients of :func:`_scan_fwd` for one block of channels.
-
-    ``gout``: (batch, dim, length) gradient of ``y`` or None; ``glast``: (batch, dim, state) or None.
-    Returns, in the compute dtype, ``du, ddt`` (batch, dim, length), ``dA`` (dim, state), ``dB, dC`` (batch,
-    state, length), ``dD`` (dim,) or None, ``dz`` (batch, dim, length) or None, ``dinitial`` (batch, dim, state)."""
-    cdt = dt.dtype
-    batch, dim, length = u.shape
-    n = A.shape[1]
-    T = chunk_size
-    nc = entry.shape[1]
-    bc = batch * nc
-    kw = dict(dtype=cdt, device=u.device)
-    dt_c = _to_chunks(dt, T, nc, cdt)
-    u_c = _to_chunks(u, T, nc, cdt)
-    dtu_c = _to_chunks(dt * u, T, nc, cdt)
-    B_c = _to_chunks(B, T, nc, cdt)
-    C_c = _to_chunks(C, T, nc, cdt)
-    At = A.t().to(cdt).contiguous()
-    entry = entry.reshape(bc, n, dim)
-    decay = torch.empty(bc, n, dim, **kw)
-
-    # 1. recompute every state h_t from the chunk entry states
-    H = torch.empty(T, bc, n, dim, **kw)
-    prev = entry
-    for t in range(T):
-        torch.mul(dt_c[t][:, None, :], At, out=decay).exp_()
-        torch.mul(decay, prev, out=H[t]).addcmul_(B_c[t][:, :, None], dtu_c[t][:, None, :])
-        prev = H[t]
-
-    # gradient through the gate and the skip: gy = dL/d(sum_n C h)
-    gy_c = torch.zeros(T, bc, dim, **kw) if gout is None else _to_chunks(gout, T, nc, cdt)
-    dz = None
-    if z is not None:
-        z_c = _to_chunks(z, T, nc, cdt)
-        y_c = torch.matmul(C_c[:, :, None, :], H)[:, :, 0]  # (T, bc, dim)
-        if D is not None:
-            y_c.addcmul_(u_c, D.to(cdt))
-        sig = torch.sigmoid(z_c)
-        # d silu(z)/dz = sig * (1 + z * (1 - sig))
-        dz = _from_chunks(gy_c * y_c * sig * (1 + z_c * (1 - sig)), batch, length)
-        gy_c.mul_(z_c).mul_(sig)
-    dD = None if D is None else (gy_c * u_c).sum((0, 1))
-    # dC_t = sum_d gy_t h_t
-    dC_c = torch.matmul(H, gy_c[..., None])[..., 0]  # (T, bc, n)
-
-    # 2. local adjoint recurrence (zero at every chunk end): adjoint of each chunk's entry state
-    g = torch.zeros(bc, n, dim, **kw)
-    if nc > 1:
-        for t in reversed(range(T)):
-            g.addcmul_(C_c[t][:, :, None], gy_c[t][:, None, :])
-            g.mul_(torch.mul(dt_c[t][:, None, :], At, out=decay).exp_())
-    # 3. across chunks, in reverse: adjoint arriving at each chunk end
-    chunk_decay = torch.exp(dt_c.sum(0)[:, None, :] * At).view(batch, nc, n, dim)
-    local_entry = g.view(batch, nc, n, dim)
-    end_adjoint = torch.empty(batch, nc, n, dim, **kw)
-    if glast is None:
-        end_adjoint[:, -1].zero_()
-    else:
-        end_adjoint[:, -1].copy_(glast.transpose(1, 2))
-    for c in range(nc - 1, 0, -1):
-        torch.addcmul(local_entry[:, c], chunk_decay[:, c], end_adjoint[:, c], out=end_adjoint[:, c - 1])
-
-    # 4. adjoint recurrence with the true adjoints; read off the gradients
-    g.copy_(end_adjoint.view(bc, n, dim))  # = exp(dt_{t+1} A) g_{t+1} for the last position of each chunk
-    W = _empty_chunks(T, bc, dim, **kw)  # sum_n B_{t,n} g_{t,n}
-    dB_c = _empty_chunks(T, bc, n, **kw)
-    ddt_c = _empty_chunks(T, bc, dim, **kw)
-    W_t = torch.empty(bc, 1, dim, **kw)
-    dB_t = torch.empty(bc, n, 1, **kw)
-    tmp = torch.empty(bc, n, dim, **kw)
-    for t in reversed(range(T)):
-        g.addcmul_(C_c[t][:, :, None], gy_c[t][:, None, :])  # g_t = dL/dh_t
-        W[t].copy_(torch.bmm(B_c[t][:, None, :], g, out=W_t)[:, 0])
-        dB_c[t].copy_(torch.bmm(g, dtu_c[t][:, :, None], out=dB_t)[:, :, 0])
-        torch.mul(dt_c[t][:, None, :], At, out=decay).exp_()
-        X = H[t]  # h_t is no longer needed: reuse its slot for X_t = dL/d(dt_t A) = g_t exp(dt_t A) h_{t-1}
-        torch.mul(g, H[t - 1] if t else entry, out=X).mul_(decay)
-        torch.sum(torch.mul(X, At, out=tmp), 1, out=ddt_c[t])
-        X.mul_(dt_c[t][:, None, :])
-        g.mul_(decay)
-    dA = H.sum((0, 1)).t()
-    dinitial = g.view(batch, nc, n, dim)[:, 0].transpose(1, 2)
-    ddt_c.addcmul_(W, u_c)
-    du_c = W.mul_(dt_c)
-    if D is not None:
-        du_c.addcmul_(gy_c, D.to(cdt))
-    return (
-        _from_chunks(du_c, batch, length),
-        _from_chunks(ddt_c, batch, length),
-        dA,
-        _from_chunks(dB_c, batch, length),
-        _from_chunks(dC_c, batch, length),
-        dD,
-        dz,
-        dinitial,
-    )
-
-
-class SelectiveScanRefFn(torch.autograd.Function):
-    """Autograd wrapper of the chunked scan: ``(u, dt, A, B, C, D, z, initial_state) -> (y, last_state)``.
-
-    ``dt`` (batch, dim, length) is already discretized (bias and softplus applied) and sets the compute dtype
-    (float32 or float64); the other tensors may be in any float dtype (``D, z, initial_state`` may be None).
-    ``y`` (batch, dim, length) and ``last_state`` (batch, dim, state) come back in the compute dtype. Saves
-    the inputs and the chunk entry states; recomputes the states in the backward pass (module docstring)."""
-
-    @staticmethod
-    def forward(ctx, u, dt, A, B, C, D, z, initial_state, chunk_size):
-        y, last_state, entry = _scan_fwd(u, dt, A, B, C, D, z, initial_state, chunk_size)
-        ctx.save_for_backward(u, dt, A, B, C, D, z, initial_state, entry)
-        ctx.chunk_size = chunk_size
-        return y, last_state
-
-    @staticmethod
-    def backward(ctx, gout, glast):
-        u, dt, A, B, C, D, z, initial_state, entry = ctx.saved_tensors
-        cdt = dt.dtype
-        batch, dim, length = u.shape
-        n = A.shape[1]
-        block = max(1, min(dim, _BWD_BLOCK_ELEMENTS // max(1, batch * entry.shape[1] * ctx.chunk_size * n)))
-        kw = dict(dtype=cdt, device=u.device)
-        du, ddt = torch.empty(batch, dim, length, **kw), torch.empty(batch, dim, length, **kw)
-        dA = torch.empty(dim, n, **kw)
-        dB, dC = torch.zeros(batch, n, length, **kw), torch.zeros(batch, n, length, **kw)
-        dD = None if D is None else torch.empty(dim, **kw)
-        dz = None if z is None else torch.empty(batch, dim, length, **kw)
-        dinitial = torch.empty(batch, dim, n, **kw)
-        for d0 in range(0, dim, block):
-            s = slice(d0, d0 + block)
-            g = _scan_bwd(
-                u[:, s], dt[:, s], A[s], B, C, None if D is None else D[s], None if z is None else z[:, s],
-                entry[..., s], None if gout is None else gout[:, s], None if glast is None else glast[:, s],
-                ctx.chunk_size,
-            )
-            du[:, s], ddt[:, s], dA[s] = g[0], g[1], g[2]
-            dB += g[3]
-            dC += g[4]
-            if D is not None:
-                dD[s] = g[5]
-            if z is not None:
-                dz[:, s] = g[6]
-            dinitial[:, s] = g[7]
-
-        def cast(grad, like):
-            return None if like is None else grad.to(like.dtype)
-
-        return (cast(du, u), ddt, cast(dA, A), cast(dB, B), cast(dC, C), cast(dD, D), cast(dz, z),
-                cast(dinitial, initial_state), None)
-
-
-def selective_scan_ref(
-    u: torch.Tensor,
-    delta: torch.Tensor,
-    A: torch.Tensor,
-    B: torch.Tensor,
-    C: torch.Tensor,
-    D: torch.Tensor | None = None,
-    z: torch.Tensor | None = None,
-    delta_bias: torch.Tensor | None = None,
-    delta_softplus: bool = False,
-    initial_state: torch.Tensor | None = None,
-    return_last_state: bool = False,
-    chunk_size: int | None = None,
-):
-    """Selective scan in chunked PyTorch (Mamba paper, Algorithm 2, eq. 2a/2b and 4; chunking as App. D).
+        dt_t = softplus(delta_t + delta_bias)                 (bias and softplus optional)
+        h_t  = exp(dt_t * A) * h_{t-1} + dt_t * B_t * u_t     (h_0 = initial_state or 0)
+        y_t  = (sum_n C_{t,n} h_{t,n} + D * u_t) * silu(z_t)  (D and z optional)
 
     Args:
-        u: (batch, dim, length) input ``x`` of the SSM.
-        delta: (batch, dim, length) time step before ``delta_bias`` and softplus.
-        A: (dim, state) continuous-time diagonal state matrix, entries <= 0 (decay).
-        B, C: (batch, state, length) input and output projections.
-        D: (dim,) skip connection, optional. z: (batch, dim, length) gate, optional: ``y *= silu(z)``.
-        delta_bias: (dim,) added to ``delta``, optional. delta_softplus: apply softplus to ``delta``.
-        initial_state: (batch, dim, state) state before the first token, optional (zero).
-        return_last_state: also return the state after the last token.
-        chunk_size: tokens per chunk (default :func:`default_chunk_size`); changes speed only.
+        u, delta: (batch, dim, length), any float dtype. A: (dim, state). B, C: (batch, state, length).
+        D, delta_bias: (dim,) or None. z: (batch, dim, length) or None. delta_softplus: apply softplus.
+        initial_state: (batch, dim, state) or None (zeros).
 
     Returns:
-        ``y`` (batch, dim, length) in ``u``'s dtype, and with ``return_last_state`` also ``last_state``
-        (batch, dim, state) in float32 (float64 for float64 inputs).
-
-    Differentiable with respect to every tensor argument (:class:`SelectiveScanRefFn`). No argument checks:
-    call :func:`hf_densessm.ops.selective_scan` for those.
+        ``(y, last_state)``: (batch, dim, length) and (batch, dim, state), both float64, differentiable.
+        No argument checks (a test reference; :func:`hf_densessm.ops.selective_scan` checks).
     """
-    cdt = _compute_dtype(u, delta, A, B, C, D, z, delta_bias, initial_state)
-    dt = delta.to(cdt)
-    if delta_bias is not None:
-        dt = dt + delta_bias.to(cdt)[:, None]
+    u, delta, A, B, C = (t.double() for t in (u, delta, A, B, C))
+    dt = delta + (delta_bias.double()[:, None] if delta_bias is not None else 0.0)
     if delta_softplus:
         dt = F.softplus(dt)
-    length = u.shape[-1]
-    if chunk_size is None:
-        chunk_size = default_chunk_size(length)
-    chunk_size = max(1, min(int(chunk_size), length))
-    y, last_state = SelectiveScanRefFn.apply(u, dt, A, B, C, D, z, initial_state, chunk_size)
-    y = y.to(u.dtype)
-    return (y, last_state) if return_last_state else y
-
-
-def selective_state_update_ref(
-    state: torch.Tensor,
-    x: torch.Tensor,
-    dt: torch.Tensor,
-    A: torch.Tensor,
-    B: torch.Tensor,
-    C: torch.Tensor,
-    D: torch.Tensor | None = None,
-    z: torch.Tensor | None = None,
-    dt_bias: torch.Tensor | None = None,
-    dt_softplus: bool = False,
-) -> torch.Tensor:
-    """One decode step of the selective SSM (Mamba paper eq. 2a/2b, recurrent mode), in PyTorch.
-
-    Args:
-        state: (batch, dim, state) SSM state, updated IN PLACE to ``h_t`` (computed in float32, float64 for
-            float64, and written back in ``state``'s dtype).
-        x: (batch, dim) input of this token. dt: (batch, dim) time step before ``dt_bias``/softplus.
-        A: (dim, state), entries <= 0. B, C: (batch, state). D: (dim,) optional. z: (batch, dim) optional gate.
-        dt_bias: (dim,) optional. dt_softplus: apply softplus to ``dt``.
-
-    Returns:
-        ``y`` (batch, dim) in ``x``'s dtype: ``(sum_n C_n h_n + D x) * silu(z)``.
-    """
-    cdt = torch.float64 if state.dtype == torch.float64 else torch.float32
-    dt = dt.to(cdt)
-    if dt_bias is not None:
-        dt = dt + dt_bias
-    if dt_softplus:
-        dt = F.softplus(dt)
-    h = state if state.dtype == cdt else state.to(cdt)
-    h.mul_(torch.exp(dt[..., None] * A))  # in place: a float32 (float64) state is updated without a copy
-    h.addcmul_((dt * x)[..., None], B[:, None, :])
-    if h is not state:
-        state.copy_(h)
-    y = torch.bmm(h, C.to(cdt)[..., None])[..., 0]
+    batch, dim, length = u.shape
+    h = u.new_zeros(batch, dim, A.shape[1]) if initial_state is None else initial_state.double()
+    ys = []
+    for t in range(length):
+        h = torch.exp(dt[:, :, t, None] * A) * h + (dt[:, :, t] * u[:, :, t])[:, :, None] * B[:, None, :, t]
+        ys.append((h * C[:, None, :, t]).sum(-1))
+    y = torch.stack(ys, dim=-1)
     if D is not None:
-        y.addcmul_(x, D)
+        y = y + u * D.double()[:, None]
     if z is not None:
-        y.mul_(F.silu(z.to(cdt)))
-    return y.to(x.dtype)
+        y = y * F.silu(z.double())
+    return y, h

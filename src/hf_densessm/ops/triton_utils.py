@@ -1,0 +1,38 @@
+"""Triton device functions shared by the kernels of every op (``chunk.py`` and ``fused_recurrent.py`` files).
+
+- :func:`acc`: cast a loaded tile to the accumulation dtype (float32, or float64 for the float64 tests).
+- :func:`softplus`: ``log(1 + exp(x))``, the time-step discretization of Mamba (Mamba paper §3.5, App. D).
+- :func:`silu`: ``x * sigmoid(x)``, the gate of the Mamba block (Mamba paper Fig. 3).
+
+Imported only by kernel files, which are imported only when a Triton backend runs (:mod:`..backend`).
+"""
+
+try:  # triton: needed only when a kernel of this file runs
+    import triton
+    import triton.language as tl
+except ImportError as error:
+    raise ImportError(f"{__name__} holds Triton kernels and needs the `triton` package") from error
+
+__all__ = ["acc", "silu", "softplus"]
+
+
+@triton.jit
+def acc(x, USE_FP64: tl.constexpr):
+    """Cast a tile of any float dtype to the accumulation dtype: float64 if ``USE_FP64`` else float32."""
+    if USE_FP64:
+        return x.to(tl.float64)
+    else:
+        return x.to(tl.float32)
+
+
+@triton.jit
+def softplus(x):
+    """``log(1 + exp(x))`` elementwise, ``x`` itself above 20 (where the two agree in float32, and ``exp``
+    would overflow in float16 arithmetic); as the authors' kernels compute it (Mamba paper App. D)."""
+    return tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))
+
+
+@triton.jit
+def silu(x):
+    """``x * sigmoid(x)`` elementwise: the output gate ``y * silu(z)`` of the Mamba block (Mamba paper Fig. 3)."""
+    return x * tl.sigmoid(x)

@@ -1,0 +1,83 @@
+"""The backend switch (``hf_densessm/ops/backend.py``) that every op resolves its ``backend`` argument with, and
+the import rule of the kernel files: the package and its PyTorch path import without triton, a kernel file says
+that it needs triton."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from hf_densessm.ops import backend, chunk_retention, selective_scan
+
+
+@pytest.mark.parametrize("value", ["1", "true", "TRUE", "yes", "on", " On "])
+def test_interpreter_spellings_are_accepted(monkeypatch, value):
+    monkeypatch.setenv("TRITON_INTERPRET", value)
+    assert backend.interpreting()
+
+
+@pytest.mark.parametrize("value", ["0", "false", "no", "off", ""])
+def test_interpreter_off(monkeypatch, value):
+    monkeypatch.setenv("TRITON_INTERPRET", value)
+    assert not backend.interpreting()
+
+
+def test_use_triton_resolution(monkeypatch):
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    monkeypatch.setattr(backend, "triton_available", lambda: True)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert backend.use_triton("auto", cuda) and not backend.use_triton("auto", cpu)
+    assert not backend.use_triton("torch", cuda)
+    assert backend.use_triton("triton", cuda)
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        backend.use_triton("triton", cpu)
+    monkeypatch.setenv("TRITON_INTERPRET", "true")  # one op used to accept this and the other not
+    assert backend.use_triton("triton", cpu)
+    monkeypatch.setattr(backend, "triton_available", lambda: False)
+    assert not backend.use_triton("auto", cuda)
+    with pytest.raises(RuntimeError, match="needs the triton package"):
+        backend.use_triton("triton", cuda)
+    for bad in ("cuda", None, "Triton"):
+        with pytest.raises(ValueError, match="backend must be one of"):
+            backend.use_triton(bad, cpu)
+
+
+def test_both_ops_share_the_switch(monkeypatch):
+    """The same spelling of the interpreter variable is accepted, or refused, by both ops alike."""
+    monkeypatch.setattr(backend, "triton_available", lambda: True)
+    monkeypatch.setenv("TRITON_INTERPRET", "off")
+    u = torch.randn(1, 2, 3)
+    q = torch.randn(1, 3, 1, 4)
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        selective_scan(u, u.abs(), -torch.ones(2, 2), torch.randn(1, 2, 3), torch.randn(1, 2, 3), backend="triton")
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        chunk_retention(q, q, q, backend="triton")
+
+
+NO_TRITON = """
+import sys
+sys.modules["triton"] = None  # as on a machine without triton
+import torch
+from hf_densessm.ops import chunk_retention, retention_state_update, selective_scan, selective_state_update
+from hf_densessm.ops.backend import triton_available
+assert not triton_available()
+u = torch.randn(1, 2, 5)
+y = selective_scan(u, u.abs(), -torch.ones(2, 3), torch.randn(1, 3, 5), torch.randn(1, 3, 5))
+q = torch.randn(1, 5, 2, 4)
+o, _ = chunk_retention(q, q, q)
+for name in ("selective_scan.chunk", "selective_scan.fused_recurrent", "retention.chunk", "retention.fused_recurrent",
+             "triton_utils"):
+    try:
+        __import__("hf_densessm.ops." + name)
+    except ImportError as error:
+        assert "holds Triton kernels and needs the `triton` package" in str(error), error
+    else:
+        raise SystemExit(name + " imported without triton")
+print("ok")
+"""
+
+
+def test_pytorch_path_imports_and_runs_without_triton():
+    result = subprocess.run([sys.executable, "-c", NO_TRITON], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
