@@ -1,0 +1,176 @@
+"""Hub-ready folders: what ``save_pretrained`` / ``push_to_hub`` of a DenseSSM model write (docs/hub_and_conversion.md).
+
+A saved folder is a complete model repository that loads with ``trust_remote_code=True`` where ``hf_densessm`` is
+not installed: ``config.json`` with ``auto_map``, the weights (safetensors), the modeling code the model runs as
+flat files, and a model card. One module per job:
+
+- :mod:`.bundle`: the modeling code as flat files and the ``auto_map`` (what transformers' ``custom_object_save``
+  would do, if it could read a nested package);
+- :mod:`.card`: the model card, derived from the modeling and config docstrings and the knob table;
+- :mod:`.saving`: kill-safe writing into a folder that holds other files;
+- here: :class:`DenseSSMHubMixin`, which gives the model classes that ``save_pretrained`` and ``push_to_hub``.
+
+A model loaded from a folder with remote code (without the package) is a class transformers registered for its
+``Auto`` class; it saves with transformers' own ``save_pretrained``, whose ``custom_object_save`` copies the flat
+code files (weights, config, code; no card).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from pathlib import Path
+
+from transformers import PreTrainedModel
+
+from .bundle import BUNDLE_MARKER, BundleError, bundle_sources, flat_module_name, hub_auto_map, is_bundled_code, write_bundle
+from .card import CARD_MARKER, is_generated_card, model_card, write_model_card
+from .saving import staged_save
+
+_HUB_ARGUMENTS = ("repo_id", "commit_message", "commit_description", "private", "create_pr", "revision", "tags")
+
+
+def replaced_by_save(path: Path, variant: str | None = None) -> bool:
+    """Whether an entry of a folder is owned by a save of this package, so that a new save that does not rewrite
+    it deletes it: weights of the same ``variant`` (``model[.variant][-0000k-of-0000n].safetensors``, their index),
+    a generated code file (:func:`~.bundle.is_bundled_code`), a generated card (:func:`~.card.is_generated_card`)."""
+    v = re.escape(f".{variant}") if variant else ""
+    weights = rf"model{v}(-\d{{5}}-of-\d{{5}})?\.safetensors|model\.safetensors\.index{v}\.json"
+    if re.fullmatch(weights, path.name):
+        return path.is_file() and not path.is_symlink()
+    return is_bundled_code(path) or (path.name == "README.md" and is_generated_card(path))
+
+
+class DenseSSMHubMixin:
+    """Makes ``save_pretrained`` / ``push_to_hub`` of a DenseSSM model write a self-contained Hub folder, kill-safely.
+
+    A base class of ``DenseMambaPreTrainedModel`` and ``DenseRetNetPreTrainedModel`` (before ``PreTrainedModel``).
+    The methods call ``PreTrainedModel``'s explicitly (no ``super()``), so they can also be set on a class.
+    """
+
+    def save_pretrained(
+        self,
+        save_directory: str | os.PathLike,
+        is_main_process: bool = True,
+        state_dict: dict | None = None,
+        push_to_hub: bool = False,
+        **kwargs,
+    ):
+        """``PreTrainedModel.save_pretrained``, plus the flat modeling code, ``auto_map`` and the model card, all
+        written kill-safely (:func:`~.saving.staged_save`: each file whole, old or new; other files untouched).
+
+        Arguments as transformers'; ``push_to_hub=True`` (with ``repo_id``, ``commit_message``, ``private``,
+        ``token``, ... as transformers takes them) then runs :meth:`push_to_hub`. Left to transformers unchanged:
+        processes with ``is_main_process=False``, ``distributed_checkpoint=True``, adapter saves (a model with PEFT
+        adapters loaded saves only the adapters) and models loaded as remote code (see the module docstring).
+
+        An existing ``README.md`` that this package did not write (a card you edited) is kept.
+
+        Raises:
+            NotADirectoryError: ``save_directory`` is a file.
+            BundleError: the code cannot be bundled (a packaging bug; nothing is written).
+        """
+        if (
+            self.is_remote_code()
+            or not is_main_process
+            or kwargs.get("distributed_checkpoint", False)
+            or getattr(self, "_hf_peft_config_loaded", False)
+        ):
+            return PreTrainedModel.save_pretrained(
+                self,
+                save_directory,
+                is_main_process=is_main_process,
+                state_dict=state_dict,
+                push_to_hub=push_to_hub,
+                **kwargs,
+            )
+        hub_kwargs = {key: kwargs.pop(key) for key in _HUB_ARGUMENTS if key in kwargs}
+        variant = kwargs.get("variant")
+        with staged_save(save_directory, lambda path: replaced_by_save(path, variant)) as staging:
+            PreTrainedModel.save_pretrained(self, staging, state_dict=state_dict, **kwargs)
+            write_bundle(self, staging)
+            old_card = Path(save_directory) / "README.md"
+            if not old_card.exists() or is_generated_card(old_card):
+                write_model_card(self, staging)
+        if push_to_hub:
+            repo_id = hub_kwargs.pop("repo_id", Path(save_directory).resolve().name)
+            self.push_to_hub(
+                repo_id, token=kwargs.get("token"), max_shard_size=kwargs.get("max_shard_size", "50GB"), **hub_kwargs
+            )
+
+    def push_to_hub(
+        self,
+        repo_id: str,
+        *,
+        commit_message: str | None = None,
+        commit_description: str | None = None,
+        private: bool | None = None,
+        token: bool | str | None = None,
+        revision: str | None = None,
+        create_pr: bool = False,
+        max_shard_size: int | str | None = "50GB",
+        tags: list[str] | None = None,
+    ):
+        """Upload the model to the Hub repository ``repo_id`` (created if needed) as one commit: the folder
+        :meth:`save_pretrained` writes, with the model card naming ``repo_id``. Same arguments and return value
+        (the commit info) as transformers' ``push_to_hub``; the difference is the card: transformers replaces
+        ``README.md`` by a generic template, here the DenseSSM card is uploaded, unless the repository already has
+        a ``README.md`` (kept, as transformers keeps it). A model loaded as remote code uses transformers' method.
+
+        Raises:
+            huggingface_hub errors: no network, no token, no write access.
+        """
+        if self.is_remote_code():
+            return PreTrainedModel.push_to_hub(
+                self,
+                repo_id,
+                commit_message=commit_message,
+                commit_description=commit_description,
+                private=private,
+                token=token,
+                revision=revision,
+                create_pr=create_pr,
+                max_shard_size=max_shard_size,
+                tags=tags,
+            )
+        from huggingface_hub import HfApi
+
+        api = HfApi(token=token)
+        repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
+        if revision is not None and not revision.startswith("refs/pr"):
+            api.create_branch(repo_id=repo_id, branch=revision, exist_ok=True)
+        has_card = api.file_exists(repo_id, "README.md", revision=revision)
+        tags = [tags] if isinstance(tags, str) else list(tags or [])
+        tags += [tag for tag in (getattr(self, "model_tags", None) or []) if tag not in tags]
+        with tempfile.TemporaryDirectory() as tmp:
+            folder = Path(tmp) / "repo"
+            self.save_pretrained(folder, max_shard_size=max_shard_size)
+            if has_card:
+                (folder / "README.md").unlink(missing_ok=True)
+            else:
+                write_model_card(self, folder, repo_id=repo_id, tags=tags)
+            return api.upload_folder(
+                repo_id=repo_id,
+                folder_path=folder,
+                commit_message=commit_message or "Upload model",
+                commit_description=commit_description,
+                revision=revision,
+                create_pr=create_pr,
+            )
+
+
+__all__ = [
+    "BUNDLE_MARKER",
+    "CARD_MARKER",
+    "BundleError",
+    "DenseSSMHubMixin",
+    "bundle_sources",
+    "flat_module_name",
+    "hub_auto_map",
+    "model_card",
+    "replaced_by_save",
+    "staged_save",
+    "write_bundle",
+    "write_model_card",
+]

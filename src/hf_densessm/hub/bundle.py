@@ -1,0 +1,237 @@
+"""The remote code of a saved folder: the package modules a model runs, as flat files, and the ``auto_map``.
+
+transformers' remote-code loader (``dynamic_module_utils``) copies the class's file and the files it imports with
+same-folder relative imports (``from .x import y``; read with the regular expressions of ``get_relative_imports``),
+all into one flat folder. ``custom_object_save`` copies a class's file the same way. This package is nested
+(``modeling/``, ``ops/selective_scan/``) and imports across folders (``from ..ops.selective_scan import ...``),
+which neither can read, so this module does the one thing they cannot: copy each package module the model needs to
+a flat file and rewrite its package imports to same-folder ones:
+
+- ``modeling/modeling_densemamba.py`` -> ``modeling_densemamba.py`` (a file whose name starts with its folder's
+  name drops the folder), ``ops/selective_scan/naive.py`` -> ``ops_selective_scan_naive.py``,
+  ``ops/selective_scan/__init__.py`` -> ``ops_selective_scan.py``;
+- the module list is the closure of the package imports (read with ``ast``), lazy imports inside functions included
+  (that is how the Triton kernels get in), starting from the modules of the config class and of every class
+  registered for it with an ``AutoModel*`` class;
+- everything else is the package's text unchanged, with one header line marking the file as generated. Optional
+  packages (``triton``) are imported inside ``try`` in the kernel files themselves, which transformers' import
+  check skips, so a folder loads where only ``torch`` and ``transformers`` are installed.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import re
+from pathlib import Path
+
+import transformers
+
+ROOT_PACKAGE = __name__.split(".")[0]  # "hf_densessm"
+ROOT_DIR = Path(__file__).resolve().parent.parent  # src/hf_densessm
+BUNDLE_MARKER = "# hf_densessm bundle:"  # first line of every bundled code file
+# transformers' own patterns for the files a remote-code module needs (dynamic_module_utils.get_relative_imports)
+_TRANSFORMERS_RELATIVE_IMPORTS = (
+    re.compile(r"^\s*import\s+\.(\S+)\s*$", re.MULTILINE),
+    re.compile(r"^\s*from\s+\.(\S+)\s+import", re.MULTILINE),
+)
+_IMPORT_HEAD = re.compile(r"from\s+[\w.]+\s+import")
+
+
+class BundleError(RuntimeError):
+    """The package's code cannot be bundled into a flat remote-code folder (the message says which import)."""
+
+
+def flat_module_name(module: str) -> str:
+    """The flat file stem (no ``.py``) of package module ``module`` inside a saved folder.
+
+    ``hf_densessm.modeling.modeling_densemamba`` -> ``modeling_densemamba``; ``hf_densessm.modeling.cache`` ->
+    ``modeling_cache``; ``hf_densessm.ops.selective_scan.naive`` -> ``ops_selective_scan_naive``;
+    ``hf_densessm.ops.selective_scan`` (a package) -> ``ops_selective_scan``. A file whose name already starts
+    with its folder's name drops the folder (so the ``auto_map`` names are the ones ``custom_object_save`` writes).
+
+    Raises:
+        BundleError: ``module`` is not a module of this package, or is the package root itself.
+    """
+    if not module.startswith(ROOT_PACKAGE + "."):
+        raise BundleError(f"{module!r} is not a module of {ROOT_PACKAGE!r} (only the package root cannot be bundled).")
+    parts = module[len(ROOT_PACKAGE) + 1 :].split(".")
+    if len(parts) > 1 and parts[-1].startswith(parts[-2] + "_"):
+        del parts[-2]
+    return "_".join(parts)
+
+
+def _module_file(module: str) -> Path:
+    """The source file of package module ``module`` (``x/y.py`` or ``x/y/__init__.py``)."""
+    base = ROOT_DIR.joinpath(*module[len(ROOT_PACKAGE) + 1 :].split("."))
+    for path in (base.with_name(base.name + ".py"), base / "__init__.py"):
+        if path.is_file():
+            return path
+    raise BundleError(f"Cannot find the source of {module!r} under {ROOT_DIR}.")
+
+
+def _resolve_import(node: ast.ImportFrom, module: str, is_package: bool) -> str | None:
+    """The package module a ``from ... import`` statement of ``module`` imports from, or ``None`` if external."""
+    if node.level:
+        package = module if is_package else module.rpartition(".")[0]
+        for _ in range(node.level - 1):
+            package = package.rpartition(".")[0]
+        target = f"{package}.{node.module}" if node.module else package
+    elif node.module == ROOT_PACKAGE or (node.module or "").startswith(ROOT_PACKAGE + "."):
+        target = node.module
+    else:
+        return None
+    if not target.startswith(ROOT_PACKAGE + "."):
+        raise BundleError(
+            f"{module}, line {node.lineno}: `from {'.' * node.level}{node.module or ''} import ...` imports the "
+            f"package root {ROOT_PACKAGE!r}, which is not bundled; import from the defining module instead."
+        )
+    return target
+
+
+def _bundled_source(module: str) -> tuple[str, set[str]]:
+    """The text of ``module`` as a flat bundle file, and the package modules it imports.
+
+    Package imports become ``from .<flat name> import ...``; a header line marks the file as generated.
+
+    Raises:
+        BundleError: an import form the flat layout cannot express (``import hf_densessm.x``, ``from . import
+            submodule``) or an import of the package root.
+    """
+    path = _module_file(module)
+    is_package = path.name == "__init__.py"
+    text = path.read_text(encoding="utf-8")
+    tree = ast.parse(text, filename=str(path))
+    lines = text.splitlines(keepends=True)
+    needed: set[str] = set()
+    heads = []  # (line index, column, flat name) of every package import to rewrite
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name == ROOT_PACKAGE or alias.name.startswith(ROOT_PACKAGE + "."):
+                    raise BundleError(
+                        f"{module}, line {node.lineno}: `import {alias.name}` cannot be bundled; use a relative "
+                        "`from .x import name` instead."
+                    )
+        elif isinstance(node, ast.ImportFrom):
+            target = _resolve_import(node, module, is_package)
+            if target is None:
+                continue
+            target_file = _module_file(target)
+            if target_file.name == "__init__.py":
+                for alias in node.names:
+                    if (target_file.parent / f"{alias.name}.py").is_file() or (
+                        target_file.parent / alias.name
+                    ).is_dir():
+                        raise BundleError(
+                            f"{module}, line {node.lineno}: importing the submodule {alias.name!r} with "
+                            f"`from ... import {alias.name}` cannot be bundled; import names from it instead."
+                        )
+            needed.add(target)
+            heads.append((node.lineno - 1, node.col_offset, flat_module_name(target)))
+    for index, column, flat in sorted(heads, reverse=True):
+        line = lines[index]
+        match = _IMPORT_HEAD.match(line, column)
+        if match is None:
+            raise BundleError(f"{module}, line {index + 1}: cannot parse the import statement {line.strip()!r}.")
+        lines[index] = line[:column] + f"from .{flat} import" + line[match.end() :]
+    origin = path.relative_to(ROOT_DIR).as_posix()
+    header = f"{BUNDLE_MARKER} {ROOT_PACKAGE}/{origin}, imports made flat by hf_densessm.hub; edit the package.\n"
+    return header + "".join(lines), needed
+
+
+def auto_classes(model) -> dict[str, type]:
+    """``{"AutoConfig": config class, "AutoModel": base model class, "AutoModelForCausalLM": ..., ...}``: the
+    config class of ``model`` and every class of this package registered for it with one of transformers'
+    ``AutoModel*`` classes (``import hf_densessm`` registers them), read from transformers' own registries.
+
+    Raises:
+        BundleError: ``model``'s config class is not one of this package's, or no ``AutoModel*`` class maps it to
+            a class of this package.
+    """
+    config_class = type(model.config)
+    if not config_class.__module__.startswith(ROOT_PACKAGE + "."):
+        raise BundleError(f"{config_class.__name__} is not a config class of {ROOT_PACKAGE!r}.")
+    found: dict[str, type] = {"AutoConfig": config_class}
+    for name in sorted(dir(transformers)):
+        mapping = getattr(getattr(transformers, name), "_model_mapping", None) if name.startswith("AutoModel") else None
+        if mapping is not None and config_class in mapping:
+            cls = mapping[config_class]
+            if cls.__module__.startswith(ROOT_PACKAGE + "."):
+                found[name] = cls
+    if len(found) == 1:
+        raise BundleError(f"No AutoModel class of transformers maps {config_class.__name__} to a class of {ROOT_PACKAGE}.")
+    return found
+
+
+def hub_auto_map(model) -> dict[str, str]:
+    """The ``auto_map`` of a saved folder: ``{"AutoConfig": "configuration_x.XConfig", "AutoModel":
+    "modeling_x.XModel", "AutoModelForCausalLM": "modeling_x.XForCausalLM", ...}`` (flat module names, as bundled;
+    the classes are those of :func:`auto_classes`).
+
+    Raises:
+        BundleError: see :func:`auto_classes`.
+    """
+    return {auto: f"{flat_module_name(cls.__module__)}.{cls.__name__}" for auto, cls in auto_classes(model).items()}
+
+
+def bundle_sources(model) -> dict[str, str]:
+    """The code files of ``model``'s saved folder: ``{file name: text}``, the closure of the package imports of
+    the modules of :func:`auto_classes` (lazy kernel imports included), flattened.
+
+    Raises:
+        BundleError: two modules would share a flat name, an import cannot be bundled (see
+            :func:`_bundled_source`), or a bundled file would make transformers look for a file that is not
+            bundled (e.g. a docstring line that reads like ``from .x import``).
+    """
+    pending = sorted({cls.__module__ for cls in auto_classes(model).values()})
+    sources: dict[str, str] = {}
+    seen: dict[str, str] = {}  # flat name -> module
+    while pending:
+        module = pending.pop()
+        flat = flat_module_name(module)
+        if flat in seen:
+            if seen[flat] != module:
+                raise BundleError(f"{seen[flat]!r} and {module!r} would both be bundled as {flat}.py.")
+            continue
+        seen[flat] = module
+        sources[flat], needed = _bundled_source(module)
+        pending.extend(sorted(needed))
+    for flat, source in sources.items():
+        for pattern in _TRANSFORMERS_RELATIVE_IMPORTS:
+            for name in pattern.findall(source):
+                if name not in sources:
+                    raise BundleError(
+                        f"{flat}.py has a line transformers reads as an import of .{name}, which is not bundled."
+                    )
+    return {f"{flat}.py": source for flat, source in sorted(sources.items())}
+
+
+def write_bundle(model, folder: str | os.PathLike) -> dict[str, str]:
+    """Write the code files of ``model`` (:func:`bundle_sources`) into ``folder`` and set ``auto_map`` in its
+    ``config.json`` (which ``config.save_pretrained`` must have written). Returns the ``auto_map``.
+
+    Raises:
+        FileNotFoundError: ``folder`` has no ``config.json``.
+        BundleError: see :func:`bundle_sources`, :func:`hub_auto_map`.
+    """
+    folder = Path(folder)
+    auto_map = hub_auto_map(model)
+    sources = bundle_sources(model)
+    config_file = folder / "config.json"
+    config = json.loads(config_file.read_text(encoding="utf-8"))
+    for name, source in sources.items():
+        (folder / name).write_text(source, encoding="utf-8")
+    config["auto_map"] = auto_map
+    config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    return auto_map
+
+
+def is_bundled_code(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a code file a save of this package generated (its first line is :data:`BUNDLE_MARKER`)."""
+    path = Path(path)
+    if path.suffix != ".py" or not path.is_file() or path.is_symlink():
+        return False
+    with open(path, encoding="utf-8", errors="replace") as file:
+        return file.read(len(BUNDLE_MARKER)) == BUNDLE_MARKER
