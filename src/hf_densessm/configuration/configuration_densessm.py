@@ -120,6 +120,9 @@ DENSE_KNOBS: tuple[Knob, ...] = (
     Knob("dense_every", int, 1, "only layers whose index is a multiple fuse (Table 9)", minimum=1),
     Knob("dense_gate_hidden_size", int, None, "hidden width of the 'mlp' gate; None = max(1, hidden_size // 32)",
          minimum=1, optional=True),
+    Knob("dense_target", str, "input", "DenseMamba only: fuse the scan inputs u and B ('input', docs/design.md §4) "
+         "or the lower layers' states, read out with this layer's C ('state', Eq. 14)", choices=("input", "state"),
+         families=("densemamba",)),
     Knob("kernel_backend", str, "auto", "'auto' (Triton on CUDA, PyTorch otherwise), 'triton' or 'torch'",
          choices=("auto", "triton", "torch")),
 )

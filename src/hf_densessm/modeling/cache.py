@@ -1,12 +1,31 @@
-"""Glue between DenseSSM blocks and transformers' own recurrent-state cache.
+"""The recurrent-state cache of both DenseSSM families: how it is built, which slot holds what, how tokens are counted.
 
-The models use ``transformers.DynamicCache(config=model.config)``: the configs declare every block as a
-``"linear_attention"`` layer, so the cache holds one ``LinearAttentionLayer`` per block, whose conv and recurrent
-state slots have a fixed size (independent of the sequence length). DenseMamba uses conv slot 0 (the last
-``conv_kernel`` inputs of the causal convolution) and recurrent slot 0 (the SSM state ``(batch, intermediate_size,
-state_size)``, float32). DenseRetNet uses recurrent slot 0 (the retention state ``(batch, heads, key_dim, value_dim)``,
-float32) and recurrent slot 1 (the number of tokens seen per row, int64, which places later tokens' rotary angles).
-``generate()`` builds this cache itself; beam search reorders it with the layers' own ``reorder_cache``.
+**Built.** The cache is transformers' own ``DynamicCache(config=model.config)``: the configs declare every block a
+``"linear_attention"`` layer (``config.layer_types``), so the cache holds one ``LinearAttentionLayer`` per block whose
+conv and recurrent state slots have a fixed size, independent of the sequence length. The one addition is
+:class:`DenseSSMCache`, a ``DynamicCache`` that also counts the positions processed, because ``generate()`` asks a
+cache for ``get_seq_length()`` and linear-attention layers keep none. Both families build it the same way: the first
+forward with ``use_cache`` and no cache creates one (:func:`new_cache`); ``generate()`` leaves the creation to that
+forward (``_supports_default_dynamic_cache()`` is ``False``, as for transformers' own stateful models), and a cache
+returned by one ``generate()`` call continues in the next (:mod:`.modeling_densessm`).
+
+**Slots** (:data:`CACHE_SLOTS`), per block:
+
+=============  ===========================  ===================================================================
+family         slot                         content
+=============  ===========================  ===================================================================
+densemamba     ``conv_states[0]``           the last ``conv_kernel`` inputs of the causal convolution,
+                                            ``(batch, intermediate_size, conv_kernel)``, the model's dtype
+densemamba     ``recurrent_states[0]``      the SSM state ``h``, ``(batch, intermediate_size, state_size)`` float32
+denseretnet    ``recurrent_states[0]``      the retention state ``S``, ``(batch, heads, key_dim / heads,
+                                            value_dim / heads)`` float32
+denseretnet    ``recurrent_states[1]``      real (non-padding) tokens seen per row, ``(batch,)`` int64: places the
+                                            rotary angles and the retention normalization of later tokens
+=============  ===========================  ===================================================================
+
+**Tokens.** :attr:`DenseSSMCache.tokens_seen` counts every position given to the model (padding included), which is
+what ``generate()`` compares with the length of ``input_ids``; DenseRetNet's per-row slot counts real tokens only.
+Beam search reorders every slot with transformers' ``reorder_cache``.
 """
 
 from __future__ import annotations
@@ -14,14 +33,19 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, DynamicCache, LinearAttentionCacheLayerMixin
 
+#: Which state slots each family uses, and what they hold (see the module docstring).
+CACHE_SLOTS = {
+    "densemamba": {"conv": (0,), "recurrent": (0,)},
+    "denseretnet": {"conv": (), "recurrent": (0, 1)},
+}
+
 
 class DenseSSMCache(DynamicCache):
-    """transformers' ``DynamicCache`` (one ``LinearAttentionLayer`` per block), plus a count of the tokens seen.
+    """transformers' ``DynamicCache`` (one ``LinearAttentionLayer`` per block), plus a count of the positions seen.
 
-    The count is the one addition: ``generate()`` asks a cache passed as ``past_key_values`` for
-    ``get_seq_length()`` (to slice the prompt), and transformers' linear-attention layers keep no sequence length,
-    so a plain ``DynamicCache`` refuses. Every state, its reordering for beam search and its reset stay
-    transformers' own. The models update the count (``record_tokens``); it includes padding positions.
+    The count is the one addition: ``generate()`` asks a cache for ``get_seq_length()`` (to slice a prompt that
+    continues a cache), and transformers' linear-attention layers keep no sequence length. Every state, its
+    reordering for beam search and its reset stay transformers' own. The models update the count.
     """
 
     def __init__(self, config=None, **kwargs):
@@ -52,12 +76,30 @@ def record_tokens(cache: Cache | None, count: int) -> None:
         cache.record_tokens(count)
 
 
-def check_cache(cache, config, arg_name: str) -> None:
-    """Check that ``cache`` is a transformers ``Cache`` with one linear-attention layer per block of ``config``.
+def _expected_shapes(config, batch: int) -> dict[tuple[str, int], tuple[int, ...]]:
+    """The shape of every slot of :data:`CACHE_SLOTS` for ``config`` and ``batch`` rows."""
+    if config.model_type == "densemamba":
+        return {
+            ("conv", 0): (batch, config.intermediate_size, config.conv_kernel),
+            ("recurrent", 0): (batch, config.intermediate_size, config.state_size),
+        }
+    heads = config.num_attention_heads
+    return {
+        ("recurrent", 0): (batch, heads, config.query_key_dim // heads, config.value_dim // heads),
+        ("recurrent", 1): (batch,),
+    }
+
+
+def check_cache(cache, config, arg_name: str, batch: int) -> None:
+    """Check that ``cache`` fits a model of ``config`` given ``batch`` rows.
+
+    It must be a transformers ``Cache`` with one linear-attention layer per block, with the state slots of the
+    config's family (:data:`CACHE_SLOTS`), and states (where already filled) of the shapes this model and batch need.
 
     Raises:
         TypeError: ``cache`` is not a ``Cache``, or its layers are not linear-attention layers.
-        ValueError: it has the wrong number of layers. Messages name ``arg_name`` and how to build a right one.
+        ValueError: wrong number of layers, slots of another family (e.g. a DenseMamba cache given to DenseRetNet),
+            or states of another batch size or width. Messages name ``arg_name`` and what was expected.
     """
     hint = f"build one with `transformers.DynamicCache(config=model.config)` or leave `{arg_name}` unset"
     if not isinstance(cache, Cache):
@@ -68,10 +110,30 @@ def check_cache(cache, config, arg_name: str) -> None:
         )
     if not all(isinstance(layer, LinearAttentionCacheLayerMixin) for layer in cache.layers):
         raise TypeError(f"`{arg_name}` must hold linear-attention (recurrent state) layers; {hint}.")
+    slots = CACHE_SLOTS[config.model_type]
+    needed = max(slots["conv"] + slots["recurrent"]) + 1
+    if any(layer.number_of_states != needed for layer in cache.layers):
+        raise ValueError(
+            f"`{arg_name}` was built for another model family ({cache.layers[0].number_of_states} state slots per "
+            f"layer, a {config.model_type} model needs {needed}); {hint}."
+        )
+    expected = _expected_shapes(config, batch)
+    for layer_idx, layer in enumerate(cache.layers):
+        for (kind, slot), shape in expected.items():
+            filled = layer.is_conv_states_initialized if kind == "conv" else layer.is_recurrent_states_initialized
+            if not filled[slot]:
+                continue
+            state = (layer.conv_states if kind == "conv" else layer.recurrent_states)[slot]
+            if tuple(state.shape) != shape:
+                raise ValueError(
+                    f"`{arg_name}` holds a {kind} state of shape {tuple(state.shape)} in layer {layer_idx}, but this "
+                    f"model with batch size {batch} needs {shape} (a cache serves one batch size); {hint}."
+                )
 
 
 def recurrent_state(cache: Cache | None, layer_idx: int, slot: int = 0) -> torch.Tensor | None:
-    """The recurrent state in ``slot`` of block ``layer_idx``, or ``None`` before the first update."""
+    """The recurrent state in ``slot`` of block ``layer_idx`` (see :data:`CACHE_SLOTS`), or ``None`` before the
+    first update."""
     if cache is None:
         return None
     layer = cache.layers[layer_idx]

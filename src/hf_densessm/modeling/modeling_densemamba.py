@@ -29,9 +29,9 @@ from ..configuration.configuration_densemamba import DenseMambaConfig
 from ..hub import DenseSSMHubMixin
 from ..ops.selective_scan import selective_scan, selective_state_update
 from .cache import conv_state, recurrent_state
-from .dense import build_dense_connection
+from .dense_connection import build_dense_connection, init_dense_linear, split_dense_inputs
 from .norm import DenseSSMRMSNorm
-from .stack import DenseSSMCausalLMMixin, group_dense_inputs, run_backbone
+from .modeling_densessm import DenseSSMCausalLMMixin, merge_cache_arguments, run_backbone
 
 class DenseMambaMixer(nn.Module):
     """Sequence mixing of one DenseMamba block (Mamba paper Alg. 2 / Fig. 3, plus DenseSSM Eq. 10-17 on ``u`` and ``B``).
@@ -66,32 +66,65 @@ class DenseMambaMixer(nn.Module):
         self.A_log = nn.Parameter(torch.empty(self.intermediate_size, self.ssm_state_size))
         self.D = nn.Parameter(torch.empty(self.intermediate_size))
         self.out_proj = nn.Linear(self.intermediate_size, self.hidden_size, bias=config.use_bias)
-        self.dense_u = build_dense_connection(config, layer_idx, self.intermediate_size)
-        self.dense_B = build_dense_connection(config, layer_idx, self.ssm_state_size)
+        if config.dense_target == "state":  # Eq. 14: per-channel gates on the lower states' readouts
+            self.dense_h = build_dense_connection(config, layer_idx, self.intermediate_size)
+            self.dense_u = self.dense_B = None
+        else:  # docs/design.md §4: the scan inputs u and B
+            self.dense_u = build_dense_connection(config, layer_idx, self.intermediate_size)
+            self.dense_B = build_dense_connection(config, layer_idx, self.ssm_state_size)
+            self.dense_h = None
+
+    def _read_lower_states(self, dense_inputs, C, cache_params, decode: bool, continuing: bool) -> list[torch.Tensor]:
+        """``C^l_t . h^{l-i}_t`` for each predecessor ``i`` (nearest first), ``(batch, seq_len, D)`` each.
+
+        Decoding reads the lower layers' states from the cache (updated for this token already: lower layers run
+        first), O(D N) each; otherwise each lower state is recomputed by one scan of that layer's ``(u, dt, B, A)``
+        read out with this layer's ``C`` (from the lower layer's state before this call when continuing a cache).
+        """
+        if decode:
+            n = len(dense_inputs) // 4
+            C_t = C[:, 0, :, None].to(torch.promote_types(C.dtype, torch.float32))
+            return [
+                torch.bmm(recurrent_state(cache_params, self.layer_idx - i).to(C_t.dtype), C_t).transpose(1, 2)
+                for i in range(1, n + 1)
+            ]
+        us, dts, Bs, As, *initial = split_dense_inputs(dense_inputs, 5 if continuing else 4)
+        initial = initial[0] if initial else [None] * len(us)
+        return [
+            selective_scan(
+                u.transpose(1, 2), dt, A, B.transpose(1, 2), C.transpose(1, 2), initial_state=h0,
+                backend=self.config.kernel_backend,
+            ).transpose(1, 2)
+            for u, dt, B, A, h0 in zip(us, dts, Bs, As, initial)
+        ]
 
     def forward(
         self,
         hidden_states: torch.Tensor,
-        dense_inputs: list[tuple[torch.Tensor, torch.Tensor]],
+        dense_inputs: tuple[torch.Tensor, ...],
         cache_params=None,
         attention_mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """
         Args:
             hidden_states: ``(batch, seq_len, hidden_size)``, the block's normalized input ``x^l``.
-            dense_inputs: pre-fusion ``(u, B)`` of the predecessors, nearest first; ``u`` ``(batch, seq_len, D)``,
+            dense_inputs: the predecessors' pre-fusion ``u`` tensors then their ``B`` tensors, nearest first (see
+                :mod:`hf_densessm.modeling.dense_connection`); ``u`` ``(batch, seq_len, D)``,
                 ``B`` ``(batch, seq_len, N)``.
             cache_params: a transformers ``Cache`` (see ``hf_densessm.modeling.cache``) or ``None``.
             attention_mask: ``(batch, seq_len)`` 0/1 or ``None``; padded positions get ``u = 0`` and ``dt = 0``, so
                 they never change the SSM state.
 
         Returns:
-            ``(output (batch, seq_len, hidden_size), (u, B))`` with this layer's pre-fusion ``u`` and ``B``.
+            ``(output (batch, seq_len, hidden_size), features)``: this layer's pre-fusion ``(u, B)`` with
+            ``dense_target="input"``; with ``"state"`` its ``(u, dt, B, A)`` (and its state before this call when a
+            multi-token call continues a cache), from which a higher layer recomputes this layer's states.
         """
         batch, seq_len, _ = hidden_states.shape
         dtype = hidden_states.dtype
         backend = self.config.kernel_backend
         mask = attention_mask[:, None, :].to(dtype) if attention_mask is not None else None
+        acc = torch.promote_types(self.A_log.dtype, torch.float32)  # the scan's float32 (float64 in float64 models)
 
         # 1. input projection: x (to the conv) and the gate z, channels first (batch, D, seq_len)
         x, z = self.in_proj(hidden_states).transpose(1, 2).chunk(2, dim=1)
@@ -122,27 +155,41 @@ class DenseMambaMixer(nn.Module):
         dt = self.dt_proj(time_step).transpose(1, 2)  # (batch, D, seq_len), before the softplus
         softplus = True
         if mask is not None:  # dt = 0 at padding: exp(0 * A) = 1 and no input, the state is left as it was
-            dt = F.softplus(dt.float()) * mask
+            dt = F.softplus(dt.to(acc)) * mask
             softplus = False
 
-        # 4. dense connection (Eq. 10-17) on the state inputs u and B
-        features = (u, B)
-        if self.dense_u is not None:
-            u = self.dense_u(hidden_states, u, [p[0] for p in dense_inputs])
-            B = self.dense_B(hidden_states, B, [p[1] for p in dense_inputs])
-
-        # 5. selective scan (Mamba paper Alg. 2), continuing from the cached SSM state
-        A = -torch.exp(self.A_log.float())
+        A = -torch.exp(self.A_log.to(acc))
         state = recurrent_state(cache_params, self.layer_idx)
-        if state is not None and seq_len == 1:
+        decode = state is not None and seq_len == 1
+        fuse_states = self.dense_h is not None
+
+        # 4. dense connection (Eq. 10-17). "input": on the state inputs u and B. "state": the features handed up are
+        # what makes this layer's state (u, dt, B, A, and the state before this call when continuing a cache), so
+        # that a higher layer can read the state out with its own C (Eq. 14; docs/design.md §4).
+        if self.config.dense_target == "state":
+            if softplus:
+                dt, softplus = F.softplus(dt.to(acc)), False
+            features = (u, dt, B, A) + ((state.clone(),) if state is not None and not decode else ())
+        else:
+            features = (u, B)
+            if self.dense_u is not None:
+                dense_u, dense_B = split_dense_inputs(dense_inputs, 2)
+                u = self.dense_u(hidden_states, u, dense_u)
+                B = self.dense_B(hidden_states, B, dense_B)
+
+        # 5. selective scan (Mamba paper Alg. 2), continuing from the cached SSM state; with state fusion the D skip
+        # and the SiLU(z) gate come after the fusion
+        D = None if fuse_states else self.D.to(acc)
+        z_scan = None if fuse_states else z
+        if decode:
             y = selective_state_update(
-                state, u[:, 0], dt[..., 0], A, B[:, 0], C[:, 0], self.D.float(), z=z[..., 0],
+                state, u[:, 0], dt[..., 0], A, B[:, 0], C[:, 0], D, z=None if z_scan is None else z_scan[..., 0],
                 dt_softplus=softplus, backend=backend,
             ).unsqueeze(-1)
         else:
             result = selective_scan(
                 u.transpose(1, 2), dt, A, B.transpose(1, 2), C.transpose(1, 2),
-                D=self.D.float(), z=z, delta_softplus=softplus,
+                D=D, z=z_scan, delta_softplus=softplus,
                 initial_state=state, return_last_state=cache_params is not None, backend=backend,
             )
             if cache_params is not None:
@@ -150,6 +197,10 @@ class DenseMambaMixer(nn.Module):
                 cache_params.update_recurrent_state(last_state, self.layer_idx)
             else:
                 y = result
+        if fuse_states:
+            readouts = self._read_lower_states(dense_inputs, C, cache_params, decode, state is not None)
+            y = self.dense_h(hidden_states, y.transpose(1, 2), readouts).transpose(1, 2)  # Eq. 14
+            y = (y + self.D.to(acc)[:, None] * u.transpose(1, 2)) * F.silu(z.to(y.dtype))
         return self.out_proj(y.transpose(1, 2).to(dtype)), features
 
 
@@ -157,7 +208,7 @@ class DenseMambaBlock(GradientCheckpointingLayer):
     """Pre-norm residual block ``x + mixer(RMSNorm(x))`` (``norm``, ``mixer`` as in ``transformers.MambaBlock``).
 
     ``forward(hidden_states, *dense_inputs, cache_params=None, attention_mask=None)``: ``dense_inputs`` are the
-    predecessors' ``u, B`` tensors flattened, nearest first. Returns the flat ``(hidden_states, u, B)``; the residual
+    predecessors' ``u`` then ``B`` tensors, nearest first. Returns the flat ``(hidden_states, u, B)``; the residual
     stream is float32 when ``config.residual_in_fp32``.
     """
 
@@ -172,9 +223,9 @@ class DenseMambaBlock(GradientCheckpointingLayer):
         residual = hidden_states
         hidden_states = self.norm(hidden_states.to(dtype=self.norm.weight.dtype))
         if self.residual_in_fp32:
-            residual = residual.to(torch.float32)
+            residual = residual.to(torch.promote_types(residual.dtype, torch.float32))
         out, features = self.mixer(
-            hidden_states, group_dense_inputs(dense_inputs, 2), cache_params=cache_params, attention_mask=attention_mask
+            hidden_states, dense_inputs, cache_params=cache_params, attention_mask=attention_mask
         )
         return (residual + out, *features)
 
@@ -192,7 +243,11 @@ class DenseMambaPreTrainedModel(DenseSSMHubMixin, PreTrainedModel):
     @torch.no_grad()
     def _init_weights(self, module):
         """Mamba's init (S4D-Real ``A``, ``dt`` bias from log-uniform [time_step_min, time_step_max], Kaiming conv and
-        ``out_proj``), plus the dense gates' Xavier-uniform init (gain 2^-2.5, the published DenseRetNet's). Only weights not loaded from a checkpoint are touched."""
+        ``out_proj``), plus the dense connection's
+        (:func:`~hf_densessm.modeling.dense_connection.init_dense_linear`, on its leaf layers, so that every
+        parameter missing from a checkpoint is initialized). Only weights not loaded from a checkpoint are touched."""
+        if init_dense_linear(module, init):
+            return
         super()._init_weights(module)
         config = self.config
         if isinstance(module, DenseSSMRMSNorm):
@@ -218,9 +273,6 @@ class DenseMambaPreTrainedModel(DenseSSMHubMixin, PreTrainedModel):
             init.kaiming_uniform_(module.out_proj.weight, a=math.sqrt(5))
             if config.rescale_prenorm_residual:
                 init.copy_(module.out_proj.weight, module.out_proj.weight / math.sqrt(config.num_hidden_layers))
-            for dense in (module.dense_u, module.dense_B):
-                if dense is not None:
-                    dense.init_weights(init)
 
 
 @dataclass
@@ -282,21 +334,24 @@ class DenseMambaModel(DenseMambaPreTrainedModel):
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
         attention_mask: torch.Tensor | None = None,
+        past_key_values=None,
         **kwargs,
     ) -> tuple | DenseMambaOutput:
         r"""
         Args:
             input_ids: ``(batch, seq_len)`` token ids; or ``inputs_embeds`` ``(batch, seq_len, hidden_size)`` (exactly one).
             cache_params: a cache from a previous call (or ``DynamicCache(config=model.config)``); the tokens given
-                continue the cached sequence, whatever their number (prefill in chunks works).
+                continue the cached sequence, whatever their number (prefill in chunks works). ``past_key_values``
+                is accepted as another name for it (give one of the two).
             use_cache: return the cache (default ``config.use_cache``, off in training).
             attention_mask: ``(batch, seq_len)`` or ``(batch, cached + seq_len)``, 1 for tokens and 0 for padding
                 (pad on the left for batched generation).
 
         Raises:
-            ValueError, TypeError: bad inputs (see :func:`hf_densessm.modeling.stack.run_backbone`).
+            ValueError, TypeError: bad inputs (see :func:`hf_densessm.modeling.modeling_densessm.run_backbone`).
         """
         return_dict = return_dict if return_dict is not None else self.config.return_dict
+        cache_params = merge_cache_arguments(cache_params, past_key_values)
         hidden_states, cache_params, all_hidden_states = run_backbone(
             self, self.embeddings, self.norm_f, "cache_params", input_ids, inputs_embeds, cache_params, use_cache,
             output_hidden_states, attention_mask,
@@ -338,6 +393,7 @@ class DenseMambaForCausalLM(DenseSSMCausalLMMixin, DenseMambaPreTrainedModel, Ge
         return_dict: bool | None = None,
         use_cache: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
+        past_key_values=None,
         **kwargs,
     ) -> tuple | DenseMambaCausalLMOutput:
         r"""
@@ -350,7 +406,7 @@ class DenseMambaForCausalLM(DenseSSMCausalLMMixin, DenseMambaPreTrainedModel, Ge
         return_dict = return_dict if return_dict is not None else self.config.return_dict
         outputs = self.backbone(
             input_ids,
-            cache_params=cache_params,
+            cache_params=merge_cache_arguments(cache_params, past_key_values),
             inputs_embeds=inputs_embeds,
             output_hidden_states=output_hidden_states,
             return_dict=True,

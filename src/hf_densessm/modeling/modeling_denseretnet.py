@@ -30,9 +30,9 @@ from ..configuration.configuration_denseretnet import DenseRetNetConfig
 from ..hub import DenseSSMHubMixin
 from ..ops.retention import chunk_retention, retention_state_update
 from .cache import recurrent_state
-from .dense import build_dense_connection
+from .dense_connection import build_dense_connection, init_dense_linear, split_dense_inputs
 from .norm import DenseSSMRMSNorm
-from .stack import DenseSSMCausalLMMixin, group_dense_inputs, run_backbone
+from .modeling_densessm import DenseSSMCausalLMMixin, run_backbone
 
 
 class DenseRetNetThetaShift(nn.Module):
@@ -54,19 +54,41 @@ class DenseRetNetThetaShift(nn.Module):
         return (self.rope_theta**-exponents).float()
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        angles = positions.to(torch.float32)[..., None] * self.theta.to(positions.device)  # (batch, seq_len, hd/2)
+        compute = torch.promote_types(x.dtype, torch.float32)  # float32, or float64 for a float64 model
+        theta = self.theta.to(device=positions.device, dtype=compute)
+        angles = positions.to(compute)[..., None] * theta  # (batch, seq_len, head_dim / 2)
         cos = angles.cos().repeat_interleave(2, dim=-1)[:, :, None, :]
         sin = angles.sin().repeat_interleave(2, dim=-1)[:, :, None, :]
-        xf = x.float()
+        xf = x.to(compute)
         rotated = torch.stack((-xf[..., 1::2], xf[..., ::2]), dim=-1).flatten(-2)
         return (xf * cos + rotated * sin).to(x.dtype)
+
+
+def retention_normalizer(positions: torch.Tensor, num_heads: int, dtype: torch.dtype) -> torch.Tensor:
+    """``1 / sqrt(s_t)`` of the published retention, ``s_t = sum_{j<=t} gamma_h^(t-j) = (1 - gamma_h^(t+1)) /
+    (1 - gamma_h)`` with ``gamma_h = 1 - 2^(-5-h)`` (docs/design.md §3; the published parallel form divides the rows
+    of the decay mask by ``sqrt(s_t)``, its recurrent form carries ``s_t = s_{t-1} gamma + 1``).
+
+    Args:
+        positions: ``(batch, seq_len)`` int64, ``t``, the 0-based count of real tokens (padding positions may be -1;
+            they are treated as ``t = 0``, their output is never used).
+        num_heads: ``H``. dtype: of the result (computed in float64).
+
+    Returns:
+        ``(batch, seq_len, H, 1)`` factors in ``(0, 1]``.
+    """
+    heads = torch.arange(num_heads, device=positions.device, dtype=torch.float64)
+    log_gamma = torch.log1p(-torch.exp2(-5.0 - heads))  # (H,)
+    count = positions.clamp(min=0).to(torch.float64)[..., None] + 1  # t + 1
+    s = -torch.expm1(count * log_gamma) / -torch.expm1(log_gamma)
+    return s.rsqrt().to(dtype)[..., None]
 
 
 class DenseRetNetRetention(nn.Module):
     """One GAU-style multi-scale retention unit with the dense KV connection (see the module docstring).
 
     Parameters: ``q_proj``, ``k_proj`` (``d -> d_qk``), ``hidden_proj`` (``W_h: d -> 2 d_v``), ``o_proj``
-    (``W_o: d_v -> d``), ``group_norm`` (per-head RMSNorm, ``d_v``), and in layers with predecessors ``dense_k``,
+    (``W_o: d_v -> d``), ``group_norm`` (per-head RMSNorm, one ``d_v / H`` weight shared by the heads), and in layers with predecessors ``dense_k``,
     ``dense_v`` (the gates ``G_k: d -> d/32 -> d_qk``, ``G_v: d -> d/32 -> d_v``) and ``k_norm``, ``v_norm``.
     """
 
@@ -95,16 +117,18 @@ class DenseRetNetRetention(nn.Module):
     def forward(
         self,
         hidden_states: torch.Tensor,
-        dense_inputs: list[tuple[torch.Tensor, torch.Tensor]],
-        past_key_values=None,
+        dense_inputs: tuple[torch.Tensor, ...],
+        cache_params=None,
         attention_mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """
         Args:
             hidden_states: ``(batch, seq_len, hidden_size)``, the block's normalized input ``x^l``.
-            dense_inputs: pre-fusion ``(k, v)`` of the predecessors, nearest first: ``(batch, seq_len, d_qk)``,
+            dense_inputs: the predecessors' pre-fusion ``k`` tensors then their ``v`` tensors, nearest first (see
+                :mod:`hf_densessm.modeling.dense_connection`): ``(batch, seq_len, d_qk)``,
                 ``(batch, seq_len, d_v)``.
-            past_key_values: a transformers ``Cache`` (see ``hf_densessm.modeling.cache``) or ``None``.
+            cache_params: a transformers ``Cache`` (see :mod:`hf_densessm.modeling.cache`) or ``None`` (blocks of both
+                families take it under this name: transformers' checkpointing wrapper drops a ``past_key_values``).
             attention_mask: ``(batch, seq_len)`` 0/1 or ``None``. Padded positions get ``k = v = 0``, so they add
                 nothing to the state; in a one-token step a padded row's state is left as it was.
 
@@ -121,11 +145,12 @@ class DenseRetNetRetention(nn.Module):
             k, v = k * keep, v * keep
         features = (k, v)
         if self.dense_k is not None:  # dense KV connection, Eq. 20-23
-            k = self.k_norm(self.dense_k(hidden_states, k, [p[0] for p in dense_inputs]))
-            v = self.v_norm(self.dense_v(hidden_states, v, [p[1] for p in dense_inputs]))
+            dense_k, dense_v = split_dense_inputs(dense_inputs, 2)
+            k = self.k_norm(self.dense_k(hidden_states, k, dense_k))
+            v = self.v_norm(self.dense_v(hidden_states, v, dense_v))
 
-        state = recurrent_state(past_key_values, self.layer_idx, 0)
-        seen = recurrent_state(past_key_values, self.layer_idx, 1)
+        state = recurrent_state(cache_params, self.layer_idx, 0)
+        seen = recurrent_state(cache_params, self.layer_idx, 1)
         offset = seen if seen is not None else torch.zeros(batch, dtype=torch.long, device=q.device)
         if attention_mask is None:
             positions = offset[:, None] + torch.arange(seq_len, device=q.device)
@@ -146,22 +171,23 @@ class DenseRetNetRetention(nn.Module):
         else:  # training / prefill: chunkwise form of Eq. 24, continuing from the cached state
             o, final_state = chunk_retention(
                 q, k, v, scale=1.0, initial_state=state,
-                output_final_state=past_key_values is not None, backend=backend,
+                output_final_state=cache_params is not None, backend=backend,
             )
-            if past_key_values is not None:
-                past_key_values.update_recurrent_state(final_state, self.layer_idx, state_idx=0)
-        if past_key_values is not None:
-            past_key_values.update_recurrent_state(new_offset, self.layer_idx, state_idx=1)
+            if cache_params is not None:
+                cache_params.update_recurrent_state(final_state, self.layer_idx, state_idx=0)
+        if cache_params is not None:
+            cache_params.update_recurrent_state(new_offset, self.layer_idx, state_idx=1)
 
-        o = self.group_norm(o.reshape(batch, seq_len, self.value_dim))
+        o = o * retention_normalizer(positions, self.num_heads, torch.promote_types(o.dtype, torch.float32))
+        o = self.group_norm(o.reshape(batch, seq_len, self.value_dim).to(g.dtype))
         return self.dropout(self.o_proj(o * g)), features
 
 
 class DenseRetNetBlock(GradientCheckpointingLayer):
     """Pre-norm residual block ``x + self_attn(input_layernorm(x))`` (GAU-style: no separate FFN).
 
-    ``forward(hidden_states, *dense_inputs, past_key_values=None, attention_mask=None)``: ``dense_inputs`` are the
-    predecessors' ``k, v`` tensors flattened, nearest first. Returns the flat ``(hidden_states, k, v)``.
+    ``forward(hidden_states, *dense_inputs, cache_params=None, attention_mask=None)``: ``dense_inputs`` are the
+    predecessors' ``k`` then ``v`` tensors, nearest first. Returns the flat ``(hidden_states, k, v)``.
     """
 
     def __init__(self, config: DenseRetNetConfig, layer_idx: int):
@@ -169,11 +195,11 @@ class DenseRetNetBlock(GradientCheckpointingLayer):
         self.input_layernorm = DenseSSMRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.self_attn = DenseRetNetRetention(config, layer_idx)
 
-    def forward(self, hidden_states, *dense_inputs, past_key_values=None, attention_mask=None):
+    def forward(self, hidden_states, *dense_inputs, cache_params=None, attention_mask=None):
         out, features = self.self_attn(
             self.input_layernorm(hidden_states),
-            group_dense_inputs(dense_inputs, 2),
-            past_key_values=past_key_values,
+            dense_inputs,
+            cache_params=cache_params,
             attention_mask=attention_mask,
         )
         return (hidden_states + out, *features)
@@ -191,24 +217,22 @@ class DenseRetNetPreTrainedModel(DenseSSMHubMixin, PreTrainedModel):
 
     @torch.no_grad()
     def _init_weights(self, module):
-        """The published DenseRetNet init (DESIGN.md §2): Xavier-uniform with gain 2^-2.5 on ``W_q, W_k, W_h`` and
-        the gates, gain 2^-1 on ``W_o``, embeddings normal(0, initializer_range), ``lm_head`` normal(0, d^-0.5),
-        norms at 1, the rotary angles. Only weights not loaded from a checkpoint are touched."""
+        """The init the published DenseRetNet models were trained from (docs/design.md §3): their ``post_init()``
+        draws every ``Linear`` (gates and ``lm_head`` included) and the embeddings from normal(0,
+        ``initializer_range`` = 0.02); norms at 1; the rotary angles; the ``"linear"`` projections and ``"concat"``
+        reduction of the dense ablations as :func:`~hf_densessm.modeling.dense_connection.init_dense_linear`.
+        Leaf modules only, so every parameter missing from a checkpoint is initialized; loaded ones are kept."""
+        std = self.config.initializer_range
+        if init_dense_linear(module, init, gate_std=std):
+            return
         if isinstance(module, DenseSSMRMSNorm):
             init.ones_(module.weight)
         elif isinstance(module, DenseRetNetThetaShift):
             init.copy_(module.theta, module.compute_theta(module.theta.device))
-        elif isinstance(module, nn.Embedding):
-            init.normal_(module.weight, mean=0.0, std=self.config.initializer_range)
-        elif isinstance(module, DenseRetNetRetention):
-            for proj in (module.q_proj, module.k_proj, module.hidden_proj):
-                init.xavier_uniform_(proj.weight, gain=2**-2.5)
-            init.xavier_uniform_(module.o_proj.weight, gain=2**-1)
-            for dense in (module.dense_k, module.dense_v):
-                if dense is not None:
-                    dense.init_weights(init)
-        elif isinstance(module, nn.Linear) and module is getattr(self, "lm_head", None):
-            init.normal_(module.weight, mean=0.0, std=self.config.hidden_size**-0.5)
+        elif isinstance(module, (nn.Linear, nn.Embedding)):
+            init.normal_(module.weight, mean=0.0, std=std)
+            if getattr(module, "bias", None) is not None:
+                init.zeros_(module.bias)
 
 
 class DenseRetNetModel(DenseRetNetPreTrainedModel):
@@ -253,7 +277,7 @@ class DenseRetNetModel(DenseRetNetPreTrainedModel):
             ``BaseModelOutputWithPast`` with ``hidden_states`` of ``num_hidden_layers + 1`` entries when asked.
 
         Raises:
-            ValueError, TypeError: bad inputs (see :func:`hf_densessm.modeling.stack.run_backbone`).
+            ValueError, TypeError: bad inputs (see :func:`hf_densessm.modeling.modeling_densessm.run_backbone`).
         """
         return_dict = return_dict if return_dict is not None else self.config.return_dict
         hidden_states, past_key_values, all_hidden_states = run_backbone(
@@ -271,12 +295,6 @@ class DenseRetNetForCausalLM(DenseSSMCausalLMMixin, DenseRetNetPreTrainedModel, 
     """DenseRetNet with an (untied by default) language-modeling head ``lm_head``."""
 
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
-
-    @classmethod
-    def _supports_default_dynamic_cache(cls) -> bool:
-        # generate() would build a plain DynamicCache, which cannot tell the sequence length it asks for; the
-        # first forward builds a DenseSSMCache instead (as transformers' own stateful models supply theirs).
-        return False
 
     def __init__(self, config: DenseRetNetConfig):
         super().__init__(config)

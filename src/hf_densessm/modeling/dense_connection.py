@@ -1,20 +1,29 @@
-"""The dense hidden connection of DenseSSM: selective transition and hidden fusion, one module for both families.
+"""The dense hidden connection of DenseSSM, whole: gate, selective transition, hidden fusion and the layer loop
+that hands each layer's features up to the next ``m`` layers. One module, used by both families.
 
 Source: DenseSSM paper (He et al. 2024, arXiv 2403.00818) §3.3:
     selective transition (Eq. 10, 15, 16): ``phi(f^{l-i}) = Proj(f^{l-i}) * Gate(x^l)``
     hidden fusion (Eq. 11, 17):            ``f'^l = f^l + sum_{i=1..m} phi(f^{l-i})``  ("add")
                                            ``f'^l = W [f^l; phi(f^{l-1}); ...]``       ("concat", Table 8)
 DenseRetNet fuses its keys and values with it (Eq. 20-23), DenseMamba the scan inputs ``u`` and ``B``
-(DESIGN.md §3). The features handed up are each layer's *pre-fusion* features.
+(``docs/design.md`` §2, §4). The features handed up are each layer's *pre-fusion* features.
+
+How features travel (:func:`run_dense_layers`): every block returns ``(hidden_states, *features)`` (e.g. ``(h, k,
+v)``); the loop keeps the features of the last ``m`` layers and calls block ``l`` as ``block(hidden_states,
+*dense_inputs)`` with ``dense_inputs`` grouped by feature, nearest layer first: ``k^{l-1}, ..., k^{l-n}, v^{l-1},
+..., v^{l-n}``. Positional tensors, so that gradient checkpointing (reentrant or not) carries their gradients. The
+mixer splits them once with :func:`split_dense_inputs`.
 """
 
 from __future__ import annotations
+
+from collections import deque
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-GATE_INIT_GAIN = 2**-2.5  # Xavier-uniform gain of the gate MLPs (the published DenseRetNet's init, DESIGN.md §2)
+GATE_INIT_GAIN = 2**-2.5  # Xavier-uniform gain of DenseMamba's gates (docs/design.md §4)
 
 
 def dense_predecessor_count(layer_idx: int, dense_layers: int, dense_every: int) -> int:
@@ -26,6 +35,42 @@ def dense_predecessor_count(layer_idx: int, dense_layers: int, dense_every: int)
     if layer_idx == 0 or dense_layers == 0 or layer_idx % dense_every:
         return 0
     return min(layer_idx, dense_layers)
+
+
+def _dense_linear(in_features: int, out_features: int, role: str) -> nn.Linear:
+    """A bias-free ``Linear`` of the dense connection, tagged with how :func:`init_dense_linear` initializes it."""
+    layer = nn.Linear(in_features, out_features, bias=False)
+    layer.dense_init = role
+    return layer
+
+
+@torch.no_grad()
+def init_dense_linear(module: nn.Module, init, gate_std: float | None = None) -> bool:
+    """Initialize ``module`` in place if it is a ``Linear`` of the dense connection; return whether it was one.
+
+    Called from each family's ``_init_weights`` on every module. It works on the leaf ``Linear`` layers, because
+    transformers initializes after loading only the modules whose own parameters were not all loaded, so a parent
+    without parameters of its own would never be visited. ``init`` is ``transformers.initialization`` (which skips
+    loaded weights). Gates: normal(0, ``gate_std``) when given (DenseRetNet: every ``Linear`` of the published
+    models starts so, docs/design.md §3), else Xavier-uniform with gain 2^-2.5 (the gain the published
+    ``reset_parameters`` sets; DenseMamba, docs/design.md §4); ``"linear"`` projections: the identity; the
+    ``"concat"`` reduction: passes ``f^l`` through.
+    """
+    role = getattr(module, "dense_init", None)
+    if role is None:
+        return False
+    if role == "gate" and gate_std is not None:
+        init.normal_(module.weight, mean=0.0, std=gate_std)
+    elif role == "gate":
+        init.xavier_uniform_(module.weight, gain=GATE_INIT_GAIN)
+    elif role == "identity":
+        init.eye_(module.weight)
+    else:
+        size = module.weight.shape[0]
+        weight = torch.zeros_like(module.weight)
+        weight[:, :size] = torch.eye(size, dtype=weight.dtype, device=weight.device)
+        init.copy_(module.weight, weight)
+    return True
 
 
 class DenseGate(nn.Module):
@@ -41,10 +86,10 @@ class DenseGate(nn.Module):
         super().__init__()
         self.selection = selection
         if selection == "mlp":
-            self.fc1 = nn.Linear(hidden_size, gate_hidden_size, bias=False)
-            self.fc2 = nn.Linear(gate_hidden_size, feature_size, bias=False)
+            self.fc1 = _dense_linear(hidden_size, gate_hidden_size, "gate")
+            self.fc2 = _dense_linear(gate_hidden_size, feature_size, "gate")
         elif selection == "linear":
-            self.fc = nn.Linear(hidden_size, feature_size, bias=False)
+            self.fc = _dense_linear(hidden_size, feature_size, "gate")
         else:
             raise ValueError(f"`dense_selection` must be 'mlp' or 'linear' for a gate, got {selection!r}.")
 
@@ -105,12 +150,12 @@ class DenseHiddenConnection(nn.Module):
                     DenseGate(hidden_size, feature_size, gate_hidden_size, selection) for _ in range(num_predecessors)
                 )
         self.projections = (
-            nn.ModuleList(nn.Linear(feature_size, feature_size, bias=False) for _ in range(num_predecessors))
+            nn.ModuleList(_dense_linear(feature_size, feature_size, "identity") for _ in range(num_predecessors))
             if projection == "linear"
             else None
         )
         if fusion == "concat":
-            self.reduce = nn.Linear((num_predecessors + 1) * feature_size, feature_size, bias=False)
+            self.reduce = _dense_linear((num_predecessors + 1) * feature_size, feature_size, "concat")
 
     def gate_modules(self) -> list[DenseGate]:
         """The gates of this connection (one if shared), in predecessor order."""
@@ -136,24 +181,6 @@ class DenseHiddenConnection(nn.Module):
                 feature = feature + f
             return feature
         return self.reduce(torch.cat([feature, *selected], dim=-1))  # Table 8, "Concat"
-
-    @torch.no_grad()
-    def init_weights(self, init, gate_gain: float = GATE_INIT_GAIN) -> None:
-        """Initialize in place with ``init`` (``transformers.initialization``, which skips loaded weights):
-        Xavier-uniform with gain ``gate_gain`` on the gates (DESIGN.md §2), identity projections, and a concat
-        reduction that passes ``f^l`` through."""
-        for gate in self.gate_modules():
-            for layer in gate.modules():
-                if isinstance(layer, nn.Linear):
-                    init.xavier_uniform_(layer.weight, gain=gate_gain)
-        if self.projections is not None:
-            for proj in self.projections:
-                init.eye_(proj.weight)
-        if self.fusion == "concat":
-            size = self.reduce.weight.shape[0]
-            weight = torch.zeros_like(self.reduce.weight)
-            weight[:, :size] = torch.eye(size, dtype=weight.dtype, device=weight.device)
-            init.copy_(self.reduce.weight, weight)
 
     @torch.no_grad()
     def zero_gates(self) -> None:
@@ -184,8 +211,51 @@ def build_dense_connection(config, layer_idx: int, feature_size: int) -> DenseHi
     )
 
 
-def dense_predecessors(history: list, layer_idx: int, config) -> list:
-    """The predecessor features layer ``layer_idx`` fuses, nearest first, taken from ``history`` (the pre-fusion
-    features of layers ``0 .. layer_idx - 1`` in order; entries may be tuples of several features)."""
-    n = dense_predecessor_count(layer_idx, config.dense_layers, config.dense_every)
-    return [history[layer_idx - i] for i in range(1, n + 1)]
+def split_dense_inputs(dense_inputs: tuple[torch.Tensor, ...], num_features: int) -> list[list[torch.Tensor]]:
+    """Split the flat ``dense_inputs`` a block receives from :func:`run_dense_layers` into one list per feature
+    (``num_features`` lists of ``n`` tensors, nearest predecessor first). No predecessors: empty lists.
+
+    Raises:
+        ValueError: ``len(dense_inputs)`` is not a multiple of ``num_features``.
+    """
+    if len(dense_inputs) % num_features:
+        raise ValueError(f"Expected {num_features} features per predecessor, got {len(dense_inputs)} tensors.")
+    n = len(dense_inputs) // num_features
+    return [list(dense_inputs[i * n : (i + 1) * n]) for i in range(num_features)]
+
+
+def run_dense_layers(
+    layers: nn.ModuleList,
+    hidden_states: torch.Tensor,
+    config,
+    output_hidden_states: bool,
+    **layer_kwargs,
+) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
+    """Run the blocks with the dense connection (paper Eq. 10-11): block ``l`` receives the pre-fusion features of
+    its ``min(l, m)`` predecessors (:func:`dense_predecessor_count`), grouped by feature, nearest first (module
+    docstring). Only the last ``m`` layers' features are kept.
+
+    Args:
+        layers: the blocks; each is called ``block(hidden_states, *dense_inputs, **layer_kwargs)`` and returns
+            ``(hidden_states, *features)``.
+        hidden_states: ``(batch, seq_len, hidden_size)``, the embeddings.
+        config: a DenseSSM config (``dense_layers``, ``dense_every``).
+        output_hidden_states: also return every block's input.
+
+    Returns:
+        The last block's output ``(batch, seq_len, hidden_size)`` and, if ``output_hidden_states``, the input of
+        every block (the embeddings first), without the final norm (the caller appends the normed output).
+    """
+    m = config.dense_layers
+    history: deque[tuple[torch.Tensor, ...]] = deque(maxlen=max(m, 1))
+    all_hidden_states = () if output_hidden_states else None
+    for layer_idx, block in enumerate(layers):
+        if output_hidden_states:
+            all_hidden_states += (hidden_states,)
+        n = dense_predecessor_count(layer_idx, m, config.dense_every)
+        nearest_first = [history[-j] for j in range(1, n + 1)]
+        dense_inputs = [layer[f] for f in range(len(history[-1]) if n else 0) for layer in nearest_first]
+        hidden_states, *features = block(hidden_states, *dense_inputs, **layer_kwargs)
+        if m:
+            history.append(tuple(features))
+    return hidden_states, all_hidden_states

@@ -1,0 +1,262 @@
+"""What DenseMamba and DenseRetNet share above the block: input checks, the backbone's forward body (embedding,
+cache set-up, the densely connected layers, the final norm), the causal-LM head and the generation glue. Written
+once, used by both families; the dense connection itself is :mod:`.dense_connection`, the cache :mod:`.cache`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers.utils import logging
+
+from .cache import check_cache, new_cache, record_tokens
+from .dense_connection import run_dense_layers
+
+
+logger = logging.get_logger(__name__)
+
+_ID_DTYPES = (torch.int64, torch.int32)
+
+
+def check_inputs(
+    input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None, hidden_size: int
+) -> None:
+    """Check the model's token inputs at ``forward`` entry.
+
+    Raises:
+        ValueError: both or neither of ``input_ids`` and ``inputs_embeds`` are given; ``input_ids`` is not
+            ``(batch, sequence_length)`` with ``batch, sequence_length >= 1``; ``inputs_embeds`` is not
+            ``(batch, sequence_length, hidden_size)`` with ``batch, sequence_length >= 1``.
+        TypeError: ``input_ids`` is not an int64 / int32 tensor (what ``nn.Embedding`` takes), or ``inputs_embeds``
+            is not a floating-point tensor.
+    """
+    if (input_ids is None) == (inputs_embeds is None):
+        raise ValueError("You must specify exactly one of `input_ids` or `inputs_embeds`.")
+    if input_ids is not None:
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dtype not in _ID_DTYPES:
+            got = input_ids.dtype if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
+            raise TypeError(f"`input_ids` must be an int64 or int32 tensor, got {got}.")
+        if input_ids.dim() != 2 or 0 in input_ids.shape:
+            raise ValueError(
+                "`input_ids` must have shape (batch, sequence_length) with batch >= 1 and sequence_length >= 1, "
+                f"got {tuple(input_ids.shape)}."
+            )
+    else:
+        if not isinstance(inputs_embeds, torch.Tensor) or not inputs_embeds.dtype.is_floating_point:
+            got = inputs_embeds.dtype if isinstance(inputs_embeds, torch.Tensor) else type(inputs_embeds).__name__
+            raise TypeError(f"`inputs_embeds` must be a floating-point tensor, got {got}.")
+        if inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != hidden_size or 0 in inputs_embeds.shape[:2]:
+            raise ValueError(
+                f"`inputs_embeds` must have shape (batch, sequence_length, {hidden_size}) with batch >= 1 and "
+                f"sequence_length >= 1, got {tuple(inputs_embeds.shape)}."
+            )
+
+
+def prepare_attention_mask(attention_mask: torch.Tensor | None, batch: int, seq_len: int) -> torch.Tensor | None:
+    """Return the ``(batch, seq_len)`` 0/1 mask of the current tokens, or ``None`` when nothing is padded.
+
+    ``attention_mask`` may also cover earlier (cached) tokens, as ``generate()`` passes it: ``(batch, past + seq_len)``;
+    only its last ``seq_len`` columns are used. 0 marks padding, which never enters a recurrent state.
+
+    Raises:
+        TypeError: ``attention_mask`` is not a tensor.
+        ValueError: it is not 2-D, its batch differs, it is shorter than the input, or it holds a value other than
+            0 and 1 (bool, integer or float masks are accepted).
+    """
+    if attention_mask is None:
+        return None
+    if not isinstance(attention_mask, torch.Tensor):
+        raise TypeError(f"`attention_mask` must be a tensor of 0 and 1, got {type(attention_mask).__name__}.")
+    if attention_mask.dim() != 2 or attention_mask.shape[0] != batch or attention_mask.shape[1] < seq_len:
+        raise ValueError(
+            f"`attention_mask` must have shape (batch, sequence_length) = ({batch}, >= {seq_len}) with 1 for tokens "
+            f"and 0 for padding, got {tuple(attention_mask.shape)}."
+        )
+    attention_mask = attention_mask[:, -seq_len:]
+    if attention_mask.dtype != torch.bool and not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
+        raise ValueError("`attention_mask` must hold only 0 (padding) and 1 (token); got other values.")
+    if bool(attention_mask.all()):
+        return None
+    return attention_mask
+
+
+def run_backbone(
+    model,
+    embeddings: nn.Embedding,
+    final_norm: nn.Module,
+    cache_arg_name: str,
+    input_ids: torch.Tensor | None,
+    inputs_embeds: torch.Tensor | None,
+    cache,
+    use_cache: bool | None,
+    output_hidden_states: bool | None,
+    attention_mask: torch.Tensor | None,
+):
+    """The body of a DenseSSM backbone's ``forward``, shared by both families: check the inputs, embed, set up
+    the cache (a new :class:`~hf_densessm.modeling.cache.DenseSSMCache` when ``use_cache`` and none is given),
+    run the densely connected blocks (``model.layers``), count the tokens on the cache, apply the final norm.
+
+    Every block takes the cache as ``cache_params``; ``cache_arg_name`` is the name the model's ``forward`` takes it
+    under (``"cache_params"`` or ``"past_key_values"``), used in error messages.
+
+    Gradient checkpointing in training drops the cache only while gradients are computed (a training forward; one
+    warning, as transformers' models give); ``generate()`` runs without gradients and keeps it, so a model in
+    ``train()`` mode generates the same tokens as in ``eval()`` mode.
+
+    Returns:
+        ``(last_hidden_state (batch, seq_len, hidden_size), cache or None, hidden_states or None)``; the
+        ``hidden_states`` tuple has ``num_hidden_layers + 1`` entries (block inputs, then the normed output).
+
+    Raises:
+        ValueError, TypeError: bad inputs (see :func:`check_inputs`, :func:`prepare_attention_mask`,
+            :func:`~hf_densessm.modeling.cache.check_cache`).
+    """
+    config = model.config
+    if output_hidden_states is None:
+        output_hidden_states = config.output_hidden_states
+    if use_cache is None:
+        use_cache = config.use_cache and not model.training
+    check_inputs(input_ids, inputs_embeds, config.hidden_size)
+    if inputs_embeds is None:
+        inputs_embeds = embeddings(input_ids)
+    else:
+        inputs_embeds = inputs_embeds.to(embeddings.weight.dtype)
+    if model.gradient_checkpointing and model.training and torch.is_grad_enabled() and use_cache:
+        logger.warning_once("`use_cache=True` is incompatible with gradient checkpointing; setting `use_cache=False`.")
+        use_cache = False
+    batch, seq_len = inputs_embeds.shape[:2]
+    if cache is not None and use_cache:
+        check_cache(cache, config, cache_arg_name, batch)
+    elif use_cache:
+        cache = new_cache(config)
+    if not use_cache:
+        cache = None
+    attention_mask = prepare_attention_mask(attention_mask, batch, seq_len)
+    hidden_states, all_hidden_states = run_dense_layers(
+        model.layers,
+        inputs_embeds,
+        config,
+        output_hidden_states,
+        cache_params=cache,
+        attention_mask=attention_mask,
+    )
+    record_tokens(cache, seq_len)
+    hidden_states = final_norm(hidden_states)
+    if output_hidden_states:
+        all_hidden_states += (hidden_states,)
+    return hidden_states, cache, all_hidden_states
+
+
+def merge_cache_arguments(cache_params, past_key_values):
+    """DenseMamba takes its cache as ``cache_params`` (``transformers.MambaForCausalLM``'s name) or, as every other
+    causal LM, ``past_key_values``: return the one given.
+
+    Raises:
+        ValueError: both are given and are different objects.
+    """
+    if cache_params is not None and past_key_values is not None and cache_params is not past_key_values:
+        raise ValueError("Give the cache as `cache_params` or as `past_key_values`, not both.")
+    return cache_params if cache_params is not None else past_key_values
+
+
+def check_logits_to_keep(logits_to_keep, seq_len: int):
+    """Return the index that selects the kept positions: an ``int >= 0`` keeps the last that many (0 keeps all), a
+    1-D integer tensor keeps those positions.
+
+    Raises:
+        TypeError: a ``bool``, a float, or a tensor that is not an integer tensor.
+        ValueError: a negative int, a tensor that is not 1-D, or an index outside ``[-seq_len, seq_len)``.
+    """
+    if isinstance(logits_to_keep, torch.Tensor):
+        if logits_to_keep.dtype.is_floating_point or logits_to_keep.dtype == torch.bool:
+            raise TypeError(f"`logits_to_keep` as a tensor must hold integer positions, got {logits_to_keep.dtype}.")
+        if logits_to_keep.dim() != 1:
+            raise ValueError(
+                f"`logits_to_keep` as a tensor must be 1-D (positions to keep), got shape {tuple(logits_to_keep.shape)}."
+            )
+        if logits_to_keep.numel() and not bool(((logits_to_keep >= -seq_len) & (logits_to_keep < seq_len)).all()):
+            raise ValueError(f"`logits_to_keep` holds positions outside [-{seq_len}, {seq_len}).")
+        return logits_to_keep
+    if isinstance(logits_to_keep, bool) or not isinstance(logits_to_keep, int):
+        raise TypeError(
+            f"`logits_to_keep` must be an int >= 0 or a 1-D integer tensor, got {logits_to_keep!r} "
+            f"({type(logits_to_keep).__name__})."
+        )
+    if logits_to_keep < 0:
+        raise ValueError(f"`logits_to_keep` must be >= 0 (0 keeps every position), got {logits_to_keep}.")
+    return slice(-logits_to_keep, None) if logits_to_keep else slice(None)
+
+
+class DenseSSMCausalLMMixin:
+    """The causal-LM head's forward logic and the generation glue shared by both families.
+
+    A subclass has ``self.lm_head`` and ``self.config``, and sets ``_cache_arg_name`` to the keyword under which its
+    ``forward`` takes and returns the cache (``"cache_params"`` for the Mamba-named family, as
+    ``transformers.MambaForCausalLM``; ``"past_key_values"`` otherwise). Both families build their cache the same way
+    (see :mod:`.cache`) and continue generation from a returned cache.
+    """
+
+    _cache_arg_name = "past_key_values"
+
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        # generate() would build a plain DynamicCache, which cannot tell the sequence length it asks for; the
+        # first forward builds a DenseSSMCache instead (as transformers' own stateful models supply theirs).
+        return False
+
+    def _logits_and_loss(
+        self,
+        hidden_states: torch.Tensor,
+        labels: torch.Tensor | None,
+        logits_to_keep: int | torch.Tensor,
+        **kwargs,
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Logits ``(batch, kept_positions, vocab_size)`` in float32 (float64 for a float64 model) and the next-token loss (labels are shifted
+        inside; -100 is ignored); ``logits_to_keep`` as :func:`check_logits_to_keep`."""
+        kept = check_logits_to_keep(logits_to_keep, hidden_states.shape[1])
+        logits = self.lm_head(hidden_states[:, kept, :].to(self.lm_head.weight.dtype))
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        return loss, logits
+
+    def prepare_inputs_for_generation(
+        self,
+        input_ids,
+        attention_mask=None,
+        inputs_embeds=None,
+        next_sequence_length=None,
+        is_first_iteration=False,
+        **kwargs,
+    ):
+        """As transformers' default, with two differences for recurrent models:
+
+        - the 2-D padding mask is passed through as is: the blocks read it directly (its last ``sequence_length``
+          columns) and never need a 4-D attention mask;
+        - ``inputs_embeds`` are used for the first step, as transformers' decoder-only models do;
+        - a cache passed in (under ``past_key_values`` or ``cache_params``) that already holds ``p`` positions while
+          ``input_ids`` holds more is continued: only ``input_ids[:, p:]`` is fed (the sequence a previous
+          ``generate()`` returned, given back with its cache).
+        """
+        cache = kwargs.pop("past_key_values", None)  # keeps transformers from building 4-D masks for it
+        if cache is None:
+            cache = kwargs.pop("cache_params", None)
+        kwargs.pop("cache_params", None)
+        if is_first_iteration and next_sequence_length is None and cache is not None:
+            seen = cache.get_seq_length()
+            length = (inputs_embeds if inputs_embeds is not None else input_ids).shape[1]
+            if 0 < seen < length:
+                next_sequence_length = length - seen
+        model_inputs = super().prepare_inputs_for_generation(
+            input_ids,
+            attention_mask=None,
+            inputs_embeds=inputs_embeds,
+            next_sequence_length=next_sequence_length,
+            is_first_iteration=is_first_iteration,
+            **kwargs,
+        )
+        if cache is not None:
+            model_inputs[self._cache_arg_name] = cache
+        model_inputs["attention_mask"] = attention_mask
+        return model_inputs
