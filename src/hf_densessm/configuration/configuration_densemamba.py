@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import math
 
-from .configuration_densessm import DenseSSMConfig, check_bool, check_choice, check_int, check_positive_float, resolve_preset
+from .configuration_densessm import (
+    DenseSSMConfig,
+    check_bool,
+    check_choice,
+    check_positive_float,
+    check_size,
+    check_token_ids,
+    resolve_preset,
+)
 
 # Table 2 of the DenseSSM paper (vocabulary 32000, expand 2, state 16, conv 4), plus small sizes for examples,
 # tests and CPU benchmarks. "densemamba-1.3b" follows Table 2 exactly (50 layers, d_model 2048); that is about
@@ -87,13 +95,13 @@ class DenseMambaConfig(DenseSSMConfig):
         **kwargs,
     ):
         kwargs.pop("intermediate_size", None)  # derived; present in saved configs
-        self.vocab_size = check_int("vocab_size", vocab_size, 1)
-        self.hidden_size = check_int("hidden_size", hidden_size, 1)
-        self.state_size = check_int("state_size", state_size, 1)
-        self.num_hidden_layers = check_int("num_hidden_layers", num_hidden_layers, 1)
+        self.vocab_size = check_size("vocab_size", vocab_size)
+        self.hidden_size = check_size("hidden_size", hidden_size)
+        self.state_size = check_size("state_size", state_size)
+        self.num_hidden_layers = check_size("num_hidden_layers", num_hidden_layers)
         self.layer_norm_epsilon = check_positive_float("layer_norm_epsilon", layer_norm_epsilon)
-        self.expand = check_int("expand", expand, 1)
-        self.conv_kernel = check_int("conv_kernel", conv_kernel, 1)
+        self.expand = check_size("expand", expand)
+        self.conv_kernel = check_size("conv_kernel", conv_kernel)
         self.intermediate_size = int(self.expand * self.hidden_size)
         self.use_bias = check_bool("use_bias", use_bias)
         self.use_conv_bias = check_bool("use_conv_bias", use_conv_bias)
@@ -102,7 +110,7 @@ class DenseMambaConfig(DenseSSMConfig):
         self.residual_in_fp32 = check_bool("residual_in_fp32", residual_in_fp32)
         if time_step_rank == "auto":
             time_step_rank = math.ceil(self.hidden_size / 16)
-        self.time_step_rank = check_int("time_step_rank", time_step_rank, 1)
+        self.time_step_rank = check_size("time_step_rank", time_step_rank)
         self.time_step_scale = check_positive_float("time_step_scale", time_step_scale)
         self.time_step_min = check_positive_float("time_step_min", time_step_min)
         self.time_step_max = check_positive_float("time_step_max", time_step_max)
@@ -112,8 +120,14 @@ class DenseMambaConfig(DenseSSMConfig):
             )
         self.time_step_init_scheme = check_choice("time_step_init_scheme", time_step_init_scheme, ("random", "constant"))
         self.time_step_floor = check_positive_float("time_step_floor", time_step_floor)
+        if 2 * self.time_step_scale * self.time_step_rank**-0.5 > 3.4e38:  # the dt_proj init range in float32
+            raise ValueError(
+                f"`time_step_scale` ({time_step_scale}) is too large: the dt_proj init range "
+                "2 * time_step_scale / sqrt(time_step_rank) must fit in float32 (<= 3.4e38)."
+            )
         self.rescale_prenorm_residual = check_bool("rescale_prenorm_residual", rescale_prenorm_residual)
         self.use_cache = check_bool("use_cache", use_cache)
+        check_token_ids(pad_token_id=pad_token_id, bos_token_id=bos_token_id, eos_token_id=eos_token_id)
         super().__init__(
             pad_token_id=pad_token_id,
             bos_token_id=bos_token_id,

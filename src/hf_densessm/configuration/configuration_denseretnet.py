@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
-from .configuration_densessm import DenseSSMConfig, check_bool, check_choice, check_int, check_positive_float, resolve_preset
+from .configuration_densessm import (
+    DenseSSMConfig,
+    check_bool,
+    check_choice,
+    check_positive_float,
+    check_size,
+    check_token_ids,
+    resolve_preset,
+)
 
 # Table 3 of the DenseSSM paper (vocabulary 32000), plus small sizes for examples, tests and CPU benchmarks.
 DENSERETNET_PRESETS = {
@@ -87,11 +95,11 @@ class DenseRetNetConfig(DenseSSMConfig):
         tie_word_embeddings: bool = False,
         **kwargs,
     ):
-        self.vocab_size = check_int("vocab_size", vocab_size, 1)
-        self.hidden_size = check_int("hidden_size", hidden_size, 1)
-        self.num_hidden_layers = check_int("num_hidden_layers", num_hidden_layers, 1)
-        self.num_attention_heads = check_int("num_attention_heads", num_attention_heads, 1)
-        self.query_key_dim = check_int("query_key_dim", query_key_dim, 1)
+        self.vocab_size = check_size("vocab_size", vocab_size)
+        self.hidden_size = check_size("hidden_size", hidden_size)
+        self.num_hidden_layers = check_size("num_hidden_layers", num_hidden_layers)
+        self.num_attention_heads = check_size("num_attention_heads", num_attention_heads)
+        self.query_key_dim = check_size("query_key_dim", query_key_dim)
         self.v_factor = check_positive_float("v_factor", v_factor)
         value_dim = self.v_factor * self.hidden_size
         if value_dim != int(value_dim):
@@ -117,6 +125,7 @@ class DenseRetNetConfig(DenseSSMConfig):
         # (slot 0) and the number of tokens seen, which places the rotary angles of later tokens (slot 1).
         kwargs.pop("number_of_conv_states", None)
         self.number_of_conv_states = 2
+        check_token_ids(pad_token_id=pad_token_id, bos_token_id=bos_token_id, eos_token_id=eos_token_id)
         super().__init__(
             pad_token_id=pad_token_id,
             bos_token_id=bos_token_id,

@@ -23,18 +23,40 @@ from typing import ClassVar
 from transformers import PretrainedConfig
 
 
-def check_int(name: str, value, minimum: int) -> int:
-    """Return ``value`` if it is an ``int`` (not a ``bool``) ``>= minimum``.
+#: Largest width, layer count or vocabulary a config accepts: beyond it a model cannot be built on any current
+#: machine (the embedding alone would hold more than 2**40 elements) and the kernels' 32-bit offsets overflow.
+MAX_SIZE = 2**24
+
+
+def check_int(name: str, value, minimum: int, maximum: int | None = None) -> int:
+    """Return ``value`` if it is an ``int`` (not a ``bool``) in ``[minimum, maximum]``.
 
     Raises:
         TypeError: ``value`` is not an integer.
-        ValueError: ``value < minimum``. Both messages name the field ``name``.
+        ValueError: ``value`` is out of range. Both messages name the field ``name`` and the allowed range.
     """
+    allowed = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"`{name}` must be an int >= {minimum}, got {value!r} ({type(value).__name__}).")
-    if value < minimum:
-        raise ValueError(f"`{name}` must be an int >= {minimum}, got {value}.")
+        raise TypeError(f"`{name}` must be an int {allowed}, got {value!r} ({type(value).__name__}).")
+    if value < minimum or (maximum is not None and value > maximum):
+        raise ValueError(f"`{name}` must be an int {allowed}, got {value}.")
     return value
+
+
+def check_size(name: str, value) -> int:
+    """A width, count or vocabulary size: an int in ``[1, MAX_SIZE]`` (:func:`check_int`)."""
+    return check_int(name, value, 1, MAX_SIZE)
+
+
+def check_token_ids(**token_ids) -> None:
+    """Check ``pad_token_id``, ``bos_token_id``, ``eos_token_id``: ``None``, an int >= 0, or (``eos_token_id``) a
+    list of such ints. Raises ``TypeError`` naming the field (e.g. ``eos_token_id='2'``, which ``generate()`` would
+    only reject much later)."""
+    for name, value in token_ids.items():
+        values = value if isinstance(value, (list, tuple)) and name == "eos_token_id" else [value]
+        for v in values:
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+                raise TypeError(f"`{name}` must be None or an int >= 0 (a list of them for eos), got {value!r}.")
 
 
 def check_positive_float(name: str, value) -> float:
@@ -176,6 +198,35 @@ class DenseSSMConfig(PretrainedConfig):
             setattr(self, knob.name, knob.check(kwargs.pop(knob.name, default)))
         if self.dense_gate_hidden_size is None:
             self.dense_gate_hidden_size = max(1, self.hidden_size // 32)
+        layers = self.num_hidden_layers
+        if self.dense_layers and self.dense_every >= layers:
+            raise ValueError(
+                f"`dense_every` ({self.dense_every}) must be smaller than `num_hidden_layers` ({layers}) when "
+                f"`dense_layers` > 0: only layers whose index is a multiple of `dense_every` fuse, and layer 0 has no "
+                "predecessors, so no layer would fuse. Use `dense_layers=0` for the base model."
+            )
+
+    @classmethod
+    def from_dict(cls, config_dict: dict, **kwargs):
+        """transformers' ``from_dict`` (what ``from_pretrained`` calls on a ``config.json``), refusing a dict that
+        lacks a dense knob: a config saved by this package carries every knob, and filling a missing one with
+        today's default could silently load the weights into a different function (e.g. ``dense_layers`` 2 read as
+        4: every weight loads, the logits differ). Knobs given as ``kwargs`` (``from_pretrained(..., dense_layers=2)``)
+        count as present.
+
+        Raises:
+            ValueError: a knob is missing; the message names it and how to fix the file.
+        """
+        missing = [
+            knob.name for knob in knobs_for(cls.model_type) if knob.name not in config_dict and knob.name not in kwargs
+        ]
+        if missing:
+            raise ValueError(
+                f"This {cls.model_type} config lacks the dense knob(s) {', '.join(missing)}; their defaults would "
+                "change the function the saved weights compute. Add them to config.json with the values the model "
+                "was built with, or pass them to `from_pretrained` (e.g. `dense_layers=4`)."
+            )
+        return super().from_dict(config_dict, **kwargs)
 
     def to_diff_dict(self) -> dict:
         """transformers' diff against the defaults, plus every knob: a saved ``config.json`` always carries the
