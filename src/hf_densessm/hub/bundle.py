@@ -26,7 +26,7 @@ import os
 import re
 from pathlib import Path
 
-import transformers
+from transformers.models.auto import modeling_auto
 
 ROOT_PACKAGE = __name__.split(".")[0]  # "hf_densessm"
 ROOT_DIR = Path(__file__).resolve().parent.parent  # src/hf_densessm
@@ -154,8 +154,8 @@ def auto_classes(model) -> dict[str, type]:
     if not config_class.__module__.startswith(ROOT_PACKAGE + "."):
         raise BundleError(f"{config_class.__name__} is not a config class of {ROOT_PACKAGE!r}.")
     found: dict[str, type] = {"AutoConfig": config_class}
-    for name in sorted(dir(transformers)):
-        mapping = getattr(getattr(transformers, name), "_model_mapping", None) if name.startswith("AutoModel") else None
+    for name, auto in sorted(vars(modeling_auto).items()):
+        mapping = getattr(auto, "_model_mapping", None) if name.startswith("AutoModel") else None
         if mapping is not None and config_class in mapping:
             cls = mapping[config_class]
             if cls.__module__.startswith(ROOT_PACKAGE + "."):
@@ -165,27 +165,29 @@ def auto_classes(model) -> dict[str, type]:
     return found
 
 
-def hub_auto_map(model) -> dict[str, str]:
+def hub_auto_map(model, classes: dict[str, type] | None = None) -> dict[str, str]:
     """The ``auto_map`` of a saved folder: ``{"AutoConfig": "configuration_x.XConfig", "AutoModel":
     "modeling_x.XModel", "AutoModelForCausalLM": "modeling_x.XForCausalLM", ...}`` (flat module names, as bundled;
-    the classes are those of :func:`auto_classes`).
+    the classes are ``classes``, by default those of :func:`auto_classes`).
 
     Raises:
         BundleError: see :func:`auto_classes`.
     """
-    return {auto: f"{flat_module_name(cls.__module__)}.{cls.__name__}" for auto, cls in auto_classes(model).items()}
+    classes = auto_classes(model) if classes is None else classes
+    return {auto: f"{flat_module_name(cls.__module__)}.{cls.__name__}" for auto, cls in classes.items()}
 
 
-def bundle_sources(model) -> dict[str, str]:
+def bundle_sources(model, classes: dict[str, type] | None = None) -> dict[str, str]:
     """The code files of ``model``'s saved folder: ``{file name: text}``, the closure of the package imports of
-    the modules of :func:`auto_classes` (lazy kernel imports included), flattened.
+    the modules of ``classes`` (by default :func:`auto_classes`; lazy kernel imports included), flattened.
 
     Raises:
         BundleError: two modules would share a flat name, an import cannot be bundled (see
             :func:`_bundled_source`), or a bundled file would make transformers look for a file that is not
             bundled (e.g. a docstring line that reads like ``from .x import``).
     """
-    pending = sorted({cls.__module__ for cls in auto_classes(model).values()})
+    classes = auto_classes(model) if classes is None else classes
+    pending = sorted({cls.__module__ for cls in classes.values()})
     sources: dict[str, str] = {}
     seen: dict[str, str] = {}  # flat name -> module
     while pending:
@@ -217,8 +219,9 @@ def write_bundle(model, folder: str | os.PathLike) -> dict[str, str]:
         BundleError: see :func:`bundle_sources`, :func:`hub_auto_map`.
     """
     folder = Path(folder)
-    auto_map = hub_auto_map(model)
-    sources = bundle_sources(model)
+    classes = auto_classes(model)
+    auto_map = hub_auto_map(model, classes)
+    sources = bundle_sources(model, classes)
     config_file = folder / "config.json"
     config = json.loads(config_file.read_text(encoding="utf-8"))
     for name, source in sources.items():
