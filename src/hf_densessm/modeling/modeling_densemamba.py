@@ -31,7 +31,7 @@ from ..ops.selective_scan import selective_scan, selective_state_update
 from .cache import conv_state, recurrent_state
 from .dense_connection import build_dense_connection, init_dense_linear, split_dense_inputs
 from .norm import DenseSSMRMSNorm
-from .modeling_densessm import DenseSSMCausalLMMixin, merge_cache_arguments, run_backbone
+from .modeling_densessm import DenseSSMCausalLMMixin, DenseSSMForSequenceClassificationMixin, merge_cache_arguments, run_backbone
 
 class DenseMambaMixer(nn.Module):
     """Sequence mixing of one DenseMamba block (Mamba paper Alg. 2 / Fig. 3, plus DenseSSM Eq. 10-17 on ``u`` and ``B``).
@@ -284,11 +284,18 @@ class DenseMambaOutput(ModelOutput):
         cache_params: the recurrent-state cache (a transformers ``DynamicCache``) when ``use_cache``.
         hidden_states: ``num_hidden_layers + 1`` tensors ``(batch, seq_len, hidden_size)``: the embeddings, the
             input of every later block, and the final normed output; when ``output_hidden_states``.
+        attentions: always ``None`` (there is no attention), present for transformers' generic heads.
     """
 
     last_hidden_state: torch.Tensor | None = None
     cache_params: object | None = None
     hidden_states: tuple[torch.Tensor, ...] | None = None
+    attentions: tuple[torch.Tensor, ...] | None = None  # always None (no attention); read by generic heads
+
+    @property
+    def past_key_values(self):
+        """``cache_params`` under the name transformers' generic heads read."""
+        return self.cache_params
 
 
 @dataclass
@@ -422,4 +429,15 @@ class DenseMambaForCausalLM(DenseSSMCausalLMMixin, DenseMambaPreTrainedModel, Ge
         )
 
 
-__all__ = ["DenseMambaForCausalLM", "DenseMambaModel", "DenseMambaPreTrainedModel"]
+class DenseMambaForSequenceClassification(DenseSSMForSequenceClassificationMixin, DenseMambaPreTrainedModel):
+    """DenseMamba with a sequence-classification head ``score`` read at the last non-padding token (transformers'
+    ``GenericForSequenceClassification`` conventions; see
+    :class:`~hf_densessm.modeling.modeling_densessm.DenseSSMForSequenceClassificationMixin`). ``forward`` returns a
+    ``SequenceClassifierOutputWithPast`` with ``logits`` ``(batch, num_labels)``.
+    """
+
+    base_model_prefix = "backbone"
+    backbone_class = DenseMambaModel
+
+
+__all__ = ["DenseMambaForCausalLM", "DenseMambaForSequenceClassification", "DenseMambaModel", "DenseMambaPreTrainedModel"]

@@ -32,7 +32,7 @@ from ..ops.retention import chunk_retention, retention_state_update
 from .cache import recurrent_state
 from .dense_connection import build_dense_connection, init_dense_linear, split_dense_inputs
 from .norm import DenseSSMRMSNorm
-from .modeling_densessm import DenseSSMCausalLMMixin, run_backbone
+from .modeling_densessm import DenseSSMCausalLMMixin, DenseSSMForSequenceClassificationMixin, run_backbone
 
 
 class DenseRetNetThetaShift(nn.Module):
@@ -347,4 +347,15 @@ class DenseRetNetForCausalLM(DenseSSMCausalLMMixin, DenseRetNetPreTrainedModel, 
         )
 
 
-__all__ = ["DenseRetNetForCausalLM", "DenseRetNetModel", "DenseRetNetPreTrainedModel"]
+class DenseRetNetForSequenceClassification(DenseSSMForSequenceClassificationMixin, DenseRetNetPreTrainedModel):
+    """DenseRetNet with a sequence-classification head ``score`` read at the last non-padding token (transformers'
+    ``GenericForSequenceClassification`` conventions; see
+    :class:`~hf_densessm.modeling.modeling_densessm.DenseSSMForSequenceClassificationMixin`). ``forward`` returns a
+    ``SequenceClassifierOutputWithPast`` with ``logits`` ``(batch, num_labels)``.
+    """
+
+    base_model_prefix = "model"
+    backbone_class = DenseRetNetModel
+
+
+__all__ = ["DenseRetNetForCausalLM", "DenseRetNetForSequenceClassification", "DenseRetNetModel", "DenseRetNetPreTrainedModel"]

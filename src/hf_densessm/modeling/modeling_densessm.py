@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from transformers.modeling_layers import GenericForSequenceClassification
 from transformers.utils import logging
 
 from .cache import check_cache, new_cache, record_tokens
@@ -260,3 +261,24 @@ class DenseSSMCausalLMMixin:
             model_inputs[self._cache_arg_name] = cache
         model_inputs["attention_mask"] = attention_mask
         return model_inputs
+
+
+class DenseSSMForSequenceClassificationMixin(GenericForSequenceClassification):
+    """A sequence-classification head for either family: transformers' ``GenericForSequenceClassification``
+    (a bias-free ``score: hidden_size -> num_labels`` read at the last non-padding token, ``pad_token_id`` required
+    for batches larger than 1, transformers' loss mapping for regression / single- and multi-label), over the
+    family's backbone. A subclass sets ``base_model_prefix`` and ``backbone_class``.
+
+    The backbone is built directly (not through ``AutoModel``), so the head also works from a saved folder loaded
+    with ``trust_remote_code=True``. Padding never enters a recurrent state, so left- and right-padded batches give
+    the same logits.
+    """
+
+    backbone_class: type = None
+
+    def __init__(self, config):
+        super(GenericForSequenceClassification, self).__init__(config)
+        self.num_labels = config.num_labels
+        setattr(self, self.base_model_prefix, self.backbone_class(config))
+        self.score = nn.Linear(config.hidden_size, self.num_labels, bias=False)
+        self.post_init()
