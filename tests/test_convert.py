@@ -1,5 +1,5 @@
 """Checkpoint conversion (hf_densessm.convert): upcycling a transformers Mamba into DenseMamba (same logits, trainable
-gates), the authors' DenseRetNet checkpoints (checked against an independent forward pass written from DESIGN.md §2),
+gates), the authors' DenseRetNet checkpoints (checked against an independent forward pass written from docs/design.md §3),
 the command line, and bad input."""
 
 import json
@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import huggingface_hub
 import pytest
 import torch
 import torch.nn.functional as F
@@ -17,6 +18,7 @@ from hf_densessm import DenseMambaForCausalLM, DenseRetNetForCausalLM
 from hf_densessm.convert import densemamba_from_mamba, denseretnet_from_official
 from hf_densessm.convert.__main__ import main
 from helpers import VOCAB, random_ids
+from test_hub import hub_cache_repo
 
 # ------------------------------------------------------------------------------------------ Mamba -> DenseMamba
 
@@ -182,7 +184,7 @@ OFFICIAL = dict(
 
 
 def official_state_dict(config=OFFICIAL, layer0_dense=True, rel_pos=True, seed=0):
-    """Random weights under the authors' parameter names and shapes (DESIGN.md §2; their group_norm weight is one
+    """Random weights under the authors' parameter names and shapes (docs/design.md §3; their group_norm weight is one
     vector of d_v / H shared by the heads, their gates d -> d // 32 -> d // 2 and d -> d // 32 -> 2 d)."""
     g = torch.Generator().manual_seed(seed)
     d, dqk, heads = config["hidden_size"], config["query_key_dim"], config["num_attention_heads"]
@@ -232,11 +234,12 @@ def write_official(folder, sd, config=OFFICIAL, fmt="bin"):
 
 
 def reference_logits(sd, config, ids, published_parallel=False):
-    """The DenseRetNet forward pass written from DESIGN.md §2 on the authors' names, in float64.
+    """The DenseRetNet forward pass written from docs/design.md §3 on the authors' names, in float64.
 
-    ``published_parallel`` also applies the positive per-row rescalings of the published parallel form (decay mask
-    rows divided by the square root of their sum, ``q k^T`` rows by their absolute sum clamped to [1, 5e4]), which
-    the per-head RMSNorm absorbs up to its eps.
+    Each head's output at position ``t`` is divided by ``sqrt(s_t)``, ``s_t = sum_{j<=t} gamma^(t-j)`` (the decay
+    mask's rows divided by the square root of their sum, as in both published forms). ``published_parallel`` also
+    divides the rows of ``q k^T * decay`` by their absolute sum clamped to [1, 5e4], as the published parallel form
+    does (not its recurrent form); the per-head RMSNorm absorbs that up to its eps.
     """
     W = {name: t.double() for name, t in sd.items()}
     d, dqk, heads = config["hidden_size"], config["query_key_dim"], config["num_attention_heads"]
@@ -259,8 +262,7 @@ def reference_logits(sd, config, ids, published_parallel=False):
     t = torch.arange(length, dtype=torch.float64)
     exponent = (t[:, None] - t[None, :]).clamp(min=0)
     decay = torch.where(t[:, None] >= t[None, :], gamma[:, None, None] ** exponent, torch.zeros(()))  # (H, T, T)
-    if published_parallel:
-        decay = decay / decay.sum(-1, keepdim=True).sqrt()
+    decay = decay / decay.sum(-1, keepdim=True).sqrt()  # o_t / sqrt(s_t)
 
     x = W["model.embed_tokens.weight"][ids]
     history = []  # pre-fusion (k, v) of the layers below, oldest first
@@ -301,7 +303,7 @@ def test_official_denseretnet_computes_the_published_function(tmp_path, fmt, lay
     assert torch.equal(attn.hidden_proj.weight, sd["model.layers.1.self_attn.to_hidden.0.weight"])
     assert torch.equal(attn.o_proj.weight, sd["model.layers.1.self_attn.to_out.0.weight"])
     assert torch.equal(attn.dense_v.gate.fc2.weight, sd["model.layers.1.self_attn.v_select.fc2.weight"])
-    assert torch.equal(attn.group_norm.weight, sd["model.layers.1.self_attn.group_norm.weight"].repeat(2))
+    assert torch.equal(attn.group_norm.weight, sd["model.layers.1.self_attn.group_norm.weight"])  # shared by heads
     assert model.model.layers[0].self_attn.dense_k is None and not hasattr(model.model.layers[0].self_attn, "k_norm")
 
     ids = torch.randint(3, OFFICIAL["vocab_size"], (2, 9), generator=torch.Generator().manual_seed(0))
@@ -372,6 +374,23 @@ def test_official_denseretnet_bad_input(tmp_path):
         denseretnet_from_official(tmp_path / "broken")
 
 
+def test_hub_repository_ids(monkeypatch, mamba, mamba_folder, tmp_path):
+    """Both converters take a Hub repository id (read here from a Hub cache snapshot, offline), as
+    ``from_pretrained`` does; an id the Hub does not have is transformers' ``OSError``."""
+    official = write_official(tmp_path / "official", official_state_dict(), fmt="safetensors")
+    hub_cache_repo(tmp_path / "hub", "densessm-test/mamba-micro", mamba_folder)
+    hub_cache_repo(tmp_path / "hub", "densessm-test/official-micro", official)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    ids = random_ids(2, 6).clamp(max=OFFICIAL["vocab_size"] - 1)
+    dense = densemamba_from_mamba("densessm-test/mamba-micro", dense_layers=1)
+    torch.testing.assert_close(logits(dense, ids), logits(mamba, ids), atol=1e-5, rtol=1e-5)
+    retnet = denseretnet_from_official("densessm-test/official-micro")
+    torch.testing.assert_close(logits(retnet, ids), logits(denseretnet_from_official(official), ids), atol=0, rtol=0)
+    with pytest.raises(OSError):
+        densemamba_from_mamba("densessm-test/absent")
+
+
 # --------------------------------------------------------------------------------------------------- command line
 
 
@@ -388,7 +407,7 @@ def run_cli(*args):
 def test_cli_converts_both_kinds_into_hub_folders(mamba, mamba_folder, tmp_path):
     """``python -m hf_densessm.convert`` in a subprocess (mamba), and its ``main`` (official-denseretnet)."""
     official = write_official(tmp_path / "official", official_state_dict(), fmt="bin")
-    result = run_cli("mamba", mamba_folder, tmp_path / "dm", "--dense-layers", "2", "--dense-gates", "per-layer")
+    result = run_cli("mamba", mamba_folder, tmp_path / "dm", "--dense-layers", "2", "--no-dense-shared-gate")
     assert result.returncode == 0, result.stderr
     assert "DenseMambaForCausalLM" in result.stdout and "dense_layers=2" in result.stdout
     assert main(["official-denseretnet", str(official), str(tmp_path / "dr")]) == 0  # in-process: one start is enough

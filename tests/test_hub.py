@@ -165,7 +165,7 @@ print("REPORT" + json.dumps(report))
 """
 
 
-def _hub_cache_repo(cache: Path, repo_id: str, folder: Path) -> None:
+def hub_cache_repo(cache: Path, repo_id: str, folder: Path) -> None:
     """Lay ``folder`` out as a Hub cache snapshot of ``repo_id`` (what a download leaves), for offline loading."""
     commit = "0123456789abcdef0123456789abcdef01234567"
     repo = cache / ("models--" + repo_id.replace("/", "--"))
@@ -186,7 +186,7 @@ def test_remote_code_loads_and_generates_without_the_package(saved, tmp_path):
             expected[f"{family}.logits"] = model(ids).logits
             expected[f"{family}.generated"] = model.generate(ids, max_new_tokens=5, do_sample=False)
         repo_id = f"densessm-test/{family}-micro"
-        _hub_cache_repo(tmp_path / "hub", repo_id, folder)
+        hub_cache_repo(tmp_path / "hub", repo_id, folder)
         where[family] = dict(folder=str(folder), hub=repo_id, resave=str(tmp_path / f"resaved-{family}"))
     torch.save(expected, tmp_path / "expected.pt")
     env = {

@@ -129,8 +129,7 @@ def test_a_running_save_keeps_its_staging_folder(tmp_path):
     (running / "model.safetensors").write_bytes(b"half written")
     fd = saving._hold_lock(running)
     try:
-        assert saving.remove_stale_staging(tmp_path) == ([] if fd is not None else [])
-        assert running.is_dir()
+        assert saving.remove_stale_staging(tmp_path) == [] and running.is_dir()  # locked (or, without locks, young)
     finally:
         if fd is not None:
             os.close(fd)

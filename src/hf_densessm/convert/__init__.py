@@ -1,50 +1,50 @@
 """Checkpoint conversion into hf_densessm models (command line: ``python -m hf_densessm.convert``).
 
 - :func:`densemamba_from_mamba`: upcycle a pretrained transformers Mamba into a DenseMamba that computes exactly
-  the same function at conversion (DESIGN.md §3: "a gate whose last layer starts at zero makes a DenseMamba exactly
-  equal to its base Mamba") and whose dense gates train from there.
-- :func:`denseretnet_from_official`: load a checkpoint of the authors' published DenseRetNet (DESIGN.md §2: their
-  parameter names and config keys) into :class:`~hf_densessm.DenseRetNetForCausalLM`.
+  the same function at conversion (docs/design.md §4: "a gate whose last layer starts at zero makes a DenseMamba
+  exactly equal to its base Mamba") and whose dense gates train from there.
+- :func:`denseretnet_from_official`: load a checkpoint of the authors' published DenseRetNet (docs/design.md §3:
+  their parameter names and config keys) into :class:`~hf_densessm.DenseRetNetForCausalLM`.
 
-Both read strictly: a missing file, a config of another ``model_type``, a parameter name that is missing,
-unexpected or of the wrong shape raises an error that names it. Converted models are float32 and in eval mode;
-save them with ``save_pretrained`` (atomic, with the remote code; see ``hf_densessm.hub``).
+Checkpoints are read by transformers' own loaders (``MambaForCausalLM.from_pretrained``;
+``DenseRetNetForCausalLM.from_pretrained(..., key_mapping=...)`` with the authors' names), so a source is a local
+folder or a Hub repository id, in any weights format transformers reads. Both read strictly: a missing folder or
+file, a config of another ``model_type``, a parameter name that is missing, unexpected or of the wrong shape raises
+an error that names it. Converted models are float32 and in eval mode; save them with ``save_pretrained`` (a
+Hub-ready folder, see ``hf_densessm.hub``).
 """
 
 from __future__ import annotations
 
 import inspect
 import json
-import math
+import os
+import re
 from pathlib import Path
 
 import torch
+from huggingface_hub.utils import HFValidationError, validate_repo_id
 from torch import nn
+from transformers import MambaForCausalLM
+from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, WEIGHTS_INDEX_NAME, WEIGHTS_NAME, cached_file
+from transformers.utils.hub import get_checkpoint_shard_files
 
 from ..configuration import DenseMambaConfig, DenseRetNetConfig
+from ..configuration.configuration_densessm import knobs_for
 from ..modeling import DenseMambaForCausalLM, DenseRetNetForCausalLM
+from ..modeling.dense_connection import DenseHiddenConnection
+from ..modeling.modeling_denseretnet import DenseRetNetThetaShift
+from ..ops.retention import retention_gamma
 
-WEIGHT_FILES = (
-    "model.safetensors",
-    "model.safetensors.index.json",
-    "pytorch_model.bin",
-    "pytorch_model.bin.index.json",
-)
-DENSE_ARGUMENTS = (
-    "dense_layers",
-    "dense_projection",
-    "dense_selection",
-    "dense_shared_gate",
-    "dense_fusion",
-    "dense_every",
-    "dense_gate_hidden_size",
-    "kernel_backend",
-)
+#: What transformers reads as a checkpoint's weights, in its order of preference.
+WEIGHT_FILES = (SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, WEIGHTS_NAME, WEIGHTS_INDEX_NAME)
+#: The keywords :func:`densemamba_from_mamba` takes: DenseMamba's dense knobs and ``kernel_backend``.
+DENSE_ARGUMENTS = tuple(knob.name for knob in knobs_for(DenseMambaConfig.model_type))
 # Config fields a transformers MambaConfig shares with DenseMambaConfig (same names and meanings).
 MAMBA_FIELDS = tuple(
     name
     for name, parameter in inspect.signature(DenseMambaConfig.__init__).parameters.items()
-    if name not in DENSE_ARGUMENTS and name != "self" and parameter.kind is parameter.POSITIONAL_OR_KEYWORD
+    if name != "self" and parameter.kind is parameter.POSITIONAL_OR_KEYWORD
 )
 OFFICIAL_DENSERETNET_KEYS = (
     "hidden_size",
@@ -55,13 +55,15 @@ OFFICIAL_DENSERETNET_KEYS = (
     "dense_block_layers",
     "vocab_size",
 )
-# Our DenseRetNet parameter name -> the authors' (DESIGN.md §2); names not listed are the same in both.
+# Our DenseRetNet parameter name -> the authors' (docs/design.md §3); names not listed are the same in both.
 OFFICIAL_DENSERETNET_RENAMES = (
     (".self_attn.hidden_proj.", ".self_attn.to_hidden.0."),
     (".self_attn.o_proj.", ".self_attn.to_out.0."),
     (".self_attn.dense_k.gate.", ".self_attn.k_select."),
     (".self_attn.dense_v.gate.", ".self_attn.v_select."),
 )
+#: ``key_mapping`` of ``from_pretrained`` for the authors' names (a regular expression of theirs -> ours).
+OFFICIAL_KEY_MAPPING = {re.escape(theirs): ours for ours, theirs in OFFICIAL_DENSERETNET_RENAMES}
 # Parameters the authors' blocks create in every layer but use only in layers with predecessors (``dense=idx>=1``).
 OFFICIAL_DENSE_ONLY = ("k_select.fc1", "k_select.fc2", "v_select.fc1", "v_select.fc2", "k_norm", "v_norm")
 # Persistent buffers of the authors' relative position module (rotary angles and log-decays), recomputed here.
@@ -71,23 +73,40 @@ OFFICIAL_REL_POS = ("model.retnet_rel_pos.angle", "model.retnet_rel_pos.decay")
 # ----------------------------------------------------------------------------------------------- reading
 
 
-def load_checkpoint_folder(folder: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
-    """Read ``folder/config.json`` and the full state dict of a transformers-style checkpoint folder.
-
-    Weights are the first found of :data:`WEIGHT_FILES` (``model.safetensors``, its shard index,
-    ``pytorch_model.bin``, its shard index); ``.bin`` files are read with ``torch.load(weights_only=True)``.
-
-    Returns:
-        ``(config dict, {name: tensor})``, tensors on the CPU in their stored dtype.
+def _is_local(src: str | os.PathLike) -> bool:
+    """Whether ``src`` names a local folder rather than a Hub repository id.
 
     Raises:
-        FileNotFoundError: ``folder`` is not a folder, has no ``config.json``, no weights file, or a shard named in
-            an index is absent (the message names the file and lists what the folder holds).
-        ValueError: ``config.json`` is not a JSON object, or a weights file cannot be read or holds non-tensors.
+        FileNotFoundError: ``src`` is neither an existing folder nor a valid Hub repository id (a ``Path`` is always
+            a folder).
     """
-    folder = Path(folder)
-    if not folder.is_dir():
-        raise FileNotFoundError(f"Checkpoint folder {str(folder)!r} does not exist or is not a folder.")
+    if os.path.isdir(src):
+        return True
+    if not isinstance(src, Path) and not os.path.exists(src):
+        try:
+            validate_repo_id(str(src))
+            return False
+        except HFValidationError:
+            pass
+    raise FileNotFoundError(f"Checkpoint folder {str(src)!r} does not exist or is not a folder.")
+
+
+def read_config(src: str | os.PathLike) -> dict:
+    """The ``config.json`` of the checkpoint ``src`` (a local folder or a Hub repository id) as a dict.
+
+    A local folder must hold ``config.json`` and one of :data:`WEIGHT_FILES` (checked here, so that the error lists
+    what the folder holds); a Hub repository is read with transformers' ``PretrainedConfig.get_config_dict``.
+
+    Raises:
+        FileNotFoundError: ``src`` does not exist (see :func:`_is_local`), has no ``config.json`` or no weights.
+        ValueError: ``config.json`` is not a JSON object.
+        OSError: a Hub repository cannot be reached or has no ``config.json`` (transformers' error).
+    """
+    if not _is_local(src):
+        from transformers import PretrainedConfig
+
+        return PretrainedConfig.get_config_dict(str(src))[0]
+    folder = Path(src)
     holds = sorted(p.name for p in folder.iterdir())
     config_file = folder / "config.json"
     if not config_file.is_file():
@@ -98,40 +117,63 @@ def load_checkpoint_folder(folder: str | Path) -> tuple[dict, dict[str, torch.Te
         raise ValueError(f"{config_file} is not valid JSON: {error}") from error
     if not isinstance(config, dict):
         raise ValueError(f"{config_file} must hold a JSON object, got {type(config).__name__}.")
-    weights = next((folder / name for name in WEIGHT_FILES if (folder / name).is_file()), None)
-    if weights is None:
+    if not any((folder / name).is_file() for name in WEIGHT_FILES):
         raise FileNotFoundError(
             f"{str(folder)!r} has no weights: looked for {', '.join(WEIGHT_FILES)} (it holds: {', '.join(holds)})."
         )
-    files = [weights]
-    if weights.name.endswith(".index.json"):
-        try:
-            weight_map = json.loads(weights.read_text(encoding="utf-8"))["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as error:
-            raise ValueError(f"{weights} is not a shard index with a 'weight_map': {error}") from error
-        files = [folder / shard for shard in sorted(set(weight_map.values()))]
-        absent = [f.name for f in files if not f.is_file()]
-        if absent:
-            raise FileNotFoundError(f"{weights} names shards that {str(folder)!r} does not hold: {', '.join(absent)}.")
-    state_dict: dict[str, torch.Tensor] = {}
+    return config
+
+
+def read_tensors(src: str | os.PathLike, names: set[str]) -> dict[str, torch.Tensor]:
+    """The tensors ``names`` (those present) of the checkpoint ``src``, read from the weights files transformers
+    would load (:data:`WEIGHT_FILES`, sharded or not; local or from the Hub cache) without reading the others.
+
+    For what ``from_pretrained`` cannot do: check saved buffers the model does not have (the authors' rotary angles
+    and decays, which ``from_pretrained`` drops as unexpected).
+
+    Raises:
+        ValueError: a weights file cannot be read (the message names it).
+    """
+    files: list[str] = []
+    for single, index in ((SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME), (WEIGHTS_NAME, WEIGHTS_INDEX_NAME)):
+        found = cached_file(str(src), single, _raise_exceptions_for_missing_entries=False)
+        if found is not None:
+            files = [found]
+            break
+        found = cached_file(str(src), index, _raise_exceptions_for_missing_entries=False)
+        if found is not None:
+            files = get_checkpoint_shard_files(str(src), found)[0]
+            break
+    tensors: dict[str, torch.Tensor] = {}
     for file in files:
-        state_dict.update(_read_weights(file))
-    return config, state_dict
+        try:
+            if file.endswith(".safetensors"):
+                from safetensors import safe_open
 
-
-def _read_weights(file: Path) -> dict[str, torch.Tensor]:
-    try:
-        if file.name.endswith(".safetensors"):
-            from safetensors.torch import load_file
-
-            tensors = load_file(file)
-        else:
-            tensors = torch.load(file, map_location="cpu", weights_only=True)
-    except Exception as error:  # corrupt or foreign file: say which one
-        raise ValueError(f"Cannot read the weights file {file}: {error}") from error
-    if not isinstance(tensors, dict) or not all(isinstance(t, torch.Tensor) for t in tensors.values()):
-        raise ValueError(f"{file} must hold a flat {{name: tensor}} state dict.")
+                with safe_open(file, framework="pt") as weights:
+                    tensors.update({name: weights.get_tensor(name) for name in names & set(weights.keys())})
+            else:
+                weights = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+                tensors.update({name: weights[name] for name in names & set(weights)})
+        except Exception as error:  # corrupt or foreign file: say which one
+            raise ValueError(f"Cannot read the weights file {file}: {error}") from error
     return tensors
+
+
+def _mismatch_error(source: str, missing, unexpected, wrong) -> ValueError | None:
+    """The error listing every missing name, unexpected name and shape mismatch (``None`` if there are none)."""
+    problems = [
+        f"{title} ({len(names)}):\n  "
+        + "\n  ".join(names[:40])
+        + (f"\n  ... and {len(names) - 40} more" if len(names) > 40 else "")
+        for title, names in (
+            ("missing parameters", sorted(missing)),
+            ("unexpected parameters", sorted(unexpected)),
+            ("wrong shapes", sorted(wrong)),
+        )
+        if names
+    ]
+    return ValueError(f"The state dict of {source} does not match the model:\n" + "\n".join(problems)) if problems else None
 
 
 def check_state_dict(
@@ -146,26 +188,16 @@ def check_state_dict(
     Raises:
         ValueError: listing every missing name, every unexpected name and every shape mismatch, naming ``source``.
     """
-    missing = sorted(set(expected) - set(provided))
-    unexpected = sorted(set(provided) - set(expected) - set(optional))
     wrong = [
         f"{name}: {tuple(provided[name].shape)}, expected {tuple(shape)}"
         for name, shape in expected.items()
         if name in provided and tuple(provided[name].shape) != tuple(shape)
     ]
-    problems = [
-        f"{title} ({len(names)}):\n  "
-        + "\n  ".join(names[:40])
-        + (f"\n  ... and {len(names) - 40} more" if len(names) > 40 else "")
-        for title, names in (
-            ("missing parameters", missing),
-            ("unexpected parameters", unexpected),
-            ("wrong shapes", wrong),
-        )
-        if names
-    ]
-    if problems:
-        raise ValueError(f"The state dict of {source} does not match the model:\n" + "\n".join(problems))
+    error = _mismatch_error(
+        source, set(expected) - set(provided), set(provided) - set(expected) - set(optional), wrong
+    )
+    if error is not None:
+        raise error
 
 
 def _check_model_type(config: dict, allowed: tuple, source: str, expected_what: str) -> None:
@@ -183,35 +215,39 @@ def _check_model_type(config: dict, allowed: tuple, source: str, expected_what: 
 def densemamba_from_mamba(src, **dense_kwargs) -> DenseMambaForCausalLM:
     """Upcycle a pretrained Mamba into DenseMamba: same logits at conversion, dense gates trainable from there.
 
-    The Mamba weights are copied strictly (with no dense connection the parameter names and shapes are
-    transformers' ``MambaForCausalLM``'s, DESIGN.md §3); the parameters DenseMamba adds (names containing
-    ``dense``) start so that the connection adds nothing: with ``dense_fusion="add"`` each gate's last layer is
-    zero (``SiLU(0) = 0``, :meth:`~hf_densessm.modeling.dense.DenseHiddenConnection.zero_gates`); with
-    ``"concat"`` the reduction starts as ``[I, 0]`` (its init), which passes ``f^l`` through, and the gates keep
-    their init so that the reduction's zero block receives gradients. The outputs then equal the Mamba's (to
-    float32 rounding of the scan; bit for bit against ``dense_layers=0``), and the gates' last layers (or the
-    reduction) get nonzero gradients, so fine-tuning learns the connection.
+    The Mamba is loaded by transformers (``MambaForCausalLM.from_pretrained``, float32) and its weights are copied
+    strictly (with no dense connection the parameter names and shapes are transformers' ``MambaForCausalLM``'s,
+    docs/design.md §4); the parameters DenseMamba adds (names containing ``dense``) start so that the connection
+    adds nothing: with ``dense_fusion="add"`` each gate's last layer is zero (``SiLU(0) = 0``,
+    ``DenseHiddenConnection.zero_gates``); with ``"concat"`` the reduction starts as ``[I, 0]`` (its init), which
+    passes ``f^l`` through, and the gates keep their init so that the reduction's zero block receives gradients.
+    The outputs then equal the Mamba's (to float32 rounding of the scan; bit for bit against ``dense_layers=0``),
+    and the gates' last layers (or the reduction) get nonzero gradients, so fine-tuning learns the connection.
 
     Args:
-        src: a folder holding a transformers Mamba checkpoint (``config.json`` with ``model_type`` "mamba", weights
-            as safetensors or ``pytorch_model.bin``, sharded or not), or a loaded ``transformers.MambaForCausalLM`` /
-            ``MambaModel``.
-        dense_kwargs: the DenseSSM knobs of the result (``dense_layers``, ``dense_projection``, ``dense_selection``,
-            ``dense_shared_gate``, ``dense_fusion``, ``dense_every``, ``dense_gate_hidden_size``) and
-            ``kernel_backend``; defaults as :class:`~hf_densessm.DenseMambaConfig` (``dense_layers=4``, Table 2).
+        src: a transformers Mamba checkpoint (``config.json`` with ``model_type`` "mamba", weights in any format
+            transformers reads, sharded or not): a local folder or a Hub repository id (e.g.
+            ``"state-spaces/mamba-130m-hf"``), or a loaded ``transformers.MambaForCausalLM`` / ``MambaModel``.
+        dense_kwargs: the DenseSSM knobs of the result (:data:`DENSE_ARGUMENTS`: ``dense_layers``,
+            ``dense_projection``, ``dense_selection``, ``dense_shared_gate``, ``dense_fusion``, ``dense_every``,
+            ``dense_gate_hidden_size``, ``kernel_backend``); defaults as :class:`~hf_densessm.DenseMambaConfig`
+            (``dense_layers=4``, Table 2).
 
     Returns:
         A float32 :class:`~hf_densessm.DenseMambaForCausalLM` in eval mode.
 
     Raises:
-        TypeError: a keyword that is not a dense knob, or ``src`` is neither a folder nor a Mamba model.
-        FileNotFoundError, ValueError: see :func:`load_checkpoint_folder`; ``model_type`` is not "mamba"; the
-            state dict has missing, unexpected or misshapen names (all listed); ``dense_selection="none"`` with
-            ``dense_fusion="add"``, which has no gate to close and cannot start as a no-op.
+        TypeError: a keyword that is not a dense knob, or ``src`` is neither a folder, a Hub id nor a Mamba model.
+        FileNotFoundError, ValueError: see :func:`read_config`; ``model_type`` is not "mamba"; a knob value is
+            refused by ``DenseMambaConfig``; the checkpoint has missing, unexpected or misshapen names (all listed);
+            ``dense_selection="none"`` with ``dense_fusion="add"``, which has no gate to close and cannot start as a
+            no-op.
+        OSError: a Hub repository cannot be downloaded (transformers' error).
     """
     unknown = sorted(set(dense_kwargs) - set(DENSE_ARGUMENTS))
     if unknown:
         raise TypeError(f"densemamba_from_mamba() takes only the dense knobs {DENSE_ARGUMENTS}; got {unknown}.")
+    state_dict = None
     if isinstance(src, nn.Module):
         if not hasattr(src, "config"):
             raise TypeError(f"`src` must be a transformers Mamba model or a folder, got {type(src).__name__}.")
@@ -220,8 +256,7 @@ def densemamba_from_mamba(src, **dense_kwargs) -> DenseMambaForCausalLM:
         if not any(name.startswith("backbone.") for name in state_dict):  # a MambaModel: add the CausalLM prefix
             state_dict = {f"backbone.{name}": tensor for name, tensor in state_dict.items()}
     elif isinstance(src, (str, Path)):
-        config, state_dict = load_checkpoint_folder(src)
-        source = repr(str(src))
+        config, source = read_config(src), repr(str(src))
     else:
         raise TypeError(f"`src` must be a transformers Mamba model or a folder, got {type(src).__name__}.")
     _check_model_type(
@@ -233,6 +268,15 @@ def densemamba_from_mamba(src, **dense_kwargs) -> DenseMambaForCausalLM:
             "dense_selection='none' with dense_fusion='add' has no gate to close, so the converted model could not "
             "start equal to the Mamba; use dense_selection='mlp' or 'linear' (or dense_fusion='concat')."
         )
+    if state_dict is None:
+        mamba, info = MambaForCausalLM.from_pretrained(
+            src, dtype=torch.float32, output_loading_info=True, ignore_mismatched_sizes=True
+        )
+        wrong = [f"{name}: {tuple(saved)}, expected {tuple(shape)}" for name, saved, shape in info["mismatched_keys"]]
+        error = _mismatch_error(source, info["missing_keys"], info["unexpected_keys"], wrong)
+        if error is not None:
+            raise error
+        state_dict = mamba.state_dict()
     model = DenseMambaForCausalLM(dense_config)
     tied = dense_config.tie_word_embeddings
     expected = {
@@ -243,10 +287,9 @@ def densemamba_from_mamba(src, **dense_kwargs) -> DenseMambaForCausalLM:
     check_state_dict(state_dict, expected, source, optional={"lm_head.weight"} if tied else set())
     model.load_state_dict({name: state_dict[name] for name in expected}, strict=False)
     if dense_config.dense_fusion == "add":
-        for layer in model.backbone.layers:
-            for connection in (layer.mixer.dense_u, layer.mixer.dense_B):
-                if connection is not None:
-                    connection.zero_gates()
+        for module in model.modules():
+            if isinstance(module, DenseHiddenConnection):
+                module.zero_gates()
     return model.eval()
 
 
@@ -256,7 +299,7 @@ def densemamba_from_mamba(src, **dense_kwargs) -> DenseMambaForCausalLM:
 def official_denseretnet_config(config: dict, source: str = "the checkpoint") -> DenseRetNetConfig:
     """The :class:`~hf_densessm.DenseRetNetConfig` of an authors' DenseRetNet ``config.json`` (a dict).
 
-    Their keys (DESIGN.md §2) map to ours by name, ``dense_block_layers`` to ``dense_layers``; the connection is
+    Their keys (docs/design.md §3) map to ours by name, ``dense_block_layers`` to ``dense_layers``; the connection is
     theirs: identity projection, 2-layer MLP gate ``d -> d // 32 -> out`` shared by the predecessors, add fusion,
     every layer but the first. ``rms_norm_eps`` (default 1e-6), ``dropout`` (0), ``initializer_range``,
     ``tie_word_embeddings`` (False) and the token ids are taken when present. Keys their forward pass does not read
@@ -321,86 +364,94 @@ def official_denseretnet_name(name: str) -> str:
     return name
 
 
-def denseretnet_from_official(src: str | Path) -> DenseRetNetForCausalLM:
+def denseretnet_from_official(src: str | os.PathLike) -> DenseRetNetForCausalLM:
     """Load a checkpoint of the authors' published DenseRetNet into :class:`~hf_densessm.DenseRetNetForCausalLM`,
-    which computes the same function (DESIGN.md §2; the parallel form's per-row rescalings are absorbed by the
-    per-head RMSNorm, see ``modeling_denseretnet``).
+    which computes the same function (docs/design.md §3: their recurrent form exactly; their parallel form up to
+    its clamp of the row sums, see ``modeling_denseretnet``).
 
-    Names map as in DESIGN.md §2 (``to_hidden.0`` -> ``hidden_proj``, ``to_out.0`` -> ``o_proj``,
-    ``k_select``/``v_select`` -> ``dense_k.gate``/``dense_v.gate``, the rest unchanged). Their ``group_norm`` weight
-    is one ``(d_v / H,)`` vector shared by the heads; ours is ``(d_v,)``, so it is tiled ``H`` times.
+    The weights are loaded by ``DenseRetNetForCausalLM.from_pretrained(src, key_mapping=OFFICIAL_KEY_MAPPING)``
+    (float32): names map as in docs/design.md §3 (``to_hidden.0`` -> ``hidden_proj``, ``to_out.0`` -> ``o_proj``,
+    ``k_select``/``v_select`` -> ``dense_k.gate``/``dense_v.gate``, the rest unchanged). The converted model forgets
+    that mapping, so its ``save_pretrained`` writes our names.
 
     Layer 0: the authors' blocks create ``k_select``, ``v_select``, ``k_norm``, ``v_norm`` in every layer, but their
     forward pass uses them only in layers with predecessors (``dense = idx >= 1``); layer 0 of our model has none of
     them. So layer 0's copies are accepted and dropped (they never affected an output), present or not. Their
-    ``model.retnet_rel_pos.angle`` / ``.decay`` buffers, if saved, are checked against the angles and decays computed
-    here and dropped. Every other name must match exactly.
+    ``model.retnet_rel_pos.angle`` / ``.decay`` buffers, if saved, are checked against the model's own rotary
+    angles (``DenseRetNetThetaShift``) and decays (``retention_gamma``) and dropped. Every other name must match
+    exactly.
 
     Args:
-        src: folder with the authors' ``config.json`` and weights (``pytorch_model.bin`` or safetensors, sharded or
-            not).
+        src: the authors' ``config.json`` and weights (``pytorch_model.bin`` or safetensors, sharded or not): a
+            local folder or a Hub repository id.
 
     Returns:
         A float32 :class:`~hf_densessm.DenseRetNetForCausalLM` in eval mode.
 
     Raises:
-        FileNotFoundError, ValueError: see :func:`load_checkpoint_folder` and :func:`official_denseretnet_config`;
-            missing, unexpected or misshapen parameter names (all listed); saved rotary angles or decays that differ
-            from the published definition.
+        FileNotFoundError, ValueError: see :func:`read_config`, :func:`read_tensors` and
+            :func:`official_denseretnet_config`; missing, unexpected or misshapen parameter names (all listed, in
+            the authors' names); saved rotary angles or decays that differ from the published definition.
+        OSError: a Hub repository cannot be downloaded (transformers' error).
     """
-    raw_config, state_dict = load_checkpoint_folder(src)
     source = repr(str(src))
-    config = official_denseretnet_config(raw_config, source)
-    model = DenseRetNetForCausalLM(config)
-    heads, tied = config.num_attention_heads, config.tie_word_embeddings
-    ours = {name: t for name, t in model.state_dict().items() if not (tied and name == "lm_head.weight")}
-    theirs_of = {name: official_denseretnet_name(name) for name in ours}
-    expected = {theirs_of[name]: tuple(t.shape) for name, t in ours.items()}
-    for name, t in ours.items():
-        if name.endswith(".self_attn.group_norm.weight"):
-            expected[theirs_of[name]] = (t.shape[0] // heads,)
-    optional = {name for name in OFFICIAL_REL_POS}
-    optional |= {"lm_head.weight"} if tied else set()
+    config = official_denseretnet_config(read_config(src), source)
+    rel_pos = read_tensors(src, set(OFFICIAL_REL_POS))  # first: a clear error on an unreadable weights file
+    model, info = DenseRetNetForCausalLM.from_pretrained(
+        src,
+        config=config,
+        key_mapping=OFFICIAL_KEY_MAPPING,
+        dtype=torch.float32,
+        output_loading_info=True,
+        ignore_mismatched_sizes=True,
+    )
+    vars(model).pop("_weight_conversions", None)  # else save_pretrained would write the authors' names back
+    optional = set(OFFICIAL_REL_POS)
     for i, layer in enumerate(model.model.layers):
         if layer.self_attn.dense_k is None:
             optional |= {f"model.layers.{i}.self_attn.{part}.weight" for part in OFFICIAL_DENSE_ONLY}
-    check_state_dict(state_dict, expected, source, optional)
-    _check_rel_pos(state_dict, config, source)
-    converted = {}
-    for name in ours:
-        tensor = state_dict[theirs_of[name]]
-        converted[name] = tensor.repeat(heads) if name.endswith(".self_attn.group_norm.weight") else tensor
-    missing, unexpected = model.load_state_dict(converted, strict=False)
-    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    unexpected = {official_denseretnet_name(name) for name in info["unexpected_keys"]} - optional
+    wrong = [
+        f"{official_denseretnet_name(name)}: {tuple(shape)}, expected {tuple(expected)}"
+        for name, shape, expected in info["mismatched_keys"]
+    ]
+    missing = {official_denseretnet_name(name) for name in info["missing_keys"]}
+    error = _mismatch_error(source, missing, unexpected, wrong)
+    if error is not None:
+        raise error
+    _check_rel_pos(rel_pos, config, source)
     return model.eval()
 
 
-def _check_rel_pos(state_dict: dict, config: DenseRetNetConfig, source: str) -> None:
-    """Compare saved rotary angles / log-decays with the published definition (DESIGN.md §2)."""
+def _check_rel_pos(saved: dict, config: DenseRetNetConfig, source: str) -> None:
+    """Compare saved rotary angles / log-decays with the model's own (the published definition, docs/design.md §3:
+    angles ``rope_theta^-linspace(0, 1, head_dim/2)``, each repeated for its channel pair; ``log(gamma_h)``)."""
     head_dim = config.query_key_dim // config.num_attention_heads
-    exponents = torch.linspace(0, 1, head_dim // 2, dtype=torch.float64)
     reference = {
-        "model.retnet_rel_pos.angle": (config.rope_theta**-exponents).repeat_interleave(2),
-        "model.retnet_rel_pos.decay": torch.tensor(
-            [math.log(1 - 2 ** (-5 - h)) for h in range(config.num_attention_heads)], dtype=torch.float64
-        ),
+        "model.retnet_rel_pos.angle": DenseRetNetThetaShift(head_dim, config.rope_theta)
+        .compute_theta()
+        .double()
+        .repeat_interleave(2),
+        "model.retnet_rel_pos.decay": retention_gamma(config.num_attention_heads, dtype=torch.float64).log(),
     }
     for name, value in reference.items():
-        saved = state_dict.get(name)
-        if saved is None:
+        tensor = saved.get(name)
+        if tensor is None:
             continue
-        if saved.shape != value.shape or not torch.allclose(saved.double(), value, rtol=1e-4, atol=1e-6):
+        if tensor.shape != value.shape or not torch.allclose(tensor.double(), value, rtol=1e-4, atol=1e-6):
             raise ValueError(
-                f"{name} of {source} differs from the published definition (shape {tuple(saved.shape)}, expected "
+                f"{name} of {source} differs from the published definition (shape {tuple(tensor.shape)}, expected "
                 f"{tuple(value.shape)}): this checkpoint is not the architecture DenseRetNetConfig describes."
             )
 
 
 __all__ = [
+    "DENSE_ARGUMENTS",
     "check_state_dict",
     "densemamba_from_mamba",
     "denseretnet_from_official",
-    "load_checkpoint_folder",
     "official_denseretnet_config",
     "official_denseretnet_name",
+    "read_config",
+    "read_tensors",
 ]

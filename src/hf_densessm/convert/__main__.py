@@ -15,7 +15,9 @@ import sys
 
 import torch
 
-from . import densemamba_from_mamba, denseretnet_from_official
+from ..configuration import DenseMambaConfig
+from ..configuration.configuration_densessm import knobs_for
+from . import DENSE_ARGUMENTS, densemamba_from_mamba, denseretnet_from_official
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -43,39 +45,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="OUT",
         help="folder to write, atomically (files of an existing OUT that the save does not write are kept)",
     )
-    mamba.add_argument(
-        "--dense-layers",
-        type=int,
-        default=4,
-        metavar="M",
-        help="m, preceding layers fed to each layer (default 4, paper Table 2)",
-    )
-    mamba.add_argument(
-        "--dense-projection",
-        choices=("identity", "linear"),
-        default="identity",
-        help="Proj of Eq. 15 (default identity)",
-    )
-    mamba.add_argument(
-        "--dense-selection", choices=("mlp", "linear", "none"), default="mlp", help="Gate of Eq. 16 (default mlp)"
-    )
-    mamba.add_argument(
-        "--dense-gates",
-        choices=("shared", "per-layer"),
-        default="shared",
-        help="one gate for the m predecessors or one each (default shared)",
-    )
-    mamba.add_argument("--dense-fusion", choices=("add", "concat"), default="add", help="hidden fusion (default add)")
-    mamba.add_argument(
-        "--dense-every", type=int, default=1, metavar="K", help="dense connection on every K-th layer (default 1)"
-    )
-    mamba.add_argument(
-        "--dense-gate-hidden-size",
-        type=int,
-        default=None,
-        metavar="N",
-        help="MLP gate width (default hidden_size // 32)",
-    )
+    for knob in knobs_for(DenseMambaConfig.model_type):
+        default = DenseMambaConfig.dense_defaults.get(knob.name, knob.default)
+        option = "--" + knob.name.replace("_", "-")
+        help_text = f"{knob.help} (default {default})"
+        if knob.kind is bool:
+            mamba.add_argument(option, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+        else:
+            mamba.add_argument(option, type=knob.kind, choices=knob.choices, default=None, help=help_text)
 
     official = commands.add_parser(
         "official-denseretnet",
@@ -103,16 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.command == "mamba":
-            model = densemamba_from_mamba(
-                args.src,
-                dense_layers=args.dense_layers,
-                dense_projection=args.dense_projection,
-                dense_selection=args.dense_selection,
-                dense_shared_gate=args.dense_gates == "shared",
-                dense_fusion=args.dense_fusion,
-                dense_every=args.dense_every,
-                dense_gate_hidden_size=args.dense_gate_hidden_size,
-            )
+            knobs = {name: getattr(args, name) for name in DENSE_ARGUMENTS if getattr(args, name) is not None}
+            model = densemamba_from_mamba(args.src, **knobs)
         else:
             model = denseretnet_from_official(args.src)
         model.to(DTYPES[args.dtype]).save_pretrained(args.out)
