@@ -60,7 +60,7 @@ from transformers import (
 )
 
 import hf_densessm  # noqa: F401  (registers the DenseSSM models with the Auto classes)
-from hf_densessm import DenseMambaConfig, DenseRetNetConfig
+from hf_densessm import DenseMambaConfig, DenseRetNetConfig, paper_training_arguments
 from hf_densessm.configuration import DENSEMAMBA_PRESETS, DENSERETNET_PRESETS
 
 FAMILIES = {
@@ -100,6 +100,33 @@ def positive_float(text: str) -> float:
     return value
 
 
+SMALL_PRESET_OPTIMIZER = dict(
+    learning_rate=4e-3, lr_scheduler_type="cosine", warmup_steps=0.2, weight_decay=0.1, adam_beta2=0.95,
+    max_grad_norm=1.0,
+)
+
+
+def optimizer_settings(args: argparse.Namespace) -> dict:
+    """``TrainingArguments`` keywords of the optimizer: the paper's (Tables 2 and 3, §4.2) for a paper preset, a
+    short-run recipe (cosine decay after 20% warm-up) for the small presets; ``--learning-rate`` overrides the peak."""
+    try:
+        settings = paper_training_arguments(args.preset)
+    except ValueError:
+        settings = dict(SMALL_PRESET_OPTIMIZER)
+    if args.learning_rate is not None:
+        settings["learning_rate"] = args.learning_rate
+    return settings
+
+
+def describe_optimizer(settings: dict) -> str:
+    """One line for the model card: peak learning rate, schedule, betas, weight decay."""
+    return (
+        f"peak learning rate {settings['learning_rate']:g}, {settings['lr_scheduler_type']} decay after "
+        f"{settings['warmup_steps']:.1%} warm-up, betas ({settings.get('adam_beta1', 0.9)}, {settings['adam_beta2']}), "
+        f"weight decay {settings['weight_decay']}"
+    )
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     preset_names = ", ".join(name for _, presets in FAMILIES.values() for name in presets)
     parser = argparse.ArgumentParser(
@@ -123,7 +150,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     add("--block-size", type=int_at_least(8), default=256, help="tokens per sequence (default: %(default)s)")
     add("--batch-size", type=int_at_least(1), default=8, help="sequences per optimizer step (default: %(default)s)")
-    add("--learning-rate", type=positive_float, default=4e-3, help="peak learning rate (default: %(default)s)")
+    add(
+        "--learning-rate", type=positive_float,
+        help="peak learning rate (default: the paper's for a paper preset, hf_densessm.paper_training_arguments; "
+        "4e-3 for the small presets)",
+    )
     add("--seed", type=int_at_least(0), default=0, help="seed of init, data order and sampling (default: %(default)s)")
     add(
         "--vocab-size", type=int_at_least(MIN_VOCAB_SIZE), default=4096,
@@ -242,7 +273,7 @@ def add_training_report(card: Path, args: argparse.Namespace, loss_before: float
 ## Training run (`examples/pretrain.py`)
 
 Preset `{args.preset}`, trained from scratch for {args.max_steps} steps of {args.batch_size} x {args.block_size} tokens
-(AdamW, peak learning rate {args.learning_rate:g}, warmup then cosine decay, seed {args.seed}) on {data},
+(AdamW, {describe_optimizer(optimizer_settings(args))}, seed {args.seed}) on {data},
 with a {args.vocab_size}-token byte-level BPE tokenizer (in this folder) trained on the same text. Paragraphs whose
 CRC32 is divisible by {HELD_OUT_EVERY} were held out. A demonstration of the pipeline, not a useful language model.
 
@@ -325,6 +356,7 @@ def main(argv: list[str] | None = None) -> dict:
     )
     n_params = model.num_parameters()
     print(f"model: {args.preset} ({type(model).__name__}), {n_params / 1e6:.2f}M parameters")
+    print(f"optimizer: {describe_optimizer(optimizer_settings(args))}")
 
     # Everything is written into a hidden folder next to the target and renamed into place at the end.
     staging = args.output_dir.with_name(f".{args.output_dir.name}.tmp-{os.getpid()}")
@@ -336,12 +368,7 @@ def main(argv: list[str] | None = None) -> dict:
             max_steps=args.max_steps,
             per_device_train_batch_size=args.batch_size,
             per_device_eval_batch_size=args.batch_size,
-            learning_rate=args.learning_rate,
-            lr_scheduler_type="cosine",
-            warmup_steps=0.2,  # a fraction: the first 20% of the steps
-            weight_decay=0.1,
-            adam_beta2=0.95,
-            max_grad_norm=1.0,
+            **optimizer_settings(args),
             logging_steps=max(1, args.max_steps // 40),
             logging_first_step=True,
             eval_strategy="steps",

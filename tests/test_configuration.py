@@ -114,10 +114,14 @@ ABLATIONS = [
 ]
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", [*FAMILIES, "densemamba-state"])
 def test_every_ablation_builds_trains_and_runs(family):
     ids = random_ids(2, 7)
+    target = {}
+    if family == "densemamba-state":
+        family, target = "densemamba", {"dense_target": "state"}
     for knobs in ABLATIONS:
+        knobs = {**knobs, **target}
         torch.manual_seed(0)
         config = micro_config(
             family,
@@ -136,3 +140,36 @@ def test_every_ablation_builds_trains_and_runs(family):
         )
         assert bool(dense_params) != parameter_free, knobs
         assert all(model.get_parameter(n).grad is not None for n in dense_params), knobs
+
+
+def test_paper_presets_use_the_papers_init_and_recipe():
+    """DenseMamba's paper presets start as mamba_ssm's models do (issue 9 §3), and the paper's learning rates and
+    Adam betas (Tables 2, 3) are one call away as TrainingArguments keywords."""
+    import math
+
+    from transformers import TrainingArguments
+
+    from hf_densessm import paper_training_arguments
+
+    for name in ("densemamba-360m", "densemamba-1.3b"):
+        config = DenseMambaConfig.from_preset(name)
+        assert (config.init_scheme, config.initializer_range, config.rescale_prenorm_residual) == ("mamba_ssm", 0.02, True)
+    small = DenseMambaConfig.from_preset("densemamba-360m", hidden_size=64, num_hidden_layers=6, vocab_size=100)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(small)
+    mixer = model.backbone.layers[2].mixer
+    d, D = small.hidden_size, small.intermediate_size
+    assert mixer.in_proj.weight.abs().max() <= 1 / math.sqrt(d) and mixer.in_proj.weight.abs().max() > 0.9 / math.sqrt(d)
+    bound = 1 / math.sqrt(D) / math.sqrt(small.num_hidden_layers)
+    assert bound * 0.9 < mixer.out_proj.weight.abs().max() <= bound
+    assert abs(model.backbone.embeddings.weight.std().item() - 0.02) < 0.002
+    assert DenseMambaConfig().init_scheme == "transformers"  # MambaForCausalLM parity stays the default
+
+    assert paper_training_arguments("densemamba-360m")["learning_rate"] == 3e-4
+    assert paper_training_arguments("densemamba-1.3b")["learning_rate"] == 2e-4
+    assert (paper_training_arguments("densemamba-360m")["adam_beta2"], paper_training_arguments("denseretnet-350m")["adam_beta2"]) == (0.95, 0.98)
+    assert paper_training_arguments("denseretnet-350m")["learning_rate"] == 6e-4
+    args = TrainingArguments("unused", **paper_training_arguments("denseretnet-1.3b"))
+    assert args.lr_scheduler_type == "polynomial" and args.weight_decay == 0.01
+    with pytest.raises(ValueError, match="densemamba-360m"):
+        paper_training_arguments("densemamba-tiny")

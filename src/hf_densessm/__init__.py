@@ -7,7 +7,7 @@ for any model.
 
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification
 
-from .configuration import DenseMambaConfig, DenseRetNetConfig
+from .configuration import DenseMambaConfig, DenseRetNetConfig, paper_training_arguments
 from .modeling import (
     DenseMambaForCausalLM,
     DenseMambaForSequenceClassification,
@@ -41,4 +41,5 @@ __all__ = [
     "DenseRetNetForSequenceClassification",
     "DenseRetNetModel",
     "DenseRetNetPreTrainedModel",
+    "paper_training_arguments",
 ]

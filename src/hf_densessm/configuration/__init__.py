@@ -1,6 +1,15 @@
-"""Configurations of the DenseSSM model families (one file per family; the dense knobs in ``dense.py``)."""
+"""Configurations of the DenseSSM model families: the shared base and knob table (``configuration_densessm.py``),
+one file per family."""
 
 from .configuration_densemamba import DENSEMAMBA_PRESETS, DenseMambaConfig
 from .configuration_denseretnet import DENSERETNET_PRESETS, DenseRetNetConfig
+from .configuration_densessm import DENSE_KNOBS, paper_training_arguments
 
-__all__ = ["DENSEMAMBA_PRESETS", "DENSERETNET_PRESETS", "DenseMambaConfig", "DenseRetNetConfig"]
+__all__ = [
+    "DENSEMAMBA_PRESETS",
+    "DENSERETNET_PRESETS",
+    "DENSE_KNOBS",
+    "DenseMambaConfig",
+    "DenseRetNetConfig",
+    "paper_training_arguments",
+]

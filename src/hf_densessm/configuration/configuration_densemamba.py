@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 from .configuration_densessm import (
+    PAPER_OPTIMIZER,
     DenseSSMConfig,
     check_bool,
     check_choice,
@@ -18,11 +19,23 @@ from .configuration_densessm import (
 # tests and CPU benchmarks. "densemamba-1.3b" follows Table 2 exactly (50 layers, d_model 2048); that is about
 # 1.42B parameters: the paper added two layers to Mamba-1.4B's 48 "to match the parameters" (§4.2), so its
 # "1.3B" label names Mamba-1.4B's size class, and the preset's count is checked against 1.4B.
+#: The init of the paper's training setup (mamba_ssm): embeddings normal(0, 0.02), linear layers at PyTorch's default,
+#: ``out_proj`` divided by sqrt(num_hidden_layers) (docs/design.md §4).
+MAMBA_SSM_INIT = dict(init_scheme="mamba_ssm", initializer_range=0.02, rescale_prenorm_residual=True)
+
 DENSEMAMBA_PRESETS = {
     "densemamba-tiny": dict(hidden_size=256, num_hidden_layers=4, dense_layers=4),
     "densemamba-30m": dict(hidden_size=512, num_hidden_layers=8, dense_layers=4),
-    "densemamba-360m": dict(hidden_size=1024, num_hidden_layers=50, dense_layers=4),
-    "densemamba-1.3b": dict(hidden_size=2048, num_hidden_layers=50, dense_layers=4),
+    "densemamba-360m": dict(hidden_size=1024, num_hidden_layers=50, dense_layers=4, **MAMBA_SSM_INIT),
+    "densemamba-1.3b": dict(hidden_size=2048, num_hidden_layers=50, dense_layers=4, **MAMBA_SSM_INIT),
+}
+
+#: The paper's training settings (§4.2, Table 2: Mamba's own recipe, learning rates 3e-4 / 2e-4, Adam betas
+#: (0.9, 0.95); AdamW, polynomial decay, 1.5% warm-up, weight decay 0.01, clipping 1.0), as ``TrainingArguments``
+#: keywords; see :func:`~hf_densessm.configuration.configuration_densessm.paper_training_arguments`.
+DENSEMAMBA_PAPER_TRAINING = {
+    "densemamba-360m": dict(learning_rate=3e-4, adam_beta1=0.9, adam_beta2=0.95, **PAPER_OPTIMIZER),
+    "densemamba-1.3b": dict(learning_rate=2e-4, adam_beta1=0.9, adam_beta2=0.95, **PAPER_OPTIMIZER),
 }
 
 
@@ -46,7 +59,12 @@ class DenseMambaConfig(DenseSSMConfig):
         use_bias (`bool`, defaults to False): bias in ``in_proj`` and ``out_proj``.
         use_conv_bias (`bool`, defaults to True): bias in the convolution.
         hidden_act (`str`, defaults to "silu"): activation after the convolution and on the gate ``z``.
-        initializer_range (`float`, defaults to 0.1): std of the normal init of linear layers/embeddings.
+        initializer_range (`float`, defaults to 0.1): std of the normal init of the embeddings (and of the linear
+            layers with ``init_scheme="transformers"``).
+        init_scheme (`str`, defaults to "transformers"): "transformers" (``transformers.MambaForCausalLM``'s init:
+            linear layers normal(0, initializer_range)) | "mamba_ssm" (the Mamba authors' ``mamba_ssm``, which the
+            paper trained with: linear layers at PyTorch's default Kaiming-uniform init, biases 0); the paper presets
+            use "mamba_ssm" with ``initializer_range=0.02`` and ``rescale_prenorm_residual=True``.
         residual_in_fp32 (`bool`, defaults to True): keep the residual stream in float32.
         time_step_rank (`int` or "auto", defaults to "auto"): rank of ``dt_proj``; "auto" is ``ceil(hidden_size/16)``.
         time_step_scale, time_step_min, time_step_max, time_step_init_scheme, time_step_floor: ``dt`` init
@@ -82,6 +100,7 @@ class DenseMambaConfig(DenseSSMConfig):
         use_conv_bias: bool = True,
         hidden_act: str = "silu",
         initializer_range: float = 0.1,
+        init_scheme: str = "transformers",
         residual_in_fp32: bool = True,
         time_step_rank: int | str = "auto",
         time_step_scale: float = 1.0,
@@ -107,6 +126,7 @@ class DenseMambaConfig(DenseSSMConfig):
         self.use_conv_bias = check_bool("use_conv_bias", use_conv_bias)
         self.hidden_act = check_choice("hidden_act", hidden_act, ("silu",))
         self.initializer_range = check_positive_float("initializer_range", initializer_range)
+        self.init_scheme = check_choice("init_scheme", init_scheme, ("transformers", "mamba_ssm"))
         self.residual_in_fp32 = check_bool("residual_in_fp32", residual_in_fp32)
         if time_step_rank == "auto":
             time_step_rank = math.ceil(self.hidden_size / 16)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from .configuration_densessm import (
+    PAPER_OPTIMIZER,
     DenseSSMConfig,
     check_bool,
     check_choice,
@@ -38,6 +39,14 @@ DENSERETNET_PRESETS = {
         dense_layers=2,
         dropout=0.1,
     ),
+}
+
+
+#: The paper's training settings (§4.2, Table 3: learning rate 6e-4, Adam betas (0.9, 0.98), dropout 0.1 in the
+#: presets; AdamW, polynomial decay, 1.5% warm-up, weight decay 0.01, clipping 1.0), as ``TrainingArguments`` keywords.
+DENSERETNET_PAPER_TRAINING = {
+    name: dict(learning_rate=6e-4, adam_beta1=0.9, adam_beta2=0.98, **PAPER_OPTIMIZER)
+    for name in ("denseretnet-350m", "denseretnet-1.3b")
 }
 
 

@@ -157,6 +157,31 @@ def knobs_for(model_type: str) -> tuple[Knob, ...]:
     return tuple(knob for knob in DENSE_KNOBS if knob.applies_to(model_type))
 
 
+#: The optimizer settings every model of the paper was trained with (§4.2): AdamW, polynomial learning-rate decay,
+#: warm-up over 1.5% of the steps, weight decay 0.01, gradient clipping at 1.0 (``TrainingArguments`` keywords; a
+#: float ``warmup_steps`` below 1 is a fraction of the steps).
+PAPER_OPTIMIZER = dict(
+    optim="adamw_torch", lr_scheduler_type="polynomial", warmup_steps=0.015, weight_decay=0.01, max_grad_norm=1.0
+)
+
+
+def paper_training_arguments(preset: str) -> dict:
+    """The paper's training settings for a paper preset, as keywords of ``transformers.TrainingArguments``:
+    ``learning_rate``, ``adam_beta1``, ``adam_beta2`` (Tables 2 and 3) and :data:`PAPER_OPTIMIZER` (§4.2).
+
+    ``TrainingArguments(output_dir, **paper_training_arguments("densemamba-360m"), ...)``; the paper's batch of
+    0.5M tokens at length 2048 is ``per_device_train_batch_size * gradient_accumulation_steps * processes = 256``.
+
+    Raises:
+        ValueError: ``preset`` is not one of the paper's presets (the message lists them).
+    """
+    from .configuration_densemamba import DENSEMAMBA_PAPER_TRAINING
+    from .configuration_denseretnet import DENSERETNET_PAPER_TRAINING
+
+    recipes = {**DENSEMAMBA_PAPER_TRAINING, **DENSERETNET_PAPER_TRAINING}
+    return resolve_preset(recipes, preset, "paper-trained")
+
+
 def resolve_preset(presets: dict, name, family: str) -> dict:
     """Return a copy of ``presets[name]``.
 

@@ -243,13 +243,19 @@ class DenseMambaPreTrainedModel(DenseSSMHubMixin, PreTrainedModel):
     @torch.no_grad()
     def _init_weights(self, module):
         """Mamba's init (S4D-Real ``A``, ``dt`` bias from log-uniform [time_step_min, time_step_max], Kaiming conv and
-        ``out_proj``), plus the dense connection's
+        ``out_proj``, divided by sqrt(num_hidden_layers) with ``rescale_prenorm_residual``; other linear layers
+        normal(0, initializer_range), or PyTorch's default with ``init_scheme="mamba_ssm"``), plus the dense connection's
         (:func:`~hf_densessm.modeling.dense_connection.init_dense_linear`, on its leaf layers, so that every
         parameter missing from a checkpoint is initialized). Only weights not loaded from a checkpoint are touched."""
+        config = self.config
         if init_dense_linear(module, init):
             return
-        super()._init_weights(module)
-        config = self.config
+        if config.init_scheme == "mamba_ssm" and isinstance(module, nn.Linear):  # PyTorch's default, biases 0
+            init.kaiming_uniform_(module.weight, a=math.sqrt(5))
+            if module.bias is not None:
+                init.zeros_(module.bias)
+        else:
+            super()._init_weights(module)
         if isinstance(module, DenseSSMRMSNorm):
             init.ones_(module.weight)
         elif isinstance(module, DenseMambaMixer):
@@ -268,7 +274,10 @@ class DenseMambaPreTrainedModel(DenseSSMHubMixin, PreTrainedModel):
             ).clamp(min=config.time_step_floor)
             init.copy_(module.dt_proj.bias, dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
             init.kaiming_uniform_(module.conv1d.weight, a=math.sqrt(5))
-            if module.conv1d.bias is not None:
+            if module.conv1d.bias is not None and config.init_scheme == "mamba_ssm":  # PyTorch's default
+                bound = 1 / math.sqrt(module.conv_kernel_size)
+                init.uniform_(module.conv1d.bias, -bound, bound)
+            elif module.conv1d.bias is not None:
                 init.zeros_(module.conv1d.bias)
             init.kaiming_uniform_(module.out_proj.weight, a=math.sqrt(5))
             if config.rescale_prenorm_residual:
