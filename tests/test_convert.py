@@ -1,6 +1,6 @@
 """Checkpoint conversion (hf_densessm.convert): upcycling a transformers Mamba into DenseMamba (same logits, trainable
-gates), the authors' DenseRetNet checkpoints (checked against an independent forward pass written from docs/design.md §3),
-the command line, and bad input."""
+gates), the authors' DenseRetNet checkpoints (checked against an independent forward pass written from
+docs/design.md §3), Hub repository ids, the command line, and bad input."""
 
 import json
 import os

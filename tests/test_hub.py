@@ -50,11 +50,15 @@ def test_folder_holds_config_weights_code_and_card(saved, family):
     assert {p.name for p in folder.iterdir()} == expected_files(family)
     config = json.loads((folder / "config.json").read_text())
     cls = type(model).__name__
-    assert config["auto_map"] == {
+    # every Auto class the package registers the family with (heads such as sequence classification included)
+    assert config["auto_map"] == hub.hub_auto_map(model)
+    assert config["auto_map"].items() >= {
         "AutoConfig": f"configuration_{family}.{type(model.config).__name__}",
         "AutoModel": f"{MODELING[family]}.{cls.replace('ForCausalLM', 'Model')}",
         "AutoModelForCausalLM": f"{MODELING[family]}.{cls}",
-    }
+    }.items()
+    heads = {auto: target for auto, target in config["auto_map"].items() if auto != "AutoConfig"}
+    assert all(target.startswith(f"{MODELING[family]}.") for target in heads.values())
     assert config["model_type"] == family
     assert folder.stat().st_mode & 0o777 == 0o777 & ~_umask()  # not the 0700 of a temporary folder
 
@@ -91,8 +95,8 @@ def test_bundle_holds_the_model_code(saved, family):
     code = {p.name for p in folder.glob("*.py")}
     assert {f"modeling_{family}.py", f"configuration_{family}.py", "configuration_densessm.py"} <= code
     assert {f"ops_{OPS[family]}.py", f"ops_{OPS[family]}_chunk.py", f"ops_{OPS[family]}_fused_recurrent.py"} <= code
-    other = OPS["denseretnet" if family == "densemamba" else "densemamba"]
-    assert not any(name.startswith(f"ops_{other}") for name in code)  # not the other family's op
+    other = "denseretnet" if family == "densemamba" else "densemamba"
+    assert f"modeling_{other}.py" not in code and not any(name.startswith(f"ops_{OPS[other]}") for name in code)
     assert all(hub.is_bundled_code(folder / name) for name in code)
 
 

@@ -173,7 +173,9 @@ def _mismatch_error(source: str, missing, unexpected, wrong) -> ValueError | Non
         )
         if names
     ]
-    return ValueError(f"The state dict of {source} does not match the model:\n" + "\n".join(problems)) if problems else None
+    if not problems:
+        return None
+    return ValueError(f"The state dict of {source} does not match the model:\n" + "\n".join(problems))
 
 
 def check_state_dict(

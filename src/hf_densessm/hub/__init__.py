@@ -24,7 +24,15 @@ from pathlib import Path
 
 from transformers import PreTrainedModel
 
-from .bundle import BUNDLE_MARKER, BundleError, bundle_sources, flat_module_name, hub_auto_map, is_bundled_code, write_bundle
+from .bundle import (
+    BUNDLE_MARKER,
+    BundleError,
+    bundle_sources,
+    flat_module_name,
+    hub_auto_map,
+    is_bundled_code,
+    write_bundle,
+)
 from .card import CARD_MARKER, is_generated_card, model_card, write_model_card
 from .saving import staged_save
 

@@ -161,7 +161,9 @@ def auto_classes(model) -> dict[str, type]:
             if cls.__module__.startswith(ROOT_PACKAGE + "."):
                 found[name] = cls
     if len(found) == 1:
-        raise BundleError(f"No AutoModel class of transformers maps {config_class.__name__} to a class of {ROOT_PACKAGE}.")
+        raise BundleError(
+            f"No AutoModel class of transformers maps {config_class.__name__} to a class of {ROOT_PACKAGE}."
+        )
     return found
 
 

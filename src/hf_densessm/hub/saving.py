@@ -106,7 +106,9 @@ def _fsync(path: Path) -> None:
 
 
 @contextlib.contextmanager
-def staged_save(save_directory: str | os.PathLike, is_stale: Callable[[Path], bool] = lambda path: False) -> Iterator[Path]:
+def staged_save(
+    save_directory: str | os.PathLike, is_stale: Callable[[Path], bool] = lambda path: False
+) -> Iterator[Path]:
     """Save into ``save_directory`` kill-safely: yields an empty staging folder inside it; on a clean exit, every
     file written there replaces (``os.replace``) the file of the same name in ``save_directory``, weights first and
     ``config.json`` last, and then the entries of ``save_directory`` that the save did not write and for which
