@@ -36,7 +36,7 @@ Source read (to understand it; no code copied): the authors' public repository `
 - Recurrent retention (their decode path): ``scale_t = scale_{t-1} gamma + 1`` (``scale_0 = 1``),
   ``KV_t = KV_{t-1} sqrt(scale_{t-1}) gamma / sqrt(scale_t) + k'_t^T v'_t / sqrt(scale_t)``, ``o_t = q_t KV_t``:
   exactly the parallel form *without* the clamp, i.e. ``o_t = (1 / sqrt(s_t)) sum_s gamma^(t-s) (q_t . k'_s) v'_s``.
-  DESIGN.md §2 follows that form. ``clamp=False`` (the default here) transcribes it; ``clamp=True`` adds the
+  docs/design.md §3 follows that form. ``clamp=False`` (the default here) transcribes it; ``clamp=True`` adds the
   parallel form's clamp. At the sizes of these tests the two differ by far less than the 1e-5 tolerance
   (``test_published_denseretnet.py`` measures and asserts it), so a model may follow either.
 - Per-head ``group_norm``: RMSNorm over each head's ``dv / H`` channels with ONE weight of size ``dv / H`` shared by
@@ -211,7 +211,7 @@ def published_forward(
             ``num_hidden_layers``, ``v_factor``, ``dense_block_layers``, ``rms_norm_eps``, ``vocab_size``).
         form: ``"parallel"`` (row-normalized decay mask) or ``"recurrent"`` (their normalized-state recurrence).
         clamp: parallel form only: also divide each row of ``(q k^T) * D`` by ``clamp(sum |row|, 1, 5e4)`` as their
-            parallel form does. Off by default: their recurrent form (and DESIGN.md §2) has no clamp.
+            parallel form does. Off by default: their recurrent form (and docs/design.md §3) has no clamp.
         row_normalize: parallel form only: ``False`` leaves out the ``1 / sqrt(s_t)`` row normalization of the decay
             mask (NOT the published function; to measure what it changes).
         position_offset: added to every rotary position (their recurrent path uses -1; must not matter).

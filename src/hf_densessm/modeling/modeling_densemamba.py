@@ -1,15 +1,20 @@
 """DenseMamba: Mamba (Gu & Dao 2023) with DenseSSM's dense hidden connection (He et al. 2024, §3.3, §4.2).
 
-Read top to bottom: mixer (one Mamba-1 block's sequence mixing, DESIGN.md §3), block (pre-norm residual),
+Read top to bottom: mixer (one Mamba-1 block's sequence mixing, docs/design.md §4), block (pre-norm residual),
 pre-trained base (init, flags), base model, causal-LM head. With ``dense_layers=0`` the parameter names, shapes and
 logits are those of ``transformers.MambaForCausalLM``.
 
-The dense connection (DESIGN.md §3): Mamba's state ``h_t = sum_s (prod exp(dt A)) dt_s B_s u_s`` is built from ``B``
+The dense connection, ``dense_target="input"`` (the default; docs/design.md §4): Mamba's state ``h_t = sum_s (prod exp(dt A)) dt_s B_s u_s`` is built from ``B``
 and ``u`` as RetNet's ``S`` is built from ``k`` and ``v`` (C~q, B~k, u~v), so DenseMamba fuses the scan inputs:
 ``u' = u + sum_i phi_u(u^{l-i})`` and ``B' = B + sum_i phi_B(B^{l-i})`` (Eq. 10-17), gates computed from the block's
 normalized input; ``dt`` and ``C`` come from the un-fused ``u`` (as RetNet's ``q`` is not fused), and the scan runs on
 ``(u', dt, A, B', C, D)``. The dense inputs of a step come from the lower layers of the same step, so the cache stays
 the standard Mamba cache and decoding stays O(1) per token.
+
+``dense_target="state"`` is the paper's literal Eq. 14, ``y = C (h + sum_i g_i * h^{l-i}) + D u``: a lower layer's
+state read out with this layer's ``C`` is that layer's own scan read out with ``C^l``, so training runs one extra scan
+per predecessor with the existing op (from the lower layers' ``u, dt, B, A``), and decoding contracts ``C^l_t`` with
+the lower layers' states already in the cache (O(m D N) per token, no new cache). Per-channel gates (width ``D``).
 """
 
 from __future__ import annotations

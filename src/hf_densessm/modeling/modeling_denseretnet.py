@@ -1,18 +1,22 @@
 """DenseRetNet: RetNet-GAU with DenseSSM's dense KV connection (He et al. 2024, §3.3 "Extension to RetNet", §4.2).
 
-Read top to bottom: rotary "theta shift", retention unit (one GAU-style block's token and channel mixing,
-DESIGN.md §2), block (pre-norm residual), pre-trained base (init, flags), base model, causal-LM head.
+Read top to bottom: rotary "theta shift", the retention normalization, retention unit (one GAU-style block's token
+and channel mixing, docs/design.md §3), block (pre-norm residual), pre-trained base (init, flags), base model, causal-LM head.
 
 Inside a block (``d`` hidden, ``d_qk`` query/key, ``d_v = v_factor * d``, ``H`` heads):
 ``q = SiLU(W_q x)``, ``k = SiLU(W_k x) * (d_qk/H)^-0.5``, ``[v, g] = split(SiLU(W_h x))``; in layers with
 predecessors ``k' = RMSNorm(k + sum_i SiLU(G_k(x)) * k^{l-i})``, ``v' = RMSNorm(v + sum_i SiLU(G_v(x)) * v^{l-i})``
 (Eq. 20-23); theta shift on ``q`` and ``k'``; retention ``o_t = q_t S_t``, ``S_t = gamma_h S_{t-1} + k'_t^T v'_t``
-with ``gamma_h = 1 - 2^(-5-h)`` (Eq. 18, 19, 24); per-head RMSNorm; ``out = W_o(norm(o) * g)``; dropout.
+with ``gamma_h = 1 - 2^(-5-h)`` (Eq. 18, 19, 24); each head's output at position ``t`` divided by ``sqrt(s_t)``,
+``s_t = sum_{j<=t} gamma_h^(t-j)`` (the published models' normalization, :func:`retention_normalizer`); per-head
+RMSNorm with one weight shared by the heads; ``out = W_o(norm(o) * g)``; dropout.
 
-Relation to the published parallel form: it also rescales each row of the decay mask and of ``q k^T`` by positive
-factors. The per-head RMSNorm after retention is invariant to a positive scale per row (up to its eps), so this
-implementation (chunked for training and prefill, recurrent for decoding) leaves those rescalings out, as fast
-retention kernels do; the parallel, chunked and recurrent forms are tested against each other.
+The retention ops (``hf_densessm.ops.chunk_retention`` / ``retention_state_update``) keep fla's plain semantics; the
+normalization is one elementwise pass on their output, in every path (training, prefill, continued prefill, decode,
+left padding: ``t`` counts real tokens, as the rotary angles do). It matters: the per-head RMSNorm is not
+scale-invariant when activations are small against its eps (1e-6), as at the published init scale. The published
+parallel form also divides each row of ``(q k^T) * decay`` by ``max(1, |row sum|)``; its recurrent form does not, and
+neither does this implementation (docs/design.md §3).
 """
 
 from __future__ import annotations
