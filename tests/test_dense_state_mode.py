@@ -147,3 +147,17 @@ def test_triton_path_equals_reference():
     step = model(ids[:, 4:5], cache_params=cache, use_cache=True).logits
     model.config.kernel_backend = "torch"
     torch.testing.assert_close(step[:, -1], model(ids[:, :5]).logits[:, -1], atol=1e-6, rtol=1e-5)
+
+
+def test_upcycling_a_mamba_into_state_mode_preserves_its_function():
+    from transformers import MambaConfig, MambaForCausalLM
+
+    from hf_densessm.convert import densemamba_from_mamba
+
+    torch.manual_seed(0)
+    mamba = MambaForCausalLM(MambaConfig(vocab_size=97, hidden_size=32, num_hidden_layers=4, state_size=8)).eval()
+    dense = densemamba_from_mamba(mamba, dense_layers=2, dense_target="state")
+    assert dense.config.dense_target == "state" and dense.backbone.layers[1].mixer.dense_h is not None
+    ids = random_ids(2, 9)
+    with torch.no_grad():
+        torch.testing.assert_close(dense(ids).logits, mamba(ids).logits, atol=1e-5, rtol=1e-5)
