@@ -1,10 +1,10 @@
-"""Command line of :mod:`hf_densessm.convert`: convert a checkpoint folder and write a Hub-ready folder.
+"""Command line of :mod:`hf_densessm.convert`: convert a checkpoint (a folder or a Hub id), write a Hub-ready folder.
 
     python -m hf_densessm.convert mamba SRC OUT [--dense-layers N ...]   # upcycle a transformers Mamba
     python -m hf_densessm.convert official-denseretnet SRC OUT            # the authors' DenseRetNet
 
-OUT is written by ``save_pretrained`` (atomically: it appears complete or not at all), with the bundled modeling
-code, ``auto_map`` and a model card, so ``AutoModelForCausalLM.from_pretrained(OUT, trust_remote_code=True)`` loads
+OUT is written by ``save_pretrained`` (kill-safely: each file whole, old or new), with the bundled modeling code,
+``auto_map`` and a model card, so ``AutoModelForCausalLM.from_pretrained(OUT, trust_remote_code=True)`` loads
 it anywhere and ``hf upload <user>/<repo> OUT`` publishes it.
 """
 
@@ -35,15 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
     mamba = commands.add_parser(
         "mamba",
         help="upcycle a transformers Mamba checkpoint into DenseMamba (same logits at conversion)",
-        description="Upcycle a transformers Mamba checkpoint (e.g. a local copy of state-spaces/mamba-130m-hf) into "
+        description="Upcycle a transformers Mamba checkpoint (e.g. state-spaces/mamba-130m-hf) into "
         "DenseMamba. The dense gates start closed, so the result computes exactly the Mamba's function; "
         "fine-tune it to learn the dense connection.",
-    )
-    mamba.add_argument("src", metavar="SRC", help="folder with the Mamba's config.json and weights")
-    mamba.add_argument(
-        "out",
-        metavar="OUT",
-        help="folder to write, atomically (files of an existing OUT that the save does not write are kept)",
     )
     for knob in knobs_for(DenseMambaConfig.model_type):
         default = DenseMambaConfig.dense_defaults.get(knob.name, knob.default)
@@ -60,14 +54,14 @@ def build_parser() -> argparse.ArgumentParser:
         description="Convert a checkpoint of the authors' published DenseRetNet (their config.json with "
         "dense_block_layers and pytorch_model.bin or safetensors weights) into DenseRetNetForCausalLM.",
     )
-    official.add_argument("src", metavar="SRC", help="folder with the authors' config.json and weights")
-    official.add_argument(
-        "out",
-        metavar="OUT",
-        help="folder to write, atomically (files of an existing OUT that the save does not write are kept)",
-    )
-
-    for command in (mamba, official):
+    for command, what in ((mamba, "the Mamba's"), (official, "the authors'")):
+        source = f"folder or Hub repository id with {what} config.json and weights"
+        command.add_argument("src", metavar="SRC", help=source)
+        command.add_argument(
+            "out",
+            metavar="OUT",
+            help="folder to write, kill-safely (files of an existing OUT that the save does not own are kept)",
+        )
         command.add_argument(
             "--dtype", choices=tuple(DTYPES), default="float32", help="dtype of the saved weights (default float32)"
         )

@@ -124,24 +124,11 @@ class DenseSSMHubMixin:
         :meth:`save_pretrained` writes, with the model card naming ``repo_id``. Same arguments and return value
         (the commit info) as transformers' ``push_to_hub``; the difference is the card: transformers replaces
         ``README.md`` by a generic template, here the DenseSSM card is uploaded, unless the repository already has
-        a ``README.md`` (kept, as transformers keeps it). A model loaded as remote code uses transformers' method.
+        a ``README.md`` (kept, as transformers keeps it).
 
         Raises:
             huggingface_hub errors: no network, no token, no write access.
         """
-        if self.is_remote_code():
-            return PreTrainedModel.push_to_hub(
-                self,
-                repo_id,
-                commit_message=commit_message,
-                commit_description=commit_description,
-                private=private,
-                token=token,
-                revision=revision,
-                create_pr=create_pr,
-                max_shard_size=max_shard_size,
-                tags=tags,
-            )
         from huggingface_hub import HfApi
 
         api = HfApi(token=token)
