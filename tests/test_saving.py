@@ -160,7 +160,7 @@ def test_stale_files_are_only_the_saves_own(tmp_path):
     assert not replaced_by_save(tmp_path / "README.md")
 
 
-@pytest.mark.parametrize("umask", [0o022, 0o002, 0o077])
+@pytest.mark.parametrize("umask", [0o022, 0o002, 0o077], ids=["022", "002", "077"])
 def test_saved_files_get_the_process_umask(tmp_path, umask):
     """Issue 10, item 11: the weights too (safetensors alone writes 0o600)."""
     previous = os.umask(umask)
