@@ -184,8 +184,46 @@ def test_triton_many_small_tiles(monkeypatch):
     """Tiles of 16 on key 40 / value 24: three key tiles and two value tiles whose partial sums add up."""
     from hf_densessm.ops.retention import chunk
 
-    monkeypatch.setattr(chunk, "MAX_BLOCK_KV", 16)
+    tiles = chunk.RetentionTiles(64, 16, 16, 4)
+    monkeypatch.setattr(chunk, "chunk_retention_config", lambda *args: chunk.ChunkRetentionConfig(tiles, tiles, tiles))
     test_triton_matches_reference((2, 70, 2, 40, 24, True))
+
+
+def _retention_configs(key_dim, value_dim):
+    """Every configuration ``chunk_retention_config`` can choose for this head size, over the architectures and
+    dtypes it distinguishes, deduplicated."""
+    from hf_densessm.ops.backend import ARCHS
+    from hf_densessm.ops.retention.chunk import chunk_retention_config
+
+    dtypes = (torch.float32, torch.bfloat16, torch.float16)
+    configs = {chunk_retention_config(arch, dtype, key_dim, value_dim) for arch in ARCHS.values() for dtype in dtypes}
+    return sorted(configs, key=repr)
+
+
+@needs_triton
+def test_triton_every_config_choice():
+    """The tiles each GPU gets, run under the interpreter (float64) against the PyTorch path: several chunks of
+    every chunk size chosen, and masked key and value tiles (key 40, value 72)."""
+    from hf_densessm.ops.retention.chunk import chunk_retention_triton
+
+    batch, length, heads, key_dim, value_dim = 1, 67, 2, 40, 72
+    q, k, v, s0 = _inputs(batch, length, heads, key_dim, value_dim, dtype=KERNEL_DTYPE, initial_state=True)
+    grad_out = torch.randn_like(v)
+    grad_state = torch.randn(batch, heads, key_dim, value_dim, dtype=KERNEL_DTYPE, device=DEVICE)
+
+    def run(fn):
+        leaves = [x.clone().requires_grad_() for x in (q, k, v, s0)]
+        o, final_state = fn(*leaves)
+        ((o * grad_out).sum() + (final_state * grad_state).sum()).backward()
+        return [o, final_state] + [x.grad for x in leaves]
+
+    expected = run(lambda *x: chunk_retention_torch(*x[:3], 0.6, x[3], True))
+    configs = _retention_configs(key_dim, value_dim)
+    assert len(configs) >= 2  # the sm_90 half-precision tiles differ from the rest
+    for config in configs:
+        got = run(lambda *x: chunk_retention_triton(*x[:3], 0.6, x[3], True, config=config))
+        for name, a, b in zip(["o", "final_state", "dq", "dk", "dv", "d_initial_state"], got, expected):
+            _assert_matches(a, b, f"{name} {config}")
 
 
 @needs_triton

@@ -120,15 +120,43 @@ def test_reference_long_decay_is_stable():
     ],
 )
 def test_triton_scan_matches_reference_float64(batch, dim, state, length, chunk, full):
-    from hf_densessm.ops.selective_scan.chunk import selective_scan_triton
+    from hf_densessm.ops.selective_scan.chunk import SelectiveScanConfig, selective_scan_triton
 
     kw = make_inputs(batch, dim, state, length, full=full, seed=length)
-    y, last, grads = grads_of(lambda **k: selective_scan_triton(**k, chunk_size=chunk), kw)
+    config = SelectiveScanConfig(chunk=chunk, fwd_block_d=16, bwd_block_d=8)
+    y, last, grads = grads_of(lambda **k: selective_scan_triton(**k, config=config), kw)
     y0, last0, grads0 = grads_of(selective_scan_torch, kw)
     assert_close(y, y0, 1e-10, "y")
     assert_close(last, last0, 1e-10, "last_state")
     for k in grads0:
         assert_close(grads[k], grads0[k], 1e-10, f"d{k}")
+
+
+def _scan_configs():
+    """Every launch configuration the code can choose: one per (architecture, dtype, state size) the configs
+    depend on, deduplicated."""
+    from hf_densessm.ops.backend import ARCHS
+    from hf_densessm.ops.selective_scan.chunk import selective_scan_config
+
+    return sorted({selective_scan_config(arch, dtype, n) for arch in ARCHS.values() for n in (4, 16)
+                   for dtype in (torch.float32, torch.bfloat16, torch.float16)}, key=repr)
+
+
+@needs_triton
+@pytest.mark.parametrize("state", [4, 16])
+def test_triton_scan_every_config_choice(state):
+    """The configurations ``selective_scan_config`` picks on each GPU, run under the interpreter against the
+    PyTorch path in float64 (forward and every gradient), over several chunks and channel blocks."""
+    from hf_densessm.ops.selective_scan.chunk import selective_scan_triton
+
+    kw = make_inputs(2, 20, state, 37, seed=state)
+    y0, last0, grads0 = grads_of(selective_scan_torch, kw)
+    for config in _scan_configs():
+        y, last, grads = grads_of(lambda **k: selective_scan_triton(**k, config=config), kw)
+        assert_close(y, y0, 1e-10, f"y {config}")
+        assert_close(last, last0, 1e-10, f"last_state {config}")
+        for k in grads0:
+            assert_close(grads[k], grads0[k], 1e-10, f"d{k} {config}")
 
 
 @needs_triton
@@ -161,12 +189,12 @@ def test_triton_scan_float32_through_public_api():
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_triton_scan_half_precision_smoke(dtype):
-    from hf_densessm.ops.selective_scan.chunk import selective_scan_triton
+    from hf_densessm.ops.selective_scan.chunk import SelectiveScanConfig, selective_scan_triton
 
     kw = make_inputs(1, 8, 4, 19, dtype=dtype)
     kw = {k: (v.requires_grad_(True) if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
           for k, v in kw.items()}
-    y, last = selective_scan_triton(**kw, return_last_state=True, chunk_size=8)
+    y, last = selective_scan_triton(**kw, return_last_state=True, config=SelectiveScanConfig(chunk=8))
     assert y.dtype == dtype and last.dtype == torch.float32
     y0, last0 = selective_scan_torch(**kw, return_last_state=True)
     assert_close(y, y0, 2e-2, "y")
@@ -177,11 +205,11 @@ def test_triton_scan_half_precision_smoke(dtype):
 
 @needs_triton
 def test_triton_scan_no_grad_stores_no_chunk_states():
-    from hf_densessm.ops.selective_scan.chunk import selective_scan_triton
+    from hf_densessm.ops.selective_scan.chunk import SelectiveScanConfig, selective_scan_triton
 
     kw = make_inputs(1, 8, 4, 20)
     with torch.no_grad():
-        y = selective_scan_triton(**kw, chunk_size=8)
+        y = selective_scan_triton(**kw, config=SelectiveScanConfig(chunk=8))
     assert_close(y, selective_scan_torch(**kw), 1e-10)
 
 

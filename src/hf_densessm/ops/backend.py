@@ -8,6 +8,10 @@ Every public op takes ``backend="auto" | "triton" | "torch"``:
 - ``"triton"`` always runs the kernel: on CUDA tensors, or on CPU tensors under the Triton interpreter
   (``TRITON_INTERPRET=1``, also ``true``/``yes``/``on``; how the tests run the kernels without a GPU).
 
+It also describes the GPUs the kernels are built for (:class:`GPUArch`, :data:`ARCHS`, :func:`device_arch`): each
+kernel family picks its tiles, warps and stages from these limits at launch time (``*_config`` functions in the
+kernel files), and ``tests/ops/test_compile.py`` compiles every choice for every architecture here.
+
 This module does not import ``triton``: the kernel files are imported only when :func:`use_triton` said yes, so
 the package and its PyTorch path work where triton is not installed.
 """
@@ -15,10 +19,11 @@ the package and its PyTorch path work where triton is not installed.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass, replace
 
 import torch
 
-__all__ = ["BACKENDS", "interpreting", "triton_available", "use_triton"]
+__all__ = ["ARCHS", "BACKENDS", "GPUArch", "device_arch", "interpreting", "triton_available", "use_triton"]
 
 #: The values of every op's ``backend`` argument (and of the models' ``config.kernel_backend``).
 BACKENDS = ("auto", "triton", "torch")
@@ -71,3 +76,72 @@ def use_triton(backend: str, device: torch.device) -> bool:
             "imported), or use backend='torch'"
         )
     return True
+
+
+@dataclass(frozen=True)
+class GPUArch:
+    """Per-block and per-SM limits of one CUDA compute capability, as the kernels' tile choices and the compile
+    test use them (CUDA C++ Programming Guide, "Technical Specifications per Compute Capability").
+
+    Attributes:
+        name: ``"sm_80"`` etc. capability: ``(major, minor)``.
+        shared_per_block: largest shared memory one block may use (the opt-in maximum), bytes.
+        shared_per_sm: shared memory of one SM, bytes (1 KB of it is reserved per resident block).
+        max_threads_per_sm, max_blocks_per_sm: resident threads and blocks per SM.
+        registers_per_sm: 32-bit registers per SM (65536 on every architecture here).
+    """
+
+    name: str
+    capability: tuple[int, int]
+    shared_per_block: int
+    shared_per_sm: int
+    max_threads_per_sm: int
+    max_blocks_per_sm: int
+    registers_per_sm: int = 65536
+
+    def occupancy(self, registers: int, num_warps: int, shared: int) -> float:
+        """Theoretical occupancy: resident warps per SM over the most the SM holds, for blocks of ``num_warps``
+        warps that use ``registers`` registers per thread and ``shared`` bytes of shared memory (the CUDA
+        occupancy calculator's rules: registers allocated per warp in units of 256; 1 KB of shared memory
+        reserved per block). 0 if one block does not fit."""
+        regs_per_warp = -(-max(registers, 1) * 32 // 256) * 256
+        by_registers = self.registers_per_sm // (regs_per_warp * num_warps)
+        by_shared = self.shared_per_sm // (shared + 1024) if shared <= self.shared_per_block else 0
+        by_threads = self.max_threads_per_sm // (32 * num_warps)
+        blocks = min(by_registers, by_shared, by_threads, self.max_blocks_per_sm)
+        return blocks * num_warps * 32 / self.max_threads_per_sm
+
+
+_KB = 1024
+#: The architectures the kernels are built for: A100 (sm_80), consumer Ampere such as RTX 3090 / A10 (sm_86),
+#: Ada such as RTX 4090 / L4 / L40 (sm_89), Hopper H100 / H200 (sm_90).
+ARCHS = {
+    "sm_80": GPUArch("sm_80", (8, 0), 163 * _KB, 164 * _KB, 2048, 32),
+    "sm_86": GPUArch("sm_86", (8, 6), 99 * _KB, 100 * _KB, 1536, 16),
+    "sm_89": GPUArch("sm_89", (8, 9), 99 * _KB, 100 * _KB, 1536, 24),
+    "sm_90": GPUArch("sm_90", (9, 0), 227 * _KB, 228 * _KB, 2048, 32),
+}
+
+
+def device_arch(device: torch.device) -> GPUArch:
+    """The limits of the GPU that holds ``device``, for the kernels' tile choices.
+
+    On a CUDA device: the table entry of the nearest architecture at or below its compute capability (sm_80 for an
+    unknown older one), with the shared memory per block the driver reports. On any other device (the Triton
+    interpreter on the CPU, which has no limits): ``ARCHS["sm_90"]``, the most generous entry, so that the
+    interpreter runs the largest tiles; the tests run the other choices explicitly.
+
+    Args:
+        device: a ``torch.device``.
+
+    Returns:
+        A :class:`GPUArch`.
+    """
+    if device.type != "cuda":
+        return ARCHS["sm_90"]
+    props = torch.cuda.get_device_properties(device)
+    capability = (props.major, props.minor)
+    known = [arch for arch in ARCHS.values() if arch.capability <= capability]
+    arch = max(known, key=lambda a: a.capability) if known else ARCHS["sm_80"]
+    shared = getattr(props, "shared_memory_per_block_optin", None)
+    return replace(arch, shared_per_block=shared) if shared else arch

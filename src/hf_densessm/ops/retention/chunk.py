@@ -20,7 +20,12 @@ reaches memory (states are recomputed in the backward pass). Every output that s
 as float32 partial sums, one per tile, and added on the host. Key and value sizes that are not powers of two
 (key 320 of the 1.3B preset) are masked. Products run through ``tl.dot`` in the input dtype (tensor cores for
 float16 / bfloat16; exact, not TF32, for float32) with float32 accumulation (float64 for float64 inputs).
+
+Tiles, warps and stages of each kernel come from :func:`chunk_retention_config`, per GPU (compute capability,
+shared memory per block) and dtype; ``tests/ops/test_compile.py`` compiles every choice it can make.
 """
+
+from dataclasses import dataclass
 
 import torch
 
@@ -30,12 +35,76 @@ try:  # triton: needed only when a kernel of this file runs
 except ImportError as error:
     raise ImportError(f"{__name__} holds Triton kernels and needs the `triton` package") from error
 
+from ..backend import GPUArch, device_arch
 from .naive import retention_log2_gamma
 
-#: Tokens per chunk.
-BLOCK_T = 64
-#: Largest key / value tile of the state held by one program.
-MAX_BLOCK_KV = 64
+__all__ = ["ChunkRetentionConfig", "RetentionTiles", "chunk_retention_config", "chunk_retention_triton"]
+
+
+@dataclass(frozen=True)
+class RetentionTiles:
+    """Launch choices of one chunkwise kernel: ``block_t`` tokens per chunk, a ``(block_k, block_v)`` tile of the
+    state per program (all powers of 2, at least 16: the smallest ``tl.dot`` operand), warps, pipeline stages."""
+
+    block_t: int
+    block_k: int
+    block_v: int
+    num_warps: int
+    num_stages: int = 1
+
+    def fit(self, key_dim: int, value_dim: int) -> "RetentionTiles":
+        """The tiles shrunk to the next power of 2 of ``key_dim`` / ``value_dim`` where those are smaller."""
+        block_k = min(self.block_k, max(16, triton.next_power_of_2(key_dim)))
+        block_v = min(self.block_v, max(16, triton.next_power_of_2(value_dim)))
+        return RetentionTiles(self.block_t, block_k, block_v, self.num_warps, self.num_stages)
+
+
+@dataclass(frozen=True)
+class ChunkRetentionConfig:
+    """Tiles of the three chunkwise kernels: forward, backward ``dq``, backward ``dk``/``dv``."""
+
+    fwd: RetentionTiles
+    dq: RetentionTiles
+    dkv: RetentionTiles
+
+
+def chunk_retention_config(arch: GPUArch, dtype: torch.dtype, key_dim: int, value_dim: int) -> ChunkRetentionConfig:
+    """Tiles, warps and stages of the chunkwise kernels for one GPU, input dtype and head size.
+
+    Each program keeps a ``(block_k, block_v)`` state tile, ``(block_t, block_t)`` scores and decay mask and the
+    ``(block_t, block_k | block_v)`` input tiles in registers. The choices below are the largest the compile test
+    (``tests/ops/test_compile.py``) found to run without register spills at the presets' head sizes:
+
+    - float32 (float64): every kernel on 32-token chunks with 32 x 32 (forward) or 32 x 64 (backward) state tiles
+      and 8 warps, at most 29 KB of shared memory and about 200 registers. float32 ``tl.dot`` with exact ("ieee")
+      products runs on the FMA units and holds its operands in registers: the first version's 64-token, 64 x 64
+      tiles at 4 warps and 3 stages spilled 8-10 KB per thread in every kernel on sm_80, and its backward
+      ``dk/dv`` kernel asked for 176 KB of shared memory, over an A100's 163 KB (the launch failed there);
+    - float16 / bfloat16 on sm_90 (H100): 64-token chunks and 64 x 64 tiles for the forward and ``dq`` kernels
+      (fewer partial sums over tiles), 32 x 64 for ``dk/dv``; on sm_8x the float32 choice (the 64-wide tiles
+      spill there).
+
+    Stages: for float16 / bfloat16, 2 (loads of the next chunk pipelined through shared memory) where a block may
+    use at least 160 KB of shared memory (A100, H100), 1 elsewhere (99 KB: RTX 3090 / 4090, A10, L4, L40); for
+    float32 always 1 (2 stages made the backward kernels spill on sm_80 and sm_90). Every choice needs at most
+    a few tens of KB of shared memory, under every limit in :data:`~hf_densessm.ops.backend.ARCHS`.
+
+    Args:
+        arch: the GPU's limits (:func:`hf_densessm.ops.backend.device_arch`).
+        dtype: the dtype of ``q``, ``k``, ``v``.
+        key_dim, value_dim: per-head sizes; tiles shrink to them where they are smaller.
+
+    Returns:
+        A :class:`ChunkRetentionConfig`.
+    """
+    half = dtype in (torch.float16, torch.bfloat16)
+    stages = 2 if half and arch.shared_per_block >= 160 * 1024 else 1
+    if half and arch.capability >= (9, 0):
+        fwd = dq = RetentionTiles(64, 64, 64, 8, stages)
+    else:
+        fwd, dq = RetentionTiles(32, 32, 32, 8, stages), RetentionTiles(32, 32, 64, 8, stages)
+    dkv = RetentionTiles(32, 32, 64, 8, stages)
+    return ChunkRetentionConfig(*(tiles.fit(key_dim, value_dim) for tiles in (fwd, dq, dkv)))
 
 
 @triton.jit
@@ -217,13 +286,6 @@ def _retention_bwd_dkv_kernel(
         tl.store(d_initial_state + state_offs, d_state.to(d_initial_state.dtype.element_ty), mask=mask_kv)
 
 
-def _tiles(key_dim, value_dim):
-    """Tile sizes of the state: powers of two from 16 (the smallest ``tl.dot`` operand) to ``MAX_BLOCK_KV``."""
-    block_k = min(MAX_BLOCK_KV, max(16, triton.next_power_of_2(key_dim)))
-    block_v = min(MAX_BLOCK_KV, max(16, triton.next_power_of_2(value_dim)))
-    return block_k, block_v, triton.cdiv(key_dim, block_k), triton.cdiv(value_dim, block_v)
-
-
 def _kernel_dtypes(dtype):
     """Accumulator dtype (torch, triton) and ``tl.dot`` input precision for inputs of ``dtype``: float32 inputs
     get exact float32 products ("ieee"), not TF32; float16 / bfloat16 products run on tensor cores."""
@@ -232,67 +294,78 @@ def _kernel_dtypes(dtype):
     return torch.float32, tl.float32, "ieee" if dtype == torch.float32 else "tf32"
 
 
+def _launch(kernel, tiles, key_dim, value_dim, batch_heads, *args, **meta):
+    """Launch one chunkwise kernel over ``(value tiles, key tiles, batch * heads)`` with its tiles."""
+    grid = (triton.cdiv(value_dim, tiles.block_v), triton.cdiv(key_dim, tiles.block_k), batch_heads)
+    kernel[grid](*args, K=key_dim, V=value_dim, BT=tiles.block_t, BK=tiles.block_k, BV=tiles.block_v,
+                 num_warps=tiles.num_warps, num_stages=tiles.num_stages, **meta)
+
+
 class ChunkRetentionFunction(torch.autograd.Function):
     """Autograd wrapper of the chunkwise kernels; states are recomputed in the backward pass, never stored."""
 
     @staticmethod
-    def forward(ctx, q, k, v, scale, initial_state, output_final_state):
+    def forward(ctx, q, k, v, scale, initial_state, output_final_state, config):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         batch, length, heads, key_dim = q.shape
         value_dim = v.shape[-1]
-        block_k, block_v, num_k, num_v = _tiles(key_dim, value_dim)
         acc_torch, acc_tl, precision = _kernel_dtypes(v.dtype)
         state_dtype = torch.float64 if v.dtype == torch.float64 else torch.float32
         log2_gamma = retention_log2_gamma(heads, q.device, acc_torch)
         if initial_state is not None:
             initial_state = initial_state.contiguous()
+        num_k = triton.cdiv(key_dim, config.fwd.block_k)
         o_partial = q.new_empty(num_k, batch, length, heads, value_dim, dtype=acc_torch)
         final_state = q.new_empty(batch, heads, key_dim, value_dim, dtype=state_dtype) if output_final_state else None
-        _retention_fwd_kernel[(num_v, num_k, batch * heads)](
-            q, k, v, o_partial, initial_state, final_state, log2_gamma, scale, length,
-            H=heads, K=key_dim, V=value_dim, BT=BLOCK_T, BK=block_k, BV=block_v,
+        _launch(
+            _retention_fwd_kernel, config.fwd, key_dim, value_dim, batch * heads,
+            q, k, v, o_partial, initial_state, final_state, log2_gamma, scale, length, H=heads,
             HAS_INITIAL_STATE=initial_state is not None, STORE_FINAL_STATE=output_final_state, ACC=acc_tl,
             PRECISION=precision,
         )
         o = o_partial.sum(0).to(v.dtype)
         ctx.save_for_backward(q, k, v, initial_state, log2_gamma)
         ctx.scale = scale
+        ctx.config = config
         return o, final_state
 
     @staticmethod
     def backward(ctx, d_o, d_final_state):
         q, k, v, initial_state, log2_gamma = ctx.saved_tensors
+        config = ctx.config
         batch, length, heads, key_dim = q.shape
         value_dim = v.shape[-1]
-        block_k, block_v, num_k, num_v = _tiles(key_dim, value_dim)
         acc_torch, acc_tl, precision = _kernel_dtypes(v.dtype)
         d_o = d_o.to(v.dtype).contiguous()
         if d_final_state is not None:
             d_final_state = d_final_state.contiguous()
-        grid = (num_v, num_k, batch * heads)
-        meta = dict(H=heads, K=key_dim, V=value_dim, BT=BLOCK_T, BK=block_k, BV=block_v)
-        meta.update(ACC=acc_tl, PRECISION=precision)
+        meta = dict(H=heads, ACC=acc_tl, PRECISION=precision)
 
-        dq_partial = q.new_empty(num_v, batch, length, heads, key_dim, dtype=acc_torch)
-        _retention_bwd_dq_kernel[grid](
+        dq_partial = q.new_empty(triton.cdiv(value_dim, config.dq.block_v), batch, length, heads, key_dim,
+                                 dtype=acc_torch)
+        _launch(
+            _retention_bwd_dq_kernel, config.dq, key_dim, value_dim, batch * heads,
             k, v, d_o, dq_partial, initial_state, log2_gamma, ctx.scale, length,
             HAS_INITIAL_STATE=initial_state is not None, **meta,
         )
-        dk_partial = q.new_empty(num_v, batch, length, heads, key_dim, dtype=acc_torch)
-        dv_partial = q.new_empty(num_k, batch, length, heads, value_dim, dtype=acc_torch)
+        dk_partial = q.new_empty(triton.cdiv(value_dim, config.dkv.block_v), batch, length, heads, key_dim,
+                                 dtype=acc_torch)
+        dv_partial = q.new_empty(triton.cdiv(key_dim, config.dkv.block_k), batch, length, heads, value_dim,
+                                 dtype=acc_torch)
         need_d_initial = initial_state is not None and ctx.needs_input_grad[4]
         d_initial_state = torch.empty_like(initial_state) if need_d_initial else None
-        _retention_bwd_dkv_kernel[grid](
+        _launch(
+            _retention_bwd_dkv_kernel, config.dkv, key_dim, value_dim, batch * heads,
             q, k, v, d_o, dk_partial, dv_partial, d_final_state, d_initial_state, log2_gamma, ctx.scale, length,
             HAS_D_FINAL_STATE=d_final_state is not None, STORE_D_INITIAL_STATE=need_d_initial, **meta,
         )
         dq = dq_partial.sum(0).to(q.dtype)
         dk = dk_partial.sum(0).to(k.dtype)
         dv = dv_partial.sum(0).to(v.dtype)
-        return dq, dk, dv, None, d_initial_state, None
+        return dq, dk, dv, None, d_initial_state, None, None
 
 
-def chunk_retention_triton(q, k, v, scale, initial_state=None, output_final_state=False):
+def chunk_retention_triton(q, k, v, scale, initial_state=None, output_final_state=False, config=None):
     """Chunkwise retention with the Triton kernels (arguments checked by :func:`chunk_retention`).
 
     Args:
@@ -301,9 +374,13 @@ def chunk_retention_triton(q, k, v, scale, initial_state=None, output_final_stat
         scale (float): positive factor on ``q``.
         initial_state (Tensor, optional): ``(batch, heads, key_dim, value_dim)`` float32.
         output_final_state (bool): also return the state after the last token.
+        config (ChunkRetentionConfig, optional): the kernels' tiles; by default :func:`chunk_retention_config`
+            for ``q``'s device.
 
     Returns:
         o ``(batch, length, heads, value_dim)`` in ``v``'s dtype, and the final state
         ``(batch, heads, key_dim, value_dim)`` float32 or None.
     """
-    return ChunkRetentionFunction.apply(q, k, v, scale, initial_state, output_final_state)
+    if config is None:
+        config = chunk_retention_config(device_arch(q.device), q.dtype, q.shape[-1], v.shape[-1])
+    return ChunkRetentionFunction.apply(q, k, v, scale, initial_state, output_final_state, config)

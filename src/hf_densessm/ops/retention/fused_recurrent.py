@@ -15,11 +15,31 @@ try:  # triton: needed only when a kernel of this file runs
 except ImportError as error:
     raise ImportError(f"{__name__} holds Triton kernels and needs the `triton` package") from error
 
+from ..backend import GPUArch, device_arch
 from .naive import retention_log2_gamma
 
-#: Key rows per tile and value columns per program.
-BLOCK_K = 64
-BLOCK_V = 64
+__all__ = ["retention_state_update_config", "retention_state_update_triton"]
+
+
+def retention_state_update_config(arch: GPUArch, key_dim: int, value_dim: int) -> tuple[int, int, int]:
+    """Key rows per tile, value columns per program and warps of the decode step: ``(block_k, block_v, warps)``.
+
+    A program streams ``(block_k, block_v)`` float32 tiles of the state (32 values per thread at 64 x 64 and 4
+    warps) and uses no shared memory for them, so one choice serves every architecture of
+    :data:`~hf_densessm.ops.backend.ARCHS` (``tests/ops/test_compile.py`` checks it on each); tiles shrink to the
+    next power of 2 of a smaller head (at least 16).
+
+    Args:
+        arch: the GPU's limits (:func:`hf_densessm.ops.backend.device_arch`).
+        key_dim, value_dim: per-head sizes.
+
+    Returns:
+        ``(block_k, block_v, num_warps)``.
+    """
+    del arch
+    block_k = min(64, max(16, triton.next_power_of_2(key_dim)))
+    block_v = min(64, max(16, triton.next_power_of_2(value_dim)))
+    return block_k, block_v, 4
 
 
 @triton.jit
@@ -50,13 +70,15 @@ def _retention_step_kernel(
     tl.store(o + i_bh * V + offs_v, o_acc.to(o.dtype.element_ty), mask=mask_v)
 
 
-def retention_state_update_triton(state, q, k, v, scale):
+def retention_state_update_triton(state, q, k, v, scale, config=None):
     """One retention decoding step with the Triton kernel (arguments checked by :func:`retention_state_update`).
 
     Args:
         state (Tensor): ``(batch, heads, key_dim, value_dim)`` float32 (float64 with float64 inputs), updated in place.
         q, k (Tensor): ``(batch, heads, key_dim)``; v (Tensor): ``(batch, heads, value_dim)``.
         scale (float): positive factor on ``q``.
+        config (tuple, optional): ``(block_k, block_v, num_warps)``; by default
+            :func:`retention_state_update_config` for the state's device.
 
     Returns:
         o (Tensor): ``(batch, heads, value_dim)`` in ``v``'s dtype.
@@ -67,11 +89,10 @@ def retention_state_update_triton(state, q, k, v, scale):
     log2_gamma = retention_log2_gamma(heads, q.device, state.dtype)
     work = state if state.is_contiguous() else state.contiguous()
     o = torch.empty_like(v)
-    block_k = min(BLOCK_K, max(16, triton.next_power_of_2(key_dim)))
-    block_v = min(BLOCK_V, max(16, triton.next_power_of_2(value_dim)))
+    block_k, block_v, num_warps = config or retention_state_update_config(device_arch(q.device), key_dim, value_dim)
     _retention_step_kernel[(triton.cdiv(value_dim, block_v), batch * heads)](
         work, q.contiguous(), k.contiguous(), v.contiguous(), o, log2_gamma, scale,
-        H=heads, K=key_dim, V=value_dim, BK=block_k, BV=block_v, ACC=acc,
+        H=heads, K=key_dim, V=value_dim, BK=block_k, BV=block_v, ACC=acc, num_warps=num_warps,
     )
     if work is not state:
         state.copy_(work)

@@ -30,6 +30,8 @@ Accumulation is in float32 (float64 when an input is float64, for tests). Runs u
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 try:  # triton: needed only when a kernel of this file runs
@@ -38,16 +40,58 @@ try:  # triton: needed only when a kernel of this file runs
 except ImportError as error:
     raise ImportError(f"{__name__} holds Triton kernels and needs the `triton` package") from error
 
+from ..backend import GPUArch, device_arch
 from ..triton_utils import acc, silu, softplus
 
-__all__ = ["SelectiveScanTritonFn", "selective_scan_triton"]
+__all__ = ["SelectiveScanConfig", "SelectiveScanTritonFn", "selective_scan_config", "selective_scan_triton"]
 
-# Tile sizes (not tuned on hardware yet): the 3-D scan tiles hold BLOCK_D * state * BLOCK_L elements per
-# tensor. BLOCK_L (the chunk, ``chunk_size``, default CHUNK_SIZE) is shared by both passes: the backward
-# restarts from the states the forward stored at chunk boundaries.
-FWD_BLOCK_D, FWD_WARPS = 16, 8
-BWD_BLOCK_D, BWD_WARPS = 8, 8
-CHUNK_SIZE = 32
+
+@dataclass(frozen=True)
+class SelectiveScanConfig:
+    """Launch choices of the fused scan (see :func:`selective_scan_config`).
+
+    Attributes:
+        chunk: tokens per chunk, ``BLOCK_L`` of both passes (a power of 2): the backward pass restarts from the
+            states the forward pass stored at chunk boundaries, so the two must agree.
+        fwd_block_d, fwd_warps: channels per program and warps of the forward kernel (powers of 2).
+        bwd_block_d, bwd_warps: the same for the backward kernel.
+        num_stages: software-pipelining stages of the loads in the chunk loop.
+    """
+
+    chunk: int = 16
+    fwd_block_d: int = 8
+    fwd_warps: int = 4
+    bwd_block_d: int = 8
+    bwd_warps: int = 4
+    num_stages: int = 2
+
+
+def selective_scan_config(arch: GPUArch, dtype: torch.dtype, nstate: int) -> SelectiveScanConfig:
+    """Tiles, warps and stages of the fused scan for one GPU, input dtype and state size.
+
+    Both kernels hold ``(block_d, state, chunk)`` tiles in registers (the associative scan, Mamba paper
+    §3.3.2): registers, not shared memory (at most 2 KB here), bound them, and every architecture in
+    :data:`~hf_densessm.ops.backend.ARCHS` has 64K registers per SM, so the choice depends on the state size
+    only. Measured by the compile test (``tests/ops/test_compile.py``) for state 16 (the presets), bfloat16: the
+    forward kernel with 8 channels x 16 tokens x 4 warps takes 124 registers on sm_80 and 96 on sm_90, for a
+    theoretical occupancy of 25% / 31%, where the first version's 16 channels x 32 tokens x 8 warps took
+    170-176 registers (12.5%); the backward kernel stays at 12.5% (about 240 registers; 4 channels per program
+    would give 19% on sm_80 only, for twice the atomic adds of ``dB``, ``dC``). No spills. Larger states get
+    proportionally fewer channels per program, so that a thread holds as many elements.
+
+    Args:
+        arch: the GPU's limits (:func:`hf_densessm.ops.backend.device_arch`); unused beyond documenting that
+            the choice holds for every architecture listed there.
+        dtype: the dtype of ``u`` (the kernels accumulate in float32 whatever it is; float64 for tests).
+        nstate: the state size ``N`` (``A.shape[1]``).
+
+    Returns:
+        A :class:`SelectiveScanConfig`.
+    """
+    del arch, dtype  # see the docstring: registers per SM and per-thread work are the same for all of them
+    block_n = triton.next_power_of_2(nstate)
+    block_d = max(2, min(8, 8 * 16 // block_n))
+    return SelectiveScanConfig(chunk=16, fwd_block_d=block_d, fwd_warps=4, bwd_block_d=block_d, bwd_warps=4)
 
 
 @triton.jit
@@ -67,8 +111,7 @@ def _selective_scan_fwd_kernel(
     s_C_b, s_C_n, s_C_l,
     s_z_b, s_z_d, s_z_l,
     dim, length, nstate, n_chunks,
-    HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
-    HAS_H0: tl.constexpr, STORE_CHUNKS: tl.constexpr, USE_FP64: tl.constexpr,
+    HAS_Z: tl.constexpr, SOFTPLUS: tl.constexpr, STORE_CHUNKS: tl.constexpr, USE_FP64: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_b = tl.program_id(0)
@@ -81,16 +124,11 @@ def _selective_scan_fwd_kernel(
     mask_dn = mask_d[:, None] & mask_n[None, :]
 
     A = acc(tl.load(A_ptr + offs_d[:, None] * s_A_d + offs_n[None, :] * s_A_n, mask=mask_dn, other=0.0), USE_FP64)
-    if HAS_D:
-        Dv = acc(tl.load(D_ptr + offs_d, mask=mask_d, other=0.0), USE_FP64)
-    if HAS_BIAS:
-        bias = acc(tl.load(bias_ptr + offs_d, mask=mask_d, other=0.0), USE_FP64)
+    Dv = acc(tl.load(D_ptr + offs_d, mask=mask_d, other=0.0), USE_FP64)
+    bias = acc(tl.load(bias_ptr + offs_d, mask=mask_d, other=0.0), USE_FP64)
     # states are (batch, [chunk,] dim, state), contiguous
     state_offs = offs_d[:, None] * nstate + offs_n[None, :]
-    if HAS_H0:
-        h = acc(tl.load(h0_ptr + pid_b * dim * nstate + state_offs, mask=mask_dn, other=0.0), USE_FP64)
-    else:
-        h = acc(tl.zeros([BLOCK_D, BLOCK_N], dtype=tl.float32), USE_FP64)
+    h = acc(tl.load(h0_ptr + pid_b * dim * nstate + state_offs, mask=mask_dn, other=0.0), USE_FP64)
 
     for c in range(n_chunks):
         offs_l = c * BLOCK_L + offs_t
@@ -99,8 +137,7 @@ def _selective_scan_fwd_kernel(
         mask_nl = mask_n[:, None] & mask_l[None, :]
         dt = acc(tl.load(delta_ptr + pid_b * s_dt_b + offs_d[:, None] * s_dt_d + offs_l[None, :] * s_dt_l,
                           mask=mask_dl, other=0.0), USE_FP64)
-        if HAS_BIAS:
-            dt += bias[:, None]
+        dt += bias[:, None]
         if SOFTPLUS:
             dt = softplus(dt)
         dt = tl.where(mask_dl, dt, 0.0)  # padding: decay 1, input 0
@@ -118,8 +155,7 @@ def _selective_scan_fwd_kernel(
         a_cum, h_loc = tl.associative_scan((a, b), axis=2, combine_fn=_combine)
         hs = h_loc + a_cum * h[:, :, None]
         y = tl.sum(hs * Ct[None, :, :], axis=1)  # eq. 2b
-        if HAS_D:
-            y += Dv[:, None] * u
+        y += Dv[:, None] * u
         if HAS_Z:
             z = acc(tl.load(z_ptr + pid_b * s_z_b + offs_d[:, None] * s_z_d + offs_l[None, :] * s_z_l,
                              mask=mask_dl, other=0.0), USE_FP64)
@@ -145,8 +181,7 @@ def _selective_scan_bwd_kernel(
     s_z_b, s_z_d, s_z_l,
     s_dy_b, s_dy_d, s_dy_l,
     dim, length, nstate, n_chunks,
-    HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
-    HAS_DLAST: tl.constexpr, USE_FP64: tl.constexpr,
+    HAS_Z: tl.constexpr, SOFTPLUS: tl.constexpr, USE_FP64: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_b = tl.program_id(0)
@@ -160,20 +195,14 @@ def _selective_scan_bwd_kernel(
     first = (offs_t == 0)[None, None, :]
 
     A = acc(tl.load(A_ptr + offs_d[:, None] * s_A_d + offs_n[None, :] * s_A_n, mask=mask_dn, other=0.0), USE_FP64)
-    if HAS_D:
-        Dv = acc(tl.load(D_ptr + offs_d, mask=mask_d, other=0.0), USE_FP64)
-    if HAS_BIAS:
-        bias = acc(tl.load(bias_ptr + offs_d, mask=mask_d, other=0.0), USE_FP64)
+    Dv = acc(tl.load(D_ptr + offs_d, mask=mask_d, other=0.0), USE_FP64)
+    bias = acc(tl.load(bias_ptr + offs_d, mask=mask_d, other=0.0), USE_FP64)
     state_offs = offs_d[:, None] * nstate + offs_n[None, :]
     # adjoint of the state after the current chunk's last position (carried from the next chunk)
-    if HAS_DLAST:
-        g_carry = acc(tl.load(dlast_ptr + pid_b * dim * nstate + state_offs, mask=mask_dn, other=0.0), USE_FP64)
-    else:
-        g_carry = acc(tl.zeros([BLOCK_D, BLOCK_N], dtype=tl.float32), USE_FP64)
+    g_carry = acc(tl.load(dlast_ptr + pid_b * dim * nstate + state_offs, mask=mask_dn, other=0.0), USE_FP64)
     dA_acc = g_carry * 0.0
     dh0 = g_carry * 0.0
-    if HAS_D:
-        dD_acc = Dv * 0.0
+    dD_acc = Dv * 0.0
 
     for i in range(n_chunks):
         c = n_chunks - 1 - i
@@ -188,8 +217,7 @@ def _selective_scan_bwd_kernel(
         # inputs of position t
         dt_raw = acc(tl.load(delta_ptr + pid_b * s_dt_b + offs_d[:, None] * s_dt_d + offs_l[None, :] * s_dt_l,
                               mask=mask_dl, other=0.0), USE_FP64)
-        if HAS_BIAS:
-            dt_raw += bias[:, None]
+        dt_raw += bias[:, None]
         dt = dt_raw
         if SOFTPLUS:
             dt = softplus(dt_raw)
@@ -209,8 +237,7 @@ def _selective_scan_bwd_kernel(
         mask_pnl = mask_n[:, None] & ((offs_p >= t0) & (offs_p < length))[None, :]
         dt_p = acc(tl.load(delta_ptr + pid_b * s_dt_b + offs_d[:, None] * s_dt_d + offs_p[None, :] * s_dt_l,
                             mask=mask_pdl, other=0.0), USE_FP64)
-        if HAS_BIAS:
-            dt_p += bias[:, None]
+        dt_p += bias[:, None]
         if SOFTPLUS:
             dt_p = softplus(dt_p)
         dt_p = tl.where(mask_pdl, dt_p, 0.0)
@@ -231,24 +258,21 @@ def _selective_scan_bwd_kernel(
             z = acc(tl.load(z_ptr + pid_b * s_z_b + offs_d[:, None] * s_z_d + offs_l[None, :] * s_z_l,
                              mask=mask_dl, other=0.0), USE_FP64)
             y = tl.sum(h * Ct[None, :, :], axis=1)
-            if HAS_D:
-                y += Dv[:, None] * u
+            y += Dv[:, None] * u
             sig = tl.sigmoid(z)
             dz = dy * y * sig * (1.0 + z * (1.0 - sig))
             tl.store(dz_ptr + pid_b * dim * length + io_dl, dz, mask=mask_dl)
             gy = dy * z * sig
         else:
             gy = dy
-        if HAS_D:
-            dD_acc += tl.sum(gy * u, axis=1)
+        dD_acc += tl.sum(gy * u, axis=1)
 
         # adjoint: reverse scan over (exp(dt_{t+1} A), C_t gy_t), started from the carried adjoint
         offs_q = offs_l + 1
         mask_qdl = mask_d[:, None] & (offs_q < length)[None, :]
         dt_q = acc(tl.load(delta_ptr + pid_b * s_dt_b + offs_d[:, None] * s_dt_d + offs_q[None, :] * s_dt_l,
                             mask=mask_qdl, other=0.0), USE_FP64)
-        if HAS_BIAS:
-            dt_q += bias[:, None]
+        dt_q += bias[:, None]
         if SOFTPLUS:
             dt_q = softplus(dt_q)
         dt_q = tl.where(mask_qdl, dt_q, 0.0)
@@ -262,8 +286,7 @@ def _selective_scan_bwd_kernel(
         gB = tl.sum(g * Bt[None, :, :], axis=1)  # sum_n g_t B_t
         ddt = tl.sum(X * A[:, :, None], axis=1) + gB * u
         du = gB * dt
-        if HAS_D:
-            du += Dv[:, None] * gy
+        du += Dv[:, None] * gy
         if SOFTPLUS:
             ddt = ddt * tl.sigmoid(dt_raw)
         tl.store(du_ptr + pid_b * dim * length + io_dl, du, mask=mask_dl)
@@ -279,8 +302,7 @@ def _selective_scan_bwd_kernel(
 
     tl.store(dA_ptr + pid_b * dim * nstate + state_offs, dA_acc, mask=mask_dn)
     tl.store(dh0_ptr + pid_b * dim * nstate + state_offs, dh0, mask=mask_dn)
-    if HAS_D:
-        tl.store(dD_ptr + pid_b * dim + offs_d, dD_acc, mask=mask_d)
+    tl.store(dD_ptr + pid_b * dim + offs_d, dD_acc, mask=mask_d)
 
 
 def _strides3(t):
@@ -290,98 +312,105 @@ def _strides3(t):
 class SelectiveScanTritonFn(torch.autograd.Function):
     """Autograd wrapper of the fused kernels: ``(u, delta, A, B, C, D, z, delta_bias, initial_state) ->
     (y, last_state)``; see :func:`selective_scan_triton` for shapes. The forward pass saves the inputs and the
-    chunk entry states (only when an input needs a gradient); the backward pass recomputes the rest."""
+    chunk entry states (only when an input needs a gradient); the backward pass recomputes the rest. A missing
+    ``D``, ``delta_bias`` or ``initial_state`` is passed to the kernels as zeros (the same result)."""
 
     @staticmethod
-    def forward(ctx, u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus, block_l):
+    def forward(ctx, u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus, config):
         batch, dim, length = u.shape
         nstate = A.shape[1]
-        # the kernels index these (dim,) and (batch, dim, state) tensors as contiguous
-        D = None if D is None else D.contiguous()
-        delta_bias = None if delta_bias is None else delta_bias.contiguous()
         use_fp64 = any(t is not None and t.dtype == torch.float64 for t in (u, delta, A, B, C, D, z, delta_bias,
                                                                            initial_state))
         sdtype = torch.float64 if use_fp64 else torch.float32
-        block_d = min(FWD_BLOCK_D, triton.next_power_of_2(dim))
-        n_chunks = triton.cdiv(length, block_l)
+        kw = dict(dtype=sdtype, device=u.device)
+        # the kernels index these (dim,) and (batch, dim, state) tensors as contiguous
+        D_k = torch.zeros(dim, **kw) if D is None else D.contiguous()
+        bias_k = torch.zeros(dim, **kw) if delta_bias is None else delta_bias.contiguous()
+        h0 = torch.zeros(batch, dim, nstate, **kw) if initial_state is None else initial_state.to(sdtype).contiguous()
+        block_d = min(config.fwd_block_d, triton.next_power_of_2(dim))
+        n_chunks = triton.cdiv(length, config.chunk)
         store_chunks = any(ctx.needs_input_grad[:9])
         y = torch.empty(batch, dim, length, dtype=u.dtype, device=u.device)
-        last_state = torch.empty(batch, dim, nstate, dtype=sdtype, device=u.device)
-        h_chunks = torch.empty(batch, n_chunks if store_chunks else 1, dim, nstate, dtype=sdtype, device=u.device)
-        h0 = None if initial_state is None else initial_state.to(sdtype).contiguous()
-        grid = (batch, triton.cdiv(dim, block_d))
-        _selective_scan_fwd_kernel[grid](
-            u, delta, A, B, C, D, z, delta_bias, h0, y, last_state, h_chunks,
+        last_state = torch.empty(batch, dim, nstate, **kw)
+        h_chunks = torch.empty(batch, n_chunks if store_chunks else 1, dim, nstate, **kw)
+        _selective_scan_fwd_kernel[(batch, triton.cdiv(dim, block_d))](
+            u, delta, A, B, C, D_k, z, bias_k, h0, y, last_state, h_chunks,
             *_strides3(u), *_strides3(delta), A.stride(0), A.stride(1), *_strides3(B), *_strides3(C), *_strides3(z),
             dim, length, nstate, n_chunks,
-            HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=delta_bias is not None, SOFTPLUS=bool(delta_softplus),
-            HAS_H0=h0 is not None, STORE_CHUNKS=store_chunks, USE_FP64=use_fp64,
-            BLOCK_D=block_d, BLOCK_L=block_l, BLOCK_N=triton.next_power_of_2(nstate), num_warps=FWD_WARPS,
+            HAS_Z=z is not None, SOFTPLUS=bool(delta_softplus), STORE_CHUNKS=store_chunks, USE_FP64=use_fp64,
+            BLOCK_D=block_d, BLOCK_L=config.chunk, BLOCK_N=triton.next_power_of_2(nstate),
+            num_warps=config.fwd_warps, num_stages=config.num_stages,
         )
         if store_chunks:
             ctx.save_for_backward(u, delta, A, B, C, D, z, delta_bias, initial_state, h_chunks)
             ctx.delta_softplus = bool(delta_softplus)
-            ctx.block_l = block_l
+            ctx.config = config
             ctx.use_fp64 = use_fp64
         return y, last_state
 
     @staticmethod
     def backward(ctx, dy, dlast):
         u, delta, A, B, C, D, z, delta_bias, initial_state, h_chunks = ctx.saved_tensors
+        config = ctx.config
         batch, dim, length = u.shape
         nstate = A.shape[1]
         n_chunks = h_chunks.shape[1]
-        block_d = min(BWD_BLOCK_D, triton.next_power_of_2(dim))
-        n_dblocks = triton.cdiv(dim, block_d)
+        block_d = min(config.bwd_block_d, triton.next_power_of_2(dim))
         gdtype = torch.float64 if ctx.use_fp64 else torch.float32
         kw = dict(dtype=gdtype, device=u.device)
         if dy is None:
             dy = torch.zeros(batch, dim, length, **kw)
+        D_k = torch.zeros(dim, **kw) if D is None else D.contiguous()
+        bias_k = torch.zeros(dim, **kw) if delta_bias is None else delta_bias.contiguous()
+        dlast = torch.zeros(batch, dim, nstate, **kw) if dlast is None else dlast.to(gdtype).contiguous()
         du = torch.empty(batch, dim, length, **kw)
         ddelta = torch.empty(batch, dim, length, **kw)
         dz = torch.empty(batch, dim, length, **kw) if z is not None else None
         dB = torch.zeros(batch, nstate, length, **kw)
         dC = torch.zeros(batch, nstate, length, **kw)
         dA = torch.empty(batch, dim, nstate, **kw)
-        dD = torch.empty(batch, dim, **kw) if D is not None else None
+        dD = torch.empty(batch, dim, **kw)
         dh0 = torch.empty(batch, dim, nstate, **kw)
-        dlast = None if dlast is None else dlast.to(gdtype).contiguous()
-        _selective_scan_bwd_kernel[(batch, n_dblocks)](
-            u, delta, A, B, C, D, z, delta_bias, h_chunks, dy, dlast,
+        _selective_scan_bwd_kernel[(batch, triton.cdiv(dim, block_d))](
+            u, delta, A, B, C, D_k, z, bias_k, h_chunks, dy, dlast,
             du, ddelta, dz, dB, dC, dA, dD, dh0,
             *_strides3(u), *_strides3(delta), A.stride(0), A.stride(1), *_strides3(B), *_strides3(C), *_strides3(z),
             *_strides3(dy),
             dim, length, nstate, n_chunks,
-            HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=delta_bias is not None, SOFTPLUS=ctx.delta_softplus,
-            HAS_DLAST=dlast is not None, USE_FP64=ctx.use_fp64,
-            BLOCK_D=block_d, BLOCK_L=ctx.block_l, BLOCK_N=triton.next_power_of_2(nstate), num_warps=BWD_WARPS,
+            HAS_Z=z is not None, SOFTPLUS=ctx.delta_softplus, USE_FP64=ctx.use_fp64,
+            BLOCK_D=block_d, BLOCK_L=config.chunk, BLOCK_N=triton.next_power_of_2(nstate),
+            num_warps=config.bwd_warps, num_stages=config.num_stages,
         )
 
         def cast(g, like):
             return None if like is None or g is None else g.to(like.dtype)
 
         return (
-            cast(du, u), cast(ddelta, delta), cast(dA.sum(0), A), cast(dB, B), cast(dC, C),
-            cast(None if dD is None else dD.sum(0), D), cast(dz, z),
-            cast(None if delta_bias is None else ddelta.sum((0, 2)), delta_bias),
-            cast(dh0, initial_state), None, None,
+            cast(du, u), cast(ddelta, delta), cast(dA.sum(0), A), cast(dB, B), cast(dC, C), cast(dD.sum(0), D),
+            cast(dz, z), cast(None if delta_bias is None else ddelta.sum((0, 2)), delta_bias), cast(dh0, initial_state),
+            None, None,
         )
 
 
 def selective_scan_triton(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
-                          initial_state=None, return_last_state=False, chunk_size=CHUNK_SIZE):
+                          initial_state=None, return_last_state=False, config=None):
     """Fused Triton selective scan (Mamba paper Algorithm 2, kernel of §3.3.2 / App. D), differentiable.
 
     Args and returns as :func:`hf_densessm.ops.selective_scan` (which checks the arguments and should be
     called instead): ``u, delta, z`` (batch, dim, length) and ``B, C`` (batch, state, length) in float32,
     bfloat16 or float16 (float64 for tests), any strides; ``A`` (dim, state); ``D, delta_bias`` (dim,);
     ``initial_state`` (batch, dim, state). ``y`` comes back in ``u``'s dtype, ``last_state`` in float32
-    (float64 for float64 inputs). ``chunk_size``: tokens per chunk of the in-register scan (a power of 2);
-    it changes speed and register use only.
+    (float64 for float64 inputs). ``config``: a :class:`SelectiveScanConfig`, by default
+    :func:`selective_scan_config` for ``u``'s device; it changes speed and register use only.
+
+    Raises:
+        ValueError: ``config.chunk`` is not a power of 2.
     """
-    if chunk_size < 1 or chunk_size & (chunk_size - 1):
-        raise ValueError(f"chunk_size must be a power of 2, got {chunk_size}")
+    if config is None:
+        config = selective_scan_config(device_arch(u.device), u.dtype, A.shape[1])
+    if config.chunk < 1 or config.chunk & (config.chunk - 1):
+        raise ValueError(f"config.chunk must be a power of 2, got {config.chunk}")
     y, last_state = SelectiveScanTritonFn.apply(
-        u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus, chunk_size
+        u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus, config
     )
     return (y, last_state) if return_last_state else y

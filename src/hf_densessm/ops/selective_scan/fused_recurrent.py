@@ -16,12 +16,28 @@ try:  # triton: needed only when a kernel of this file runs
 except ImportError as error:
     raise ImportError(f"{__name__} holds Triton kernels and needs the `triton` package") from error
 
+from ..backend import GPUArch, device_arch
 from ..triton_utils import acc, silu, softplus
 
-__all__ = ["selective_state_update_triton"]
+__all__ = ["selective_state_update_config", "selective_state_update_triton"]
 
-BLOCK_D_MAX = 32
 
+def selective_state_update_config(arch: GPUArch, nstate: int) -> tuple[int, int]:
+    """Channels per program and warps of the decode step: ``(block_d, num_warps)``.
+
+    A program holds a ``(block_d, state)`` tile of the state: 512 elements over 4 warps (4 per thread), far from
+    any register or shared-memory limit on every architecture of :data:`~hf_densessm.ops.backend.ARCHS`, so
+    the choice depends on the state size only (``tests/ops/test_compile.py`` checks it on each of them).
+
+    Args:
+        arch: the GPU's limits (:func:`hf_densessm.ops.backend.device_arch`).
+        nstate: the state size ``N``.
+
+    Returns:
+        ``(block_d, num_warps)``, powers of 2.
+    """
+    del arch
+    return max(4, min(32, 512 // triton.next_power_of_2(nstate))), 4
 
 @triton.jit
 def _selective_state_update_kernel(
@@ -34,7 +50,7 @@ def _selective_state_update_kernel(
     s_C_b, s_C_n,
     s_z_b, s_z_d,
     dim, nstate,
-    HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
+    HAS_Z: tl.constexpr, SOFTPLUS: tl.constexpr,
     USE_FP64: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_b = tl.program_id(0)
@@ -49,8 +65,7 @@ def _selective_state_update_kernel(
     h = acc(tl.load(h_ptrs, mask=mask_dn, other=0.0), USE_FP64)
     x = acc(tl.load(x_ptr + pid_b * s_x_b + offs_d * s_x_d, mask=mask_d, other=0.0), USE_FP64)
     dt = acc(tl.load(dt_ptr + pid_b * s_dt_b + offs_d * s_dt_d, mask=mask_d, other=0.0), USE_FP64)
-    if HAS_BIAS:
-        dt += acc(tl.load(bias_ptr + offs_d, mask=mask_d, other=0.0), USE_FP64)
+    dt += acc(tl.load(bias_ptr + offs_d, mask=mask_d, other=0.0), USE_FP64)
     if SOFTPLUS:
         dt = softplus(dt)
     A = acc(tl.load(A_ptr + offs_d[:, None] * s_A_d + offs_n[None, :] * s_A_n, mask=mask_dn, other=0.0), USE_FP64)
@@ -60,36 +75,40 @@ def _selective_state_update_kernel(
     h = tl.exp(dt[:, None] * A) * h + (dt * x)[:, None] * Bv[None, :]  # eq. 2a, discretized as eq. 4
     tl.store(h_ptrs, h.to(state_ptr.dtype.element_ty), mask=mask_dn)
     y = tl.sum(h * Cv[None, :], axis=1)  # eq. 2b
-    if HAS_D:
-        y += acc(tl.load(D_ptr + offs_d, mask=mask_d, other=0.0), USE_FP64) * x
+    y += acc(tl.load(D_ptr + offs_d, mask=mask_d, other=0.0), USE_FP64) * x
     if HAS_Z:
         z = acc(tl.load(z_ptr + pid_b * s_z_b + offs_d * s_z_d, mask=mask_d, other=0.0), USE_FP64)
         y = y * silu(z)
     tl.store(y_ptr + pid_b * dim + offs_d, y.to(y_ptr.dtype.element_ty), mask=mask_d)
 
 
-def selective_state_update_triton(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False):
+def selective_state_update_triton(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False,
+                                  config=None):
     """One selective-SSM decode step in one Triton kernel; ``state`` (batch, dim, state) is updated in place.
 
     Args and return as :func:`hf_densessm.ops.selective_state_update` (which checks the arguments and should be
     called instead): ``x, dt, z`` (batch, dim); ``A`` (dim, state); ``B, C`` (batch, state); ``D, dt_bias``
-    (dim,); any strides. Returns ``y`` (batch, dim) in ``x``'s dtype. Not differentiable (decoding only).
+    (dim,), zeros when None; any strides. ``config``: ``(block_d, num_warps)``, by default
+    :func:`selective_state_update_config` for the state's device. Returns ``y`` (batch, dim) in ``x``'s dtype.
+    Not differentiable (decoding only).
     """
     batch, dim, nstate = state.shape
-    D = None if D is None else D.contiguous()  # the kernel indexes the (dim,) vectors as contiguous
-    dt_bias = None if dt_bias is None else dt_bias.contiguous()
+    block_d, num_warps = config or selective_state_update_config(device_arch(state.device), nstate)
+    block_d = min(block_d, triton.next_power_of_2(dim))
+    cdt = torch.float64 if state.dtype == torch.float64 else torch.float32
+    # the kernel indexes the (dim,) vectors as contiguous
+    D = torch.zeros(dim, dtype=cdt, device=x.device) if D is None else D.contiguous()
+    dt_bias = torch.zeros(dim, dtype=cdt, device=x.device) if dt_bias is None else dt_bias.contiguous()
     y = torch.empty(batch, dim, dtype=x.dtype, device=x.device)
-    block_d = min(BLOCK_D_MAX, triton.next_power_of_2(dim))
 
     def s2(t):
         return (t.stride(0), t.stride(1)) if t is not None else (0, 0)
 
-    grid = (batch, triton.cdiv(dim, block_d))
-    _selective_state_update_kernel[grid](
+    _selective_state_update_kernel[(batch, triton.cdiv(dim, block_d))](
         state, x, dt, A, B, C, D, z, dt_bias, y,
         state.stride(0), state.stride(1), state.stride(2), *s2(x), *s2(dt), *s2(A), *s2(B), *s2(C), *s2(z),
         dim, nstate,
-        HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=dt_bias is not None, SOFTPLUS=bool(dt_softplus),
-        USE_FP64=state.dtype == torch.float64, BLOCK_D=block_d, BLOCK_N=triton.next_power_of_2(nstate),
+        HAS_Z=z is not None, SOFTPLUS=bool(dt_softplus), USE_FP64=state.dtype == torch.float64,
+        BLOCK_D=block_d, BLOCK_N=triton.next_power_of_2(nstate), num_warps=num_warps,
     )
     return y
