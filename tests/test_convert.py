@@ -184,8 +184,8 @@ OFFICIAL = dict(
 
 
 def official_state_dict(config=OFFICIAL, layer0_dense=True, rel_pos=True, seed=0):
-    """Random weights under the authors' parameter names and shapes (docs/design.md §3; their group_norm weight is one
-    vector of d_v / H shared by the heads, their gates d -> d // 32 -> d // 2 and d -> d // 32 -> 2 d)."""
+    """Random weights under the authors' parameter names and shapes (docs/hub_and_conversion.md; their group_norm
+    weight is one vector of d_v / H shared by the heads, their gates d -> d // 32 -> d // 2 and d -> d // 32 -> 2 d)."""
     g = torch.Generator().manual_seed(seed)
     d, dqk, heads = config["hidden_size"], config["query_key_dim"], config["num_attention_heads"]
     dv = int(config["v_factor"] * d)

@@ -3,8 +3,9 @@
 - :func:`densemamba_from_mamba`: upcycle a pretrained transformers Mamba into a DenseMamba that computes exactly
   the same function at conversion (docs/design.md §4: "a gate whose last layer starts at zero makes a DenseMamba
   exactly equal to its base Mamba") and whose dense gates train from there.
-- :func:`denseretnet_from_official`: load a checkpoint of the authors' published DenseRetNet (docs/design.md §3:
-  their parameter names and config keys) into :class:`~hf_densessm.DenseRetNetForCausalLM`.
+- :func:`denseretnet_from_official`: load a checkpoint of the authors' published DenseRetNet (docs/design.md §3;
+  their parameter names and config keys: docs/hub_and_conversion.md) into
+  :class:`~hf_densessm.DenseRetNetForCausalLM`.
 
 Checkpoints are read by transformers' own loaders (``MambaForCausalLM.from_pretrained``;
 ``DenseRetNetForCausalLM.from_pretrained(..., key_mapping=...)`` with the authors' names), so a source is a local
@@ -55,7 +56,7 @@ OFFICIAL_DENSERETNET_KEYS = (
     "dense_block_layers",
     "vocab_size",
 )
-# Our DenseRetNet parameter name -> the authors' (docs/design.md §3); names not listed are the same in both.
+# Our DenseRetNet parameter name -> the authors' (docs/hub_and_conversion.md); names not listed are the same in both.
 OFFICIAL_DENSERETNET_RENAMES = (
     (".self_attn.hidden_proj.", ".self_attn.to_hidden.0."),
     (".self_attn.o_proj.", ".self_attn.to_out.0."),
@@ -301,9 +302,9 @@ def densemamba_from_mamba(src, **dense_kwargs) -> DenseMambaForCausalLM:
 def official_denseretnet_config(config: dict, source: str = "the checkpoint") -> DenseRetNetConfig:
     """The :class:`~hf_densessm.DenseRetNetConfig` of an authors' DenseRetNet ``config.json`` (a dict).
 
-    Their keys (docs/design.md §3) map to ours by name, ``dense_block_layers`` to ``dense_layers``; the connection is
-    theirs: identity projection, 2-layer MLP gate ``d -> d // 32 -> out`` shared by the predecessors, add fusion,
-    every layer but the first. ``rms_norm_eps`` (default 1e-6), ``dropout`` (0), ``initializer_range``,
+    Their keys (docs/hub_and_conversion.md) map to ours by name, ``dense_block_layers`` to ``dense_layers``; the
+    connection is theirs: identity projection, 2-layer MLP gate ``d -> d // 32 -> out`` shared by the predecessors,
+    add fusion, every layer but the first. ``rms_norm_eps`` (default 1e-6), ``dropout`` (0), ``initializer_range``,
     ``tie_word_embeddings`` (False) and the token ids are taken when present. Keys their forward pass does not read
     (``max_position_embeddings``, ``hidden_act``, ``layernorm_eps``, ``retnorm``; ``deepnorm``, which only scales
     their initialization) are ignored.
@@ -372,9 +373,9 @@ def denseretnet_from_official(src: str | os.PathLike) -> DenseRetNetForCausalLM:
     its clamp of the row sums, see ``modeling_denseretnet``).
 
     The weights are loaded by ``DenseRetNetForCausalLM.from_pretrained(src, key_mapping=OFFICIAL_KEY_MAPPING)``
-    (float32): names map as in docs/design.md §3 (``to_hidden.0`` -> ``hidden_proj``, ``to_out.0`` -> ``o_proj``,
-    ``k_select``/``v_select`` -> ``dense_k.gate``/``dense_v.gate``, the rest unchanged). The converted model forgets
-    that mapping, so its ``save_pretrained`` writes our names.
+    (float32): names map as in docs/hub_and_conversion.md (``to_hidden.0`` -> ``hidden_proj``, ``to_out.0`` ->
+    ``o_proj``, ``k_select``/``v_select`` -> ``dense_k.gate``/``dense_v.gate``, the rest unchanged). The converted
+    model forgets that mapping, so its ``save_pretrained`` writes our names.
 
     Layer 0: the authors' blocks create ``k_select``, ``v_select``, ``k_norm``, ``v_norm`` in every layer, but their
     forward pass uses them only in layers with predecessors (``dense = idx >= 1``); layer 0 of our model has none of
