@@ -11,10 +11,11 @@ from hf_densessm.ops.retention.naive import chunk_retention_naive as parallel_re
 from helpers import get_cache, micro_model, random_ids
 
 
-def published_parallel_retention(q, k, v, scale=None, initial_state=None, output_final_state=False, backend=None):
+def published_parallel_retention(q, k, v, scale=None, initial_state=None, output_final_state=False, backend=None,
+                                 reset=None):
     """The published RetNet parallel form: decay-mask rows divided by the square root of their sums, and each row
     of ``(q k^T) * D`` divided by ``max(1, sum |.|)`` (torchscale's MultiScaleRetention), then ``@ v``."""
-    assert initial_state is None
+    assert initial_state is None and reset is None
     batch, length, heads, key_dim = q.shape
     scale = key_dim**-0.5 if scale is None else scale
     q, k, v = (x.transpose(1, 2).double() for x in (q, k, v))
@@ -29,8 +30,9 @@ def published_parallel_retention(q, k, v, scale=None, initial_state=None, output
     return o, None
 
 
-def plain_parallel_retention(q, k, v, scale=None, initial_state=None, output_final_state=False, backend=None):
-    assert initial_state is None
+def plain_parallel_retention(q, k, v, scale=None, initial_state=None, output_final_state=False, backend=None,
+                             reset=None):
+    assert initial_state is None and reset is None
     return parallel_retention(q, k, v, scale=scale), None
 
 

@@ -36,7 +36,36 @@ from ..ops.selective_scan import selective_scan, selective_state_update
 from .cache import conv_state, recurrent_state
 from .dense_connection import build_dense_connection, init_dense_linear, split_dense_inputs
 from .norm import DenseSSMRMSNorm
-from .modeling_densessm import DenseSSMCausalLMMixin, DenseSSMForSequenceClassificationMixin, merge_cache_arguments, run_backbone
+from .modeling_densessm import (
+    DenseSSMCausalLMMixin,
+    DenseSSMForSequenceClassificationMixin,
+    document_positions,
+    merge_cache_arguments,
+    run_backbone,
+)
+
+def causal_conv_within_documents(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, reset: torch.Tensor
+) -> torch.Tensor:
+    """Mamba's causal depthwise convolution over packed documents: tap ``k`` of token ``t`` reads ``x_{t-k}`` only
+    when that token lies in ``t``'s document (the window of each document starts empty, as a lone sequence's does).
+
+    Args:
+        x: ``(batch, channels, seq_len)``. weight: ``(channels, 1, kernel)`` (``nn.Conv1d``'s). bias: ``(channels,)``
+            or ``None``. reset: ``(batch, seq_len)`` bool, True at each document's first token.
+
+    Returns:
+        ``(batch, channels, seq_len)``, before the activation.
+    """
+    kernel, length = weight.shape[-1], x.shape[-1]
+    position = document_positions(reset)  # (batch, seq_len): tokens since the document started
+    padded = F.pad(x, (kernel - 1, 0))
+    out = x * weight[:, 0, -1, None]
+    for back in range(1, kernel):  # tap reading x_{t - back}
+        visible = (position >= back).to(x.dtype)[:, None, :]
+        out = out + padded[..., kernel - 1 - back : kernel - 1 - back + length] * weight[:, 0, -1 - back, None] * visible
+    return out if bias is None else out + bias[:, None]
+
 
 class DenseMambaMixer(nn.Module):
     """Sequence mixing of one DenseMamba block (Mamba paper Alg. 2 / Fig. 3, plus DenseSSM Eq. 10-17 on ``u`` and ``B``).
@@ -79,12 +108,13 @@ class DenseMambaMixer(nn.Module):
             self.dense_B = build_dense_connection(config, layer_idx, self.ssm_state_size)
             self.dense_h = None
 
-    def _read_lower_states(self, dense_inputs, C, cache_params, decode: bool, continuing: bool) -> list[torch.Tensor]:
+    def _read_lower_states(self, dense_inputs, C, cache_params, decode: bool, continuing: bool, reset=None):
         """``C^l_t . h^{l-i}_t`` for each predecessor ``i`` (nearest first), ``(batch, seq_len, D)`` each.
 
         Decoding reads the lower layers' states from the cache (updated for this token already: lower layers run
         first), O(D N) each; otherwise each lower state is recomputed by one scan of that layer's ``(u, dt, B, A)``
-        read out with this layer's ``C`` (from the lower layer's state before this call when continuing a cache).
+        read out with this layer's ``C`` (from the lower layer's state before this call when continuing a cache;
+        restarting at each packed document's first token, ``reset``).
         """
         if decode:
             n = len(dense_inputs) // 4
@@ -98,7 +128,7 @@ class DenseMambaMixer(nn.Module):
         return [
             selective_scan(
                 u.transpose(1, 2), dt, A, B.transpose(1, 2), C.transpose(1, 2), initial_state=h0,
-                backend=self.config.kernel_backend,
+                backend=self.config.kernel_backend, reset=reset,
             ).transpose(1, 2)
             for u, dt, B, A, h0 in zip(us, dts, Bs, As, initial)
         ]
@@ -109,7 +139,8 @@ class DenseMambaMixer(nn.Module):
         dense_inputs: tuple[torch.Tensor, ...],
         cache_params=None,
         attention_mask: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        reset: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
         """
         Args:
             hidden_states: ``(batch, seq_len, hidden_size)``, the block's normalized input ``x^l``.
@@ -119,6 +150,8 @@ class DenseMambaMixer(nn.Module):
             cache_params: a transformers ``Cache`` (see ``hf_densessm.modeling.cache``) or ``None``.
             attention_mask: ``(batch, seq_len)`` 0/1 or ``None``; padded positions get ``u = 0`` and ``dt = 0``, so
                 they never change the SSM state.
+            reset: ``(batch, seq_len)`` bool or ``None``: True at the first token of each packed document; the
+                convolution window, the SSM state and the readout scans start from zero there.
 
         Returns:
             ``(output (batch, seq_len, hidden_size), features)``: this layer's pre-fusion ``(u, B)`` with
@@ -140,7 +173,10 @@ class DenseMambaMixer(nn.Module):
         window = conv_state(cache_params, self.layer_idx)
         previous_window = window.clone() if window is not None and mask is not None else None
         context = window[..., 1:].to(x.dtype) if window is not None else x.new_zeros(batch, x.shape[1], self.conv_kernel_size - 1)
-        u = F.conv1d(torch.cat([context, x], dim=-1), self.conv1d.weight, self.conv1d.bias, groups=self.intermediate_size)
+        if reset is None:
+            u = F.conv1d(torch.cat([context, x], dim=-1), self.conv1d.weight, self.conv1d.bias, groups=self.intermediate_size)
+        else:  # packed documents: no tap reaches into the previous document
+            u = causal_conv_within_documents(x, self.conv1d.weight, self.conv1d.bias, reset)
         if cache_params is not None:
             cache_params.update_conv_state(x, self.layer_idx, conv_kernel_size=self.conv_kernel_size)
             if previous_window is not None:  # rows given only padding keep their window
@@ -195,7 +231,7 @@ class DenseMambaMixer(nn.Module):
             result = selective_scan(
                 u.transpose(1, 2), dt, A, B.transpose(1, 2), C.transpose(1, 2),
                 D=D, z=z_scan, delta_softplus=softplus,
-                initial_state=state, return_last_state=cache_params is not None, backend=backend,
+                initial_state=state, return_last_state=cache_params is not None, backend=backend, reset=reset,
             )
             if cache_params is not None:
                 y, last_state = result
@@ -203,7 +239,7 @@ class DenseMambaMixer(nn.Module):
             else:
                 y = result
         if fuse_states:
-            readouts = self._read_lower_states(dense_inputs, C, cache_params, decode, state is not None)
+            readouts = self._read_lower_states(dense_inputs, C, cache_params, decode, state is not None, reset)
             y = self.dense_h(hidden_states, y.transpose(1, 2), readouts).transpose(1, 2)  # Eq. 14
             y = (y + self.D.to(acc)[:, None] * u.transpose(1, 2)) * F.silu(z.to(y.dtype))
         return self.out_proj(y.transpose(1, 2).to(dtype)), features
@@ -224,13 +260,13 @@ class DenseMambaBlock(GradientCheckpointingLayer):
         self.norm = DenseSSMRMSNorm(config.hidden_size, eps=config.layer_norm_epsilon)
         self.mixer = DenseMambaMixer(config, layer_idx=layer_idx)
 
-    def forward(self, hidden_states, *dense_inputs, cache_params=None, attention_mask=None):
+    def forward(self, hidden_states, *dense_inputs, cache_params=None, attention_mask=None, reset=None):
         residual = hidden_states
         hidden_states = self.norm(hidden_states.to(dtype=self.norm.weight.dtype))
         if self.residual_in_fp32:
             residual = residual.to(torch.promote_types(residual.dtype, torch.float32))
         out, features = self.mixer(
-            hidden_states, dense_inputs, cache_params=cache_params, attention_mask=attention_mask
+            hidden_states, dense_inputs, cache_params=cache_params, attention_mask=attention_mask, reset=reset
         )
         return (residual + out, *features)
 
@@ -375,7 +411,7 @@ class DenseMambaModel(DenseMambaPreTrainedModel):
         cache_params = merge_cache_arguments(cache_params, past_key_values)
         hidden_states, cache_params, all_hidden_states = run_backbone(
             self, self.embeddings, self.norm_f, "cache_params", input_ids, inputs_embeds, cache_params, use_cache,
-            output_hidden_states, attention_mask,
+            output_hidden_states, attention_mask, **kwargs,
         )
         if not return_dict:
             return tuple(v for v in (hidden_states, cache_params, all_hidden_states) if v is not None)
@@ -433,6 +469,7 @@ class DenseMambaForCausalLM(DenseSSMCausalLMMixin, DenseMambaPreTrainedModel, Ge
             return_dict=True,
             use_cache=use_cache,
             attention_mask=attention_mask,
+            **kwargs,
         )
         loss, logits = self._logits_and_loss(outputs.last_hidden_state, labels, logits_to_keep, **kwargs)
         if not return_dict:

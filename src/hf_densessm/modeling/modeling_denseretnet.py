@@ -36,7 +36,12 @@ from ..ops.retention import chunk_retention, retention_state_update
 from .cache import recurrent_state
 from .dense_connection import build_dense_connection, init_dense_linear, split_dense_inputs
 from .norm import DenseSSMRMSNorm
-from .modeling_densessm import DenseSSMCausalLMMixin, DenseSSMForSequenceClassificationMixin, run_backbone
+from .modeling_densessm import (
+    DenseSSMCausalLMMixin,
+    DenseSSMForSequenceClassificationMixin,
+    document_positions,
+    run_backbone,
+)
 
 
 class DenseRetNetThetaShift(nn.Module):
@@ -124,6 +129,7 @@ class DenseRetNetRetention(nn.Module):
         dense_inputs: tuple[torch.Tensor, ...],
         cache_params=None,
         attention_mask: torch.Tensor | None = None,
+        reset: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """
         Args:
@@ -135,6 +141,8 @@ class DenseRetNetRetention(nn.Module):
                 families take it under this name: transformers' checkpointing wrapper drops a ``past_key_values``).
             attention_mask: ``(batch, seq_len)`` 0/1 or ``None``. Padded positions get ``k = v = 0``, so they add
                 nothing to the state; in a one-token step a padded row's state is left as it was.
+            reset: ``(batch, seq_len)`` bool or ``None``: True at the first token of each packed document; the
+                retention state, the rotary position and the normalization restart there.
 
         Returns:
             ``(output (batch, seq_len, hidden_size), (k, v))`` with this layer's pre-fusion ``k`` and ``v``.
@@ -156,7 +164,10 @@ class DenseRetNetRetention(nn.Module):
         state = recurrent_state(cache_params, self.layer_idx, 0)
         seen = recurrent_state(cache_params, self.layer_idx, 1)
         offset = seen if seen is not None else torch.zeros(batch, dtype=torch.long, device=q.device)
-        if attention_mask is None:
+        if reset is not None:  # packed documents (no cache, no padding): positions restart at each document
+            positions = document_positions(reset)
+            new_offset = offset + seq_len
+        elif attention_mask is None:
             positions = offset[:, None] + torch.arange(seq_len, device=q.device)
             new_offset = offset + seq_len
         else:  # count real tokens only, so padding never moves a row's position
@@ -175,7 +186,7 @@ class DenseRetNetRetention(nn.Module):
         else:  # training / prefill: chunkwise form of Eq. 24, continuing from the cached state
             o, final_state = chunk_retention(
                 q, k, v, scale=1.0, initial_state=state,
-                output_final_state=cache_params is not None, backend=backend,
+                output_final_state=cache_params is not None, backend=backend, reset=reset,
             )
             if cache_params is not None:
                 cache_params.update_recurrent_state(final_state, self.layer_idx, state_idx=0)
@@ -199,12 +210,13 @@ class DenseRetNetBlock(GradientCheckpointingLayer):
         self.input_layernorm = DenseSSMRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.self_attn = DenseRetNetRetention(config, layer_idx)
 
-    def forward(self, hidden_states, *dense_inputs, cache_params=None, attention_mask=None):
+    def forward(self, hidden_states, *dense_inputs, cache_params=None, attention_mask=None, reset=None):
         out, features = self.self_attn(
             self.input_layernorm(hidden_states),
             dense_inputs,
             cache_params=cache_params,
             attention_mask=attention_mask,
+            reset=reset,
         )
         return (hidden_states + out, *features)
 
@@ -286,7 +298,7 @@ class DenseRetNetModel(DenseRetNetPreTrainedModel):
         return_dict = return_dict if return_dict is not None else self.config.return_dict
         hidden_states, past_key_values, all_hidden_states = run_backbone(
             self, self.embed_tokens, self.norm, "past_key_values", input_ids, inputs_embeds, past_key_values, use_cache,
-            output_hidden_states, attention_mask,
+            output_hidden_states, attention_mask, **kwargs,
         )
         if not return_dict:
             return tuple(v for v in (hidden_states, past_key_values, all_hidden_states) if v is not None)
@@ -341,6 +353,7 @@ class DenseRetNetForCausalLM(DenseSSMCausalLMMixin, DenseRetNetPreTrainedModel, 
             use_cache=use_cache,
             output_hidden_states=output_hidden_states,
             return_dict=True,
+            **kwargs,
         )
         loss, logits = self._logits_and_loss(outputs.last_hidden_state, labels, logits_to_keep, **kwargs)
         if not return_dict:

@@ -6,6 +6,7 @@ once, used by both families; the dense connection itself is :mod:`.dense_connect
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers.modeling_layers import GenericForSequenceClassification
 from transformers.utils import logging
@@ -81,6 +82,98 @@ def prepare_attention_mask(attention_mask: torch.Tensor | None, batch: int, seq_
     return attention_mask
 
 
+PACKING_KEYS = ("cu_seq_lens_q", "seq_idx", "position_ids")
+
+
+def packed_document_starts(
+    batch: int,
+    seq_len: int,
+    device: torch.device,
+    cu_seq_lens_q: torch.Tensor | None = None,
+    seq_idx: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+) -> torch.Tensor | None:
+    """The ``(batch, seq_len)`` bool ``reset`` of packed documents (True at each document's first token), from
+    transformers' padding-free inputs (``DataCollatorWithFlattening``), or ``None`` when a row holds one document.
+
+    - ``cu_seq_lens_q``: ``(num_docs + 1,)`` integer cumulative lengths, 0 first, the total last (``batch`` 1);
+    - ``seq_idx``: ``(batch, seq_len)`` integer document index, non-decreasing along a row;
+    - ``position_ids``: ``(batch, seq_len)`` (or ``(seq_len,)``) positions restarting at 0 for each document, rising
+      by 1 inside one: a document starts wherever they restart at 0.
+
+    Each one given is checked, and they must agree. Given none, or describing one document per row, it returns
+    ``None`` and the model behaves exactly as without them.
+
+    Raises:
+        TypeError: a non-integer tensor.
+        ValueError: a shape inconsistent with ``input_ids``, cumulative lengths that are not increasing from 0 to
+            the total (an empty document), ``seq_idx`` that decreases, ``position_ids`` that neither restart at 0 nor
+            rise by 1, or inputs that disagree. Messages name the argument.
+    """
+    starts = {}
+    if cu_seq_lens_q is not None:
+        cu = _integer_tensor("cu_seq_lens_q", cu_seq_lens_q).to(device)
+        if cu.dim() != 1 or batch != 1:
+            raise ValueError(
+                f"`cu_seq_lens_q` must be 1-D (num_docs + 1,) with batch size 1 (a flattened batch), got shape "
+                f"{tuple(cu.shape)} with batch {batch}."
+            )
+        if cu.numel() < 2 or int(cu[0]) != 0 or int(cu[-1]) != seq_len or bool((cu[1:] <= cu[:-1]).any()):
+            raise ValueError(
+                f"`cu_seq_lens_q` must rise strictly from 0 to the sequence length {seq_len} (no empty document), "
+                f"got {cu.tolist()[:16]}."
+            )
+        reset = torch.zeros(1, seq_len, dtype=torch.bool, device=device)
+        reset[0, cu[:-1].long()] = True
+        starts["cu_seq_lens_q"] = reset
+    if seq_idx is not None:
+        ids = _integer_tensor("seq_idx", seq_idx).to(device)
+        if tuple(ids.shape) != (batch, seq_len):
+            raise ValueError(f"`seq_idx` must have shape (batch, sequence_length) = {(batch, seq_len)}, got {tuple(ids.shape)}.")
+        step = ids[:, 1:] - ids[:, :-1]
+        if bool((step < 0).any()):
+            raise ValueError("`seq_idx` must not decrease along a row (one index per packed document).")
+        starts["seq_idx"] = F.pad(step != 0, (1, 0), value=True)
+    if position_ids is not None:
+        pos = _integer_tensor("position_ids", position_ids).to(device)
+        if pos.dim() == 1:
+            pos = pos[None].expand(batch, -1)
+        if tuple(pos.shape) != (batch, seq_len):
+            raise ValueError(
+                f"`position_ids` must have shape (batch, sequence_length) = {(batch, seq_len)}, got {tuple(pos.shape)}."
+            )
+        restart = pos == 0
+        if bool(restart[:, 1:].any()):  # packed: positions must restart at 0 or rise by 1
+            if not bool(restart[:, 0].all()) or not bool((restart[:, 1:] | (pos[:, 1:] == pos[:, :-1] + 1)).all()):
+                raise ValueError(
+                    "`position_ids` of packed documents must start at 0 and, inside a document, rise by 1 "
+                    "(they restart at 0 where a document starts)."
+                )
+            starts["position_ids"] = restart
+    if not starts:
+        return None
+    names, resets = list(starts), list(starts.values())
+    for name, other in zip(names[1:], resets[1:]):
+        if not torch.equal(other, resets[0]):
+            raise ValueError(f"`{names[0]}` and `{name}` describe different document boundaries.")
+    reset = resets[0]
+    return reset if bool(reset[:, 1:].any()) else None
+
+
+def _integer_tensor(name: str, value) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor) or value.dtype.is_floating_point or value.dtype == torch.bool:
+        got = value.dtype if isinstance(value, torch.Tensor) else type(value).__name__
+        raise TypeError(f"`{name}` must be an integer tensor, got {got}.")
+    return value
+
+
+def document_positions(reset: torch.Tensor) -> torch.Tensor:
+    """``(batch, seq_len)`` int64 position of each token inside its packed document (0 at each ``reset``)."""
+    index = torch.arange(reset.shape[1], device=reset.device).expand_as(reset)
+    start = torch.where(reset, index, torch.zeros_like(index)).cummax(dim=1).values
+    return index - start
+
+
 def run_backbone(
     model,
     embeddings: nn.Embedding,
@@ -92,6 +185,7 @@ def run_backbone(
     use_cache: bool | None,
     output_hidden_states: bool | None,
     attention_mask: torch.Tensor | None,
+    **packing,
 ):
     """The body of a DenseSSM backbone's ``forward``, shared by both families: check the inputs, embed, set up
     the cache (a new :class:`~hf_densessm.modeling.cache.DenseSSMCache` when ``use_cache`` and none is given),
@@ -104,6 +198,10 @@ def run_backbone(
     warning, as transformers' models give); ``generate()`` runs without gradients and keeps it, so a model in
     ``train()`` mode generates the same tokens as in ``eval()`` mode.
 
+    ``packing``: transformers' padding-free inputs (``cu_seq_lens_q``, ``seq_idx``, ``position_ids``; other keys are
+    ignored): several documents in one row, every recurrent state starting from zero at each document
+    (:func:`packed_document_starts`). For training and scoring: refused with a cache or with padding.
+
     Returns:
         ``(last_hidden_state (batch, seq_len, hidden_size), cache or None, hidden_states or None)``; the
         ``hidden_states`` tuple has ``num_hidden_layers + 1`` entries (block inputs, then the normed output).
@@ -115,17 +213,25 @@ def run_backbone(
     config = model.config
     if output_hidden_states is None:
         output_hidden_states = config.output_hidden_states
-    if use_cache is None:
-        use_cache = config.use_cache and not model.training
     check_inputs(input_ids, inputs_embeds, config.hidden_size)
     if inputs_embeds is None:
         inputs_embeds = embeddings(input_ids)
     else:
         inputs_embeds = inputs_embeds.to(embeddings.weight.dtype)
+    batch, seq_len = inputs_embeds.shape[:2]
+    reset = packed_document_starts(
+        batch, seq_len, inputs_embeds.device, **{key: packing.get(key) for key in PACKING_KEYS}
+    )
+    if reset is not None and (cache is not None or use_cache):
+        raise ValueError(
+            "Packed documents (`cu_seq_lens_q`, `seq_idx` or restarting `position_ids`) are for training and scoring, "
+            f"not for decoding: give no `{cache_arg_name}` and leave `use_cache` unset or False."
+        )
+    if use_cache is None:
+        use_cache = config.use_cache and not model.training and reset is None
     if model.gradient_checkpointing and model.training and torch.is_grad_enabled() and use_cache:
         logger.warning_once("`use_cache=True` is incompatible with gradient checkpointing; setting `use_cache=False`.")
         use_cache = False
-    batch, seq_len = inputs_embeds.shape[:2]
     if cache is not None and use_cache:
         check_cache(cache, config, cache_arg_name, batch)
     elif use_cache:
@@ -133,6 +239,8 @@ def run_backbone(
     if not use_cache:
         cache = None
     attention_mask = prepare_attention_mask(attention_mask, batch, seq_len)
+    if reset is not None and attention_mask is not None:
+        raise ValueError("Packed documents need no padding: give no `attention_mask` with zeros alongside them.")
     hidden_states, all_hidden_states = run_dense_layers(
         model.layers,
         inputs_embeds,
@@ -140,6 +248,7 @@ def run_backbone(
         output_hidden_states,
         cache_params=cache,
         attention_mask=attention_mask,
+        reset=reset,
     )
     record_tokens(cache, seq_len)
     hidden_states = final_norm(hidden_states)

@@ -23,6 +23,7 @@ import numbers
 import torch
 
 from ..backend import use_triton
+from ..packing import check_reset
 from .chunked_torch import chunk_retention_torch, retention_state_update_torch
 from .naive import retention_gamma, retention_log2_gamma
 
@@ -82,7 +83,7 @@ def _check_state(name, state, q, v):
         raise ValueError(f"{name} must be on the device of q ({q.device}), got {state.device}")
 
 
-def chunk_retention(q, k, v, scale=None, initial_state=None, output_final_state=False, backend="auto"):
+def chunk_retention(q, k, v, scale=None, initial_state=None, output_final_state=False, backend="auto", reset=None):
     """Multi-scale retention over a sequence, chunkwise form (DenseSSM paper Eq. 18, 19, 24; RetNet).
 
     Per head ``h`` with decay ``gamma_h = 1 - 2**(-5 - h)`` (``h = 0 .. heads-1``, from the number of heads):
@@ -115,6 +116,8 @@ def chunk_retention(q, k, v, scale=None, initial_state=None, output_final_state=
             float64 inputs), the state before token 0; gradients flow into it if it requires grad.
         output_final_state (bool): also return the state after the last token (to fill a decoding cache).
         backend (str): ``"auto"`` (Triton on CUDA tensors, PyTorch otherwise), ``"triton"`` or ``"torch"``.
+        reset (Tensor, optional): ``(batch, length)`` bool, True at the first token of each packed document: the
+            state before it is dropped (the initial state too at ``t = 0``), so nothing crosses a document boundary.
 
     Returns:
         o (Tensor): ``(batch, length, heads, value_dim)`` in ``v``'s dtype.
@@ -131,11 +134,14 @@ def chunk_retention(q, k, v, scale=None, initial_state=None, output_final_state=
     scale = _check_scale(scale, q.shape[-1])
     if initial_state is not None:
         _check_state("initial_state", initial_state, q, v)
+    reset = check_reset(reset, q.shape[0], q.shape[1], q.device)
     if use_triton(backend, q.device):
+        if reset is not None:
+            raise NotImplementedError("reset (packed sequences) is not in the Triton retention kernel yet; use backend='torch'")
         from .chunk import chunk_retention_triton
 
         return chunk_retention_triton(q, k, v, scale, initial_state, output_final_state)
-    return chunk_retention_torch(q, k, v, scale, initial_state, output_final_state)
+    return chunk_retention_torch(q, k, v, scale, initial_state, output_final_state, reset=reset)
 
 
 def retention_state_update(state, q, k, v, scale=None, backend="auto"):

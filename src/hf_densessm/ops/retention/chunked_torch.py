@@ -15,6 +15,7 @@ accumulate in float32 (float64 when the inputs are float64).
 """
 
 import torch
+import torch.nn.functional as F
 
 from .naive import retention_log2_gamma
 
@@ -36,13 +37,15 @@ def _compute_dtype(dtype):
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _chunk_block(q, k, v, state, log2_gamma):
+def _chunk_block(q, k, v, state, log2_gamma, segments=None):
     """Chunkwise retention over ``n`` chunks of equal length ``C`` (RetNet chunkwise form).
 
     Args:
         q, k: ``(B, H, n, C, K)`` (``q`` already scaled); v: ``(B, H, n, C, V)``; all in the compute dtype.
         state: ``(B, H, K, V)``, the state before the first chunk.
         log2_gamma: ``(H,)``.
+        segments: ``(B, n, C + 1)`` document index of the token before each chunk, then of each of its tokens, or
+            None (one document). Token ``i`` sees token ``j`` (and the carried state) only within its document.
 
     Returns:
         o ``(B, H, n, C, V)`` and the state after the last chunk ``(B, H, K, V)``.
@@ -54,23 +57,35 @@ def _chunk_block(q, k, v, state, log2_gamma):
     intra_decay = torch.exp2(lg[:, :, None] * distance.clamp(min=0)) * (distance >= 0)  # (H, C, C): gamma^(i-j)
     q_decay = torch.exp2(lg * (i + 1))[:, None, :, None]  # (H, 1, C, 1): gamma^(i+1), read of the previous state
     k_decay = torch.exp2(lg * (C - 1 - i))[:, None, :, None]  # (H, 1, C, 1): gamma^(C-1-j), write into the next state
-    chunk_decay = torch.exp2(log2_gamma * C)[:, None, None]  # (H, 1, 1): gamma^C
+    chunk_decay = torch.exp2(log2_gamma * C)[None, :, None, None, None]  # (1, H, 1, 1, 1): gamma^C
+
+    if segments is not None:  # packed documents: nothing crosses a document boundary
+        before, seg = segments[:, :, :1], segments[:, :, 1:]  # (B, n, 1), (B, n, C)
+        same = (seg[..., :, None] == seg[..., None, :]).to(q.dtype)[:, None]  # (B, 1, n, C, C)
+        intra_decay = intra_decay[:, None] * same  # (B, H, n, C, C)
+        q_decay = q_decay * (seg == before).to(q.dtype)[:, None, :, :, None]  # reads the carried state
+        k_decay = k_decay * (seg == seg[..., -1:]).to(q.dtype)[:, None, :, :, None]  # writes the next state
+        chunk_decay = chunk_decay * (seg[..., -1] == before[..., 0]).to(q.dtype)[:, None, :, None, None]
+    else:
+        intra_decay = intra_decay[:, None]
+        chunk_decay = chunk_decay.expand(-1, -1, q.shape[2], -1, -1)
 
     # Intra-chunk: ((q k^T) * D) v, for all chunks at once.
-    o = (q @ k.transpose(-1, -2) * intra_decay[:, None]) @ v
+    o = (q @ k.transpose(-1, -2) * intra_decay) @ v
     # Each chunk's contribution to the state at its end: sum_j gamma^(C-1-j) k_j^T v_j.
     updates = (k * k_decay).transpose(-1, -2) @ v  # (B, H, n, K, V)
     # Inter-chunk recurrence S_c = gamma^C S_{c-1} + U_c: the only loop, over chunks.
     states = []
-    for update in updates.unbind(2):  # unbind, not indexing: one backward node for all chunks
+    for c, update in enumerate(updates.unbind(2)):  # unbind, not indexing: one backward node for all chunks
         states.append(state)
-        state = torch.addcmul(update, state, chunk_decay)
+        state = torch.addcmul(update, state, chunk_decay[:, :, c])
     previous = torch.stack(states, dim=2)  # (B, H, n, K, V): the state before each chunk
     o = o + (q * q_decay) @ previous
     return o, state
 
 
-def chunk_retention_torch(q, k, v, scale=None, initial_state=None, output_final_state=False, chunk_size=None):
+def chunk_retention_torch(q, k, v, scale=None, initial_state=None, output_final_state=False, chunk_size=None,
+                          reset=None):
     """Chunkwise retention in PyTorch (DenseSSM paper Eq. 18, 19, 24; RetNet chunkwise form).
 
     Splits the sequence into chunks of ``chunk_size`` tokens: inside a chunk, ``((q k^T) * D) v`` with the
@@ -85,6 +100,8 @@ def chunk_retention_torch(q, k, v, scale=None, initial_state=None, output_final_
         initial_state (Tensor, optional): ``(batch, heads, key_dim, value_dim)``, the state before token 0.
         output_final_state (bool): also return the state after the last token.
         chunk_size (int, optional): tokens per chunk; defaults to :func:`default_chunk_size`.
+        reset (Tensor, optional): ``(batch, length)`` bool, True at the first token of each packed document:
+            the state before it is dropped (the initial state too at ``t = 0``).
 
     Returns:
         o (Tensor): ``(batch, length, heads, value_dim)`` in ``v``'s dtype.
@@ -105,6 +122,8 @@ def chunk_retention_torch(q, k, v, scale=None, initial_state=None, output_final_
     else:
         state = initial_state.to(cdt, copy=True)  # a copy, so that the final state never aliases the initial one
 
+    # document index of every token, 0 for the initial state's document: (B, 1 + L)
+    documents = None if reset is None else F.pad(reset.long().cumsum(-1), (1, 0))
     outputs = []
     full = (length // chunk_size) * chunk_size
     # Full chunks, then the remainder as one shorter chunk.
@@ -112,7 +131,11 @@ def chunk_retention_torch(q, k, v, scale=None, initial_state=None, output_final_
         if stop == start:
             continue
         blocks = [x[:, :, start:stop].unflatten(2, (-1, size)) for x in (q, k, v)]
-        o, state = _chunk_block(*blocks, state, log2_gamma)
+        segments = None
+        if documents is not None:
+            tokens = documents[:, 1 + start : 1 + stop].unflatten(1, (-1, size))  # (B, n, C)
+            segments = torch.cat([documents[:, start:stop:size, None], tokens], dim=-1)
+        o, state = _chunk_block(*blocks, state, log2_gamma, segments)
         outputs.append(o.flatten(2, 3))
     o = torch.cat(outputs, dim=2) if outputs else v[:, :, :0]
     o = o.transpose(1, 2).to(v_dtype)

@@ -37,7 +37,7 @@ def retention_log2_gamma(heads, device=None, dtype=torch.float32):
     return torch.tensor(values, device=device, dtype=torch.float64).to(dtype)
 
 
-def chunk_retention_naive(q, k, v, scale=None):
+def chunk_retention_naive(q, k, v, scale=None, reset=None):
     """Parallel (quadratic) form of retention, DenseSSM paper Eq. 24, without the published row rescalings.
 
     ``o = scale * ((q k^T) * D) v`` with the causal decay mask ``D[t, s] = gamma_h^(t-s)`` for ``s <= t``, else 0.
@@ -47,6 +47,8 @@ def chunk_retention_naive(q, k, v, scale=None):
         q, k (Tensor): ``(batch, length, heads, key_dim)``.
         v (Tensor): ``(batch, length, heads, value_dim)``.
         scale (float, optional): multiplies ``q``; defaults to ``key_dim ** -0.5``.
+        reset (Tensor, optional): ``(batch, length)`` bool, True at the first token of each packed document;
+            ``D[t, s] = 0`` when ``s`` and ``t`` lie in different documents.
 
     Returns:
         o (Tensor): ``(batch, length, heads, value_dim)`` in ``v``'s dtype.
@@ -60,5 +62,8 @@ def chunk_retention_naive(q, k, v, scale=None):
     distance = (pos[:, None] - pos[None, :]).to(cdt)  # t - s
     decay = torch.exp2(retention_log2_gamma(heads, q.device, cdt)[:, None, None] * distance.clamp(min=0))
     decay = decay * (distance >= 0)  # (H, L, L)
+    if reset is not None:
+        documents = reset.long().cumsum(-1)  # (B, L)
+        decay = decay * (documents[:, None, :, None] == documents[:, None, None, :]).to(cdt)  # (B, H, L, L)
     o = ((scale * q) @ k.transpose(-1, -2) * decay) @ v
     return o.transpose(1, 2).to(v_dtype)

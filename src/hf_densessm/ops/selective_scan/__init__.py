@@ -34,6 +34,7 @@ from __future__ import annotations
 import torch
 
 from ..backend import use_triton
+from ..packing import check_reset
 from .chunked_torch import selective_scan_torch, selective_state_update_torch
 
 __all__ = ["selective_scan", "selective_state_update"]
@@ -105,6 +106,7 @@ def selective_scan(
     initial_state: torch.Tensor | None = None,
     return_last_state: bool = False,
     backend: str = "auto",
+    reset: torch.Tensor | None = None,
 ):
     """Selective scan over a whole sequence (Mamba paper, Algorithm 2; fused kernel of §3.3.2 and App. D).
 
@@ -125,6 +127,8 @@ def selective_scan(
         initial_state: (batch, dim, state) state before the first token (e.g. a cache), any float dtype.
         return_last_state: also return the state after the last token.
         backend: ``"auto"`` | ``"triton"`` | ``"torch"`` (see the module docstring).
+        reset: (batch, length) bool, True at the first token of each packed document: ``h_{t-1}`` is taken as 0
+            there (the initial state too at ``t = 0``), so no state crosses a document boundary (:mod:`..packing`).
 
     Returns:
         ``y`` (batch, dim, length) in ``u``'s dtype; with ``return_last_state``, ``(y, last_state)`` where
@@ -139,7 +143,10 @@ def selective_scan(
             ``TRITON_INTERPRET=1``.
     """
     _check_scan_args(u, delta, A, B, C, D, z, delta_bias, initial_state)
+    reset = check_reset(reset, u.shape[0], u.shape[2], u.device)
     use_triton_kernel = use_triton(backend, u.device)
+    if use_triton_kernel and reset is not None:
+        raise NotImplementedError("reset (packed sequences) is not in the Triton selective scan yet; use backend='torch'")
     if not (u.is_cuda and torch.cuda.is_current_stream_capturing()):
         _check_decay(A)
     if use_triton_kernel:
@@ -151,7 +158,7 @@ def selective_scan(
         )
     return selective_scan_torch(
         u, delta, A, B, C, D=D, z=z, delta_bias=delta_bias, delta_softplus=delta_softplus,
-        initial_state=initial_state, return_last_state=return_last_state,
+        initial_state=initial_state, return_last_state=return_last_state, reset=reset,
     )
 
 

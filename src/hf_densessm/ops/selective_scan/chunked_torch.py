@@ -103,10 +103,28 @@ def _from_chunks(x: torch.Tensor, batch: int, length: int) -> torch.Tensor:
     return out
 
 
-def _scan_fwd(u, dt, A, B, C, D, z, initial_state, chunk_size):
+def _decay(dt_c, At, keep_c, t, out):
+    """``exp(dt_t A)`` of step ``t`` into ``out`` (bc, state, dim), zeroed for the rows whose token starts a
+    document (``keep_c`` (T, bc, 1), 0 there; ``None`` when nothing is reset)."""
+    torch.mul(dt_c[t][:, None, :], At, out=out).exp_()
+    if keep_c is not None:
+        out.mul_(keep_c[t][:, :, None])
+    return out
+
+
+def _chunk_decay(dt_c, At, keep_c, batch, nc):
+    """``exp(A * sum_c dt)`` per chunk, 0 for a chunk that starts a document anywhere: (batch, nc, state, dim)."""
+    decay = torch.exp(dt_c.sum(0)[:, None, :] * At)
+    if keep_c is not None:
+        decay = decay * keep_c.prod(0)[:, :, None]
+    return decay.view(batch, nc, *decay.shape[1:])
+
+
+def _scan_fwd(u, dt, A, B, C, D, z, initial_state, chunk_size, keep=None):
     """Chunked forward scan with the D skip and the gate. ``u, z``: (batch, dim, length); ``dt``: (batch, dim,
     length) in the compute dtype, already discretized; ``A``: (dim, state); ``B, C``: (batch, state, length);
-    ``D``: (dim,); ``initial_state``: (batch, dim, state); ``D, z, initial_state`` may be None.
+    ``D``: (dim,); ``initial_state``: (batch, dim, state); ``D, z, initial_state`` may be None; ``keep``:
+    (batch, 1, length), 0 where a token starts a document (its previous state is dropped), or None.
 
     Returns ``y`` (batch, dim, length) and ``last_state`` (batch, dim, state) in the compute dtype (``dt``'s),
     and the chunk entry states (batch, n_chunks, state, dim) that the backward pass starts from."""
@@ -122,6 +140,7 @@ def _scan_fwd(u, dt, A, B, C, D, z, initial_state, chunk_size):
     B_c = _to_chunks(B, T, nc, cdt)  # (T, bc, n)
     C_c = _to_chunks(C, T, nc, cdt)  # (T, bc, n)
     At = A.t().to(cdt).contiguous()  # (n, dim)
+    keep_c = None if keep is None else 1 - _to_chunks(1 - keep, T, nc, cdt)  # (T, bc, 1); padding keeps
     decay = torch.empty(bc, n, dim, **kw)  # exp(dt_t A), reused every step
     h = torch.zeros(bc, n, dim, **kw)
 
@@ -134,10 +153,10 @@ def _scan_fwd(u, dt, A, B, C, D, z, initial_state, chunk_size):
     if nc > 1:
         # 1. local recurrence from zero: each chunk's end state
         for t in range(T):
-            torch.mul(dt_c[t][:, None, :], At, out=decay).exp_()
+            _decay(dt_c, At, keep_c, t, decay)
             h.mul_(decay).addcmul_(B_c[t][:, :, None], dtu_c[t][:, None, :])
         # 2. across chunks: S_c = exp(A * sum_c dt) * S_{c-1} + local_end_c
-        chunk_decay = torch.exp(dt_c.sum(0)[:, None, :] * At).view(batch, nc, n, dim)
+        chunk_decay = _chunk_decay(dt_c, At, keep_c, batch, nc)
         local_end = h.view(batch, nc, n, dim)
         for c in range(1, nc):
             torch.addcmul(local_end[:, c - 1], chunk_decay[:, c - 1], entry[:, c - 1], out=entry[:, c])
@@ -147,7 +166,7 @@ def _scan_fwd(u, dt, A, B, C, D, z, initial_state, chunk_size):
     y_c = _empty_chunks(T, bc, dim, **kw)
     y_t = torch.empty(bc, 1, dim, **kw)
     for t in range(T):
-        torch.mul(dt_c[t][:, None, :], At, out=decay).exp_()
+        _decay(dt_c, At, keep_c, t, decay)
         h.mul_(decay).addcmul_(B_c[t][:, :, None], dtu_c[t][:, None, :])
         y_c[t].copy_(torch.bmm(C_c[t][:, None, :], h, out=y_t)[:, 0])
     last_state = h.view(batch, nc, n, dim)[:, -1].transpose(1, 2).contiguous()  # padding kept the state
@@ -159,7 +178,7 @@ def _scan_fwd(u, dt, A, B, C, D, z, initial_state, chunk_size):
     return y, last_state, entry
 
 
-def _scan_bwd(u, dt, A, B, C, D, z, entry, gout, glast, chunk_size):
+def _scan_bwd(u, dt, A, B, C, D, z, entry, gout, glast, chunk_size, keep=None):
     """Gradients of :func:`_scan_fwd` for one block of channels.
 
     ``gout``: (batch, dim, length) gradient of ``y`` or None; ``glast``: (batch, dim, state) or None.
@@ -178,6 +197,7 @@ def _scan_bwd(u, dt, A, B, C, D, z, entry, gout, glast, chunk_size):
     B_c = _to_chunks(B, T, nc, cdt)
     C_c = _to_chunks(C, T, nc, cdt)
     At = A.t().to(cdt).contiguous()
+    keep_c = None if keep is None else 1 - _to_chunks(1 - keep, T, nc, cdt)
     entry = entry.reshape(bc, n, dim)
     decay = torch.empty(bc, n, dim, **kw)
 
@@ -185,7 +205,7 @@ def _scan_bwd(u, dt, A, B, C, D, z, entry, gout, glast, chunk_size):
     H = torch.empty(T, bc, n, dim, **kw)
     prev = entry
     for t in range(T):
-        torch.mul(dt_c[t][:, None, :], At, out=decay).exp_()
+        _decay(dt_c, At, keep_c, t, decay)
         torch.mul(decay, prev, out=H[t]).addcmul_(B_c[t][:, :, None], dtu_c[t][:, None, :])
         prev = H[t]
 
@@ -210,9 +230,9 @@ def _scan_bwd(u, dt, A, B, C, D, z, entry, gout, glast, chunk_size):
     if nc > 1:
         for t in reversed(range(T)):
             g.addcmul_(C_c[t][:, :, None], gy_c[t][:, None, :])
-            g.mul_(torch.mul(dt_c[t][:, None, :], At, out=decay).exp_())
+            g.mul_(_decay(dt_c, At, keep_c, t, decay))
     # 3. across chunks, in reverse: adjoint arriving at each chunk end
-    chunk_decay = torch.exp(dt_c.sum(0)[:, None, :] * At).view(batch, nc, n, dim)
+    chunk_decay = _chunk_decay(dt_c, At, keep_c, batch, nc)
     local_entry = g.view(batch, nc, n, dim)
     end_adjoint = torch.empty(batch, nc, n, dim, **kw)
     if glast is None:
@@ -234,7 +254,7 @@ def _scan_bwd(u, dt, A, B, C, D, z, entry, gout, glast, chunk_size):
         g.addcmul_(C_c[t][:, :, None], gy_c[t][:, None, :])  # g_t = dL/dh_t
         W[t].copy_(torch.bmm(B_c[t][:, None, :], g, out=W_t)[:, 0])
         dB_c[t].copy_(torch.bmm(g, dtu_c[t][:, :, None], out=dB_t)[:, :, 0])
-        torch.mul(dt_c[t][:, None, :], At, out=decay).exp_()
+        _decay(dt_c, At, keep_c, t, decay)
         X = H[t]  # h_t is no longer needed: reuse its slot for X_t = dL/d(dt_t A) = g_t exp(dt_t A) h_{t-1}
         torch.mul(g, H[t - 1] if t else entry, out=X).mul_(decay)
         torch.sum(torch.mul(X, At, out=tmp), 1, out=ddt_c[t])
@@ -259,7 +279,8 @@ def _scan_bwd(u, dt, A, B, C, D, z, entry, gout, glast, chunk_size):
 
 
 class SelectiveScanTorchFn(torch.autograd.Function):
-    """Autograd wrapper of the chunked scan: ``(u, dt, A, B, C, D, z, initial_state) -> (y, last_state)``.
+    """Autograd wrapper of the chunked scan: ``(u, dt, A, B, C, D, z, initial_state, chunk_size, keep) ->
+    (y, last_state)``; ``keep`` (batch, 1, length) is 0 where a packed document starts (or None).
 
     ``dt`` (batch, dim, length) is already discretized (bias and softplus applied) and sets the compute dtype
     (float32 or float64); the other tensors may be in any float dtype (``D, z, initial_state`` may be None).
@@ -267,15 +288,15 @@ class SelectiveScanTorchFn(torch.autograd.Function):
     the inputs and the chunk entry states; recomputes the states in the backward pass (module docstring)."""
 
     @staticmethod
-    def forward(ctx, u, dt, A, B, C, D, z, initial_state, chunk_size):
-        y, last_state, entry = _scan_fwd(u, dt, A, B, C, D, z, initial_state, chunk_size)
-        ctx.save_for_backward(u, dt, A, B, C, D, z, initial_state, entry)
+    def forward(ctx, u, dt, A, B, C, D, z, initial_state, chunk_size, keep=None):
+        y, last_state, entry = _scan_fwd(u, dt, A, B, C, D, z, initial_state, chunk_size, keep)
+        ctx.save_for_backward(u, dt, A, B, C, D, z, initial_state, entry, keep)
         ctx.chunk_size = chunk_size
         return y, last_state
 
     @staticmethod
     def backward(ctx, gout, glast):
-        u, dt, A, B, C, D, z, initial_state, entry = ctx.saved_tensors
+        u, dt, A, B, C, D, z, initial_state, entry, keep = ctx.saved_tensors
         cdt = dt.dtype
         batch, dim, length = u.shape
         n = A.shape[1]
@@ -292,7 +313,7 @@ class SelectiveScanTorchFn(torch.autograd.Function):
             g = _scan_bwd(
                 u[:, s], dt[:, s], A[s], B, C, None if D is None else D[s], None if z is None else z[:, s],
                 entry[..., s], None if gout is None else gout[:, s], None if glast is None else glast[:, s],
-                ctx.chunk_size,
+                ctx.chunk_size, keep,
             )
             du[:, s], ddt[:, s], dA[s] = g[0], g[1], g[2]
             dB += g[3]
@@ -307,11 +328,11 @@ class SelectiveScanTorchFn(torch.autograd.Function):
             return None if like is None else grad.to(like.dtype)
 
         return (cast(du, u), ddt, cast(dA, A), cast(dB, B), cast(dC, C), cast(dD, D), cast(dz, z),
-                cast(dinitial, initial_state), None)
+                cast(dinitial, initial_state), None, None)
 
 
 def selective_scan_torch(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
-                         initial_state=None, return_last_state=False, chunk_size=None):
+                         initial_state=None, return_last_state=False, chunk_size=None, reset=None):
     """Selective scan in chunked PyTorch (Mamba paper, Algorithm 2, eq. 2a/2b and 4; chunking as App. D).
 
     Args:
@@ -324,6 +345,8 @@ def selective_scan_torch(u, delta, A, B, C, D=None, z=None, delta_bias=None, del
         initial_state: (batch, dim, state) state before the first token, optional (zero).
         return_last_state: also return the state after the last token.
         chunk_size: tokens per chunk (default :func:`default_chunk_size`); changes speed only.
+        reset: (batch, length) bool, True at the first token of each packed document: the state before it is
+            dropped (``h_{t-1} = 0``, the initial state too at ``t = 0``), or None.
 
     Returns:
         ``y`` (batch, dim, length) in ``u``'s dtype, and with ``return_last_state`` also ``last_state``
@@ -342,7 +365,8 @@ def selective_scan_torch(u, delta, A, B, C, D=None, z=None, delta_bias=None, del
     if chunk_size is None:
         chunk_size = default_chunk_size(length)
     chunk_size = max(1, min(int(chunk_size), length))
-    y, last_state = SelectiveScanTorchFn.apply(u, dt, A, B, C, D, z, initial_state, chunk_size)
+    keep = None if reset is None else (~reset.bool())[:, None, :].to(cdt)
+    y, last_state = SelectiveScanTorchFn.apply(u, dt, A, B, C, D, z, initial_state, chunk_size, keep)
     y = y.to(u.dtype)
     return (y, last_state) if return_last_state else y
 

@@ -14,7 +14,8 @@ import torch.nn.functional as F
 __all__ = ["selective_scan_naive"]
 
 
-def selective_scan_naive(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False, initial_state=None):
+def selective_scan_naive(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False, initial_state=None,
+                         reset=None):
     """Selective scan token by token in float64 (Mamba paper Algorithm 2, eq. 2a, 2b, 4)::
 
         dt_t = softplus(delta_t + delta_bias)                 (bias and softplus optional)
@@ -25,6 +26,7 @@ def selective_scan_naive(u, delta, A, B, C, D=None, z=None, delta_bias=None, del
         u, delta: (batch, dim, length), any float dtype. A: (dim, state). B, C: (batch, state, length).
         D, delta_bias: (dim,) or None. z: (batch, dim, length) or None. delta_softplus: apply softplus.
         initial_state: (batch, dim, state) or None (zeros).
+        reset: (batch, length) bool or None: True where a packed document starts, ``h_{t-1}`` taken as 0 there.
 
     Returns:
         ``(y, last_state)``: (batch, dim, length) and (batch, dim, state), both float64, differentiable.
@@ -38,6 +40,8 @@ def selective_scan_naive(u, delta, A, B, C, D=None, z=None, delta_bias=None, del
     h = u.new_zeros(batch, dim, A.shape[1]) if initial_state is None else initial_state.double()
     ys = []
     for t in range(length):
+        if reset is not None:
+            h = h * (~reset[:, t].bool()).double()[:, None, None]
         h = torch.exp(dt[:, :, t, None] * A) * h + (dt[:, :, t] * u[:, :, t])[:, :, None] * B[:, None, :, t]
         ys.append((h * C[:, None, :, t]).sum(-1))
     y = torch.stack(ys, dim=-1)

@@ -1,0 +1,37 @@
+"""Packed sequences in the ops: the per-token ``reset`` flag both sequence-mixing ops take, and its check.
+
+A row may hold several documents one after another (padding-free training, transformers'
+``DataCollatorWithFlattening``). ``reset[b, t]`` is True at the first token of each document: the recurrent state
+before that token is dropped (``h_{t-1} = 0``; at ``t = 0`` the initial state too), so nothing crosses a document
+boundary, exactly as if each document ran alone. The models build ``reset`` from ``cu_seq_lens_q``, ``seq_idx`` or
+``position_ids`` (``hf_densessm.modeling.modeling_densessm.packed_document_starts``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["check_reset"]
+
+
+def check_reset(reset, batch: int, length: int, device: torch.device) -> torch.Tensor | None:
+    """Return ``reset`` as a ``(batch, length)`` bool tensor (or ``None``).
+
+    Raises:
+        TypeError: ``reset`` is not a bool or integer tensor.
+        ValueError: its shape is not ``(batch, length)``, an integer ``reset`` holds values other than 0 and 1, or it
+            lies on another device. Messages name ``reset``.
+    """
+    if reset is None:
+        return None
+    if not isinstance(reset, torch.Tensor) or reset.dtype.is_floating_point or reset.is_complex():
+        raise TypeError(f"reset must be a bool (or 0/1 integer) tensor of shape (batch, length), got {reset!r:.80}")
+    if tuple(reset.shape) != (batch, length):
+        raise ValueError(f"reset must have shape (batch, length) = ({batch}, {length}), got {tuple(reset.shape)}")
+    if reset.device != device:
+        raise ValueError(f"reset is on {reset.device} but the inputs are on {device}")
+    if reset.dtype != torch.bool:
+        if bool(((reset != 0) & (reset != 1)).any()):
+            raise ValueError("reset must hold only 0 and 1 (True where a packed document starts)")
+        reset = reset.bool()
+    return reset
