@@ -100,15 +100,12 @@ def test_bundle_holds_the_model_code(saved, family):
     assert all(hub.is_bundled_code(folder / name) for name in code)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the modeling files still inherit DenseSSMHubMixin from hf_densessm.hub, so the publishing code ships; "
-    "see docs/hub_and_conversion.md 'What a checkpoint ships'",
-)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_checkpoint_ships_no_publishing_code(saved, family):
     _, folder = saved[family]
     assert not any(name.name.startswith("hub") for name in folder.glob("*.py"))
+    other = "denseretnet" if family == "densemamba" else "densemamba"
+    assert not any(other in name.name for name in folder.glob("*.py"))  # nor the other family's code
 
 
 @pytest.mark.parametrize("family", FAMILIES)

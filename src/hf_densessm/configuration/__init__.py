@@ -3,7 +3,7 @@ one file per family."""
 
 from .configuration_densemamba import DENSEMAMBA_PRESETS, DenseMambaConfig
 from .configuration_denseretnet import DENSERETNET_PRESETS, DenseRetNetConfig
-from .configuration_densessm import DENSE_KNOBS, paper_training_arguments
+from .configuration_densessm import DENSE_KNOBS
 
 __all__ = [
     "DENSEMAMBA_PRESETS",
@@ -11,5 +11,4 @@ __all__ = [
     "DENSE_KNOBS",
     "DenseMambaConfig",
     "DenseRetNetConfig",
-    "paper_training_arguments",
 ]

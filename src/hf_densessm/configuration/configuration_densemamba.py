@@ -32,7 +32,7 @@ DENSEMAMBA_PRESETS = {
 
 #: The paper's training settings (§4.2, Table 2: Mamba's own recipe, learning rates 3e-4 / 2e-4, Adam betas
 #: (0.9, 0.95); AdamW, polynomial decay, 1.5% warm-up, weight decay 0.01, clipping 1.0), as ``TrainingArguments``
-#: keywords; see :func:`~hf_densessm.configuration.configuration_densessm.paper_training_arguments`.
+#: keywords; see :func:`hf_densessm.paper_training_arguments`.
 DENSEMAMBA_PAPER_TRAINING = {
     "densemamba-360m": dict(learning_rate=3e-4, adam_beta1=0.9, adam_beta2=0.95, **PAPER_OPTIMIZER),
     "densemamba-1.3b": dict(learning_rate=2e-4, adam_beta1=0.9, adam_beta2=0.95, **PAPER_OPTIMIZER),

@@ -1,9 +1,5 @@
 """DenseMamba: Mamba (Gu & Dao 2023) with DenseSSM's dense hidden connection (He et al. 2024, §3.3, §4.2).
 
-Read top to bottom: mixer (one Mamba-1 block's sequence mixing, docs/design.md §4), block (pre-norm residual),
-pre-trained base (init, flags), base model, causal-LM head. With ``dense_layers=0`` the parameter names, shapes and
-logits are those of ``transformers.MambaForCausalLM``.
-
 The dense connection, ``dense_target="input"`` (the default; docs/design.md §4): Mamba's state ``h_t = sum_s (prod exp(dt A)) dt_s B_s u_s`` is built from ``B``
 and ``u`` as RetNet's ``S`` is built from ``k`` and ``v`` (C~q, B~k, u~v), so DenseMamba fuses the scan inputs:
 ``u' = u + sum_i phi_u(u^{l-i})`` and ``B' = B + sum_i phi_B(B^{l-i})`` (Eq. 10-17), gates computed from the block's
@@ -31,7 +27,6 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.utils import ModelOutput
 
 from ..configuration.configuration_densemamba import DenseMambaConfig
-from ..hub import DenseSSMHubMixin
 from ..ops.selective_scan import selective_scan, selective_state_update
 from .cache import conv_state, recurrent_state
 from .dense_connection import build_dense_connection, init_dense_linear, split_dense_inputs
@@ -271,7 +266,7 @@ class DenseMambaBlock(GradientCheckpointingLayer):
         return (residual + out, *features)
 
 
-class DenseMambaPreTrainedModel(DenseSSMHubMixin, PreTrainedModel):
+class DenseMambaPreTrainedModel(PreTrainedModel):
     """Weight init and flags shared by the DenseMamba models."""
 
     config_class = DenseMambaConfig

@@ -1,8 +1,5 @@
 """DenseRetNet: RetNet-GAU with DenseSSM's dense KV connection (He et al. 2024, §3.3 "Extension to RetNet", §4.2).
 
-Read top to bottom: rotary "theta shift", the retention normalization, retention unit (one GAU-style block's token
-and channel mixing, docs/design.md §3), block (pre-norm residual), pre-trained base (init, flags), base model, causal-LM head.
-
 Inside a block (``d`` hidden, ``d_qk`` query/key, ``d_v = v_factor * d``, ``H`` heads):
 ``q = SiLU(W_q x)``, ``k = SiLU(W_k x) * (d_qk/H)^-0.5``, ``[v, g] = split(SiLU(W_h x))``; in layers with
 predecessors ``k' = RMSNorm(k + sum_i SiLU(G_k(x)) * k^{l-i})``, ``v' = RMSNorm(v + sum_i SiLU(G_v(x)) * v^{l-i})``
@@ -31,7 +28,6 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
 from ..configuration.configuration_denseretnet import DenseRetNetConfig
-from ..hub import DenseSSMHubMixin
 from ..ops.retention import chunk_retention, retention_state_update
 from .cache import recurrent_state
 from .dense_connection import build_dense_connection, init_dense_linear, split_dense_inputs
@@ -221,7 +217,7 @@ class DenseRetNetBlock(GradientCheckpointingLayer):
         return (hidden_states + out, *features)
 
 
-class DenseRetNetPreTrainedModel(DenseSSMHubMixin, PreTrainedModel):
+class DenseRetNetPreTrainedModel(PreTrainedModel):
     """Weight init and flags shared by the DenseRetNet models."""
 
     config_class = DenseRetNetConfig
