@@ -1,0 +1,38 @@
+"""``benchmarks/gpu_suite.py --dry-run``: every section of the GPU suite runs end to end on the CPU at tiny shapes
+(kernels under the Triton interpreter) and writes its JSON and markdown table, so that the one command meant for a
+GPU machine is known to work before a GPU is at hand. Its numbers mean nothing and are not checked."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SUITE = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_suite.py"
+SECTIONS = ("environment", "kernel-correctness", "model-parity", "kernels", "training", "decode")
+
+
+def test_dry_run_covers_every_section(tmp_path):
+    pytest.importorskip("triton")
+    result = subprocess.run([sys.executable, str(SUITE), "--dry-run", "--out-dir", str(tmp_path)],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads((tmp_path / "gpu_suite.json").read_text())
+    records = report["records"]
+    assert not report["failed"]
+    assert {r["section"] for r in records} == set(SECTIONS)
+    errors = [r for r in records if r["metric"] == "error" and r["method"] not in ("mamba_ssm", "fla")]
+    assert not errors, errors
+    checks = [r for r in records if "ok" in r]
+    assert checks and all(r["ok"] for r in checks)
+    metrics = {(r["section"], r["method"], r["metric"]) for r in records}
+    for expected in [("kernels", "triton", "fwd_ms"), ("kernels", "torch", "fwd_bwd_ms"),
+                     ("kernels", "triton", "step_us"), ("training", "triton (auto)", "step_ms"),
+                     ("decode", "generate + cache", "ms_per_token"), ("environment", "torch copy_", "copy_bandwidth")]:
+        assert expected in metrics, expected
+    # both families, with and without the dense connection
+    training = {r["case"].split(" b")[0] for r in records if r["section"] == "training" and r["metric"] == "step_ms"}
+    assert len(training) == 4, training
+    table = (tmp_path / "gpu_suite.md").read_text().splitlines()
+    assert table[0].startswith("| section |") and len(table) == len(records) + 2
