@@ -11,8 +11,6 @@ from .configuration_densessm import (
     check_choice,
     check_positive_float,
     check_size,
-    check_token_ids,
-    resolve_preset,
 )
 
 # Table 2 of the DenseSSM paper (vocabulary 32000, expand 2, state 16, conv 4), plus small sizes for examples,
@@ -84,6 +82,7 @@ class DenseMambaConfig(DenseSSMConfig):
 
     model_type = "densemamba"
     dense_defaults = {"dense_layers": 4}
+    presets = DENSEMAMBA_PRESETS
 
     def __init__(
         self,
@@ -148,30 +147,10 @@ class DenseMambaConfig(DenseSSMConfig):
             )
         self.rescale_prenorm_residual = check_bool("rescale_prenorm_residual", rescale_prenorm_residual)
         self.use_cache = check_bool("use_cache", use_cache)
-        check_token_ids(pad_token_id=pad_token_id, bos_token_id=bos_token_id, eos_token_id=eos_token_id)
         super().__init__(
             pad_token_id=pad_token_id,
             bos_token_id=bos_token_id,
             eos_token_id=eos_token_id,
-            tie_word_embeddings=check_bool("tie_word_embeddings", tie_word_embeddings),
+            tie_word_embeddings=tie_word_embeddings,
             **kwargs,
         )
-
-    @property
-    def layer_types(self) -> list[str]:
-        """One transformers linear-attention cache layer (conv state + SSM state) per block."""
-        return ["linear_attention"] * self.num_hidden_layers
-
-    @classmethod
-    def from_preset(cls, name: str, **overrides) -> "DenseMambaConfig":
-        """Build a config from a named size: ``"densemamba-360m"``, ``"densemamba-1.3b"`` (paper Table 2),
-        ``"densemamba-30m"`` (CPU benchmarks), ``"densemamba-tiny"`` (examples, tests).
-
-        ``overrides`` are any config fields (e.g. ``vocab_size`` of your tokenizer, ``dense_layers=0``).
-
-        Raises:
-            ValueError: unknown ``name`` (the message lists the known presets), or a bad override.
-        """
-        kwargs = resolve_preset(DENSEMAMBA_PRESETS, name, "DenseMamba")
-        kwargs.update(overrides)
-        return cls(**kwargs)

@@ -9,8 +9,6 @@ from .configuration_densessm import (
     check_choice,
     check_positive_float,
     check_size,
-    check_token_ids,
-    resolve_preset,
 )
 
 # Table 3 of the DenseSSM paper (vocabulary 32000), plus small sizes for examples, tests and CPU benchmarks.
@@ -84,6 +82,7 @@ class DenseRetNetConfig(DenseSSMConfig):
 
     model_type = "denseretnet"
     dense_defaults = {"dense_layers": 2}
+    presets = DENSERETNET_PRESETS
 
     def __init__(
         self,
@@ -134,12 +133,11 @@ class DenseRetNetConfig(DenseSSMConfig):
         # (slot 0) and the number of tokens seen, which places the rotary angles of later tokens (slot 1).
         kwargs.pop("number_of_conv_states", None)
         self.number_of_conv_states = 2
-        check_token_ids(pad_token_id=pad_token_id, bos_token_id=bos_token_id, eos_token_id=eos_token_id)
         super().__init__(
             pad_token_id=pad_token_id,
             bos_token_id=bos_token_id,
             eos_token_id=eos_token_id,
-            tie_word_embeddings=check_bool("tie_word_embeddings", tie_word_embeddings),
+            tie_word_embeddings=tie_word_embeddings,
             **kwargs,
         )
 
@@ -147,20 +145,3 @@ class DenseRetNetConfig(DenseSSMConfig):
     def value_dim(self) -> int:
         """``d_v = v_factor * hidden_size``, the value and gate width."""
         return int(self.v_factor * self.hidden_size)
-
-    @property
-    def layer_types(self) -> list[str]:
-        """One transformers linear-attention cache layer (retention state + position) per block."""
-        return ["linear_attention"] * self.num_hidden_layers
-
-    @classmethod
-    def from_preset(cls, name: str, **overrides) -> "DenseRetNetConfig":
-        """Build a config from a named size: ``"denseretnet-350m"``, ``"denseretnet-1.3b"`` (paper Table 3),
-        ``"denseretnet-30m"`` (CPU benchmarks), ``"denseretnet-tiny"`` (examples, tests).
-
-        Raises:
-            ValueError: unknown ``name`` (the message lists the known presets), or a bad override.
-        """
-        kwargs = resolve_preset(DENSERETNET_PRESETS, name, "DenseRetNet")
-        kwargs.update(overrides)
-        return cls(**kwargs)

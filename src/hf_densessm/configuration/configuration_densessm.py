@@ -194,10 +194,38 @@ class DenseSSMConfig(PretrainedConfig):
     model_type = ""
     #: Family defaults that differ from the knob table's (``dense_layers``: 4 for DenseMamba, 2 for DenseRetNet).
     dense_defaults: ClassVar[dict] = {}
+    #: The family's named sizes, for :meth:`from_preset`.
+    presets: ClassVar[dict] = {}
 
-    def __init__(self, **kwargs):
+    def __init__(self, pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=True, **kwargs):
+        check_token_ids(pad_token_id=pad_token_id, bos_token_id=bos_token_id, eos_token_id=eos_token_id)
         self.set_dense_knobs(kwargs)
-        super().__init__(**kwargs)
+        super().__init__(
+            pad_token_id=pad_token_id,
+            bos_token_id=bos_token_id,
+            eos_token_id=eos_token_id,
+            tie_word_embeddings=check_bool("tie_word_embeddings", tie_word_embeddings),
+            **kwargs,
+        )
+
+    @property
+    def layer_types(self) -> list[str]:
+        """One transformers linear-attention cache layer per block (``hf_densessm.modeling.cache``)."""
+        return ["linear_attention"] * self.num_hidden_layers
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides):
+        """Build a config from one of the family's named sizes (:attr:`presets`: the paper's Tables 2 and 3, and
+        small ``*-30m`` / ``*-tiny`` sizes for CPU benchmarks, examples and tests), with any field overridden
+        (e.g. ``vocab_size`` of your tokenizer, ``dense_layers=0`` for the base model).
+
+        Raises:
+            TypeError: ``name`` is not a string.
+            ValueError: unknown ``name`` (the message lists the known presets), or a bad override.
+        """
+        kwargs = resolve_preset(cls.presets, name, cls.__name__.removesuffix("Config"))
+        kwargs.update(overrides)
+        return cls(**kwargs)
 
     def set_dense_knobs(self, kwargs: dict) -> None:
         """Pop the knobs of this family from ``kwargs``, validate them and set them on the config."""

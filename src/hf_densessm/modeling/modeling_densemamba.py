@@ -34,6 +34,7 @@ from .norm import DenseSSMRMSNorm
 from .modeling_densessm import (
     DenseSSMCausalLMMixin,
     DenseSSMForSequenceClassificationMixin,
+    backbone_output,
     document_positions,
     merge_cache_arguments,
     run_backbone,
@@ -402,17 +403,12 @@ class DenseMambaModel(DenseMambaPreTrainedModel):
         Raises:
             ValueError, TypeError: bad inputs (see :func:`hf_densessm.modeling.modeling_densessm.run_backbone`).
         """
-        return_dict = return_dict if return_dict is not None else self.config.return_dict
-        cache_params = merge_cache_arguments(cache_params, past_key_values)
-        hidden_states, cache_params, all_hidden_states = run_backbone(
-            self, self.embeddings, self.norm_f, "cache_params", input_ids, inputs_embeds, cache_params, use_cache,
+        cache = merge_cache_arguments(cache_params, past_key_values)
+        hidden_states, cache, all_hidden_states = run_backbone(
+            self, self.embeddings, self.norm_f, "cache_params", input_ids, inputs_embeds, cache, use_cache,
             output_hidden_states, attention_mask, **kwargs,
         )
-        if not return_dict:
-            return tuple(v for v in (hidden_states, cache_params, all_hidden_states) if v is not None)
-        return DenseMambaOutput(
-            last_hidden_state=hidden_states, cache_params=cache_params, hidden_states=all_hidden_states
-        )
+        return backbone_output(self, DenseMambaOutput, "cache_params", return_dict, hidden_states, cache, all_hidden_states)
 
 
 class DenseMambaForCausalLM(DenseSSMCausalLMMixin, DenseMambaPreTrainedModel, GenerationMixin):
@@ -455,7 +451,6 @@ class DenseMambaForCausalLM(DenseSSMCausalLMMixin, DenseMambaPreTrainedModel, Ge
                 those positions.
             others: see :meth:`DenseMambaModel.forward`.
         """
-        return_dict = return_dict if return_dict is not None else self.config.return_dict
         outputs = self.backbone(
             input_ids,
             cache_params=merge_cache_arguments(cache_params, past_key_values),
@@ -466,13 +461,7 @@ class DenseMambaForCausalLM(DenseSSMCausalLMMixin, DenseMambaPreTrainedModel, Ge
             attention_mask=attention_mask,
             **kwargs,
         )
-        loss, logits = self._logits_and_loss(outputs.last_hidden_state, labels, logits_to_keep, **kwargs)
-        if not return_dict:
-            output = tuple(v for v in (logits, outputs.cache_params, outputs.hidden_states) if v is not None)
-            return ((loss,) + output) if loss is not None else output
-        return DenseMambaCausalLMOutput(
-            loss=loss, logits=logits, cache_params=outputs.cache_params, hidden_states=outputs.hidden_states
-        )
+        return self._causal_lm_output(outputs, labels, logits_to_keep, return_dict, DenseMambaCausalLMOutput, **kwargs)
 
 
 class DenseMambaForSequenceClassification(DenseSSMForSequenceClassificationMixin, DenseMambaPreTrainedModel):

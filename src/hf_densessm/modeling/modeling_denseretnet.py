@@ -35,6 +35,7 @@ from .norm import DenseSSMRMSNorm
 from .modeling_densessm import (
     DenseSSMCausalLMMixin,
     DenseSSMForSequenceClassificationMixin,
+    backbone_output,
     document_positions,
     run_backbone,
 )
@@ -291,15 +292,12 @@ class DenseRetNetModel(DenseRetNetPreTrainedModel):
         Raises:
             ValueError, TypeError: bad inputs (see :func:`hf_densessm.modeling.modeling_densessm.run_backbone`).
         """
-        return_dict = return_dict if return_dict is not None else self.config.return_dict
-        hidden_states, past_key_values, all_hidden_states = run_backbone(
+        hidden_states, cache, all_hidden_states = run_backbone(
             self, self.embed_tokens, self.norm, "past_key_values", input_ids, inputs_embeds, past_key_values, use_cache,
             output_hidden_states, attention_mask, **kwargs,
         )
-        if not return_dict:
-            return tuple(v for v in (hidden_states, past_key_values, all_hidden_states) if v is not None)
-        return BaseModelOutputWithPast(
-            last_hidden_state=hidden_states, past_key_values=past_key_values, hidden_states=all_hidden_states
+        return backbone_output(
+            self, BaseModelOutputWithPast, "past_key_values", return_dict, hidden_states, cache, all_hidden_states
         )
 
 
@@ -340,7 +338,6 @@ class DenseRetNetForCausalLM(DenseSSMCausalLMMixin, DenseRetNetPreTrainedModel, 
                 those positions.
             others: see :meth:`DenseRetNetModel.forward`.
         """
-        return_dict = return_dict if return_dict is not None else self.config.return_dict
         outputs = self.model(
             input_ids,
             attention_mask=attention_mask,
@@ -351,13 +348,7 @@ class DenseRetNetForCausalLM(DenseSSMCausalLMMixin, DenseRetNetPreTrainedModel, 
             return_dict=True,
             **kwargs,
         )
-        loss, logits = self._logits_and_loss(outputs.last_hidden_state, labels, logits_to_keep, **kwargs)
-        if not return_dict:
-            output = tuple(v for v in (logits, outputs.past_key_values, outputs.hidden_states) if v is not None)
-            return ((loss,) + output) if loss is not None else output
-        return CausalLMOutputWithPast(
-            loss=loss, logits=logits, past_key_values=outputs.past_key_values, hidden_states=outputs.hidden_states
-        )
+        return self._causal_lm_output(outputs, labels, logits_to_keep, return_dict, CausalLMOutputWithPast, **kwargs)
 
 
 class DenseRetNetForSequenceClassification(DenseSSMForSequenceClassificationMixin, DenseRetNetPreTrainedModel):

@@ -257,6 +257,15 @@ def run_backbone(
     return hidden_states, cache, all_hidden_states
 
 
+def backbone_output(model, output_class, cache_arg_name: str, return_dict, hidden_states, cache, all_hidden_states):
+    """A backbone's return value: ``output_class(last_hidden_state, <cache_arg_name>=cache, hidden_states)``, or the
+    tuple of the ones that are not ``None`` when ``return_dict`` is False (default ``config.return_dict``)."""
+    return_dict = return_dict if return_dict is not None else model.config.return_dict
+    if not return_dict:
+        return tuple(v for v in (hidden_states, cache, all_hidden_states) if v is not None)
+    return output_class(last_hidden_state=hidden_states, hidden_states=all_hidden_states, **{cache_arg_name: cache})
+
+
 def merge_cache_arguments(cache_params, past_key_values):
     """DenseMamba takes its cache as ``cache_params`` (``transformers.MambaForCausalLM``'s name) or, as every other
     causal LM, ``past_key_values``: return the one given.
@@ -330,6 +339,19 @@ class DenseSSMCausalLMMixin:
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
         return loss, logits
+
+    def _causal_lm_output(self, outputs, labels, logits_to_keep, return_dict, output_class, **kwargs):
+        """The head's return value from the backbone's ``outputs``: logits and loss (:meth:`_logits_and_loss`), the
+        cache under ``_cache_arg_name``, the hidden states; a tuple when ``return_dict`` is False."""
+        loss, logits = self._logits_and_loss(outputs.last_hidden_state, labels, logits_to_keep, **kwargs)
+        cache = getattr(outputs, self._cache_arg_name)
+        return_dict = return_dict if return_dict is not None else self.config.return_dict
+        if not return_dict:
+            output = tuple(v for v in (logits, cache, outputs.hidden_states) if v is not None)
+            return ((loss,) + output) if loss is not None else output
+        return output_class(
+            loss=loss, logits=logits, hidden_states=outputs.hidden_states, **{self._cache_arg_name: cache}
+        )
 
     def prepare_inputs_for_generation(
         self,
