@@ -25,6 +25,7 @@ LOAD_VARIANTS = [
     dict(dense_projection="linear"),
     dict(dense_fusion="concat"),
     dict(dense_shared_gate=False, dense_selection="linear"),
+    dict(dense_every=2, dense_layers=3),
 ]
 
 
