@@ -14,7 +14,7 @@ Used by ``test_compile.py``, which runs this file as worker processes (the kerne
 ``TRITON_INTERPRET=0``, while the tests' own process defines them for the interpreter)::
 
     TRITON_INTERPRET=0 python tests/ops/kernel_compile.py < jobs.json     # one JSON result line per job
-    TRITON_INTERPRET=0 python tests/ops/kernel_compile.py --table         # the markdown table of docs/kernels.md
+    TRITON_INTERPRET=0 python tests/ops/kernel_compile.py --table         # the table of docs/kernels.md
 """
 
 from __future__ import annotations
@@ -286,11 +286,35 @@ def format_table(rows: list[tuple[dict, dict]]) -> str:
     return "\n".join(lines)
 
 
+def format_pivot(rows: list[tuple[dict, dict]]) -> str:
+    """Markdown table of ``(job, result)`` pairs with every optional input on: one line per kernel, shape and
+    dtype, one column per architecture holding ``registers / shared KB / occupancy``, the tiles beside them."""
+    cells, tiles = {}, {}
+    for job, r in rows:
+        if job["flags"] not in (list(SCAN_FLAGS), list(RETENTION_FLAGS)) or "error" in r:
+            continue
+        key = (r["kernel"].strip("_"), job["shape"], job["dtype"])
+        flags = " ".join(part for part in r["constexprs"].split() if part.split("=")[0].startswith(("B", "BLOCK")))
+        tiles.setdefault(key, {}).setdefault(f"{flags}, {r['num_warps']} warps, {r['num_stages']} st", []).append(
+            job["arch"])
+        spill = "" if r["stack"] + r["local"] == 0 else f" SPILLS {r['stack'] + r['local']} B"
+        cells[key + (job["arch"],)] = f"{r['registers']} / {r['shared'] / 1024:.0f} / {r['occupancy']:.0%}{spill}"
+    lines = ["| kernel | shape | dtype | tiles, warps, stages | " + " | ".join(ARCH_NAMES) + " |",
+             "|---" * (4 + len(ARCH_NAMES)) + "|"]
+    for key, choices in tiles.items():
+        if len(choices) == 1:
+            text = next(iter(choices))
+        else:
+            text = "; ".join(f"{', '.join(archs)}: {choice}" for choice, archs in choices.items())
+        arch_cells = " | ".join(cells.get(key + (arch,), "") for arch in ARCH_NAMES)
+        lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {text} | {arch_cells} |")
+    return "\n".join(lines)
+
+
 def main() -> int:
     if "--table" in sys.argv:
         selected = [job for job in jobs() if job["flags"] in (list(SCAN_FLAGS), list(RETENTION_FLAGS))]
-        rows = [(job, r) for job in selected for r in run_job(job)]
-        print(format_table(rows))
+        print(format_pivot([(job, r) for job in selected for r in run_job(job)]))
         return 0
     for job in json.load(sys.stdin):
         print(json.dumps(dict(id=job_id(job), results=run_job(job))), flush=True)
