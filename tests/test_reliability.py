@@ -54,7 +54,7 @@ def _check_dense_init(model, family):
 def test_item1_weights_missing_from_a_checkpoint_get_the_model_init(family, variant, tmp_path):
     base = micro_model(family, dense_layers=0)
     base.save_pretrained(tmp_path)
-    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, dense_layers=2, **variant)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, **{"dense_layers": 2, **variant})
     assert any(".dense_" in n for n, _ in loaded.named_parameters())
     _check_dense_init(loaded, family)
     assert torch.isfinite(loaded(random_ids(1, 6)).logits).all()
