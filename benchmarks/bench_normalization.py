@@ -1,6 +1,6 @@
 """CPU cost of DenseRetNet's published retention normalization (each head's output divided by ``sqrt(s_t)``,
-``docs/design.md`` §3), applied as one elementwise pass on the retention op's output: the model with it against the
-same model with the pass replaced by a factor of one, side by side in one process (paired, as ``bench_cpu.py``).
+``docs/design.md`` §3), folded into the per-head RMSNorm as ``eps * s_t``: the model with it against the same model
+with ``s_t`` replaced by one (no normalization), side by side in one process (paired, as ``bench_cpu.py``).
 
     python benchmarks/bench_normalization.py --out benchmarks/results/normalization.json
 """
@@ -31,18 +31,18 @@ def main(argv=None) -> dict:
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(DenseRetNetConfig.from_preset("denseretnet-30m", vocab_size=32000))
     ids = torch.randint(3, 32000, (1, args.seq_len), generator=torch.Generator().manual_seed(0))
-    normalizer = retnet.retention_normalizer
+    normalizer = retnet.retention_row_sums
 
     def ones(positions, num_heads, dtype):
         return torch.ones(*positions.shape, num_heads, 1, dtype=dtype, device=positions.device)
 
     def with_normalizer(fn, replacement):
         def run():
-            retnet.retention_normalizer = replacement
+            retnet.retention_row_sums = replacement
             try:
                 fn()
             finally:
-                retnet.retention_normalizer = normalizer
+                retnet.retention_row_sums = normalizer
         return run
 
     def forward():

@@ -5,11 +5,11 @@ Inside a block (``d`` hidden, ``d_qk`` query/key, ``d_v = v_factor * d``, ``H`` 
 predecessors ``k' = RMSNorm(k + sum_i SiLU(G_k(x)) * k^{l-i})``, ``v' = RMSNorm(v + sum_i SiLU(G_v(x)) * v^{l-i})``
 (Eq. 20-23); theta shift on ``q`` and ``k'``; retention ``o_t = q_t S_t``, ``S_t = gamma_h S_{t-1} + k'_t^T v'_t``
 with ``gamma_h = 1 - 2^(-5-h)`` (Eq. 18, 19, 24); each head's output at position ``t`` divided by ``sqrt(s_t)``,
-``s_t = sum_{j<=t} gamma_h^(t-j)`` (the published models' normalization, :func:`retention_normalizer`); per-head
+``s_t = sum_{j<=t} gamma_h^(t-j)`` (the published models' normalization, :func:`retention_row_sums`); per-head
 RMSNorm with one weight shared by the heads; ``out = W_o(norm(o) * g)``; dropout.
 
 The retention ops (``hf_densessm.ops.chunk_retention`` / ``retention_state_update``) keep fla's plain semantics; the
-normalization is one elementwise pass on their output, in every path (training, prefill, continued prefill, decode,
+normalization is folded exactly into the per-head RMSNorm (``eps * s_t``), in every path (training, prefill, continued prefill, decode,
 left padding: ``t`` counts real tokens, as the rotary angles do). It matters: the per-head RMSNorm is not
 scale-invariant when activations are small against its eps (1e-6), as at the published init scale. The published
 parallel form also divides each row of ``(q k^T) * decay`` by ``max(1, |row sum|)``; its recurrent form does not, and
@@ -70,24 +70,23 @@ class DenseRetNetThetaShift(nn.Module):
         return (xf * cos + rotated * sin).to(x.dtype)
 
 
-def retention_normalizer(positions: torch.Tensor, num_heads: int, dtype: torch.dtype) -> torch.Tensor:
-    """``1 / sqrt(s_t)`` of the published retention, ``s_t = sum_{j<=t} gamma_h^(t-j) = (1 - gamma_h^(t+1)) /
-    (1 - gamma_h)`` with ``gamma_h = 1 - 2^(-5-h)`` (docs/design.md §3; the published parallel form divides the rows
-    of the decay mask by ``sqrt(s_t)``, its recurrent form carries ``s_t = s_{t-1} gamma + 1``).
+def retention_row_sums(positions: torch.Tensor, num_heads: int, dtype: torch.dtype) -> torch.Tensor:
+    """``s_t = sum_{j<=t} gamma_h^(t-j) = (1 - gamma_h^(t+1)) / (1 - gamma_h)``, ``gamma_h = 1 - 2^(-5-h)``: the
+    published retention divides each head's output at position ``t`` by ``sqrt(s_t)`` (its parallel form normalizes
+    the rows of the decay mask, its recurrent form carries ``s_t = s_{t-1} gamma + 1``; docs/design.md §3).
 
     Args:
-        positions: ``(batch, seq_len)`` int64, ``t``, the 0-based count of real tokens (padding positions may be -1;
-            they are treated as ``t = 0``, their output is never used).
+        positions: ``(batch, seq_len)`` int64, ``t``, the 0-based count of real tokens in the document (padding
+            positions may be -1; they are treated as ``t = 0``, their output is never used).
         num_heads: ``H``. dtype: of the result (computed in float64).
 
     Returns:
-        ``(batch, seq_len, H, 1)`` factors in ``(0, 1]``.
+        ``(batch, seq_len, H, 1)`` sums in ``[1, 2^(5+h))``.
     """
     heads = torch.arange(num_heads, device=positions.device, dtype=torch.float64)
     log_gamma = torch.log1p(-torch.exp2(-5.0 - heads))  # (H,)
     count = positions.clamp(min=0).to(torch.float64)[..., None] + 1  # t + 1
-    s = -torch.expm1(count * log_gamma) / -torch.expm1(log_gamma)
-    return s.rsqrt().to(dtype)[..., None]
+    return (torch.expm1(count * log_gamma) / torch.expm1(log_gamma)).to(dtype)[..., None]
 
 
 class DenseRetNetRetention(nn.Module):
@@ -190,8 +189,10 @@ class DenseRetNetRetention(nn.Module):
         if cache_params is not None:
             cache_params.update_recurrent_state(new_offset, self.layer_idx, state_idx=1)
 
-        o = o * retention_normalizer(positions, self.num_heads, torch.promote_types(o.dtype, torch.float32))
-        o = self.group_norm(o.reshape(batch, seq_len, self.value_dim).to(g.dtype))
+        # The published o_t / sqrt(s_t), folded exactly into the per-head RMSNorm that follows:
+        # RMSNorm(o / sqrt(s)) = o / sqrt(mean(o^2) + eps * s), so no pass over o is added.
+        row_sums = retention_row_sums(positions, self.num_heads, torch.promote_types(o.dtype, torch.float32))
+        o = self.group_norm(o.reshape(batch, seq_len, self.value_dim), eps_scale=row_sums)
         return self.dropout(self.o_proj(o * g)), features
 
 

@@ -23,12 +23,16 @@ class DenseSSMRMSNorm(nn.Module):
         self.variance_epsilon = eps
         self.num_groups = num_groups
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, eps_scale: torch.Tensor | None = None) -> torch.Tensor:
+        """``eps_scale``: optional positive factor on ``eps`` per group, ``(..., num_groups, 1)``; normalizing
+        ``x / sqrt(c)`` equals normalizing ``x`` with ``eps * c`` (how DenseRetNet folds its retention
+        normalization in, docs/design.md §3)."""
         input_dtype = hidden_states.dtype
         x = hidden_states.to(torch.promote_types(input_dtype, torch.float32))
         if self.num_groups > 1:
             x = x.unflatten(-1, (self.num_groups, -1))
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        eps = self.variance_epsilon if eps_scale is None else self.variance_epsilon * eps_scale
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
         x = self.weight * x.to(input_dtype)
         return x.flatten(-2) if self.num_groups > 1 else x
 
