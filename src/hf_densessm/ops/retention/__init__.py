@@ -136,11 +136,9 @@ def chunk_retention(q, k, v, scale=None, initial_state=None, output_final_state=
         _check_state("initial_state", initial_state, q, v)
     reset = check_reset(reset, q.shape[0], q.shape[1], q.device)
     if use_triton(backend, q.device):
-        if reset is not None:
-            raise NotImplementedError("reset (packed sequences) is not in the Triton retention kernel yet; use backend='torch'")
         from .chunk import chunk_retention_triton
 
-        return chunk_retention_triton(q, k, v, scale, initial_state, output_final_state)
+        return chunk_retention_triton(q, k, v, scale, initial_state, output_final_state, reset=reset)
     return chunk_retention_torch(q, k, v, scale, initial_state, output_final_state, reset=reset)
 
 

@@ -21,6 +21,15 @@ as float32 partial sums, one per tile, and added on the host. Key and value size
 (key 320 of the 1.3B preset) are masked. Products run through ``tl.dot`` in the input dtype (tensor cores for
 float16 / bfloat16; exact, not TF32, for float32) with float32 accumulation (float64 for float64 inputs).
 
+**Packed sequences** (``reset``, issue 11; constexpr ``HAS_RESET``): the host turns the ``(batch, length)`` reset
+flags into ``(batch, 1 + length)`` int32 document indices, 0 for the initial state's document and then
+``cumsum(reset)``, and every kernel masks per chunk, as ``chunked_torch.py`` does: ``D[i, j]`` where ``i`` and
+``j`` lie in one document; ``gamma^(i+1)`` (the read of the carried state, and the matching term of ``dH``) where
+token ``i`` is in the document of the token before the chunk; ``gamma^(n-1-j)`` (the write into the next state,
+and the ``dH`` terms of ``dk``, ``dv``) where token ``j`` is in the chunk's last document; ``gamma^n`` (the carried
+state, or ``dH``) where the chunk's last token is still in the carried state's document. So nothing crosses a
+boundary, inside a chunk or at its edges, and ``d initial_state`` is 0 when the row starts a document at token 0.
+
 Tiles, warps and stages of each kernel come from :func:`chunk_retention_config`, per GPU (compute capability,
 shared memory per block) and dtype; ``tests/ops/test_compile.py`` compiles every choice it can make.
 """
@@ -118,6 +127,21 @@ def _decay_masks(log2_gamma, BT: tl.constexpr, ACC: tl.constexpr):
 
 
 @triton.jit
+def _document_masks(doc_base, start, t, mask_t, n):
+    """Packed documents (``docs``: ``(batch, 1 + L)`` int32; ``doc_base``: this sequence's row). Reads the
+    document index of each token ``t`` of the chunk (``doc_base[1 + t]``), of the token before the chunk
+    (``doc_base[start]``; 0 before the first token: the initial state's document) and of the chunk's last token.
+    Returns ``same`` (BT, BT): tokens i, j in one document; ``reads`` (BT,): token in the document of the carried
+    state; ``writes`` (BT,): token in the document of the chunk's last token (the state after the chunk);
+    ``carries`` (scalar): the carried state's document goes on to the chunk's end."""
+    seg = tl.load(doc_base + 1 + t, mask=mask_t, other=-1)
+    before = tl.load(doc_base + start)
+    last = tl.load(doc_base + start + n)
+    same = seg[:, None] == seg[None, :]
+    return same, seg == before, seg == last, last == before
+
+
+@triton.jit
 def _dot(a, b, ACC: tl.constexpr, PRECISION: tl.constexpr):
     """``a @ b`` in the operands' dtype, accumulated in ``ACC``."""
     return tl.dot(a, b, out_dtype=ACC, input_precision=PRECISION)
@@ -125,10 +149,11 @@ def _dot(a, b, ACC: tl.constexpr, PRECISION: tl.constexpr):
 
 @triton.jit
 def _retention_fwd_kernel(
-    q, k, v, o_partial, initial_state, final_state, log2_gamma_ptr, scale, L,
+    q, k, v, o_partial, initial_state, final_state, docs, log2_gamma_ptr, scale, L,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     HAS_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_RESET: tl.constexpr,
 ):
     """Grid (value tiles, key tiles, batch * heads): o partial sums over key tiles, and the final state."""
     i_v, i_k, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -162,25 +187,33 @@ def _retention_fwd_kernel(
         v_blk = tl.load(v_base + t[:, None] * (H * V) + offs_v[None, :], mask=mask_tv, other=0.0)
         dt = v_blk.dtype
         q_blk = q_blk * scale
+        decay_c, q_decay_c = decay, q_decay
+        k_decay = tl.where(mask_t, tl.exp2((n - 1 - offs_t).to(ACC) * log2_gamma), 0.0)
+        state_decay = tl.exp2(n.to(ACC) * log2_gamma)
+        if HAS_RESET:  # nothing crosses a document boundary
+            same, reads, writes, carries = _document_masks(docs + i_b * (L + 1), start, t, mask_t, n)
+            decay_c = tl.where(same, decay, 0.0)
+            q_decay_c = tl.where(reads, q_decay, 0.0)
+            k_decay = tl.where(writes, k_decay, 0.0)
+            state_decay = tl.where(carries, state_decay, 0.0)
         # Intra-chunk ((q~ k^T) * D) v, plus the earlier chunks through the state: gamma^(i+1) q~ S.
-        scores = _dot(q_blk.to(dt), tl.trans(k_blk), ACC, PRECISION) * decay
+        scores = _dot(q_blk.to(dt), tl.trans(k_blk), ACC, PRECISION) * decay_c
         o = _dot(scores.to(dt), v_blk, ACC, PRECISION)
-        o += _dot((q_blk * q_decay[:, None]).to(dt), state.to(dt), ACC, PRECISION)
+        o += _dot((q_blk * q_decay_c[:, None]).to(dt), state.to(dt), ACC, PRECISION)
         tl.store(o_base + t[:, None] * (H * V) + offs_v[None, :], o, mask=mask_tv)
         # S <- gamma^n S + sum_j gamma^(n-1-j) k_j^T v_j.
-        k_decay = tl.where(mask_t, tl.exp2((n - 1 - offs_t).to(ACC) * log2_gamma), 0.0)
         k_blk = (k_blk * k_decay[:, None]).to(dt)
-        state = state * tl.exp2(n.to(ACC) * log2_gamma) + _dot(tl.trans(k_blk), v_blk, ACC, PRECISION)
+        state = state * state_decay + _dot(tl.trans(k_blk), v_blk, ACC, PRECISION)
     if STORE_FINAL_STATE:
         tl.store(final_state + state_offs, state.to(final_state.dtype.element_ty), mask=mask_kv)
 
 
 @triton.jit
 def _retention_bwd_dq_kernel(
-    k, v, do, dq_partial, initial_state, log2_gamma_ptr, scale, L,
+    k, v, do, dq_partial, initial_state, docs, log2_gamma_ptr, scale, L,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    HAS_INITIAL_STATE: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_INITIAL_STATE: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr, HAS_RESET: tl.constexpr,
 ):
     """Grid (value tiles, key tiles, batch * heads), forward in time: dq partial sums over value tiles."""
     i_v, i_k, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -212,23 +245,32 @@ def _retention_bwd_dq_kernel(
         v_blk = tl.load(v_base + t[:, None] * (H * V) + offs_v[None, :], mask=mask_tv, other=0.0)
         do_blk = tl.load(do_base + t[:, None] * (H * V) + offs_v[None, :], mask=mask_tv, other=0.0)
         dt = v_blk.dtype
+        decay_c, q_decay_c = decay, q_decay
+        k_decay = tl.where(mask_t, tl.exp2((n - 1 - offs_t).to(ACC) * log2_gamma), 0.0)
+        state_decay = tl.exp2(n.to(ACC) * log2_gamma)
+        if HAS_RESET:  # the forward pass's document masks
+            same, reads, writes, carries = _document_masks(docs + i_b * (L + 1), start, t, mask_t, n)
+            decay_c = tl.where(same, decay, 0.0)
+            q_decay_c = tl.where(reads, q_decay, 0.0)
+            k_decay = tl.where(writes, k_decay, 0.0)
+            state_decay = tl.where(carries, state_decay, 0.0)
         # dq~ = ((dO v^T) * D) k + gamma^(i+1) dO S^T; dq = scale dq~.
-        scores = _dot(do_blk, tl.trans(v_blk), ACC, PRECISION) * decay
+        scores = _dot(do_blk, tl.trans(v_blk), ACC, PRECISION) * decay_c
         dq = _dot(scores.to(dt), k_blk, ACC, PRECISION)
-        dq += _dot((do_blk * q_decay[:, None]).to(dt), tl.trans(state.to(dt)), ACC, PRECISION)
+        dq += _dot((do_blk * q_decay_c[:, None]).to(dt), tl.trans(state.to(dt)), ACC, PRECISION)
         tl.store(dq_base + t[:, None] * (H * K) + offs_k[None, :], dq * scale, mask=mask_tk)
         # The forward state update, recomputed.
-        k_decay = tl.where(mask_t, tl.exp2((n - 1 - offs_t).to(ACC) * log2_gamma), 0.0)
         k_blk = (k_blk * k_decay[:, None]).to(dt)
-        state = state * tl.exp2(n.to(ACC) * log2_gamma) + _dot(tl.trans(k_blk), v_blk, ACC, PRECISION)
+        state = state * state_decay + _dot(tl.trans(k_blk), v_blk, ACC, PRECISION)
 
 
 @triton.jit
 def _retention_bwd_dkv_kernel(
-    q, k, v, do, dk_partial, dv_partial, d_final_state, d_initial_state, log2_gamma_ptr, scale, L,
+    q, k, v, do, dk_partial, dv_partial, d_final_state, d_initial_state, docs, log2_gamma_ptr, scale, L,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     HAS_D_FINAL_STATE: tl.constexpr, STORE_D_INITIAL_STATE: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_RESET: tl.constexpr,
 ):
     """Grid (value tiles, key tiles, batch * heads), backward in time: dk partial sums over value tiles,
     dv partial sums over key tiles, and the gradient of the initial state."""
@@ -267,21 +309,29 @@ def _retention_bwd_dkv_kernel(
         do_blk = tl.load(do_base + t[:, None] * (H * V) + offs_v[None, :], mask=mask_tv, other=0.0)
         dt = v_blk.dtype
         q_blk = q_blk * scale
+        decay_c, q_decay_c = decay, q_decay
         k_decay = tl.where(mask_t, tl.exp2((n - 1 - offs_t).to(ACC) * log2_gamma), 0.0)
+        state_decay = tl.exp2(n.to(ACC) * log2_gamma)
+        if HAS_RESET:  # the forward pass's document masks
+            same, reads, writes, carries = _document_masks(docs + i_b * (L + 1), start, t, mask_t, n)
+            decay_c = tl.where(same, decay, 0.0)
+            q_decay_c = tl.where(reads, q_decay, 0.0)
+            k_decay = tl.where(writes, k_decay, 0.0)
+            state_decay = tl.where(carries, state_decay, 0.0)
         d_state_dt = d_state.to(dt)
         # dk = ((dO v^T) * D)^T q~ + gamma^(n-1-j) v dH^T
-        scores = _dot(do_blk, tl.trans(v_blk), ACC, PRECISION) * decay
+        scores = _dot(do_blk, tl.trans(v_blk), ACC, PRECISION) * decay_c
         dk = _dot(tl.trans(scores.to(dt)), q_blk.to(dt), ACC, PRECISION)
         dk += _dot((v_blk * k_decay[:, None]).to(dt), tl.trans(d_state_dt), ACC, PRECISION)
         tl.store(dk_base + t[:, None] * (H * K) + offs_k[None, :], dk, mask=mask_tk)
         # dv = ((q~ k^T) * D)^T dO + gamma^(n-1-j) k dH
-        scores = _dot(q_blk.to(dt), tl.trans(k_blk), ACC, PRECISION) * decay
+        scores = _dot(q_blk.to(dt), tl.trans(k_blk), ACC, PRECISION) * decay_c
         dv = _dot(tl.trans(scores.to(dt)), do_blk, ACC, PRECISION)
         dv += _dot((k_blk * k_decay[:, None]).to(dt), d_state_dt, ACC, PRECISION)
         tl.store(dv_base + t[:, None] * (H * V) + offs_v[None, :], dv, mask=mask_tv)
         # dH <- gamma^n dH + sum_i gamma^(i+1) q~_i^T dO_i
-        q_blk = (q_blk * q_decay[:, None]).to(dt)
-        d_state = d_state * tl.exp2(n.to(ACC) * log2_gamma) + _dot(tl.trans(q_blk), do_blk, ACC, PRECISION)
+        q_blk = (q_blk * q_decay_c[:, None]).to(dt)
+        d_state = d_state * state_decay + _dot(tl.trans(q_blk), do_blk, ACC, PRECISION)
     if STORE_D_INITIAL_STATE:
         tl.store(d_initial_state + state_offs, d_state.to(d_initial_state.dtype.element_ty), mask=mask_kv)
 
@@ -292,6 +342,16 @@ def _kernel_dtypes(dtype):
     if dtype == torch.float64:
         return torch.float64, tl.float64, "ieee"
     return torch.float32, tl.float32, "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _document_indices(reset):
+    """``(batch, 1 + length)`` int32 document index of the token before the first one (0, the initial state's
+    document) and of every token (``cumsum(reset)``), contiguous; None without ``reset``."""
+    if reset is None:
+        return None
+    docs = torch.zeros(reset.shape[0], reset.shape[1] + 1, dtype=torch.int32, device=reset.device)
+    torch.cumsum(reset.to(torch.int32), dim=1, out=docs[:, 1:])
+    return docs
 
 
 def _launch(kernel, tiles, key_dim, value_dim, batch_heads, *args, **meta):
@@ -305,7 +365,7 @@ class ChunkRetentionFunction(torch.autograd.Function):
     """Autograd wrapper of the chunkwise kernels; states are recomputed in the backward pass, never stored."""
 
     @staticmethod
-    def forward(ctx, q, k, v, scale, initial_state, output_final_state, config):
+    def forward(ctx, q, k, v, scale, initial_state, output_final_state, config, reset=None):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         batch, length, heads, key_dim = q.shape
         value_dim = v.shape[-1]
@@ -317,21 +377,22 @@ class ChunkRetentionFunction(torch.autograd.Function):
         num_k = triton.cdiv(key_dim, config.fwd.block_k)
         o_partial = q.new_empty(num_k, batch, length, heads, value_dim, dtype=acc_torch)
         final_state = q.new_empty(batch, heads, key_dim, value_dim, dtype=state_dtype) if output_final_state else None
+        docs = _document_indices(reset)
         _launch(
             _retention_fwd_kernel, config.fwd, key_dim, value_dim, batch * heads,
-            q, k, v, o_partial, initial_state, final_state, log2_gamma, scale, length, H=heads,
+            q, k, v, o_partial, initial_state, final_state, docs, log2_gamma, scale, length, H=heads,
             HAS_INITIAL_STATE=initial_state is not None, STORE_FINAL_STATE=output_final_state, ACC=acc_tl,
-            PRECISION=precision,
+            PRECISION=precision, HAS_RESET=docs is not None,
         )
         o = o_partial.sum(0).to(v.dtype)
-        ctx.save_for_backward(q, k, v, initial_state, log2_gamma)
+        ctx.save_for_backward(q, k, v, initial_state, log2_gamma, docs)
         ctx.scale = scale
         ctx.config = config
         return o, final_state
 
     @staticmethod
     def backward(ctx, d_o, d_final_state):
-        q, k, v, initial_state, log2_gamma = ctx.saved_tensors
+        q, k, v, initial_state, log2_gamma, docs = ctx.saved_tensors
         config = ctx.config
         batch, length, heads, key_dim = q.shape
         value_dim = v.shape[-1]
@@ -339,13 +400,13 @@ class ChunkRetentionFunction(torch.autograd.Function):
         d_o = d_o.to(v.dtype).contiguous()
         if d_final_state is not None:
             d_final_state = d_final_state.contiguous()
-        meta = dict(H=heads, ACC=acc_tl, PRECISION=precision)
+        meta = dict(H=heads, ACC=acc_tl, PRECISION=precision, HAS_RESET=docs is not None)
 
         dq_partial = q.new_empty(triton.cdiv(value_dim, config.dq.block_v), batch, length, heads, key_dim,
                                  dtype=acc_torch)
         _launch(
             _retention_bwd_dq_kernel, config.dq, key_dim, value_dim, batch * heads,
-            k, v, d_o, dq_partial, initial_state, log2_gamma, ctx.scale, length,
+            k, v, d_o, dq_partial, initial_state, docs, log2_gamma, ctx.scale, length,
             HAS_INITIAL_STATE=initial_state is not None, **meta,
         )
         dk_partial = q.new_empty(triton.cdiv(value_dim, config.dkv.block_v), batch, length, heads, key_dim,
@@ -356,16 +417,17 @@ class ChunkRetentionFunction(torch.autograd.Function):
         d_initial_state = torch.empty_like(initial_state) if need_d_initial else None
         _launch(
             _retention_bwd_dkv_kernel, config.dkv, key_dim, value_dim, batch * heads,
-            q, k, v, d_o, dk_partial, dv_partial, d_final_state, d_initial_state, log2_gamma, ctx.scale, length,
+            q, k, v, d_o, dk_partial, dv_partial, d_final_state, d_initial_state, docs, log2_gamma, ctx.scale,
+            length,
             HAS_D_FINAL_STATE=d_final_state is not None, STORE_D_INITIAL_STATE=need_d_initial, **meta,
         )
         dq = dq_partial.sum(0).to(q.dtype)
         dk = dk_partial.sum(0).to(k.dtype)
         dv = dv_partial.sum(0).to(v.dtype)
-        return dq, dk, dv, None, d_initial_state, None, None
+        return dq, dk, dv, None, d_initial_state, None, None, None
 
 
-def chunk_retention_triton(q, k, v, scale, initial_state=None, output_final_state=False, config=None):
+def chunk_retention_triton(q, k, v, scale, initial_state=None, output_final_state=False, config=None, reset=None):
     """Chunkwise retention with the Triton kernels (arguments checked by :func:`chunk_retention`).
 
     Args:
@@ -376,6 +438,8 @@ def chunk_retention_triton(q, k, v, scale, initial_state=None, output_final_stat
         output_final_state (bool): also return the state after the last token.
         config (ChunkRetentionConfig, optional): the kernels' tiles; by default :func:`chunk_retention_config`
             for ``q``'s device.
+        reset (Tensor, optional): ``(batch, length)`` bool, True at the first token of each packed document: the
+            state before it is dropped (the initial state too at ``t = 0``), so nothing crosses a document boundary.
 
     Returns:
         o ``(batch, length, heads, value_dim)`` in ``v``'s dtype, and the final state
@@ -383,4 +447,4 @@ def chunk_retention_triton(q, k, v, scale, initial_state=None, output_final_stat
     """
     if config is None:
         config = chunk_retention_config(device_arch(q.device), q.dtype, q.shape[-1], v.shape[-1])
-    return ChunkRetentionFunction.apply(q, k, v, scale, initial_state, output_final_state, config)
+    return ChunkRetentionFunction.apply(q, k, v, scale, initial_state, output_final_state, config, reset)

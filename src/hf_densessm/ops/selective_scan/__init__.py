@@ -145,8 +145,6 @@ def selective_scan(
     _check_scan_args(u, delta, A, B, C, D, z, delta_bias, initial_state)
     reset = check_reset(reset, u.shape[0], u.shape[2], u.device)
     use_triton_kernel = use_triton(backend, u.device)
-    if use_triton_kernel and reset is not None:
-        raise NotImplementedError("reset (packed sequences) is not in the Triton selective scan yet; use backend='torch'")
     if not (u.is_cuda and torch.cuda.is_current_stream_capturing()):
         _check_decay(A)
     if use_triton_kernel:
@@ -154,7 +152,7 @@ def selective_scan(
 
         return selective_scan_triton(
             u, delta, A, B, C, D=D, z=z, delta_bias=delta_bias, delta_softplus=delta_softplus,
-            initial_state=initial_state, return_last_state=return_last_state,
+            initial_state=initial_state, return_last_state=return_last_state, reset=reset,
         )
     return selective_scan_torch(
         u, delta, A, B, C, D=D, z=z, delta_bias=delta_bias, delta_softplus=delta_softplus,

@@ -25,6 +25,14 @@ Gradients that sum over channels (``dB``, ``dC``) are added by each block of cha
 vary from run to run); ``dA``, ``dD`` are accumulated in registers per sequence and summed over the batch in
 PyTorch.
 
+**Packed sequences** (``reset``, issue 11): a ``(batch, length)`` int8 flag, 1 at the first token of each
+document, and the constexpr ``HAS_RESET``. The state before such a token is dropped by zeroing that position's
+decay, ``a_t = exp(dt_t A) * (1 - reset_t)``: the associative scan then restarts there, inside a chunk or at its
+first position (which also drops the carried state, or the initial state at ``t = 0``). The backward pass uses
+the same kept decays in its three places: the recomputation of ``h_{t-1}`` (decay of position ``t - 1``), the
+adjoint scan (decay of position ``t + 1``), and the gradients ``d(dt A) = g a h_{t-1}`` and ``d initial_state``,
+which are therefore 0 through a dropped state.
+
 Accumulation is in float32 (float64 when an input is float64, for tests). Runs under ``TRITON_INTERPRET=1``.
 """
 
@@ -102,7 +110,7 @@ def _combine(a1, b1, a2, b2):
 
 @triton.jit
 def _selective_scan_fwd_kernel(
-    u_ptr, delta_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, bias_ptr, h0_ptr,
+    u_ptr, delta_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, bias_ptr, h0_ptr, reset_ptr,
     y_ptr, hlast_ptr, hchunk_ptr,
     s_u_b, s_u_d, s_u_l,
     s_dt_b, s_dt_d, s_dt_l,
@@ -112,6 +120,7 @@ def _selective_scan_fwd_kernel(
     s_z_b, s_z_d, s_z_l,
     dim, length, nstate, n_chunks,
     HAS_Z: tl.constexpr, SOFTPLUS: tl.constexpr, STORE_CHUNKS: tl.constexpr, USE_FP64: tl.constexpr,
+    HAS_RESET: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_b = tl.program_id(0)
@@ -151,6 +160,9 @@ def _selective_scan_fwd_kernel(
             tl.store(hchunk_ptr + (pid_b * n_chunks + c) * dim * nstate + state_offs, h, mask=mask_dn)
         # (BLOCK_D, BLOCK_N, BLOCK_L): discretized A and B u (eq. 4), then the scan (eq. 2a)
         a = tl.exp(dt[:, None, :] * A[:, :, None])
+        if HAS_RESET:  # a document starts here: the state before it is dropped (decay 0)
+            r = tl.load(reset_ptr + pid_b * length + offs_l, mask=mask_l, other=0)
+            a = tl.where((r != 0)[None, None, :], 0.0, a)
         b = (dt * u)[:, None, :] * Bt[None, :, :]
         a_cum, h_loc = tl.associative_scan((a, b), axis=2, combine_fn=_combine)
         hs = h_loc + a_cum * h[:, :, None]
@@ -171,7 +183,7 @@ def _selective_scan_fwd_kernel(
 
 @triton.jit
 def _selective_scan_bwd_kernel(
-    u_ptr, delta_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, bias_ptr, hchunk_ptr, dy_ptr, dlast_ptr,
+    u_ptr, delta_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, bias_ptr, hchunk_ptr, dy_ptr, dlast_ptr, reset_ptr,
     du_ptr, ddelta_ptr, dz_ptr, dB_ptr, dC_ptr, dA_ptr, dD_ptr, dh0_ptr,
     s_u_b, s_u_d, s_u_l,
     s_dt_b, s_dt_d, s_dt_l,
@@ -181,7 +193,7 @@ def _selective_scan_bwd_kernel(
     s_z_b, s_z_d, s_z_l,
     s_dy_b, s_dy_d, s_dy_l,
     dim, length, nstate, n_chunks,
-    HAS_Z: tl.constexpr, SOFTPLUS: tl.constexpr, USE_FP64: tl.constexpr,
+    HAS_Z: tl.constexpr, SOFTPLUS: tl.constexpr, USE_FP64: tl.constexpr, HAS_RESET: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_b = tl.program_id(0)
@@ -248,9 +260,14 @@ def _selective_scan_bwd_kernel(
         entry = acc(tl.load(hchunk_ptr + (pid_b * n_chunks + c) * dim * nstate + state_offs, mask=mask_dn,
                              other=0.0), USE_FP64)
         a_p = tl.where(first, 0.0, tl.exp(dt_p[:, None, :] * A[:, :, None]))
+        a = tl.exp(dt[:, None, :] * A[:, :, None])
+        if HAS_RESET:  # the decays of positions t - 1 and t, 0 where a document starts
+            r_p = tl.load(reset_ptr + pid_b * length + offs_p, mask=(offs_p >= t0) & (offs_p < length), other=0)
+            a_p = tl.where((r_p != 0)[None, None, :], 0.0, a_p)
+            r = tl.load(reset_ptr + pid_b * length + offs_l, mask=mask_l, other=0)
+            a = tl.where((r != 0)[None, None, :], 0.0, a)
         b_p = tl.where(first, entry[:, :, None], (dt_p * u_p)[:, None, :] * B_p[None, :, :])
         _, h_prev = tl.associative_scan((a_p, b_p), axis=2, combine_fn=_combine)
-        a = tl.exp(dt[:, None, :] * A[:, :, None])
         h = a * h_prev + (dt * u)[:, None, :] * Bt[None, :, :]
 
         # 2. output gate and skip
@@ -277,6 +294,9 @@ def _selective_scan_bwd_kernel(
             dt_q = softplus(dt_q)
         dt_q = tl.where(mask_qdl, dt_q, 0.0)
         a_q = tl.exp(dt_q[:, None, :] * A[:, :, None])
+        if HAS_RESET:
+            r_q = tl.load(reset_ptr + pid_b * length + offs_q, mask=offs_q < length, other=0)
+            a_q = tl.where((r_q != 0)[None, None, :], 0.0, a_q)
         a_cum, g_loc = tl.associative_scan((a_q, Ct[None, :, :] * gy[:, None, :]), axis=2, combine_fn=_combine,
                                            reverse=True)
         g = g_loc + a_cum * g_carry[:, :, None]  # dL/dh_t
@@ -310,13 +330,14 @@ def _strides3(t):
 
 
 class SelectiveScanTritonFn(torch.autograd.Function):
-    """Autograd wrapper of the fused kernels: ``(u, delta, A, B, C, D, z, delta_bias, initial_state) ->
-    (y, last_state)``; see :func:`selective_scan_triton` for shapes. The forward pass saves the inputs and the
-    chunk entry states (only when an input needs a gradient); the backward pass recomputes the rest. A missing
-    ``D``, ``delta_bias`` or ``initial_state`` is passed to the kernels as zeros (the same result)."""
+    """Autograd wrapper of the fused kernels: ``(u, delta, A, B, C, D, z, delta_bias, initial_state,
+    delta_softplus, config, reset) -> (y, last_state)``; see :func:`selective_scan_triton` for shapes. The forward
+    pass saves the inputs and the chunk entry states (only when an input needs a gradient); the backward pass
+    recomputes the rest. A missing ``D``, ``delta_bias`` or ``initial_state`` is passed to the kernels as zeros (the
+    same result)."""
 
     @staticmethod
-    def forward(ctx, u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus, config):
+    def forward(ctx, u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus, config, reset=None):
         batch, dim, length = u.shape
         nstate = A.shape[1]
         use_fp64 = any(t is not None and t.dtype == torch.float64 for t in (u, delta, A, B, C, D, z, delta_bias,
@@ -333,16 +354,19 @@ class SelectiveScanTritonFn(torch.autograd.Function):
         y = torch.empty(batch, dim, length, dtype=u.dtype, device=u.device)
         last_state = torch.empty(batch, dim, nstate, **kw)
         h_chunks = torch.empty(batch, n_chunks if store_chunks else 1, dim, nstate, **kw)
+        # (batch, length) int8, 1 where a packed document starts; the kernels index it as contiguous
+        reset_k = None if reset is None else reset.to(device=u.device, dtype=torch.int8).contiguous()
         _selective_scan_fwd_kernel[(batch, triton.cdiv(dim, block_d))](
-            u, delta, A, B, C, D_k, z, bias_k, h0, y, last_state, h_chunks,
+            u, delta, A, B, C, D_k, z, bias_k, h0, reset_k, y, last_state, h_chunks,
             *_strides3(u), *_strides3(delta), A.stride(0), A.stride(1), *_strides3(B), *_strides3(C), *_strides3(z),
             dim, length, nstate, n_chunks,
             HAS_Z=z is not None, SOFTPLUS=bool(delta_softplus), STORE_CHUNKS=store_chunks, USE_FP64=use_fp64,
+            HAS_RESET=reset_k is not None,
             BLOCK_D=block_d, BLOCK_L=config.chunk, BLOCK_N=triton.next_power_of_2(nstate),
             num_warps=config.fwd_warps, num_stages=config.num_stages,
         )
         if store_chunks:
-            ctx.save_for_backward(u, delta, A, B, C, D, z, delta_bias, initial_state, h_chunks)
+            ctx.save_for_backward(u, delta, A, B, C, D, z, delta_bias, initial_state, h_chunks, reset_k)
             ctx.delta_softplus = bool(delta_softplus)
             ctx.config = config
             ctx.use_fp64 = use_fp64
@@ -350,7 +374,7 @@ class SelectiveScanTritonFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy, dlast):
-        u, delta, A, B, C, D, z, delta_bias, initial_state, h_chunks = ctx.saved_tensors
+        u, delta, A, B, C, D, z, delta_bias, initial_state, h_chunks, reset_k = ctx.saved_tensors
         config = ctx.config
         batch, dim, length = u.shape
         nstate = A.shape[1]
@@ -372,12 +396,12 @@ class SelectiveScanTritonFn(torch.autograd.Function):
         dD = torch.empty(batch, dim, **kw)
         dh0 = torch.empty(batch, dim, nstate, **kw)
         _selective_scan_bwd_kernel[(batch, triton.cdiv(dim, block_d))](
-            u, delta, A, B, C, D_k, z, bias_k, h_chunks, dy, dlast,
+            u, delta, A, B, C, D_k, z, bias_k, h_chunks, dy, dlast, reset_k,
             du, ddelta, dz, dB, dC, dA, dD, dh0,
             *_strides3(u), *_strides3(delta), A.stride(0), A.stride(1), *_strides3(B), *_strides3(C), *_strides3(z),
             *_strides3(dy),
             dim, length, nstate, n_chunks,
-            HAS_Z=z is not None, SOFTPLUS=ctx.delta_softplus, USE_FP64=ctx.use_fp64,
+            HAS_Z=z is not None, SOFTPLUS=ctx.delta_softplus, USE_FP64=ctx.use_fp64, HAS_RESET=reset_k is not None,
             BLOCK_D=block_d, BLOCK_L=config.chunk, BLOCK_N=triton.next_power_of_2(nstate),
             num_warps=config.bwd_warps, num_stages=config.num_stages,
         )
@@ -388,18 +412,19 @@ class SelectiveScanTritonFn(torch.autograd.Function):
         return (
             cast(du, u), cast(ddelta, delta), cast(dA.sum(0), A), cast(dB, B), cast(dC, C), cast(dD.sum(0), D),
             cast(dz, z), cast(None if delta_bias is None else ddelta.sum((0, 2)), delta_bias), cast(dh0, initial_state),
-            None, None,
+            None, None, None,
         )
 
 
 def selective_scan_triton(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
-                          initial_state=None, return_last_state=False, config=None):
+                          initial_state=None, return_last_state=False, config=None, reset=None):
     """Fused Triton selective scan (Mamba paper Algorithm 2, kernel of §3.3.2 / App. D), differentiable.
 
     Args and returns as :func:`hf_densessm.ops.selective_scan` (which checks the arguments and should be
     called instead): ``u, delta, z`` (batch, dim, length) and ``B, C`` (batch, state, length) in float32,
     bfloat16 or float16 (float64 for tests), any strides; ``A`` (dim, state); ``D, delta_bias`` (dim,);
-    ``initial_state`` (batch, dim, state). ``y`` comes back in ``u``'s dtype, ``last_state`` in float32
+    ``initial_state`` (batch, dim, state); ``reset`` (batch, length) bool, True where a packed document starts (the
+    state before that token is dropped), or None. ``y`` comes back in ``u``'s dtype, ``last_state`` in float32
     (float64 for float64 inputs). ``config``: a :class:`SelectiveScanConfig`, by default
     :func:`selective_scan_config` for ``u``'s device; it changes speed and register use only.
 
@@ -411,6 +436,6 @@ def selective_scan_triton(u, delta, A, B, C, D=None, z=None, delta_bias=None, de
     if config.chunk < 1 or config.chunk & (config.chunk - 1):
         raise ValueError(f"config.chunk must be a power of 2, got {config.chunk}")
     y, last_state = SelectiveScanTritonFn.apply(
-        u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus, config
+        u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus, config, reset
     )
     return (y, last_state) if return_last_state else y
