@@ -40,11 +40,26 @@ RETENTION_SHAPES = {
 }
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 ARCH_NAMES = ("sm_80", "sm_86", "sm_89", "sm_90")
-#: Optional inputs / outputs whose presence changes a kernel's constexprs; "full" switches all of them on.
+#: Optional inputs / outputs whose presence changes a kernel's constexprs; "full" switches all of them on. Packed
+#: sequences (``reset``) join them where the op's Triton form takes a ``reset`` argument (see :func:`flags`).
 SCAN_FLAGS = ("gate", "softplus", "grad")
 RETENTION_FLAGS = ("initial_state", "final_state", "grad")
-_TRITON_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
+_TRITON_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64",
+                  torch.int8: "i8", torch.uint8: "u8", torch.int32: "i32", torch.int64: "i64", torch.bool: "i1"}
 _LENGTH = 64  # tokens of the recorded launches: a runtime argument, any multiple of 16 compiles the same code
+
+
+def flags(op: str) -> tuple[str, ...]:
+    """The optional inputs of ``op`` ("selective_scan" or "retention") that change its kernels' constexprs."""
+    base = SCAN_FLAGS if op == "selective_scan" else RETENTION_FLAGS
+    try:
+        if op == "selective_scan":
+            from hf_densessm.ops.selective_scan.chunk import selective_scan_triton as triton_form
+        else:
+            from hf_densessm.ops.retention.chunk import chunk_retention_triton as triton_form
+    except ImportError:  # no triton: the test skips anyway
+        return base
+    return base + (("reset",) if "reset" in inspect.signature(triton_form).parameters else ())
 
 
 def jobs() -> list[dict]:
@@ -56,19 +71,26 @@ def jobs() -> list[dict]:
     - Every other combination of the optional inputs (each a distinct set of constexprs the code can launch), for
       sm_90 and bfloat16 at the presets' shapes: they compile to subsets of the full variant's code.
     """
+    scan, retention = list(flags("selective_scan")), list(flags("retention"))
     out = []
     for arch, dtype in itertools.product(ARCH_NAMES, DTYPES):
         for shape in SCAN_SHAPES:
-            out.append(dict(op="selective_scan", arch=arch, dtype=dtype, shape=shape, flags=list(SCAN_FLAGS)))
+            out.append(dict(op="selective_scan", arch=arch, dtype=dtype, shape=shape, flags=scan))
         for shape in RETENTION_SHAPES:
-            out.append(dict(op="retention", arch=arch, dtype=dtype, shape=shape, flags=list(RETENTION_FLAGS)))
-    for op, flags, shape in (("selective_scan", SCAN_FLAGS, "DenseMamba-360M"),
-                             ("retention", RETENTION_FLAGS, "DenseRetNet-350M")):
-        for on in itertools.product((False, True), repeat=len(flags)):
+            out.append(dict(op="retention", arch=arch, dtype=dtype, shape=shape, flags=retention))
+    for op, names, shape in (("selective_scan", scan, "DenseMamba-360M"), ("retention", retention, "DenseRetNet-350M")):
+        for on in itertools.product((False, True), repeat=len(names)):
             if not all(on):
-                chosen = [flag for flag, keep in zip(flags, on) if keep]
+                chosen = [flag for flag, keep in zip(names, on) if keep]
                 out.append(dict(op=op, arch="sm_90", dtype="bfloat16", shape=shape, flags=chosen))
     return out
+
+
+def _reset(length: int) -> torch.Tensor:
+    """A ``(1, length)`` packed-sequence flag: documents start at tokens 0 and ``length // 3``."""
+    reset = torch.zeros(1, length, dtype=torch.bool)
+    reset[0, [0, length // 3]] = True
+    return reset
 
 
 def job_id(job: dict) -> str:
@@ -88,7 +110,7 @@ def _record_launches(job: dict) -> list[tuple]:
 
     arch = ARCHS[job["arch"]]
     dtype = DTYPES[job["dtype"]]
-    flags = set(job["flags"])
+    chosen = set(job["flags"])
     launches = []
     original = JITFunction.run
 
@@ -98,9 +120,9 @@ def _record_launches(job: dict) -> list[tuple]:
     JITFunction.run = record
     try:
         if job["op"] == "selective_scan":
-            _launch_scan(arch, dtype, SCAN_SHAPES[job["shape"]], flags)
+            _launch_scan(arch, dtype, SCAN_SHAPES[job["shape"]], chosen)
         else:
-            _launch_retention(arch, dtype, RETENTION_SHAPES[job["shape"]], flags)
+            _launch_retention(arch, dtype, RETENTION_SHAPES[job["shape"]], chosen)
     finally:
         JITFunction.run = original
     return launches
@@ -124,8 +146,9 @@ def _launch_scan(arch, dtype, shape, flags):
     A = -torch.rand(dim, n)
     D, bias, h0 = torch.randn(dim), torch.randn(dim), torch.randn(1, dim, n)
     config = selective_scan_config(arch, dtype, n)
+    packed = dict(reset=_reset(L)) if "reset" in flags else {}
     y = selective_scan_triton(u, delta, A, B, C, D=D, z=z if "gate" in flags else None, delta_bias=bias,
-                              delta_softplus="softplus" in flags, initial_state=h0, config=config)
+                              delta_softplus="softplus" in flags, initial_state=h0, config=config, **packed)
     if grad:
         y.backward(torch.randn_like(y))
     step_config = selective_state_update_config(arch, n)
@@ -146,7 +169,8 @@ def _launch_retention(arch, dtype, shape, flags):
     q, k, v = (torch.randn(1, L, H, d, dtype=dtype, requires_grad=grad) for d in (K, K, V))
     s0 = torch.randn(1, H, K, V, requires_grad=grad) if "initial_state" in flags else None
     config = chunk_retention_config(arch, dtype, K, V)
-    o, final_state = chunk_retention_triton(q, k, v, K**-0.5, s0, "final_state" in flags, config=config)
+    packed = dict(reset=_reset(L)) if "reset" in flags else {}
+    o, final_state = chunk_retention_triton(q, k, v, K**-0.5, s0, "final_state" in flags, config=config, **packed)
     if grad:
         outputs = [o] + ([final_state] if final_state is not None else [])
         torch.autograd.backward(outputs, [torch.randn_like(t) for t in outputs])
@@ -171,6 +195,28 @@ def compile_api_problem() -> str | None:
         return f"triton {triton.__version__} spells ASTSource without `constexprs` (Triton >= 3.3 needed)"
     if not os.path.isfile(_cuobjdump()):
         return f"no cuobjdump in the triton wheel ({_cuobjdump()})"
+    return None
+
+
+def probe() -> str | None:
+    """Compile a one-line kernel for sm_80 and read its resources: None if that works here, else why not (no
+    ptxas for the target, a broken wheel, ...). Separates "cannot compile for CUDA on this machine" (the test
+    skips) from a kernel of the package that fails to compile (the test fails)."""
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    @triton.jit
+    def _probe_kernel(x_ptr):
+        tl.store(x_ptr, 1.0)
+
+    try:
+        compiled = triton.compile(ASTSource(_probe_kernel, {"x_ptr": "*fp32"}, constexprs={}),
+                                  target=GPUTarget("cuda", 80, 32))
+        _resources(compiled.asm["cubin"])
+    except Exception as error:
+        return f"{type(error).__name__}: {error}"[:1000]
     return None
 
 
@@ -291,11 +337,11 @@ def format_pivot(rows: list[tuple[dict, dict]]) -> str:
     dtype, one column per architecture holding ``registers / shared KB / occupancy``, the tiles beside them."""
     cells, tiles = {}, {}
     for job, r in rows:
-        if job["flags"] not in (list(SCAN_FLAGS), list(RETENTION_FLAGS)) or "error" in r:
+        if job["flags"] != list(flags(job["op"])) or "error" in r:
             continue
         key = (r["kernel"].strip("_"), job["shape"], job["dtype"])
-        flags = " ".join(part for part in r["constexprs"].split() if part.split("=")[0].startswith(("B", "BLOCK")))
-        tiles.setdefault(key, {}).setdefault(f"{flags}, {r['num_warps']} warps, {r['num_stages']} st", []).append(
+        tile_text = " ".join(part for part in r["constexprs"].split() if part.split("=")[0].startswith("B"))
+        tiles.setdefault(key, {}).setdefault(f"{tile_text}, {r['num_warps']} warps, {r['num_stages']} st", []).append(
             job["arch"])
         spill = "" if r["stack"] + r["local"] == 0 else f" SPILLS {r['stack'] + r['local']} B"
         cells[key + (job["arch"],)] = f"{r['registers']} / {r['shared'] / 1024:.0f} / {r['occupancy']:.0%}{spill}"
@@ -312,8 +358,11 @@ def format_pivot(rows: list[tuple[dict, dict]]) -> str:
 
 
 def main() -> int:
+    if "--probe" in sys.argv:
+        print(json.dumps(dict(problem=probe())))
+        return 0
     if "--table" in sys.argv:
-        selected = [job for job in jobs() if job["flags"] in (list(SCAN_FLAGS), list(RETENTION_FLAGS))]
+        selected = [job for job in jobs() if job["flags"] == list(flags(job["op"]))]
         print(format_pivot([(job, r) for job in selected for r in run_job(job)]))
         return 0
     for job in json.load(sys.stdin):
