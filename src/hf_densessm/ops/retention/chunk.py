@@ -112,7 +112,9 @@ def chunk_retention_config(arch: GPUArch, dtype: torch.dtype, key_dim: int, valu
         fwd = dq = RetentionTiles(64, 64, 64, 8, stages)
     else:
         fwd, dq = RetentionTiles(32, 32, 32, 8, stages), RetentionTiles(32, 32, 64, 8, stages)
-    dkv = RetentionTiles(32, 32, 64, 8, stages)
+    # heads smaller than one 32 x 64 tile: 4 warps for dk/dv (8 warps on its 16 x 32 tile made ptxas spill the
+    # float32 kernel with packed-sequence resets on sm_90, at 128 registers)
+    dkv = RetentionTiles(32, 32, 64, 8 if key_dim * value_dim >= 32 * 64 else 4, stages)
     return ChunkRetentionConfig(*(tiles.fit(key_dim, value_dim) for tiles in (fwd, dq, dkv)))
 
 
