@@ -82,8 +82,9 @@ def selective_scan_config(arch: GPUArch, dtype: torch.dtype, nstate: int) -> Sel
     :data:`~hf_densessm.ops.backend.ARCHS` has 64K registers per SM, so the choice depends on the state size
     only. Measured by the compile test (``tests/ops/test_compile.py``) for state 16 (the presets), bfloat16: the
     forward kernel with 8 channels x 16 tokens x 4 warps takes 124 registers on sm_80 and 96 on sm_90, for a
-    theoretical occupancy of 25% / 31%, where the first version's 16 channels x 32 tokens x 8 warps took
-    170-176 registers (12.5%); the backward kernel stays at 12.5% (about 240 registers; 4 channels per program
+    theoretical occupancy of 25% / 31% (with packed-sequence resets: 124 / 102 registers, 25% / 25%), where the
+    first version's 16 channels x 32 tokens x 8 warps took 170-176 registers (12.5%); the backward kernel stays
+    at 12.5% (about 240 registers; 4 channels per program
     would give 19% on sm_80 only, for twice the atomic adds of ``dB``, ``dC``). No spills. Larger states get
     proportionally fewer channels per program, so that a thread holds as many elements.
 
