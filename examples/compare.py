@@ -38,6 +38,13 @@ the paired dense-minus-base differences (and DenseMamba state-minus-input): mean
 effects, Tables 5 and 7). ``<output-dir>/held_out_loss.png`` plots the held-out curves (mean over seeds, with the
 seeds' min-max band) and the paired differences.
 
+Budget of the default run (hidden 256, 4 layers, vocabulary 8192, 160 steps of 8 x 256 tokens, 3 seeds), measured
+on a 2-core Intel Xeon VM that other jobs were sharing, so as single-thread CPU time per optimizer step: Mamba 1.85 s,
+DenseMamba input 1.9 s, DenseMamba state 3.35 s, RetNet 0.84 s, DenseRetNet 0.95 s, i.e. 8.9 s for the five variants;
+x 160 steps x 3 seeds = 71 min, plus 6 held-out evaluations of 128 blocks per run (about 13 min) and data and set-up
+(about 2 min): about 86 min if the second core gave nothing, so the margin is what it gives. Each run trains on 328k
+tokens, an eighth of the training text.
+
 Run it from the repository root::
 
     python examples/compare.py                 # the full experiment: 5 variants x 3 seeds, about 90 min on 2 cores
@@ -440,6 +447,8 @@ def plot(results: dict, differences: dict, variants: list[str], path: Path, titl
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     job_start = time.perf_counter()
+    if args.quick:
+        torch.set_num_threads(1)  # tiny models: a second thread only adds synchronization, worst on a busy machine
     args.output_dir.mkdir(parents=True, exist_ok=True)
     tokenizer, train, held_out_all, data_info = prepare_data(args)
     held_out = corpus.evaluation_subset(held_out_all, args.eval_blocks)
