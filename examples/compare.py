@@ -110,7 +110,7 @@ T_975 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 
 
 #: Settings of ``--quick``: tiny models, a slice of the corpus, a few steps (checks the plumbing, not the result).
 QUICK = dict(
-    steps=4, eval_every=2, seeds=2, hidden_size=32, layers=4, block_size=32, batch_size=4, vocab_size=300,
+    steps=4, seeds=2, hidden_size=32, layers=4, block_size=32, batch_size=4, vocab_size=300,
     eval_blocks=8, corpus_chars=200_000, tokenizer_chars=100_000,
 )
 
@@ -140,12 +140,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "and a PNG.",
     )
     add = parser.add_argument
-    add("--output-dir", type=Path, default=Path("outputs/compare"), help="results, plot and data cache (default: %(default)s)")
+    add("--output-dir", type=Path, default=Path("outputs/compare"),
+        help="results, plot and data cache (default: %(default)s)")
     add("--quick", action="store_true", help="every configuration for a few steps on a slice of the corpus: checks the "
         "plumbing (JSON, PNG), not the result; options given explicitly still apply")
     add("--seeds", type=int_at_least(2), help="number of seeds, 0..N-1 (default: 3; --quick: 2)")
     add("--steps", type=int_at_least(1), help="optimizer steps per run (default: 160; --quick: 4)")
-    add("--eval-every", type=int_at_least(1), help="steps between held-out evaluations (default: steps // 5)")
+    add("--eval-every", type=int_at_least(1), help="steps between held-out evaluations (default: steps // 5; "
+        "--quick: steps // 2)")
     add("--eval-blocks", type=int_at_least(1), help="held-out blocks evaluated, the same fixed sample for every run "
         "(default: 128; --quick: 8)")
     add("--batch-size", type=int_at_least(1), help="sequences per optimizer step (default: 8)")
@@ -154,7 +156,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--layers", type=int_at_least(2), help="layers of every model (default: 4)")
     add("--vocab-size", type=int_at_least(corpus.MIN_VOCAB_SIZE), help="BPE vocabulary, special tokens included "
         "(default: 8192)")
-    add("--variants", nargs="+", choices=list(VARIANTS), help=f"variants to train (default: {' '.join(DEFAULT_VARIANTS)}); "
+    add("--variants", nargs="+", choices=list(VARIANTS), metavar="NAME",
+        help=f"variants to train, of {', '.join(VARIANTS)} (default: {' '.join(DEFAULT_VARIANTS)}); "
         "a dense variant needs its family's base for the paired difference")
     add("--device", choices=["auto", "cpu", "cuda"], default="auto", help="where to train: 'auto' = CUDA if available "
         "(default: %(default)s)")
@@ -170,7 +173,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         if getattr(args, name, None) is None:
             setattr(args, name, value)
     if args.eval_every is None:
-        args.eval_every = defaults.get("eval_every") if args.quick else max(1, args.steps // 5)
+        args.eval_every = max(1, args.steps // 2) if args.quick else max(1, args.steps // 5)
     args.variants = args.variants or list(DEFAULT_VARIANTS)
     if len(set(args.variants)) != len(args.variants):
         parser.error("argument --variants: a variant is named twice")
@@ -540,7 +543,8 @@ def main(argv: list[str] | None = None) -> dict:
     for name, v in variants_out.items():
         loss = v["held_out_loss"]
         lines.append(
-            f"| {name} | {v['parameters']:,} ({v['parameters_vs_base']:+.2%}) | {loss['mean']:.4f} +- {loss['std']:.4f} | "
+            f"| {name} | {v['parameters']:,} ({v['parameters_vs_base']:+.2%}) | "
+            f"{loss['mean']:.4f} +- {loss['std']:.4f} | "
             f"{', '.join(f'{x:.4f}' for x in loss['per_seed'].values())} | {v['seconds_per_step']['mean']:.3f} |"
         )
     lines += ["", "| paired difference | mean +- std | per seed | 95% interval |", "|---|---|---|---|"]
