@@ -155,3 +155,43 @@ def test_trainer_with_flattening_collator_matches_padded_loss_and_trains(family,
     trainer.train()
     losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
     assert losses[-1] < losses[0]
+
+
+
+@pytest.mark.parametrize("family, knobs", VARIANTS, ids=IDS)
+def test_packed_row_equals_documents_one_by_one_through_triton(family, knobs):
+    """The same comparison through the Triton kernels (``kernel_backend="triton"``, under TRITON_INTERPRET=1 on the
+    CPU). Documents of 1, 7, 7, 1, 16 and 3 tokens start at 0, 1, 8, 15 (a one-token document at the last token of
+    a 16-token scan chunk), 16 and 32 (scan chunk edges; 32 is also the edge of the 32-token retention chunk), the
+    last one shorter than the conv kernel. The interpreter's associative scan is slow, so DenseMamba is smaller
+    here (hidden 16, state 4, 2 layers). The kernels keep some partial sums in float32, so agreement is to float32
+    rounding (tests/test_kernel_paths.py's tolerance)."""
+    pytest.importorskip("triton")
+    tol = dict(atol=1e-6, rtol=1e-5)
+    smaller = dict(hidden_size=16, state_size=4, num_hidden_layers=2) if family == "densemamba" else {}
+    model = micro_model(family, **smaller, **knobs).double().train()
+    model.config.dropout = 0.0
+    model.config.kernel_backend = "triton"
+    docs = documents([1, 7, 7, 1, 16, 3])
+    ids, labels, _, position_ids, _ = packed_inputs(docs)
+    predicted = sum(len(d) - 1 for d in docs)
+
+    out = model(input_ids=ids, labels=labels, position_ids=position_ids)
+    packed_loss = next_token_loss_sum(out.logits, labels) / predicted
+    packed_loss.backward()
+    packed_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    model.zero_grad()
+    logits, alone_loss = [], 0.0
+    for d in docs:
+        doc_logits = model(d[None]).logits
+        logits.append(doc_logits[0].detach())
+        loss = next_token_loss_sum(doc_logits, d[None]) / predicted
+        loss.backward()
+        alone_loss = alone_loss + loss.detach()
+    alone_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    torch.testing.assert_close(out.logits[0].detach(), torch.cat(logits), **tol)
+    torch.testing.assert_close(packed_loss.detach(), alone_loss, **tol)
+    assert packed_grads.keys() == alone_grads.keys() and any(".dense_" in n for n in packed_grads)
+    for name in packed_grads:
+        torch.testing.assert_close(packed_grads[name], alone_grads[name], **tol, msg=name)
