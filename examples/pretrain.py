@@ -2,12 +2,16 @@
 
 What it does, top to bottom:
 
-1. Text: Python's own documentation (``pydoc_data.topics``, which ships with every Python), or your
-   own files with ``--train-files``. Every paragraph whose CRC32 is divisible by 10 is held out for
-   evaluation: the split is deterministic and does not depend on the order of topics or files.
-2. Tokenizer: a byte-level BPE (``tokenizers``) trained on the training paragraphs only, wrapped as a
-   ``transformers.PreTrainedTokenizerFast`` with ``<s>`` (bos), ``</s>`` (eos) and ``<pad>``.
-3. Data: tokenized with ``datasets`` and packed into blocks of ``--block-size`` tokens.
+1. Text (``corpus.py``, shared with ``compare.py``): what ships with every Python, so nothing is
+   downloaded: the standard library's own sources (about 10 MB: code, docstrings, comments) and its
+   documentation topics (``pydoc_data.topics``). Whole files are held out for evaluation (those whose
+   name's CRC32 is divisible by 10), so no held-out text is ever trained on; the default run sees each
+   training token at most once, so its held-out loss keeps falling. With ``--train-files`` (your own
+   text), paragraphs are held out instead, so that a single file works.
+2. Tokenizer: a byte-level BPE (``tokenizers``) trained on (a 3 MB sample of) the training text only,
+   wrapped as a ``transformers.PreTrainedTokenizerFast`` with ``<s>`` (bos), ``</s>`` (eos) and ``<pad>``.
+3. Data: tokenized with ``datasets`` and packed into blocks of ``--block-size`` tokens; evaluation uses a
+   fixed sample of ``--eval-blocks`` held-out blocks.
 4. Model: DenseMamba (or DenseRetNet, ``--model denseretnet``) from a size preset, trained with
    ``transformers.Trainer``: AdamW, linear warmup then cosine decay, periodic held-out evaluation.
 5. Results: held-out loss and perplexity before and after training; a Hub-ready folder (config.json,
@@ -19,7 +23,7 @@ What it does, top to bottom:
 
 Run it from the repository root::
 
-    python examples/pretrain.py                          # DenseMamba-tiny, ~3 minutes on 2 CPU cores
+    python examples/pretrain.py                          # DenseMamba-tiny, a few minutes on 2 CPU cores
     python examples/pretrain.py --model denseretnet      # DenseRetNet-tiny
     python examples/pretrain.py --train-files notes.txt --max-steps 1000 --output-dir outputs/notes
     python examples/pretrain.py --help
@@ -38,38 +42,36 @@ import argparse
 import dataclasses
 import math
 import os
-import re
 import shutil
+import sys
 import time
-import zlib
 from pathlib import Path
 
 import torch
-from datasets import Dataset
 from matplotlib.figure import Figure  # without pyplot: rendered by the Agg backend, no display needed
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
     GenerationConfig,
-    PreTrainedTokenizerFast,
     Trainer,
     TrainingArguments,
     default_data_collator,
     set_seed,
 )
 
-import hf_densessm  # noqa: F401  (registers the DenseSSM models with the Auto classes)
-from hf_densessm import DenseMambaConfig, DenseRetNetConfig, paper_training_arguments
-from hf_densessm.configuration import DENSEMAMBA_PRESETS, DENSERETNET_PRESETS
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # corpus.py, also when this file is imported by path
+import corpus  # noqa: E402
+from corpus import HELD_OUT_EVERY, MIN_VOCAB_SIZE  # noqa: E402
+
+import hf_densessm  # noqa: E402,F401  (registers the DenseSSM models with the Auto classes)
+from hf_densessm import DenseMambaConfig, DenseRetNetConfig, paper_training_arguments  # noqa: E402
+from hf_densessm.configuration import DENSEMAMBA_PRESETS, DENSERETNET_PRESETS  # noqa: E402
 
 FAMILIES = {
     "densemamba": (DenseMambaConfig, DENSEMAMBA_PRESETS),
     "denseretnet": (DenseRetNetConfig, DENSERETNET_PRESETS),
 }
-BOS, EOS, PAD = "<s>", "</s>", "<pad>"
-HELD_OUT_EVERY = 10  # a paragraph is held out when crc32(paragraph) % HELD_OUT_EVERY == 0
-MIN_VOCAB_SIZE = 256 + 3 + 1  # the byte alphabet, the three special tokens, and at least one merge
+TOKENIZER_CHARS = 3_000_000  # the BPE is trained on a hashed sample of this many characters of training text
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -131,22 +133,26 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     preset_names = ", ".join(name for _, presets in FAMILIES.values() for name in presets)
     parser = argparse.ArgumentParser(
         description="Train a byte-level BPE tokenizer and a small DenseSSM language model on Python's "
-        "documentation (or your own text files) with transformers.Trainer, report held-out loss and "
-        "perplexity before and after, save a Hub-ready folder, reload it and generate text.",
+        "standard-library sources and documentation (or your own text files) with transformers.Trainer, report "
+        "held-out loss and perplexity before and after, save a Hub-ready folder, reload it and generate text.",
     )
     add = parser.add_argument
     add("--model", choices=sorted(FAMILIES), default="densemamba", help="model family (default: %(default)s)")
     add("--preset", help=f"size preset of the chosen family (default: <model>-tiny); one of: {preset_names}")
     add(
         "--max-steps", type=int_at_least(1), default=120,
-        help="optimizer steps (default: %(default)s, about 2.5 passes over Python's documentation: the tiny "
-        "model memorizes its ~100k training tokens after that, and the held-out loss rises)",
+        help="optimizer steps (default: %(default)s: about 250k tokens, under a tenth of the default corpus's "
+        "~2.9M training tokens, so no token is seen twice)",
     )
     add("--output-dir", type=Path, help="where the trained model goes (default: outputs/<preset>)")
     add(
         "--train-files", type=Path, nargs="+", metavar="FILE",
-        help="UTF-8 text files to train on instead of Python's documentation (pydoc_data.topics); "
+        help="UTF-8 text files to train on instead of Python's standard library and documentation; "
         f"paragraphs (separated by blank lines) whose CRC32 is divisible by {HELD_OUT_EVERY} are held out",
+    )
+    add(
+        "--eval-blocks", type=int_at_least(1), default=128,
+        help="held-out blocks evaluated (a fixed sample of all held-out blocks; default: %(default)s)",
     )
     add("--block-size", type=int_at_least(8), default=256, help="tokens per sequence (default: %(default)s)")
     add("--batch-size", type=int_at_least(1), default=8, help="sequences per optimizer step (default: %(default)s)")
@@ -186,60 +192,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 # ----------------------------------------------------------------------------------------------------
 
 
-def load_documents(train_files: list[Path] | None) -> list[str]:
-    """The raw text: one string per pydoc topic (sorted by topic name), or per file given."""
+def load_texts(train_files: list[Path] | None) -> tuple[list[str], list[str]]:
+    """Training and held-out texts: the standard library's files and pydoc topics, whole files held out
+    (``corpus.stdlib_documents``, ``corpus.split_documents``); or the ``--train-files``, paragraphs held out."""
     if train_files:
-        return [path.read_text(encoding="utf-8") for path in train_files]
-    from pydoc_data.topics import topics
-
-    return [topics[name] for name in sorted(topics)]
-
-
-def split_held_out(documents: list[str]) -> tuple[list[str], list[str]]:
-    """Split every document into its training paragraphs and its held-out paragraphs (by CRC32)."""
-    train_texts, held_out_texts = [], []
-    for document in documents:
-        paragraphs = [p.strip("\n") for p in re.split(r"\n[ \t]*\n", document) if p.strip()]
-        held_out = [zlib.crc32(p.encode("utf-8")) % HELD_OUT_EVERY == 0 for p in paragraphs]
-        train_texts.append("\n\n".join(p for p, h in zip(paragraphs, held_out) if not h))
-        held_out_texts.append("\n\n".join(p for p, h in zip(paragraphs, held_out) if h))
-    return [t for t in train_texts if t], [t for t in held_out_texts if t]
-
-
-def train_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFast:
-    """A byte-level BPE (GPT-2 style: any text encodes, nothing is unknown) that prepends ``<s>``."""
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=[PAD, BOS, EOS],  # ids 0, 1, 2, as in the paper's LLaMA tokenizer
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator(texts, trainer)
-    tokenizer.post_processor = processors.TemplateProcessing(
-        single=f"{BOS} $A", special_tokens=[(BOS, tokenizer.token_to_id(BOS))]
-    )
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token=BOS, eos_token=EOS, pad_token=PAD)
-
-
-def pack_blocks(texts: list[str], tokenizer: PreTrainedTokenizerFast, block_size: int) -> Dataset:
-    """Tokenize each text as ``<s> ... </s>``, concatenate them all, and cut into ``block_size`` blocks
-    (the last partial block is dropped). Labels are the inputs: the model shifts them itself."""
-
-    def tokenize(batch):
-        return {"input_ids": [ids + [tokenizer.eos_token_id] for ids in tokenizer(batch["text"])["input_ids"]]}
-
-    def pack(batch):
-        stream = [token for ids in batch["input_ids"] for token in ids]
-        blocks = [stream[i : i + block_size] for i in range(0, len(stream) - block_size + 1, block_size)]
-        return {"input_ids": blocks, "labels": blocks}
-
-    dataset = Dataset.from_dict({"text": texts})
-    dataset = dataset.map(tokenize, batched=True, remove_columns=["text"], desc="tokenize")
-    # One batch holding every text (batch_size=None), so that nothing but the final partial block is dropped.
-    return dataset.map(pack, batched=True, batch_size=None, desc=f"pack into {block_size}-token blocks")
+        return corpus.split_paragraphs([path.read_text(encoding="utf-8") for path in train_files])
+    return corpus.split_documents(corpus.stdlib_documents())
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -266,16 +224,20 @@ def plot_losses(log_history: list[dict], loss_before: float, path: Path, title: 
 
 def add_training_report(card: Path, args: argparse.Namespace, loss_before: float, loss_after: float) -> None:
     """Append this run (data, tokenizer, held-out results, loss curves) to the model card ``save_pretrained`` wrote."""
-    data = ", ".join(f"`{path.name}`" for path in args.train_files) if args.train_files else (
-        "Python's documentation (`pydoc_data.topics`)"
-    )
+    if args.train_files:
+        data = ", ".join(f"`{path.name}`" for path in args.train_files)
+        held_out = f"Paragraphs whose CRC32 is divisible by {HELD_OUT_EVERY} were held out."
+    else:
+        data = corpus.corpus_description().replace(str(corpus.stdlib_root()), "the standard library")
+        held_out = f"Whole files whose name's CRC32 is divisible by {HELD_OUT_EVERY} were held out."
     report = f"""
 ## Training run (`examples/pretrain.py`)
 
 Preset `{args.preset}`, trained from scratch for {args.max_steps} steps of {args.batch_size} x {args.block_size} tokens
 (AdamW, {describe_optimizer(optimizer_settings(args))}, seed {args.seed}) on {data},
-with a {args.vocab_size}-token byte-level BPE tokenizer (in this folder) trained on the same text. Paragraphs whose
-CRC32 is divisible by {HELD_OUT_EVERY} were held out. A demonstration of the pipeline, not a useful language model.
+with a {args.vocab_size}-token byte-level BPE tokenizer (in this folder) trained on the same text. {held_out}
+The held-out figures are over {args.eval_blocks} held-out blocks. A demonstration of the pipeline, not a useful
+language model.
 
 | held-out | before training | after training |
 |---|---|---|
@@ -319,12 +281,13 @@ def main(argv: list[str] | None = None) -> dict:
     set_seed(args.seed)
 
     # 1-3. Text, tokenizer, packed blocks.
-    train_texts, held_out_texts = split_held_out(load_documents(args.train_files))
-    tokenizer = train_tokenizer(train_texts, args.vocab_size)
-    train_blocks = pack_blocks(train_texts, tokenizer, args.block_size)
-    held_out_blocks = pack_blocks(held_out_texts, tokenizer, args.block_size)
+    train_texts, held_out_texts = load_texts(args.train_files)
+    tokenizer = corpus.train_tokenizer(corpus.sample_texts(train_texts, TOKENIZER_CHARS), args.vocab_size)
+    train_blocks = corpus.pack_blocks(train_texts, tokenizer, args.block_size)
+    all_held_out_blocks = corpus.pack_blocks(held_out_texts, tokenizer, args.block_size)
+    held_out_blocks = corpus.evaluation_subset(all_held_out_blocks, args.eval_blocks)
     if len(train_blocks) < args.batch_size or len(held_out_blocks) == 0:
-        source = "--train-files" if args.train_files else "pydoc_data"
+        source = "--train-files" if args.train_files else "the standard library"
         raise ValueError(
             f"{source}: too little text for --block-size {args.block_size} and --batch-size {args.batch_size}: "
             f"{len(train_blocks)} training and {len(held_out_blocks)} held-out blocks (need >= {args.batch_size} and >= 1). "
@@ -332,7 +295,8 @@ def main(argv: list[str] | None = None) -> dict:
         )
     print(
         f"data: {len(train_texts)} training / {len(held_out_texts)} held-out texts -> "
-        f"{len(train_blocks)} / {len(held_out_blocks)} blocks of {args.block_size} tokens; vocabulary {len(tokenizer)}"
+        f"{len(train_blocks)} / {len(all_held_out_blocks)} blocks of {args.block_size} tokens "
+        f"({len(held_out_blocks)} held-out blocks evaluated); vocabulary {len(tokenizer)}"
     )
 
     # 4. Model.

@@ -1,13 +1,15 @@
 """Smoke test of ``examples/pretrain.py``: the whole job, with tiny settings, for both model families.
 
 Each run trains a tokenizer and a tiny model for a few steps on a slice of Python's documentation written to a
-text file (``--train-files``; the held-out set of the full documentation is too large to evaluate ten times in a
+text file (``--train-files``; the default corpus, the standard library's ~10 MB, takes too long to tokenize for a
 smoke test), saves the Hub-ready folder, reloads it with the Auto classes and generates. The checks: the folder's
-files, the PNG, the reload, and that the held-out loss fell. The default text source and its split, and the
-option checks, are tested on their own without training.
+files, the PNG, the reload, and that the held-out loss fell. The default corpus (``examples/corpus.py``, shared with
+``examples/compare.py``) and its whole-file split, the paragraph split of ``--train-files``, and the option checks
+are tested on their own without training.
 """
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,7 +17,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import hf_densessm  # noqa: F401  (registers the model types)
 
-SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "pretrain.py"
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+SCRIPT = EXAMPLES / "pretrain.py"
 EXPECTED_FILES = {
     "config.json",
     "model.safetensors",
@@ -37,9 +40,17 @@ def pretrain():
 
 
 @pytest.fixture(scope="module")
-def corpus(pretrain, tmp_path_factory):
+def corpus_module(pretrain):
+    """``examples/corpus.py``, as ``pretrain.py`` imported it."""
+    return sys.modules["corpus"]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
     """About 20 kB of Python's documentation as one UTF-8 file."""
-    documents = pretrain.load_documents(None)
+    from pydoc_data.topics import topics
+
+    documents = [topics[name] for name in sorted(topics)]
     path = tmp_path_factory.mktemp("corpus") / "pydoc_slice.txt"
     path.write_text("\n\n".join(documents[:12])[:20_000], encoding="utf-8")
     return path
@@ -73,18 +84,35 @@ def test_pretrain_end_to_end(pretrain, corpus, tmp_path, model_type):
     assert tokenizer("x")["input_ids"][0] == tokenizer.bos_token_id == model.config.bos_token_id
 
 
-def test_default_text_is_pydoc_with_a_deterministic_split(pretrain):
+def test_default_corpus_is_the_standard_library_with_whole_files_held_out(pretrain, corpus_module):
     from pydoc_data.topics import topics
 
-    documents = pretrain.load_documents(None)
-    assert documents == [topics[name] for name in sorted(topics)]
-    train, held_out = pretrain.split_held_out(documents)
-    assert pretrain.split_held_out(documents[::-1]) == (train[::-1], held_out[::-1])  # order-independent
-    train_paragraphs = {p for text in train for p in text.split("\n\n")}
-    held_out_paragraphs = {p for text in held_out for p in text.split("\n\n")}
-    assert not train_paragraphs & held_out_paragraphs
+    documents = corpus_module.stdlib_documents()
+    names = list(documents)
+    assert names == sorted(names)
+    assert "stdlib/json/decoder.py" in documents and "stdlib/pydoc_data/topics.py" not in documents
+    assert documents["pydoc_data.topics/for"] == topics["for"]
+    assert not [n for n in names if {"test", "tests", "idlelib", "site-packages"} & set(n.split("/")[:-1])]
+    assert sum(map(len, documents.values())) > 5_000_000  # enough that the default run never repeats a token
+
+    train, held_out = corpus_module.split_documents(documents)
+    assert pretrain.load_texts(None) == (train, held_out)
+    held_out_names = [n for n in names if corpus_module.is_held_out(n)]
+    assert held_out == [documents[n] for n in held_out_names]  # whole files, chosen by name
+    assert train == [documents[n] for n in names if n not in held_out_names]
+    reversed_documents = dict(reversed(documents.items()))
+    assert corpus_module.split_documents(reversed_documents) == (train[::-1], held_out[::-1])  # order-independent
     fraction = sum(map(len, held_out)) / (sum(map(len, train)) + sum(map(len, held_out)))
-    assert 0.04 < fraction < 0.2
+    assert 0.04 < fraction < 0.25
+
+
+def test_train_files_hold_out_paragraphs(pretrain, corpus, corpus_module):
+    text = corpus.read_text(encoding="utf-8")
+    train, held_out = pretrain.load_texts([corpus])
+    assert (train, held_out) == corpus_module.split_paragraphs([text])
+    train_paragraphs = {p for t in train for p in t.split("\n\n")}
+    held_out_paragraphs = {p for t in held_out for p in t.split("\n\n")}
+    assert held_out_paragraphs and not train_paragraphs & held_out_paragraphs
 
 
 @pytest.mark.parametrize(
@@ -94,6 +122,7 @@ def test_default_text_is_pydoc_with_a_deterministic_split(pretrain):
         ["--block-size", "abc"],
         ["--learning-rate", "-1"],
         ["--vocab-size", "100"],
+        ["--eval-blocks", "0"],
         ["--model", "transformer"],
         ["--model", "denseretnet", "--preset", "densemamba-tiny"],
         ["--train-files", "/nonexistent/file.txt"],
