@@ -57,6 +57,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import math
 import statistics
 import sys
@@ -474,10 +475,25 @@ def main(argv: list[str] | None = None) -> dict:
 
     seeds = list(range(args.seeds))
     results: dict[str, dict[int, dict]] = {name: {} for name in args.variants}
+    runs_dir = args.output_dir / "runs"  # each finished run, so an interrupted experiment resumes where it stopped
+    runs_dir.mkdir(exist_ok=True)
     for seed in seeds:  # seed-major: a partial run (interrupted) has every variant for its first seeds
         for name in args.variants:
             start = time.perf_counter()
-            run = train_one(name, seed, args, tokenizer, train, held_out)
+            key = dict(
+                variant=name, seed=seed, steps=args.steps, batch_size=args.batch_size, block_size=args.block_size,
+                hidden_size=args.hidden_size, layers=args.layers, vocab_size=len(tokenizer),
+                eval_every=args.eval_every, eval_blocks=len(held_out), quick=args.quick, data=data_info,
+            )
+            saved = runs_dir / (hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16] + ".json")
+            if saved.is_file():
+                run = json.loads(saved.read_text())["run"]
+                print(f"seed {seed} {name:15s} reused {saved.name} (same settings)", flush=True)
+            else:
+                run = train_one(name, seed, args, tokenizer, train, held_out)
+                partial = saved.with_suffix(".tmp")
+                partial.write_text(json.dumps(dict(key=key, run=run)))
+                os.replace(partial, saved)
             results[name][seed] = run
             print(
                 f"seed {seed} {name:15s} held-out {run['curve'][0][1]:.4f} -> {run['final_loss']:.4f}  "
