@@ -137,9 +137,16 @@ def train_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFas
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token=BOS, eos_token=EOS, pad_token=PAD)
 
 
-def pack_blocks(texts: list[str], tokenizer: PreTrainedTokenizerFast, block_size: int) -> Dataset:
+def pack_blocks(
+    texts: list[str], tokenizer: PreTrainedTokenizerFast, block_size: int, document_positions: bool = False
+) -> Dataset:
     """Tokenize each text as ``<s> ... </s>``, concatenate them all in order, and cut into ``block_size`` blocks
-    (only the last partial block is dropped). Labels are the inputs: the models shift them themselves."""
+    (only the last partial block is dropped). Labels are the inputs: the models shift them themselves.
+
+    With ``document_positions``, each block also gets ``position_ids`` that restart at 0 where a document starts
+    (and at the block's first token), transformers' padding-free convention: the models then start every recurrent
+    state from zero at each document, as if each ran alone, and the label of a document's first token (which the
+    previous document's last token would predict) is -100."""
 
     def tokenize(batch):
         return {"input_ids": [ids + [tokenizer.eos_token_id] for ids in tokenizer(batch["text"])["input_ids"]]}
@@ -147,7 +154,18 @@ def pack_blocks(texts: list[str], tokenizer: PreTrainedTokenizerFast, block_size
     def pack(batch):
         stream = [token for ids in batch["input_ids"] for token in ids]
         blocks = [stream[i : i + block_size] for i in range(0, len(stream) - block_size + 1, block_size)]
-        return {"input_ids": blocks, "labels": blocks}
+        if not document_positions:
+            return {"input_ids": blocks, "labels": blocks}
+        starts = [position for ids in batch["input_ids"] for position in range(len(ids))]  # 0 at each document
+        positions, labels = [], []
+        for i in range(0, len(blocks) * block_size, block_size):
+            block_positions, position = [], 0
+            for j in range(block_size):
+                position = 0 if j == 0 or starts[i + j] == 0 else position + 1
+                block_positions.append(position)
+            positions.append(block_positions)
+            labels.append([-100 if p == 0 else t for p, t in zip(block_positions, stream[i : i + block_size])])
+        return {"input_ids": blocks, "labels": labels, "position_ids": positions}
 
     dataset = Dataset.from_dict({"text": texts})
     dataset = dataset.map(tokenize, batched=True, remove_columns=["text"], desc="tokenize")

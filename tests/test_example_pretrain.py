@@ -141,3 +141,16 @@ def test_too_little_text_names_the_options(pretrain, tmp_path):
     text_file.write_text("Only one short paragraph.", encoding="utf-8")
     with pytest.raises(ValueError, match="--train-files.*--block-size"):
         pretrain.main(["--train-files", str(text_file), "--output-dir", str(tmp_path / "out")])
+
+
+def test_packed_blocks_restart_positions_at_each_document(corpus_module):
+    texts = ["first document here", "a second one", "third"]
+    tokenizer = corpus_module.train_tokenizer(texts * 20, 300)
+    plain = corpus_module.pack_blocks(texts, tokenizer, 4)
+    packed = corpus_module.pack_blocks(texts, tokenizer, 4, document_positions=True)
+    assert "position_ids" not in plain.column_names and plain["input_ids"] == packed["input_ids"]
+    for ids, positions, labels in zip(packed["input_ids"], packed["position_ids"], packed["labels"]):
+        assert positions[0] == 0
+        for j in range(1, len(ids)):  # a document starts at <s>: position 0, nothing predicts it
+            assert positions[j] == (0 if ids[j] == tokenizer.bos_token_id else positions[j - 1] + 1)
+        assert all((label == -100) == (p == 0) for label, p in zip(labels, positions))
