@@ -39,15 +39,18 @@ import re
 import zlib
 from pathlib import Path
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, set_seed
+import sys
+
+from transformers import AutoModelForCausalLM, set_seed
 
 import hf_densessm  # noqa: F401  (registers "densemamba" and "denseretnet" with the Auto classes)
 from hf_densessm import DenseMambaConfig, DenseRetNetConfig
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # corpus.py, also when this file is imported by path
+from corpus import train_tokenizer  # noqa: E402  (the byte-level BPE the main job trains)
+
 CONFIGS = {"densemamba": DenseMambaConfig, "denseretnet": DenseRetNetConfig}
 PRETRAINED_DEFAULT = Path("outputs/densemamba-tiny")  # what `python examples/pretrain.py` writes
-BOS, EOS, PAD = "<s>", "</s>", "<pad>"
 HELD_OUT_EVERY = 10  # the held-out rule of examples/pretrain.py: crc32(paragraph) % 10 == 0
 TASKS = ("pydoc_perplexity", "pydoc_continuation")
 NUM_CHOICES = 4
@@ -171,25 +174,6 @@ def write_tasks(task_dir: Path, max_docs: int = 24, max_chars: int = 1200) -> di
 # ----------------------------------------------------------------------------------------------------
 # A small model to evaluate when none is given
 # ----------------------------------------------------------------------------------------------------
-
-
-def train_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFast:
-    """A byte-level BPE tokenizer that prepends ``<s>``, with ``<pad>``, ``<s>``, ``</s>`` as ids 0, 1, 2 (as
-    ``examples/pretrain.py`` makes)."""
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=[PAD, BOS, EOS],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator(texts, trainer)
-    tokenizer.post_processor = processors.TemplateProcessing(
-        single=f"{BOS} $A", special_tokens=[(BOS, tokenizer.token_to_id(BOS))]
-    )
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token=BOS, eos_token=EOS, pad_token=PAD)
 
 
 def build_untrained_model(
