@@ -42,12 +42,10 @@ def next_token_loss_sum(logits, labels):
     return F.cross_entropy(logits[0, :-1], labels[0, 1:], ignore_index=-100, reduction="sum")
 
 
-@pytest.mark.parametrize("family, knobs", VARIANTS, ids=IDS)
-def test_packed_row_equals_documents_one_by_one(family, knobs):
-    model = micro_model(family, **knobs).double().train()
-    model.config.dropout = 0.0
-    docs = documents()
-    ids, labels, cu, position_ids, _ = packed_inputs(docs)
+def assert_packed_equals_documents(model, docs, logits_tol, grad_tol):
+    """Logits, float64 loss and every parameter's gradient of ``docs`` packed into one row (``position_ids``) equal
+    those of the documents run one by one (the loss summed over documents, normalized by all predicted tokens)."""
+    ids, labels, _, position_ids, _ = packed_inputs(docs)
     predicted = sum(len(d) - 1 for d in docs)
 
     out = model(input_ids=ids, labels=labels, position_ids=position_ids)
@@ -65,11 +63,20 @@ def test_packed_row_equals_documents_one_by_one(family, knobs):
         loss.backward()
         alone_loss = alone_loss + loss.detach()
     alone_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    torch.testing.assert_close(out.logits[0].detach(), torch.cat(logits), atol=1e-10, rtol=1e-10)
-    torch.testing.assert_close(packed_loss.detach(), alone_loss, atol=1e-12, rtol=1e-10)
+    torch.testing.assert_close(out.logits[0].detach(), torch.cat(logits), **logits_tol)
+    torch.testing.assert_close(packed_loss.detach(), alone_loss, **logits_tol)
     assert packed_grads.keys() == alone_grads.keys() and any(".dense_" in n for n in packed_grads)
     for name in packed_grads:
-        torch.testing.assert_close(packed_grads[name], alone_grads[name], atol=1e-10, rtol=1e-8, msg=name)
+        torch.testing.assert_close(packed_grads[name], alone_grads[name], **grad_tol, msg=name)
+
+
+@pytest.mark.parametrize("family, knobs", VARIANTS, ids=IDS)
+def test_packed_row_equals_documents_one_by_one(family, knobs):
+    model = micro_model(family, **knobs).double().train()
+    model.config.dropout = 0.0
+    assert_packed_equals_documents(
+        model, documents(), logits_tol=dict(atol=1e-10, rtol=1e-10), grad_tol=dict(atol=1e-10, rtol=1e-8)
+    )
 
 
 @pytest.mark.parametrize("family, knobs", VARIANTS, ids=IDS)
@@ -157,7 +164,6 @@ def test_trainer_with_flattening_collator_matches_padded_loss_and_trains(family,
     assert losses[-1] < losses[0]
 
 
-
 @pytest.mark.parametrize("family, knobs", VARIANTS, ids=IDS)
 def test_packed_row_equals_documents_one_by_one_through_triton(family, knobs):
     """The same comparison through the Triton kernels (``kernel_backend="triton"``, under TRITON_INTERPRET=1 on the
@@ -167,31 +173,9 @@ def test_packed_row_equals_documents_one_by_one_through_triton(family, knobs):
     here (hidden 16, state 4, 2 layers). The kernels keep some partial sums in float32, so agreement is to float32
     rounding (tests/test_kernel_paths.py's tolerance)."""
     pytest.importorskip("triton")
-    tol = dict(atol=1e-6, rtol=1e-5)
     smaller = dict(hidden_size=16, state_size=4, num_hidden_layers=2) if family == "densemamba" else {}
     model = micro_model(family, **smaller, **knobs).double().train()
     model.config.dropout = 0.0
     model.config.kernel_backend = "triton"
-    docs = documents([1, 7, 7, 1, 16, 3])
-    ids, labels, _, position_ids, _ = packed_inputs(docs)
-    predicted = sum(len(d) - 1 for d in docs)
-
-    out = model(input_ids=ids, labels=labels, position_ids=position_ids)
-    packed_loss = next_token_loss_sum(out.logits, labels) / predicted
-    packed_loss.backward()
-    packed_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-    model.zero_grad()
-    logits, alone_loss = [], 0.0
-    for d in docs:
-        doc_logits = model(d[None]).logits
-        logits.append(doc_logits[0].detach())
-        loss = next_token_loss_sum(doc_logits, d[None]) / predicted
-        loss.backward()
-        alone_loss = alone_loss + loss.detach()
-    alone_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    torch.testing.assert_close(out.logits[0].detach(), torch.cat(logits), **tol)
-    torch.testing.assert_close(packed_loss.detach(), alone_loss, **tol)
-    assert packed_grads.keys() == alone_grads.keys() and any(".dense_" in n for n in packed_grads)
-    for name in packed_grads:
-        torch.testing.assert_close(packed_grads[name], alone_grads[name], **tol, msg=name)
+    tol = dict(atol=1e-6, rtol=1e-5)
+    assert_packed_equals_documents(model, documents([1, 7, 7, 1, 16, 3]), logits_tol=tol, grad_tol=tol)
