@@ -95,6 +95,20 @@ def interleaved_times(fns: dict, warmup: int, repeats: int) -> dict[str, list[fl
     return times
 
 
+def forward_pass(model, ids) -> None:
+    """One inference-mode forward pass of ``model`` over ``ids`` (only the last position's logits)."""
+    model.eval()
+    with torch.inference_mode():
+        model(ids, logits_to_keep=1)
+
+
+def training_step(model, ids) -> None:
+    """One training forward + backward of ``model`` on ``ids`` (labels = inputs)."""
+    model.train()
+    model.zero_grad(set_to_none=True)
+    model(ids, labels=ids).loss.backward()
+
+
 def paired_ratio(times: dict[str, list[float]], numerator: str, denominator: str) -> float:
     """Median over repeats of time(numerator) / time(denominator), each pair measured back to back."""
     return statistics.median(a / b for a, b in zip(times[numerator], times[denominator]))

@@ -19,7 +19,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import hf_densessm  # noqa: F401
-from bench_cpu import environment, interleaved_times, paired_ratio
+from bench_cpu import environment, forward_pass, interleaved_times, paired_ratio, training_step
 from hf_densessm import DenseMambaConfig
 
 VARIANTS = {
@@ -45,19 +45,9 @@ def main(argv=None) -> dict:
             DenseMambaConfig.from_preset("densemamba-30m", vocab_size=32000, **overrides)
         )
 
-    def forward(model):
-        model.eval()
-        with torch.inference_mode():
-            model(ids, logits_to_keep=1)
-
-    def train_step(model):
-        model.train()
-        model.zero_grad(set_to_none=True)
-        model(ids, labels=ids).loss.backward()
-
     results = {"environment": environment(), "seq_len": args.seq_len, "batch": 1, "preset": "densemamba-30m"}
-    for phase, fn in (("forward", forward), ("forward+backward", train_step)):
-        times = interleaved_times({n: (lambda m=m: fn(m)) for n, m in models.items()}, args.warmup, args.repeats)
+    for phase, fn in (("forward", forward_pass), ("forward+backward", training_step)):
+        times = interleaved_times({n: (lambda m=m: fn(m, ids)) for n, m in models.items()}, args.warmup, args.repeats)
         base = "mamba (dense_layers=0)"
         results[phase] = {
             n: {"median_s": statistics.median(t), "vs_mamba": paired_ratio(times, n, base),

@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 
 import hf_densessm  # noqa: F401
 import hf_densessm.modeling.modeling_denseretnet as retnet
-from bench_cpu import environment, interleaved_times, paired_ratio
+from bench_cpu import environment, forward_pass, interleaved_times, paired_ratio, training_step
 from hf_densessm import DenseRetNetConfig
 
 
@@ -45,18 +45,9 @@ def main(argv=None) -> dict:
                 retnet.retention_row_sums = normalizer
         return run
 
-    def forward():
-        model.eval()
-        with torch.inference_mode():
-            model(ids, logits_to_keep=1)
-
-    def train_step():
-        model.train()
-        model.zero_grad(set_to_none=True)
-        model(ids, labels=ids).loss.backward()
-
     results = {"environment": environment(), "seq_len": args.seq_len, "preset": "denseretnet-30m"}
-    for phase, fn in (("forward", forward), ("forward+backward", train_step)):
+    for phase, step in (("forward", forward_pass), ("forward+backward", training_step)):
+        fn = lambda step=step: step(model, ids)  # noqa: E731
         times = interleaved_times(
             {"normalized": with_normalizer(fn, normalizer), "factor one": with_normalizer(fn, ones)}, 1, args.repeats
         )
