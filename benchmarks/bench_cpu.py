@@ -1,32 +1,72 @@
-"""CPU benchmark of DenseMamba and DenseRetNet against transformers' own Mamba, side by side in one process.
+"""CPU benchmark of DenseMamba and DenseRetNet against transformers' own Mamba and against the machine's limits.
 
-Measures, at the 30M-parameter presets (vocabulary 32000), with ``torch.inference_mode``, warm-up runs and the
-median of several repeats, the models taking turns within each repeat (ratios are medians of back-to-back pairs,
-so that other processes' load, which the JSON records, skews them less):
+Everything runs side by side in one process, at the 30M-parameter presets (vocabulary 32000): transformers'
+``MambaForCausalLM`` loaded with DenseMamba ``dense_layers=0``'s weights (their logits are checked to agree),
+DenseMamba ``dense_layers`` = 0 and the default 4, DenseRetNet 0 and the default 2 (transformers has no RetNet).
+Within each repeat the models take turns (``interleaved_times``), and every ratio is the median over repeats of
+back-to-back pairs (``paired_ratio``), so the load of other processes, which the JSON records, skews it less. The
+machine's limits are measured in the same run, interleaved with the models in the same way, never taken from a
+data sheet. Each part can be run alone (``--parts``):
 
-- forward throughput (tokens/s) of one full-sequence pass, ``--seq-len`` tokens (default 1024), batch 1 and 4:
-  transformers' ``MambaForCausalLM`` and DenseMamba ``dense_layers=0`` with the SAME weights (the DenseMamba state
-  dict loaded strictly into a ``MambaConfig`` of the same sizes; their logits are checked to match), DenseMamba
-  ``dense_layers=4``, and DenseRetNet ``dense_layers=0`` and ``2`` (transformers has no RetNet);
-- batch-1 greedy generation throughput (new tokens/s, prompt ``--prompt-len``, exactly ``--new-tokens`` new
-  tokens: ``min_new_tokens = max_new_tokens``; the time includes the prompt's prefill) of the same models.
+``forward``
+    Throughput (tokens/s) of one full-logits inference-mode pass over ``--seq-len`` tokens at each of
+    ``--batch-sizes``. Anchor: transformers' Mamba with the same weights (speed-up, target >= 2x), and
+    ``dense_layers`` = 0 for the cost of the dense connection (DenseMamba m=4 / m=0 time, target <= 1.2x).
 
-It prints a table and the ratios the project targets, and writes everything, with the torch/transformers
-versions, the CPU model and the thread count, to ``--out`` as JSON.
+``training``
+    One training step (train mode, ``model(ids, labels=ids).loss.backward()``), batch ``--train-batch`` x
+    ``--train-seq-len`` tokens (default 2 x 1024). Figures:
 
-Run from the repository root::
+    - tokens/s, and model FLOP/s = 6 x N x tokens/s, where N is the number of parameters that multiply each token:
+      all parameters except the input-embedding table when it is not tied to the LM head (a lookup, no
+      arithmetic); the scan / retention arithmetic itself is not counted, as usual for "model FLOPs".
+    - limit: the machine's fp32 matrix-multiply peak, the best FLOP/s of ``--matmul-calls`` square
+      ``torch.mm`` of size ``--matmul-size`` (2 n^3 FLOP each) per repeat, at the same thread count, taking its
+      turn with the models; fraction of peak = model FLOP/s (median step time) / peak (target >= 45%).
+    - anchor: the same model's forward pass (inference mode, ``model(ids, labels=ids)``: full logits and the loss,
+      i.e. exactly the training step's forward); training-step time / forward time (target <= 3.3x).
+    - anchor: the same family at ``dense_layers=0``; m>0 / m=0 training-step time (target <= 1.10x).
+    - transformers' Mamba (same weights) against DenseMamba m=0, at the shorter ``--mamba-train-len`` (its
+      PyTorch path is very slow; 0 skips it): training speed-up.
 
-    python benchmarks/bench_cpu.py                       # ~4 minutes on 2 cores
-    python benchmarks/bench_cpu.py --batch-sizes 1 --repeats 3 --out /tmp/cpu.json
+``generation``
+    Batch-1 greedy generation, prompt ``--prompt-len``, exactly ``--new-tokens`` new tokens (min = max new
+    tokens; the time includes the prompt's prefill), in each of ``--dtypes`` (float32, bfloat16: the models cast
+    with ``.to(dtype)``). New tokens/s; anchor: transformers' Mamba with the same weights in the same dtype
+    (speed-up; target >= 2x for DenseMamba). Limit: the memory-bandwidth roofline. One decoding step reads every
+    weight once: all parameters (a tied LM head counted once, as the embedding table it is), except that an
+    untied input-embedding table contributes only the one row it looks up; the recurrent state (a few hundred KB)
+    is not counted. Ideal tokens/s = measured read bandwidth / those bytes; fraction = measured / ideal. The read
+    bandwidth is the best of ``torch.sum`` over a ``--bandwidth-mib`` MiB float32 buffer (far larger than the
+    caches), interleaved with the generations; the copy bandwidth (bytes read + written) is recorded as well.
+
+``batched``
+    Greedy generation for a batch of ``--batched-size`` left-padded prompts of different lengths (from
+    ``--prompt-len`` / 2 to ``--prompt-len`` tokens, ``attention_mask`` zero on the padding), exactly
+    ``--batched-new-tokens`` new tokens per row, float32: new tokens/s (all rows) against transformers' Mamba.
+    Reported, no target.
+
+It prints one table per part, then every figure with its anchor, its limit and the fraction reached, and writes
+everything, with the environment (CPU model, its AVX-512 / AMX flags, threads, load averages, versions), to
+``--out`` as JSON.
+
+Run from the repository root (the full default run takes about 10 minutes on 2 cores)::
+
+    python benchmarks/bench_cpu.py
+    python benchmarks/bench_cpu.py --parts training --repeats 3 --out /tmp/cpu.json        # one part
+    python benchmarks/bench_cpu.py --parts generation --dtypes bfloat16 --new-tokens 32 --out /tmp/cpu.json
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
+import math
 import os
 import platform
 import statistics
+import sys
 import time
 from functools import partial
 from pathlib import Path
@@ -39,37 +79,73 @@ import hf_densessm
 from hf_densessm import DenseMambaConfig, DenseMambaForCausalLM, DenseRetNetConfig, DenseRetNetForCausalLM
 
 VOCAB_SIZE = 32000
+PARTS = ("forward", "training", "generation", "batched")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+#: /proc/cpuinfo flags that decide the CPU's matmul peak (recorded in the JSON).
+CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "avx512_vnni", "amx_tile", "amx_bf16", "amx_int8")
+MAMBA = "transformers Mamba"
+TARGETS = {
+    "forward_speedup": (">=", 2.0),
+    "forward_dense_cost": ("<=", 1.2),
+    "train_fraction_of_peak": (">=", 0.45),
+    "train_over_forward": ("<=", 3.3),
+    "train_dense_cost": ("<=", 1.10),
+    "generation_speedup": (">=", 2.0),
+}
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/cpu.json"), help="JSON output (default: %(default)s)")
-    parser.add_argument("--seq-len", type=int, default=1024, help="forward sequence length (default: %(default)s)")
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4], help="forward batch sizes (default: %(default)s)")
-    parser.add_argument("--prompt-len", type=int, default=64, help="generation prompt length (default: %(default)s)")
-    parser.add_argument("--new-tokens", type=int, default=128, help="generated tokens (default: %(default)s)")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed runs before timing (default: %(default)s)")
-    parser.add_argument("--repeats", type=int, default=5, help="timed forward runs, median kept (default: %(default)s)")
-    parser.add_argument("--gen-repeats", type=int, default=5, help="timed generations, median kept (default: %(default)s)")
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads (default: %(default)s)")
+    add = parser.add_argument
+    add("--out", type=Path, default=Path("benchmarks/results/cpu.json"), help="JSON output (default: %(default)s)")
+    add("--parts", nargs="+", choices=PARTS, default=list(PARTS), help="parts to run (default: all)")
+    add("--seq-len", type=int, default=1024, help="forward sequence length (default: %(default)s)")
+    add("--batch-sizes", type=int, nargs="+", default=[1, 4], help="forward batch sizes (default: %(default)s)")
+    add("--train-seq-len", type=int, default=1024, help="training-step sequence length (default: %(default)s)")
+    add("--train-batch", type=int, default=2, help="training-step batch size (default: %(default)s)")
+    add("--mamba-train-len", type=int, default=128,
+        help="sequence length of the transformers-Mamba training comparison, 0 to skip (default: %(default)s)")
+    add("--prompt-len", type=int, default=64, help="generation prompt length (default: %(default)s)")
+    add("--new-tokens", type=int, default=128, help="batch-1 generated tokens (default: %(default)s)")
+    add("--dtypes", nargs="+", choices=tuple(DTYPES), default=list(DTYPES), help="generation dtypes (default: both)")
+    add("--batched-size", type=int, default=8, help="batched-generation batch size (default: %(default)s)")
+    add("--batched-new-tokens", type=int, default=32, help="batched generated tokens per row (default: %(default)s)")
+    add("--warmup", type=int, default=1, help="untimed runs of everything before timing (default: %(default)s)")
+    add("--repeats", type=int, default=5, help="timed forward / training repeats, median kept (default: %(default)s)")
+    add("--gen-repeats", type=int, default=5, help="timed generation repeats, median kept (default: %(default)s)")
+    add("--matmul-size", type=int, default=2048, help="square fp32 matmul of the peak probe (default: %(default)s)")
+    add("--matmul-calls", type=int, default=3, help="matmuls per repeat of the peak probe (default: %(default)s)")
+    add("--bandwidth-mib", type=int, default=512, help="buffer of the bandwidth probe, MiB (default: %(default)s)")
+    add("--threads", type=int, default=torch.get_num_threads(), help="torch threads (default: %(default)s)")
+    add("--vocab-size", type=int, default=VOCAB_SIZE, help="vocabulary size (default: %(default)s)")
+    # For CI: the package's tiny presets instead of the 30M ones (a plumbing check, not a benchmark).
+    add("--size", choices=("30m", "tiny"), default="30m", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    for name in ("seq_len", "prompt_len", "new_tokens", "repeats", "gen_repeats", "threads"):
+    for name in ("seq_len", "train_seq_len", "train_batch", "prompt_len", "new_tokens", "batched_size",
+                 "batched_new_tokens", "repeats", "gen_repeats", "matmul_size", "matmul_calls", "bandwidth_mib",
+                 "threads", "vocab_size"):
         if getattr(args, name) < 1:
             parser.error(f"argument --{name.replace('_', '-')}: must be >= 1")
+    if args.warmup < 0 or args.mamba_train_len < 0:
+        parser.error("arguments --warmup, --mamba-train-len: must be >= 0")
     if min(args.batch_sizes) < 1:
         parser.error("argument --batch-sizes: must be >= 1")
     return args
 
 
 def environment() -> dict:
-    cpu = platform.processor() or platform.machine()
+    cpu, flags = platform.processor() or platform.machine(), set()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
+            if line.startswith("model name") and cpu == (platform.processor() or platform.machine()):
                 cpu = line.split(":", 1)[1].strip()
-                break
+            elif line.startswith("flags") and not flags:
+                flags = set(line.split(":", 1)[1].split())
     except OSError:
         pass
     return {
         "cpu": cpu,
+        "cpu_flags": [flag for flag in CPU_FLAGS if flag in flags],
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "python": platform.python_version(),
@@ -102,6 +178,14 @@ def forward_pass(model, ids) -> None:
         model(ids, logits_to_keep=1)
 
 
+def full_forward(model, ids) -> None:
+    """The training step's forward without the backward: inference mode, ``model(ids, labels=ids)`` (logits at
+    every position and the loss)."""
+    model.eval()
+    with torch.inference_mode():
+        model(ids, labels=ids)
+
+
 def training_step(model, ids) -> None:
     """One training forward + backward of ``model`` on ``ids`` (labels = inputs)."""
     model.train()
@@ -115,14 +199,92 @@ def paired_ratio(times: dict[str, list[float]], numerator: str, denominator: str
 
 
 # ----------------------------------------------------------------------------------------------------
-# Models: all 30M presets, vocabulary 32000, one seed; transformers' Mamba gets DenseMamba m=0's weights.
+# The machine's limits, measured in the same process, taking turns with the models.
 # ----------------------------------------------------------------------------------------------------
 
 
-def build_models() -> dict[str, torch.nn.Module]:
+class MatmulPeak:
+    """fp32 matrix-multiply peak: each call runs ``calls`` square ``torch.mm`` of size ``n``, timing each one;
+    :meth:`flop_per_s` is 2 n^3 over the fastest of all of them (FLOP/s)."""
+
+    def __init__(self, n: int, calls: int):
+        generator = torch.Generator().manual_seed(1)
+        self.n, self.calls, self.times = n, calls, []
+        self.a = torch.randn(n, n, generator=generator)
+        self.b = torch.randn(n, n, generator=generator)
+        self.out = torch.empty(n, n)
+
+    def __call__(self) -> None:
+        for _ in range(self.calls):
+            start = time.perf_counter()
+            torch.mm(self.a, self.b, out=self.out)
+            self.times.append(time.perf_counter() - start)
+
+    def flop_per_s(self) -> float:
+        return 2 * self.n**3 / min(self.times)
+
+
+class Bandwidth:
+    """Memory bandwidth: each call sums a float32 buffer of ``mib`` MiB (bytes read) and copies it into another
+    (bytes read + written), timing each; the best of all calls is kept (bytes/s)."""
+
+    def __init__(self, mib: int):
+        self.buffer = torch.ones(mib * 2**20 // 4)
+        self.target = torch.empty_like(self.buffer)
+        self.read_times, self.copy_times = [], []
+
+    def __call__(self) -> None:
+        start = time.perf_counter()
+        torch.sum(self.buffer)
+        self.read_times.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        self.target.copy_(self.buffer)
+        self.copy_times.append(time.perf_counter() - start)
+
+    def read_bytes_per_s(self) -> float:
+        return self.buffer.numel() * 4 / min(self.read_times)
+
+    def copy_bytes_per_s(self) -> float:
+        return 2 * self.buffer.numel() * 4 / min(self.copy_times)
+
+
+def _untied_input_embedding(model):
+    """The input-embedding weight when it is not shared with the LM head, else ``None``."""
+    embedding = model.get_input_embeddings().weight
+    head = model.get_output_embeddings()
+    tied = head is not None and head.weight.data_ptr() == embedding.data_ptr()
+    return None if tied else embedding
+
+
+def flop_parameters(model) -> int:
+    """Parameters that multiply each token (N in 6 N tokens): all of them (shared ones once), less an untied
+    input-embedding table, which is only looked up."""
+    embedding = _untied_input_embedding(model)
+    return model.num_parameters() - (0 if embedding is None else embedding.numel())
+
+
+def weight_bytes_per_token(model) -> int:
+    """Bytes of weights one batch-1 decoding step reads: every parameter once (a tied LM head once), except that an
+    untied input-embedding table contributes only the row it looks up."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())  # shared parameters once
+    embedding = _untied_input_embedding(model)
+    if embedding is not None:
+        total -= (embedding.shape[0] - 1) * embedding.shape[1] * embedding.element_size()
+    return total
+
+
+# ----------------------------------------------------------------------------------------------------
+# Models: all from one size of presets, one seed; transformers' Mamba gets DenseMamba m=0's weights.
+# ----------------------------------------------------------------------------------------------------
+
+
+def build_models(vocab_size: int = VOCAB_SIZE, size: str = "30m") -> dict[str, torch.nn.Module]:
     torch.manual_seed(0)
+    mamba_preset, retnet_preset = f"densemamba-{size}", f"denseretnet-{size}"
+    mamba_m = DenseMambaConfig.from_preset(mamba_preset, vocab_size=vocab_size).dense_layers  # the default m
+    retnet_m = DenseRetNetConfig.from_preset(retnet_preset, vocab_size=vocab_size).dense_layers
     models = {}
-    dense_mamba_0 = DenseMambaForCausalLM(DenseMambaConfig.from_preset("densemamba-30m", vocab_size=VOCAB_SIZE, dense_layers=0))
+    dense_mamba_0 = DenseMambaForCausalLM(DenseMambaConfig.from_preset(mamba_preset, vocab_size=vocab_size, dense_layers=0))
     c = dense_mamba_0.config
     mamba_config = MambaConfig(
         vocab_size=c.vocab_size, hidden_size=c.hidden_size, state_size=c.state_size,
@@ -133,18 +295,278 @@ def build_models() -> dict[str, torch.nn.Module]:
     )
     mamba = MambaForCausalLM(mamba_config)
     mamba.load_state_dict(dense_mamba_0.state_dict(), strict=True)
-    models["transformers Mamba"] = mamba
+    models[MAMBA] = mamba
     models["DenseMamba m=0"] = dense_mamba_0
-    models["DenseMamba m=4"] = DenseMambaForCausalLM(
-        DenseMambaConfig.from_preset("densemamba-30m", vocab_size=VOCAB_SIZE, dense_layers=4)
+    models[f"DenseMamba m={mamba_m}"] = DenseMambaForCausalLM(
+        DenseMambaConfig.from_preset(mamba_preset, vocab_size=vocab_size, dense_layers=mamba_m)
     )
-    for m in (0, 2):
+    for m in (0, retnet_m):
         models[f"DenseRetNet m={m}"] = DenseRetNetForCausalLM(
-            DenseRetNetConfig.from_preset("denseretnet-30m", vocab_size=VOCAB_SIZE, dense_layers=m)
+            DenseRetNetConfig.from_preset(retnet_preset, vocab_size=vocab_size, dense_layers=m)
         )
     for model in models.values():
         model.eval()
     return models
+
+
+# ----------------------------------------------------------------------------------------------------
+# Figures: a value, what it is compared against (anchor), the machine's limit and the fraction reached.
+# ----------------------------------------------------------------------------------------------------
+
+
+def figure(label, value, unit, anchor=None, limit=None, limit_value=None, fraction=None, target=None, target_on=None):
+    """One reported figure. ``target`` = (op, bound) applies to ``target_on`` ("value" or "fraction")."""
+    checked = value if target_on == "value" else fraction
+    met = None if target is None else (checked >= target[1] if target[0] == ">=" else checked <= target[1])
+    return {
+        "figure": label, "value": value, "unit": unit, "anchor": anchor, "limit": limit, "limit_value": limit_value,
+        "fraction_of_limit": fraction,
+        "target": None if target is None else f"{target_on} {target[0]} {target[1]}", "met": met,
+    }
+
+
+def _fmt(value: float) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.3g}" if abs(value) < 100 else f"{value:,.0f}"
+
+
+def print_table(title: str, header: list[str], rows: list[list]) -> None:
+    cells = [[str(c) if isinstance(c, str) else _fmt(c) for c in row] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(header)]
+    print(f"\n{title}")
+    print("  ".join(h.ljust(w) if i == 0 else h.rjust(w) for i, (h, w) in enumerate(zip(header, widths))))
+    print("-" * (sum(widths) + 2 * (len(widths) - 1)))
+    for row in cells:
+        print("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))))
+
+
+# ----------------------------------------------------------------------------------------------------
+# The parts.
+# ----------------------------------------------------------------------------------------------------
+
+
+def run_forward(args, models, generator, figures) -> dict:
+    results = {}
+    for batch in args.batch_sizes:
+        ids = torch.randint(3, args.vocab_size, (batch, args.seq_len), generator=generator)
+
+        def call(model, ids=ids):
+            with torch.inference_mode():
+                model(ids, use_cache=False)
+
+        times = interleaved_times({name: partial(call, model) for name, model in models.items()}, args.warmup, args.repeats)
+        for name, all_seconds in times.items():
+            seconds = statistics.median(all_seconds)
+            results[f"{name} | B={batch}"] = {
+                "model": name, "batch": batch, "seq_len": args.seq_len, "seconds": seconds,
+                "tokens_per_s": batch * args.seq_len / seconds, "all_seconds": all_seconds,
+            }
+        names = [n for n in models if n.startswith("DenseMamba m=") and n != "DenseMamba m=0"]
+        figures.append(figure(
+            f"forward speed-up, DenseMamba m=0 vs transformers Mamba, B={batch}",
+            paired_ratio(times, MAMBA, "DenseMamba m=0"), "x", anchor="transformers Mamba, same weights",
+            target=TARGETS["forward_speedup"], target_on="value"))
+        for name in names:
+            figures.append(figure(
+                f"forward time, {name} / m=0, B={batch}", paired_ratio(times, name, "DenseMamba m=0"), "x",
+                anchor="DenseMamba m=0", target=TARGETS["forward_dense_cost"], target_on="value"))
+        for name in [n for n in models if n.startswith("DenseRetNet m=") and n != "DenseRetNet m=0"]:
+            figures.append(figure(
+                f"forward time, {name} / m=0, B={batch}", paired_ratio(times, name, "DenseRetNet m=0"), "x",
+                anchor="DenseRetNet m=0"))
+    print_table(
+        f"forward, L={args.seq_len}, inference mode, tokens/s",
+        ["model", *(f"B={b}" for b in args.batch_sizes)],
+        [[name, *(results[f"{name} | B={b}"]["tokens_per_s"] for b in args.batch_sizes)] for name in models],
+    )
+    return results
+
+
+def run_training(args, models, generator, figures) -> dict:
+    ours = {name: model for name, model in models.items() if name != MAMBA}
+    ids = torch.randint(3, args.vocab_size, (args.train_batch, args.train_seq_len), generator=generator)
+    tokens = ids.numel()
+    peak = MatmulPeak(args.matmul_size, args.matmul_calls)
+    fns = {"matmul peak": peak}
+    for name, model in ours.items():
+        fns[f"{name} | train"] = partial(training_step, model, ids)
+        fns[f"{name} | forward"] = partial(full_forward, model, ids)
+    times = interleaved_times(fns, args.warmup, args.repeats)
+    peak_flops = peak.flop_per_s()
+    limit = f"fp32 matmul peak {peak_flops / 1e9:.1f} GFLOP/s"
+    results = {
+        "batch": args.train_batch, "seq_len": args.train_seq_len,
+        "matmul_peak": {"n": args.matmul_size, "calls": len(peak.times), "flop_per_s": peak_flops,
+                        "all_seconds": peak.times},
+        "models": {},
+    }
+    rows = []
+    for name, model in ours.items():
+        model.zero_grad(set_to_none=True)
+        model.eval()
+        family = name.split(" ")[0]
+        seconds = statistics.median(times[f"{name} | train"])
+        n_flop = flop_parameters(model)
+        flops = 6 * n_flop * tokens / seconds
+        fraction = flops / peak_flops
+        over_forward = paired_ratio(times, f"{name} | train", f"{name} | forward")
+        dense_cost = None if name.endswith("m=0") else paired_ratio(times, f"{name} | train", f"{family} m=0 | train")
+        results["models"][name] = {
+            "seconds": seconds, "tokens_per_s": tokens / seconds, "flop_parameters": n_flop,
+            "model_flop_per_s": flops, "fraction_of_peak": fraction,
+            "forward_seconds": statistics.median(times[f"{name} | forward"]), "train_over_forward": over_forward,
+            "train_over_m0": dense_cost,
+            "all_seconds": times[f"{name} | train"], "all_forward_seconds": times[f"{name} | forward"],
+        }
+        rows.append([name, n_flop / 1e6, tokens / seconds, flops / 1e9, peak_flops / 1e9, fraction, over_forward,
+                     "-" if dense_cost is None else dense_cost])
+        where = f"B={args.train_batch}, L={args.train_seq_len}"
+        figures.append(figure(
+            f"training {name} ({where}): model FLOP/s = 6 N tokens/s", flops / 1e9, "GFLOP/s",
+            anchor=f"{tokens / seconds:,.0f} tokens/s, N = {n_flop / 1e6:.1f}M", limit=limit, limit_value=peak_flops / 1e9,
+            fraction=fraction, target=TARGETS["train_fraction_of_peak"], target_on="fraction"))
+        figures.append(figure(
+            f"training step / forward time, {name} ({where})", over_forward, "x",
+            anchor="same model's forward with labels, inference mode", target=TARGETS["train_over_forward"],
+            target_on="value"))
+        if dense_cost is not None:
+            figures.append(figure(
+                f"training step time, {name} / m=0 ({where})", dense_cost, "x", anchor=f"{family} m=0",
+                target=TARGETS["train_dense_cost"], target_on="value"))
+    print_table(
+        f"training step, B={args.train_batch} x L={args.train_seq_len}, float32 "
+        f"(limit: {limit}, best of {len(peak.times)} {args.matmul_size}^3 matmuls)",
+        ["model", "N (M)", "tokens/s", "GFLOP/s", "peak GFLOP/s", "fraction", "train/fwd", "vs m=0"], rows)
+
+    if args.mamba_train_len:
+        short = torch.randint(3, args.vocab_size, (args.train_batch, args.mamba_train_len), generator=generator)
+        pair = {name: partial(training_step, models[name], short) for name in (MAMBA, "DenseMamba m=0")}
+        mamba_times = interleaved_times(pair, args.warmup, args.repeats)
+        for name in pair:
+            models[name].zero_grad(set_to_none=True)
+            models[name].eval()
+        speedup = paired_ratio(mamba_times, MAMBA, "DenseMamba m=0")
+        results["vs_transformers_mamba"] = {
+            "seq_len": args.mamba_train_len, "speedup": speedup,
+            **{name: {"seconds": statistics.median(t), "tokens_per_s": short.numel() / statistics.median(t),
+                      "all_seconds": t} for name, t in mamba_times.items()},
+        }
+        figures.append(figure(
+            f"training speed-up, DenseMamba m=0 vs transformers Mamba (B={args.train_batch}, L={args.mamba_train_len})",
+            speedup, "x", anchor="transformers Mamba, same weights"))
+        print_table(
+            f"training step vs transformers Mamba, B={args.train_batch} x L={args.mamba_train_len}",
+            ["model", "tokens/s", "speed-up"],
+            [[MAMBA, results["vs_transformers_mamba"][MAMBA]["tokens_per_s"], 1.0],
+             ["DenseMamba m=0", results["vs_transformers_mamba"]["DenseMamba m=0"]["tokens_per_s"], speedup]])
+    return results
+
+
+def run_generation(args, models, generator, figures) -> dict:
+    prompt = torch.randint(3, args.vocab_size, (1, args.prompt_len), generator=generator)
+    generate_kwargs = dict(
+        attention_mask=torch.ones_like(prompt), do_sample=False, pad_token_id=0,
+        max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,  # every model makes the same count
+    )
+    bandwidth = Bandwidth(args.bandwidth_mib)
+    results = {"prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "dtypes": {}}
+    timed = {}
+    for dtype_name in args.dtypes:
+        dtype = DTYPES[dtype_name]
+        cast = {name: (model if dtype == torch.float32 else copy.deepcopy(model).to(dtype)) for name, model in models.items()}
+        outputs = {}
+        with torch.inference_mode():
+            for name, model in cast.items():  # the check, once: exactly --new-tokens new tokens
+                outputs[name] = model.generate(prompt, **generate_kwargs)
+                assert outputs[name].shape[1] == args.prompt_len + args.new_tokens, name
+            fns = {"bandwidth": bandwidth, **{name: partial(model.generate, prompt, **generate_kwargs) for name, model in cast.items()}}
+            times = interleaved_times(fns, args.warmup, args.gen_repeats)
+        timed[dtype_name] = (cast, times, outputs)
+    read_bw = bandwidth.read_bytes_per_s()
+    limit = f"read bandwidth {read_bw / 1e9:.1f} GB/s"
+    results["bandwidth"] = {
+        "buffer_mib": args.bandwidth_mib, "read_bytes_per_s": read_bw, "copy_bytes_per_s": bandwidth.copy_bytes_per_s(),
+        "calls": len(bandwidth.read_times), "all_read_seconds": bandwidth.read_times, "all_copy_seconds": bandwidth.copy_times,
+    }
+    for dtype_name, (cast, times, outputs) in timed.items():
+        rows, entry = [], {}
+        for name, model in cast.items():
+            seconds = statistics.median(times[name])
+            weight_bytes = weight_bytes_per_token(model)
+            ideal = read_bw / weight_bytes
+            tps = args.new_tokens / seconds
+            speedup = paired_ratio(times, MAMBA, name)
+            entry[name] = {
+                "seconds": seconds, "tokens_per_s": tps, "speedup_vs_transformers_mamba": speedup,
+                "weight_bytes_per_token": weight_bytes, "ideal_tokens_per_s": ideal, "fraction_of_ideal": tps / ideal,
+                "same_tokens_as_transformers_mamba": bool(torch.equal(outputs[name], outputs[MAMBA])),
+                "all_seconds": times[name],
+            }
+            rows.append([name, weight_bytes / 1e6, tps, speedup, ideal, tps / ideal])
+            target = TARGETS["generation_speedup"] if name.startswith("DenseMamba") else None
+            if name != MAMBA:
+                figures.append(figure(
+                    f"generation speed-up, {name} vs transformers Mamba, {dtype_name}, batch 1", speedup, "x",
+                    anchor=f"transformers Mamba {args.new_tokens / statistics.median(times[MAMBA]):.1f} tokens/s",
+                    target=target, target_on="value"))
+            figures.append(figure(
+                f"generation {name}, {dtype_name}, batch 1: tokens/s", tps, "tokens/s",
+                anchor=f"weights read per token {weight_bytes / 1e6:.1f} MB",
+                limit=f"{limit} / weight bytes = ideal tokens/s", limit_value=ideal, fraction=tps / ideal))
+        results["dtypes"][dtype_name] = entry
+        print_table(
+            f"batch-1 greedy generation, {dtype_name}, prompt {args.prompt_len} + {args.new_tokens} new tokens "
+            f"(limit: {limit}, best of {len(bandwidth.read_times)} sums over {args.bandwidth_mib} MiB)",
+            ["model", "weight MB/token", "tokens/s", "vs transformers", "ideal tokens/s", "fraction"], rows)
+    return results
+
+
+def run_batched(args, models, generator, figures) -> dict:
+    batch, longest = args.batched_size, args.prompt_len
+    lengths = [max(1, round(longest / 2 + (longest / 2) * i / max(1, batch - 1))) for i in range(batch)]
+    ids = torch.zeros(batch, longest, dtype=torch.long)
+    mask = torch.zeros(batch, longest, dtype=torch.long)
+    for row, length in enumerate(lengths):  # left padding: the prompt at the right end, zeros in the mask before it
+        ids[row, longest - length:] = torch.randint(3, args.vocab_size, (length,), generator=generator)
+        mask[row, longest - length:] = 1
+    kwargs = dict(attention_mask=mask, do_sample=False, pad_token_id=0,
+                  max_new_tokens=args.batched_new_tokens, min_new_tokens=args.batched_new_tokens)
+    with torch.inference_mode():
+        times = interleaved_times({name: partial(model.generate, ids, **kwargs) for name, model in models.items()},
+                                  args.warmup, args.gen_repeats)
+    new = batch * args.batched_new_tokens
+    results = {"batch": batch, "prompt_lens": lengths, "new_tokens_per_row": args.batched_new_tokens, "models": {}}
+    rows = []
+    for name in models:
+        seconds = statistics.median(times[name])
+        speedup = paired_ratio(times, MAMBA, name)
+        results["models"][name] = {"seconds": seconds, "tokens_per_s": new / seconds,
+                                   "speedup_vs_transformers_mamba": speedup, "all_seconds": times[name]}
+        rows.append([name, new / seconds, speedup])
+        if name != MAMBA:
+            figures.append(figure(
+                f"batched generation speed-up, {name} vs transformers Mamba, B={batch} left-padded, float32",
+                speedup, "x", anchor=f"transformers Mamba {new / statistics.median(times[MAMBA]):.1f} tokens/s"))
+    print_table(f"batched greedy generation, B={batch}, left-padded prompts of {lengths[0]}-{lengths[-1]} tokens, "
+                f"{args.batched_new_tokens} new tokens per row, float32",
+                ["model", "tokens/s", "vs transformers"], rows)
+    return results
+
+
+def print_figures(figures: list[dict]) -> None:
+    print("\nfigures: value | anchor | limit | fraction of the limit | target")
+    for f in figures:
+        parts = [f"{f['figure']}: {_fmt(f['value'])} {f['unit']}"]
+        if f["anchor"]:
+            parts.append(f"anchor: {f['anchor']}")
+        if f["limit"]:
+            parts.append(f"limit: {f['limit']} ({_fmt(f['limit_value'])})")
+        if f["fraction_of_limit"] is not None:
+            parts.append(f"fraction {f['fraction_of_limit']:.1%}")
+        if f["target"]:
+            parts.append(f"target {f['target']}: {'met' if f['met'] else 'MISSED'}")
+        print("  " + " | ".join(parts))
 
 
 def main(argv=None) -> dict:
@@ -152,100 +574,42 @@ def main(argv=None) -> dict:
     torch.set_num_threads(args.threads)
     env = environment()
     print("  ".join(f"{k}={v}" for k, v in env.items()))
-    models = build_models()
+    started = time.perf_counter()
+    models = build_models(args.vocab_size, args.size)
     params = {name: model.num_parameters() for name, model in models.items()}
 
     generator = torch.Generator().manual_seed(0)
-    results = {"forward": {}, "generation": {}}
     with torch.inference_mode():
-        # Same weights, same logits: the comparison below is between two implementations of one model.
-        probe = torch.randint(3, VOCAB_SIZE, (1, 256), generator=generator)
+        # Same weights, same logits: the comparisons are between two implementations of one model.
+        probe = torch.randint(3, args.vocab_size, (1, min(256, args.seq_len)), generator=generator)
         logits_diff = (
-            models["transformers Mamba"](probe, use_cache=False).logits
-            - models["DenseMamba m=0"](probe, use_cache=False).logits
+            models[MAMBA](probe, use_cache=False).logits - models["DenseMamba m=0"](probe, use_cache=False).logits
         ).abs().max().item()
-        print(f"max |logits(transformers Mamba) - logits(DenseMamba m=0)| = {logits_diff:.2e}")
+    print(f"max |logits(transformers Mamba) - logits(DenseMamba m=0)| = {logits_diff:.2e}")
 
-        forward_times = {}
-        for batch in args.batch_sizes:
-            input_ids = torch.randint(3, VOCAB_SIZE, (batch, args.seq_len), generator=generator)
-            forward_times[batch] = interleaved_times(
-                {name: partial(model, input_ids, use_cache=False) for name, model in models.items()},
-                args.warmup, args.repeats,
-            )
-            for name, times in forward_times[batch].items():
-                seconds = statistics.median(times)
-                results["forward"][f"{name} | B={batch}"] = {
-                    "model": name, "batch": batch, "seq_len": args.seq_len, "seconds": seconds,
-                    "tokens_per_s": batch * args.seq_len / seconds, "all_seconds": times,
-                }
-                print(f"forward  B={batch} L={args.seq_len}  {name:20s} {seconds * 1e3:9.1f} ms  {batch * args.seq_len / seconds:9.0f} tok/s")
-
-        prompt = torch.randint(3, VOCAB_SIZE, (1, args.prompt_len), generator=generator)
-        generate_kwargs = dict(
-            attention_mask=torch.ones_like(prompt), do_sample=False, pad_token_id=0,
-            max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,  # every model makes the same count
-        )
-        for name, model in models.items():  # the check, once: exactly --new-tokens new tokens
-            assert model.generate(prompt, **generate_kwargs).shape[1] == args.prompt_len + args.new_tokens, name
-        generation_times = interleaved_times(
-            {name: partial(model.generate, prompt, **generate_kwargs) for name, model in models.items()},
-            args.warmup, args.gen_repeats,
-        )
-        for name, times in generation_times.items():
-            seconds = statistics.median(times)
-            results["generation"][name] = {
-                "model": name, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "seconds": seconds,
-                "tokens_per_s": args.new_tokens / seconds, "all_seconds": times,
-            }
-            print(f"generate prompt {args.prompt_len} + {args.new_tokens} new  {name:20s} {seconds:7.2f} s  {args.new_tokens / seconds:7.1f} tok/s")
-
-    # Ratios of times measured back to back (median over repeats); a speed-up is time(transformers) / time(ours).
-    # Targets as the project set them.
-    ratios = {}  # label -> (value, target or None)
-    for b, times in forward_times.items():
-        ratios[f"forward speed-up, DenseMamba m=0 vs transformers Mamba, B={b}"] = (
-            paired_ratio(times, "transformers Mamba", "DenseMamba m=0"), (">=", 2.0))
-        ratios[f"forward time, DenseMamba m=4 / m=0, B={b}"] = (
-            paired_ratio(times, "DenseMamba m=4", "DenseMamba m=0"), ("<=", 1.2))
-        ratios[f"forward time, DenseRetNet m=2 / m=0, B={b}"] = (
-            paired_ratio(times, "DenseRetNet m=2", "DenseRetNet m=0"), None)
-    ratios["generation speed-up, DenseMamba m=0 vs transformers Mamba"] = (
-        paired_ratio(generation_times, "transformers Mamba", "DenseMamba m=0"), (">=", 1.0))
-    ratios["generation speed-up, DenseMamba m=4 vs transformers Mamba"] = (
-        paired_ratio(generation_times, "transformers Mamba", "DenseMamba m=4"), None)
-    ratios["generation time, DenseRetNet m=2 / m=0"] = (
-        paired_ratio(generation_times, "DenseRetNet m=2", "DenseRetNet m=0"), None)
-
-    # The table.
-    print()
-    header = f"{'model':20s} {'params':>8s} " + " ".join(f"{'fwd B=' + str(b) + ' tok/s':>15s}" for b in args.batch_sizes)
-    header += f" {'gen tok/s':>10s}"
-    print(header)
-    print("-" * len(header))
-    for name in models:
-        cells = " ".join(f"{results['forward'][f'{name} | B={b}']['tokens_per_s']:15.0f}" for b in args.batch_sizes)
-        print(f"{name:20s} {params[name] / 1e6:7.1f}M {cells} {results['generation'][name]['tokens_per_s']:10.1f}")
-    print()
-    ratio_report = {}
-    for label, (value, target) in ratios.items():
-        met = None if target is None else (value >= target[1] if target[0] == ">=" else value <= target[1])
-        verdict = "" if target is None else f"  (target {target[0]} {target[1]}x: {'met' if met else 'MISSED'})"
-        print(f"{label:60s} {value:6.2f}x{verdict}")
-        ratio_report[label] = {"value": value, "target": None if target is None else f"{target[0]} {target[1]}", "met": met}
+    figures, results = [], {}
+    runners = {"forward": run_forward, "training": run_training, "generation": run_generation, "batched": run_batched}
+    for part in PARTS:
+        if part in args.parts:
+            results[part] = runners[part](args, models, generator, figures)
+    print_figures(figures)
 
     env["load_average_at_end"] = os.getloadavg()
     report = {
         "environment": env,
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "command": "python benchmarks/bench_cpu.py" + "".join(f" {a}" for a in (argv if argv is not None else sys.argv[1:])),
+        "seconds_total": time.perf_counter() - started,
         "params": params,
         "logits_max_abs_diff_mamba_vs_densemamba_m0": logits_diff,
         **results,
-        "ratios": ratio_report,
+        "figures": figures,
     }
+    if not all(math.isfinite(f["value"]) for f in figures):
+        raise RuntimeError("a figure is not finite")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"\nwrote {args.out}")
+    print(f"\nwrote {args.out} ({report['seconds_total']:.0f} s)")
     return report
 
 
