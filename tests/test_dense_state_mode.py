@@ -105,7 +105,9 @@ def test_zero_gates_give_the_base_mamba_exactly():
     for block in dense.backbone.layers[1:]:
         block.mixer.dense_h.zero_gates()
     ids = random_ids(2, 10)
-    assert torch.equal(dense(ids).logits, base(ids).logits)
+    # float64; the base model applies D and the gate inside the scan kernel, the state mode after the fusion, so
+    # the two agree to rounding (bit for bit on the PyTorch path)
+    torch.testing.assert_close(dense(ids).logits, base(ids).logits, atol=1e-12, rtol=1e-12)
 
 
 def test_gradient_checkpointing_gives_the_same_gradients():

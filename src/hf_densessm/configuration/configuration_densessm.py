@@ -145,8 +145,9 @@ DENSE_KNOBS: tuple[Knob, ...] = (
     Knob("dense_target", str, "input", "DenseMamba only: fuse the scan inputs u and B ('input', docs/design.md §4) "
          "or the lower layers' states, read out with this layer's C ('state', Eq. 14)", choices=("input", "state"),
          families=("densemamba",)),
-    Knob("kernel_backend", str, "auto", "'auto' (Triton on CUDA, PyTorch otherwise), 'triton' or 'torch'",
-         choices=("auto", "triton", "torch")),
+    Knob("kernel_backend", str, "auto", "'auto' (Triton on CUDA, the compiled CPU kernels on the CPU where a C compiler "
+         "exists, PyTorch otherwise), 'triton', 'cpu' or 'torch'",
+         choices=("auto", "triton", "cpu", "torch")),
 )
 
 DENSE_KNOB_NAMES: tuple[str, ...] = tuple(knob.name for knob in DENSE_KNOBS)

@@ -1,10 +1,14 @@
 """Which form of an op runs: the backend switch shared by every op of :mod:`hf_densessm.ops`.
 
-Every public op takes ``backend="auto" | "triton" | "torch"``:
+Every public op takes ``backend="auto" | "triton" | "cpu" | "torch"``:
 
 - ``"auto"`` (the models' ``config.kernel_backend`` default) runs the Triton kernel on CUDA tensors when
-  ``triton`` is installed, and the PyTorch path otherwise;
+  ``triton`` is installed; on CPU tensors it runs the op's compiled CPU kernel where the op has one (the selective
+  scan, ``cpu.py``; built on first use with the system C compiler, :mod:`.cpu_build`) and the PyTorch path
+  otherwise (no kernel for the op, no compiler);
 - ``"torch"`` always runs the PyTorch path (``chunked_torch.py`` of each op), e.g. for debugging;
+- ``"cpu"`` runs the compiled CPU kernel of ops that have one (an error where it cannot be built or the tensors
+  are not on the CPU) and the PyTorch path of the others (retention's CPU path is matrix products already);
 - ``"triton"`` always runs the kernel: on CUDA tensors, or on CPU tensors under the Triton interpreter
   (``TRITON_INTERPRET=1``, also ``true``/``yes``/``on``; how the tests run the kernels without a GPU).
 
@@ -23,10 +27,12 @@ from dataclasses import dataclass, replace
 
 import torch
 
-__all__ = ["ARCHS", "BACKENDS", "GPUArch", "device_arch", "interpreting", "triton_available", "use_triton"]
+__all__ = [
+    "ARCHS", "BACKENDS", "GPUArch", "device_arch", "interpreting", "resolve_backend", "triton_available", "use_triton",
+]
 
 #: The values of every op's ``backend`` argument (and of the models' ``config.kernel_backend``).
-BACKENDS = ("auto", "triton", "torch")
+BACKENDS = ("auto", "triton", "cpu", "torch")
 
 
 def triton_available() -> bool:
@@ -50,7 +56,7 @@ def use_triton(backend: str, device: torch.device) -> bool:
     PyTorch path.
 
     Args:
-        backend: ``"auto"``, ``"triton"`` or ``"torch"`` (:data:`BACKENDS`).
+        backend: one of :data:`BACKENDS`.
         device: the device of the op's tensors.
 
     Returns:
@@ -63,7 +69,7 @@ def use_triton(backend: str, device: torch.device) -> bool:
     """
     if not isinstance(backend, str) or backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got backend={backend!r}")
-    if backend == "torch":
+    if backend in ("torch", "cpu"):
         return False
     if backend == "auto":
         return device.type == "cuda" and triton_available()
@@ -145,3 +151,36 @@ def device_arch(device: torch.device) -> GPUArch:
     arch = max(known, key=lambda a: a.capability) if known else ARCHS["sm_80"]
     shared = getattr(props, "shared_memory_per_block_optin", None)
     return replace(arch, shared_per_block=shared) if shared else arch
+
+
+def resolve_backend(backend: str, device: torch.device, cpu_kernel=None) -> str:
+    """Which form of an op runs: ``"triton"``, ``"cpu"`` (the op's compiled CPU kernel) or ``"torch"``.
+
+    Args:
+        backend: one of :data:`BACKENDS`.
+        device: the device of the op's tensors.
+        cpu_kernel: for ops that have a compiled CPU kernel, a function returning whether it is available here
+            (it builds the kernel on first call); ``None`` for ops without one.
+
+    Returns:
+        ``"triton"`` as :func:`use_triton`; else ``"cpu"`` for ``backend="cpu"``, or for ``"auto"`` on CPU tensors
+        when ``cpu_kernel()`` is true; else ``"torch"``.
+
+    Raises:
+        ValueError, RuntimeError: as :func:`use_triton`; RuntimeError for ``backend="cpu"`` with an op whose kernel
+        cannot be built here or with tensors not on the CPU.
+    """
+    if use_triton(backend, device):
+        return "triton"
+    if cpu_kernel is None or backend == "torch":
+        return "torch"
+    if backend == "cpu":
+        if device.type != "cpu":
+            raise RuntimeError(f"backend='cpu' runs the compiled CPU kernels on CPU tensors, got {device.type} tensors")
+        if not cpu_kernel():
+            raise RuntimeError(
+                "backend='cpu': the compiled CPU kernel cannot be built here (see the warning above: a C compiler "
+                "is needed); use backend='torch' or 'auto'"
+            )
+        return "cpu"
+    return "cpu" if device.type == "cpu" and cpu_kernel() else "torch"

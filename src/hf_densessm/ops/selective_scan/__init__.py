@@ -10,13 +10,16 @@ The forms of the op, one file each (the layout of flash-linear-attention's ``fla
 - ``naive.py``: ``selective_scan_naive``, the token-by-token loop in float64, the ground truth of the tests;
 - ``chunked_torch.py``: ``selective_scan_torch`` / ``selective_state_update_torch``, the vectorized
   PyTorch path (chunked over the length, hand-written backward), what the models run on the CPU;
+- ``cpu.py``: ``selective_scan_cpu`` / ``selective_state_update_cpu``, the compiled CPU kernel (C, built on
+  first use with the system compiler), what the models run on the CPU where a C compiler exists;
 - ``chunk.py``: ``selective_scan_triton``, the fused Triton kernels for training and prefill;
 - ``fused_recurrent.py``: ``selective_state_update_triton``, the Triton decode step.
 
-Backends (``backend=``, resolved by :func:`hf_densessm.ops.backend.use_triton`): ``"auto"`` runs the Triton
-kernel on CUDA tensors (when triton is installed) and the PyTorch path otherwise; ``"triton"`` forces the kernel
-(on CPU tensors only under ``TRITON_INTERPRET=1``, the interpreter, for tests); ``"torch"`` forces the PyTorch
-path. The Triton files are imported only when a kernel runs.
+Backends (``backend=``, resolved by :func:`hf_densessm.ops.backend.resolve_backend`): ``"auto"`` runs the Triton
+kernel on CUDA tensors (when triton is installed), the compiled CPU kernel on CPU tensors (when it builds: a C
+compiler is needed) and the PyTorch path otherwise; ``"triton"`` forces the Triton kernel (on CPU tensors only
+under ``TRITON_INTERPRET=1``, the interpreter, for tests); ``"cpu"`` forces the compiled CPU kernel; ``"torch"``
+forces the PyTorch path. The Triton files are imported only when a kernel runs.
 
 Choices made here:
 
@@ -33,13 +36,24 @@ from __future__ import annotations
 
 import torch
 
-from ..backend import use_triton
+from ..backend import resolve_backend
 from ..packing import check_reset
 from .chunked_torch import selective_scan_torch, selective_state_update_torch
+from .cpu import MAX_STATE, cpu_kernel_available, selective_scan_cpu, selective_state_update_cpu
 
 __all__ = ["selective_scan", "selective_state_update"]
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def _cpu_kernel_for(nstate: int, backend: str):
+    """The availability check handed to :func:`resolve_backend`: the compiled kernel takes ``state <= MAX_STATE``
+    (``backend="cpu"`` with a larger state is refused: ValueError)."""
+    if nstate <= MAX_STATE:
+        return cpu_kernel_available
+    if backend == "cpu":
+        raise ValueError(f"backend='cpu' takes state sizes <= {MAX_STATE}, got A with state size {nstate}")
+    return None
 
 
 def _check_tensor(name, t, shape, device, optional=False):
@@ -126,35 +140,37 @@ def selective_scan(
         delta_bias: (dim,) optional. delta_softplus: apply softplus to ``delta + delta_bias``.
         initial_state: (batch, dim, state) state before the first token (e.g. a cache), any float dtype.
         return_last_state: also return the state after the last token.
-        backend: ``"auto"`` | ``"triton"`` | ``"torch"`` (see the module docstring).
+        backend: ``"auto"`` | ``"triton"`` | ``"cpu"`` | ``"torch"`` (see the module docstring).
         reset: (batch, length) bool, True at the first token of each packed document: ``h_{t-1}`` is taken as 0
             there (the initial state too at ``t = 0``), so no state crosses a document boundary (:mod:`..packing`).
 
     Returns:
         ``y`` (batch, dim, length) in ``u``'s dtype; with ``return_last_state``, ``(y, last_state)`` where
         ``last_state`` is (batch, dim, state) float32 (float64 for float64 inputs). Accumulation is in float32
-        (float64 for float64 inputs). Differentiable in every tensor argument on both backends.
+        (float64 for float64 inputs). Differentiable in every tensor argument on every backend.
 
     Raises:
-        ValueError: ``backend`` not one of ``"auto"``, ``"triton"``, ``"torch"``; a tensor of the wrong rank or
-            shape; tensors on different devices; ``length == 0``; ``A`` with a positive entry.
+        ValueError: ``backend`` not one of ``"auto"``, ``"triton"``, ``"cpu"``, ``"torch"``; a tensor of the wrong
+            rank or shape; tensors on different devices; ``length == 0``; ``A`` with a positive entry;
+            ``backend="cpu"`` with a state size over ``cpu.MAX_STATE`` (256).
         TypeError: a non-tensor argument or an unsupported dtype.
         RuntimeError: ``backend="triton"`` without triton installed, or on CPU tensors without
-            ``TRITON_INTERPRET=1``.
+            ``TRITON_INTERPRET=1``; ``backend="cpu"`` where the kernel cannot be built or on non-CPU tensors.
     """
     _check_scan_args(u, delta, A, B, C, D, z, delta_bias, initial_state)
     reset = check_reset(reset, u.shape[0], u.shape[2], u.device)
-    use_triton_kernel = use_triton(backend, u.device)
+    form = resolve_backend(backend, u.device, _cpu_kernel_for(A.shape[1], backend))
     if not (u.is_cuda and torch.cuda.is_current_stream_capturing()):
         _check_decay(A)
-    if use_triton_kernel:
+    if form == "triton":
         from .chunk import selective_scan_triton
 
         return selective_scan_triton(
             u, delta, A, B, C, D=D, z=z, delta_bias=delta_bias, delta_softplus=delta_softplus,
             initial_state=initial_state, return_last_state=return_last_state, reset=reset,
         )
-    return selective_scan_torch(
+    scan = selective_scan_cpu if form == "cpu" else selective_scan_torch
+    return scan(
         u, delta, A, B, C, D=D, z=z, delta_bias=delta_bias, delta_softplus=delta_softplus,
         initial_state=initial_state, return_last_state=return_last_state, reset=reset,
     )
@@ -186,15 +202,17 @@ def selective_state_update(
         A: (dim, state), entries <= 0 (not checked here, see the module docstring).
         B, C: (batch, state). D: (dim,) optional. z: (batch, dim) gate, optional. dt_bias: (dim,) optional.
         dt_softplus: apply softplus to ``dt + dt_bias``.
-        backend: ``"auto"`` | ``"triton"`` | ``"torch"``.
+        backend: ``"auto"`` | ``"triton"`` | ``"cpu"`` | ``"torch"``.
 
     Returns:
         ``y`` (batch, dim) in ``x``'s dtype.
 
     Raises:
-        ValueError: bad ``backend``, wrong rank or shape, mixed devices.
+        ValueError: bad ``backend``, wrong rank or shape, mixed devices; ``backend="cpu"`` with a state size over
+            256.
         TypeError: a non-tensor argument or an unsupported dtype.
-        RuntimeError: ``backend="triton"`` without triton, or on CPU tensors without ``TRITON_INTERPRET=1``.
+        RuntimeError: ``backend="triton"`` without triton, or on CPU tensors without ``TRITON_INTERPRET=1``;
+            ``backend="cpu"`` where the kernel cannot be built or on non-CPU tensors.
     """
     if not isinstance(state, torch.Tensor):
         raise TypeError(f"state must be a torch.Tensor, got {type(state).__name__}")
@@ -211,9 +229,11 @@ def selective_state_update(
     _check_tensor("D", D, ((dim,), ("dim",)), dev, optional=True)
     _check_tensor("z", z, ((batch, dim), ("batch", "dim")), dev, optional=True)
     _check_tensor("dt_bias", dt_bias, ((dim,), ("dim",)), dev, optional=True)
-    use_triton_kernel = use_triton(backend, dev)
-    if use_triton_kernel:
+    form = resolve_backend(backend, dev, _cpu_kernel_for(n, backend))
+    if form == "triton":
         from .fused_recurrent import selective_state_update_triton
 
         return selective_state_update_triton(state, x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus)
+    if form == "cpu" and state.dtype in (torch.float32, torch.float64) and state.is_contiguous():
+        return selective_state_update_cpu(state, x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus)
     return selective_state_update_torch(state, x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus)

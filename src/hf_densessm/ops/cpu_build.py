@@ -1,0 +1,162 @@
+"""Build and load the compiled CPU kernels of :mod:`hf_densessm.ops`: C source compiled once per machine with the
+system C compiler, loaded with :mod:`ctypes`, run from a thread pool.
+
+Why C and not PyTorch for some ops: the selective scan is a sequential recurrence over the length with a tiny
+per-token body (Mamba paper §3.3: its cost is memory traffic, not FLOPs). In PyTorch every token step is a pass
+over large tensors; a compiled loop keeps the state in registers and reads each input once. The source lives in a
+Python string next to the op (e.g. ``ops/selective_scan/cpu.py``), beside that op's PyTorch reference, so a saved
+checkpoint's remote code carries it too.
+
+How it is built (:func:`load_library`):
+
+- compiler: ``$CC``, else ``cc``, else ``gcc``; flags ``-O3 -std=c11 -fPIC -shared`` plus ``-march=native``
+  (retried without it where the compiler refuses), never ``-ffast-math`` (which would switch the whole process to
+  flush-to-zero arithmetic); no OpenMP (it could load a second OpenMP runtime next to PyTorch's): the caller splits
+  the work between threads of :func:`thread_pool`, and ctypes releases the GIL during each call;
+- cache: ``$HF_DENSESSM_CACHE`` or ``~/.cache/hf_densessm``, subfolder ``cpu_kernels``, one file per hash of the
+  source, the flags, the compiler's version and the machine; written to a temporary name and renamed, so two
+  processes building at once, or a build killed half-way, never leave a broken library behind;
+- failure (no compiler, a compile error, an unwritable cache): :func:`load_library` returns ``None`` once per
+  process with a warning naming the reason, and the ops run their PyTorch path (``backend="auto"``) or raise
+  (``backend="cpu"``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+__all__ = ["cache_dir", "find_compiler", "load_error", "load_library", "run_parallel", "thread_pool"]
+
+_LOCK = threading.Lock()
+_LIBRARIES: dict[str, ctypes.CDLL | None] = {}
+_ERRORS: dict[str, str] = {}
+_POOL: ThreadPoolExecutor | None = None
+_POOL_SIZE = 0
+
+
+def cache_dir() -> Path:
+    """Folder of the compiled libraries: ``$HF_DENSESSM_CACHE/cpu_kernels``, default ``~/.cache/hf_densessm``."""
+    root = os.environ.get("HF_DENSESSM_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "hf_densessm")
+    return Path(root) / "cpu_kernels"
+
+
+def find_compiler() -> str | None:
+    """Path of the C compiler: ``$CC`` if set (and found), else ``cc``, else ``gcc``; ``None`` if none is found."""
+    for name in (os.environ.get("CC"), "cc", "gcc"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def _compiler_version(compiler: str) -> str:
+    try:
+        return subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def _compile(compiler: str, source_path: Path, out_path: Path, flags: list[str]) -> str | None:
+    """Compile; return None on success, else the compiler's message."""
+    cmd = [compiler, *flags, str(source_path), "-o", str(out_path), "-lm"]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    except (OSError, subprocess.SubprocessError) as error:
+        return f"{' '.join(cmd)}: {error}"
+    return None if done.returncode == 0 else f"{' '.join(cmd)}:\n{done.stderr.strip()[-2000:]}"
+
+
+def load_library(name: str, source: str) -> ctypes.CDLL | None:
+    """The compiled library of C ``source``, built on first use and cached on disk (module docstring).
+
+    Args:
+        name: a short name for the cache file and messages (e.g. ``"selective_scan"``).
+        source: the C source text.
+
+    Returns:
+        The loaded :class:`ctypes.CDLL`, or ``None`` when it cannot be built here (the reason is warned once and
+        kept: :func:`load_error`).
+    """
+    with _LOCK:
+        if name in _LIBRARIES:
+            return _LIBRARIES[name]
+        library, error = None, None
+        compiler = find_compiler()
+        if compiler is None:
+            error = "no C compiler found (set $CC or install cc/gcc)"
+        else:
+            base_flags = ["-O3", "-std=c11", "-fPIC", "-shared"]
+            key = hashlib.sha256(
+                "\0".join([source, " ".join(base_flags), _compiler_version(compiler), platform.machine(),
+                           platform.system()]).encode()
+            ).hexdigest()[:24]
+            folder = cache_dir()
+            target = folder / f"{name}-{key}.so"
+            try:
+                if not target.exists():
+                    folder.mkdir(parents=True, exist_ok=True)
+                    with tempfile.TemporaryDirectory(dir=folder) as tmp:
+                        src = Path(tmp) / f"{name}.c"
+                        src.write_text(source)
+                        built = Path(tmp) / f"{name}.so"
+                        error = _compile(compiler, src, built, base_flags + ["-march=native"])
+                        if error is not None:  # e.g. compilers that spell it -mcpu=native
+                            error = _compile(compiler, src, built, base_flags)
+                        if error is None:
+                            os.replace(built, target)  # atomic: other processes see the old state or the new file
+                if error is None:
+                    library = ctypes.CDLL(str(target))
+            except OSError as oserror:
+                error = f"{type(oserror).__name__}: {oserror}"
+        if error is not None:
+            _ERRORS[name] = error
+            warnings.warn(
+                f"hf_densessm: the compiled CPU kernel {name!r} is not available ({error.splitlines()[0]}); the "
+                "PyTorch path runs instead (slower on the CPU, same results).",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        _LIBRARIES[name] = library
+        return library
+
+
+def load_error(name: str) -> str | None:
+    """Why :func:`load_library` returned ``None`` for ``name`` in this process (``None`` if it did not)."""
+    return _ERRORS.get(name)
+
+
+def thread_pool() -> tuple[ThreadPoolExecutor, int]:
+    """A process-wide pool of ``torch.get_num_threads()`` workers (rebuilt when that number changes) and its size."""
+    global _POOL, _POOL_SIZE
+    size = max(1, torch.get_num_threads())
+    with _LOCK:
+        if _POOL is None or _POOL_SIZE != size:
+            if _POOL is not None:
+                _POOL.shutdown(wait=False)
+            _POOL, _POOL_SIZE = ThreadPoolExecutor(max_workers=size, thread_name_prefix="hf_densessm_cpu"), size
+        return _POOL, _POOL_SIZE
+
+
+def run_parallel(fn, n_items: int, workers: int | None = None) -> int:
+    """Call ``fn(worker, begin, end)`` on ``workers`` contiguous slices of ``range(n_items)`` (default: the pool's
+    size, at most ``n_items``), the first in this thread and the others in :func:`thread_pool`; re-raises the
+    first exception. Returns the number of slices (``worker`` runs ``0 .. slices - 1``)."""
+    pool, size = thread_pool()
+    workers = max(1, min(n_items, size if workers is None else workers))
+    bounds = [n_items * w // workers for w in range(workers + 1)]
+    futures = [pool.submit(fn, w, bounds[w], bounds[w + 1]) for w in range(1, workers)]
+    fn(0, bounds[0], bounds[1])
+    for future in futures:
+        future.result()
+    return workers

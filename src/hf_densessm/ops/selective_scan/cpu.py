@@ -1,0 +1,553 @@
+"""The selective scan as a compiled CPU kernel (C, built on first use by :mod:`hf_densessm.ops.cpu_build`): what
+the models run on the CPU when a C compiler is available (``backend="auto"`` or ``"cpu"``).
+
+- :func:`selective_scan_cpu`: the whole sequence, forward and backward (:class:`SelectiveScanCPUFn`);
+- :func:`selective_state_update_cpu`: one decoding step, the state updated in place.
+
+Same recurrence and arguments as :func:`.chunked_torch.selective_scan_torch` (Mamba paper Algorithm 2, eq. 2a/2b
+with eq. 4's discretization as the authors' code applies it) and the same ground truth,
+:func:`.naive.selective_scan_naive`, in the tests::
+
+    h_t = a_t * h_{t-1} + dt_t * B_t * u_t,   a_t = exp(dt_t * A) (0 at a packed document's first token)
+    y_t = (sum_n C_{t,n} h_{t,n} + D * u_t) * silu(z_t)
+
+**How the kernel is laid out.** Channels are taken ``W`` at a time (16 in float32, 8 in float64: one 64-byte
+vector, written with GCC vector extensions so the compiler maps it to AVX-512, AVX2 or NEON registers); for each
+group of ``W`` channels and each sequence the loop runs over the tokens with the ``N`` state vectors kept in
+registers: per token one vector exponential per state index, two fused multiply-adds and the ``C`` readout. Every
+input is read once and nothing of size ``(batch, length, dim, state)`` exists. Per-token tensors are read in the
+model's ``(batch, length, dim)`` memory order (the ``(batch, dim, length)`` arguments are usually transposed views
+of it; any other layout is copied once). The exponential is a Cody-Waite range reduction and a Taylor polynomial
+(degree 7 in float32, relative error below 2e-7; degree 13 in float64, below 1e-15), because compilers only
+vectorize ``exp`` under ``-ffast-math``, which this package never uses.
+
+**Backward** (:class:`SelectiveScanCPUFn`): nothing but the inputs is saved. Per group of channels the states are
+recomputed once to keep one state every ``segment`` tokens, then, segment by segment from the end, the segment's
+states are recomputed and the adjoint recurrence ``g_{t-1} = a_t (g_t + C_t gy_t)`` runs backwards, reading every
+gradient off ``g``, ``h_{t-1}`` and ``a_t`` (``d a_t / d dt_t = A a_t``). ``dB`` and ``dC`` are sums over channels:
+each worker accumulates them per lane for all of its channel groups and reduces the lanes once per sequence.
+
+Threads: the channel groups are split between ``torch.get_num_threads()`` workers
+(:func:`hf_densessm.ops.cpu_build.run_parallel`); the decode step runs on one thread (it is a few microseconds).
+Accumulation is in float32 for float32/bfloat16/float16 inputs and in float64 for float64 inputs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from string import Template
+
+import torch
+import torch.nn.functional as F
+
+from ..cpu_build import load_error, load_library, run_parallel
+
+__all__ = ["SelectiveScanCPUFn", "cpu_kernel_available", "selective_scan_cpu", "selective_state_update_cpu"]
+
+#: Largest ``state`` size the kernel takes (its per-state vectors live on the stack); larger runs the PyTorch path.
+MAX_STATE = 256
+#: Tokens per recomputed segment in the backward pass (the segment's states stay in the L2 cache).
+SEGMENT = 32
+
+_HEADER = r"""
+#include <stdint.h>
+#include <string.h>
+#include <math.h>
+
+typedef struct {
+    int64_t batch, dim, length, nstate, seg;
+    const void *u, *dt, *A, *B, *C, *D, *z, *keep, *h0, *dy, *dhlast;
+    int64_t u_sb, u_st, dt_sb, dt_st, B_sb, B_st, C_sb, C_st, z_sb, z_st, dy_sb, dy_st, y_sb, y_st;
+    void *y, *hlast, *du, *ddt, *dz, *dA, *dD, *dh0, *ck;
+} scan_args;
+"""
+
+# One copy per compute type: $real (element), $ireal (same-width integer), $W (lanes), $sfx (name suffix),
+# exponential constants ($MAGIC = 1.5 * 2^mantissa_bits: adding it rounds to an integer kept in the low bits).
+_BODY = Template(r"""
+typedef $real vec$sfx __attribute__((vector_size($W * sizeof($real))));
+typedef $ireal ivec$sfx __attribute__((vector_size($W * sizeof($real))));
+#define ZERO$sfx ((vec$sfx){0})
+
+static inline vec$sfx vexp$sfx(vec$sfx x) {
+    const vec$sfx lo = ZERO$sfx + ($real)$EXP_LO, hi = ZERO$sfx + ($real)$EXP_HI;
+    const vec$sfx magic = ZERO$sfx + ($real)$MAGIC;
+    ivec$sfx m = x < lo;
+    x = (vec$sfx)((m & (ivec$sfx)lo) | (~m & (ivec$sfx)x));
+    m = x > hi;
+    x = (vec$sfx)((m & (ivec$sfx)hi) | (~m & (ivec$sfx)x));
+    vec$sfx t = x * ($real)1.44269504088896340736 + magic;
+    vec$sfx n = t - magic;
+    ivec$sfx ni = (ivec$sfx)t - (ivec$sfx)magic;
+    vec$sfx r = x - n * ($real)$LN2_HI - n * ($real)$LN2_LO;
+    vec$sfx p = $POLY;
+    ivec$sfx bits = (ni + $EXP_BIAS) << $MANT_BITS;
+    return p * (vec$sfx)bits;
+}
+
+static inline vec$sfx vsigmoid$sfx(vec$sfx x) { return ($real)1 / (($real)1 + vexp$sfx(-x)); }
+
+static inline vec$sfx vld$sfx(const $real *p, int64_t nl) {
+    vec$sfx v = ZERO$sfx;
+    if (nl == $W) memcpy(&v, p, sizeof v); else for (int64_t l = 0; l < nl; l++) v[l] = p[l];
+    return v;
+}
+static inline void vst$sfx($real *p, vec$sfx v, int64_t nl) {
+    if (nl == $W) memcpy(p, &v, sizeof v); else for (int64_t l = 0; l < nl; l++) p[l] = v[l];
+}
+static inline vec$sfx vlds$sfx(const $real *p, int64_t stride, int64_t nl) {
+    vec$sfx v = ZERO$sfx;
+    for (int64_t l = 0; l < nl; l++) v[l] = p[l * stride];
+    return v;
+}
+static inline void vsts$sfx($real *p, int64_t stride, vec$sfx v, int64_t nl) {
+    for (int64_t l = 0; l < nl; l++) p[l * stride] = v[l];
+}
+static inline $real hsum$sfx(vec$sfx v) {
+    $real s = 0;
+    for (int l = 0; l < $W; l++) s += v[l];
+    return s;
+}
+
+/* Forward over channel groups [g0, g1): y and the last state. */
+static inline __attribute__((always_inline)) void fwd_groups$sfx(const scan_args *a, int64_t g0, int64_t g1,
+                                                                const int64_t N) {
+    const $real *u = a->u, *dt = a->dt, *A = a->A, *B = a->B, *C = a->C, *D = a->D, *z = a->z, *keep = a->keep,
+                *h0 = a->h0;
+    $real *y = a->y, *hlast = a->hlast;
+    vec$sfx *ck = a->ck;  /* optional: the state before every seg-th token, for the backward pass */
+    const int64_t L = a->length, dim = a->dim, seg = a->seg, nseg = (L + seg - 1) / seg;
+    const int64_t ngroups = (dim + $W - 1) / $W;
+    vec$sfx h[N], Av[N];
+    for (int64_t g = g0; g < g1; g++) {
+        const int64_t d0 = g * $W, nl = dim - d0 < $W ? dim - d0 : $W;
+        for (int64_t n = 0; n < N; n++) Av[n] = vlds$sfx(A + d0 * N + n, N, nl);
+        const vec$sfx Dv = D ? vld$sfx(D + d0, nl) : ZERO$sfx;
+        for (int64_t b = 0; b < a->batch; b++) {
+            for (int64_t n = 0; n < N; n++) h[n] = h0 ? vlds$sfx(h0 + (b * dim + d0) * N + n, N, nl) : ZERO$sfx;
+            for (int64_t t = 0; t < L; t++) {
+                if (ck && t % seg == 0)
+                    memcpy(ck + ((b * nseg + t / seg) * ngroups + g) * N, h, (size_t)N * sizeof(vec$sfx));
+                const vec$sfx uv = vld$sfx(u + b * a->u_sb + t * a->u_st + d0, nl);
+                const vec$sfx dv = vld$sfx(dt + b * a->dt_sb + t * a->dt_st + d0, nl);
+                const $real *Bt = B + b * a->B_sb + t * a->B_st, *Ct = C + b * a->C_sb + t * a->C_st;
+                const $real k = keep ? keep[b * L + t] : ($real)1;
+                const vec$sfx dtu = dv * uv;
+                vec$sfx acc = Dv * uv;
+                for (int64_t n = 0; n < N; n++) {
+                    h[n] = vexp$sfx(dv * Av[n]) * k * h[n] + dtu * Bt[n];
+                    acc += Ct[n] * h[n];
+                }
+                if (z) {
+                    const vec$sfx zv = vld$sfx(z + b * a->z_sb + t * a->z_st + d0, nl);
+                    acc = acc * zv * vsigmoid$sfx(zv);
+                }
+                vst$sfx(y + b * a->y_sb + t * a->y_st + d0, acc, nl);
+            }
+            if (hlast) for (int64_t n = 0; n < N; n++) vsts$sfx(hlast + (b * dim + d0) * N + n, N, h[n], nl);
+        }
+    }
+}
+
+void scan_fwd$sfx(const scan_args *a, int64_t g0, int64_t g1) {
+    if (a->nstate == 16) fwd_groups$sfx(a, g0, g1, 16); else fwd_groups$sfx(a, g0, g1, a->nstate);
+}
+
+/* Backward over channel groups [g0, g1). du, ddt, dz: (batch, length, dim) contiguous, written; dA (dim, N) and
+   dD (dim) accumulated (+=, zeroed by the caller); dh0 (batch, dim, N) written; dBp, dCp (batch, length, N): this
+   worker's partial sums over its channels, written. work: (nseg + 2 * seg + 1 + 2 * length) * N vectors. */
+static inline __attribute__((always_inline)) void bwd_groups$sfx(const scan_args *a, int64_t g0, int64_t g1,
+                                                                $real *dBp, $real *dCp, vec$sfx *work,
+                                                                const int64_t N) {
+    const $real *u = a->u, *dt = a->dt, *A = a->A, *B = a->B, *C = a->C, *D = a->D, *z = a->z, *keep = a->keep,
+                *h0 = a->h0, *dy = a->dy, *dhlast = a->dhlast;
+    $real *du = a->du, *ddt = a->ddt, *dz = a->dz, *dA = a->dA, *dD = a->dD, *dh0 = a->dh0;
+    const int64_t L = a->length, dim = a->dim, seg = a->seg, nseg = (L + seg - 1) / seg;
+    const int64_t ngroups = (dim + $W - 1) / $W;
+    vec$sfx *ckw = work, *hs = ckw + nseg * N, *as = hs + (seg + 1) * N, *accB = as + seg * N, *accC = accB + L * N;
+    vec$sfx g[N], Av[N], dAacc[N], hc[N];
+    for (int64_t b = 0; b < a->batch; b++) {
+        memset(accB, 0, (size_t)(2 * L * N) * sizeof(vec$sfx));
+        for (int64_t grp = g0; grp < g1; grp++) {
+            const int64_t d0 = grp * $W, nl = dim - d0 < $W ? dim - d0 : $W;
+            for (int64_t n = 0; n < N; n++) { Av[n] = vlds$sfx(A + d0 * N + n, N, nl); dAacc[n] = ZERO$sfx; }
+            const vec$sfx Dv = D ? vld$sfx(D + d0, nl) : ZERO$sfx;
+            vec$sfx dDacc = ZERO$sfx;
+            /* 1. states at the segment starts: saved by the forward pass, or recomputed */
+            const vec$sfx *ck = a->ck ? (const vec$sfx *)a->ck + (b * nseg * ngroups + grp) * N : ckw;
+            const int64_t ck_stride = a->ck ? ngroups * N : N;  /* vectors between segments */
+            for (int64_t n = 0; n < N; n++) hc[n] = h0 ? vlds$sfx(h0 + (b * dim + d0) * N + n, N, nl) : ZERO$sfx;
+            for (int64_t t = 0; t < L && !a->ck; t++) {
+                if (t % seg == 0) for (int64_t n = 0; n < N; n++) ckw[(t / seg) * N + n] = hc[n];
+                const vec$sfx uv = vld$sfx(u + b * a->u_sb + t * a->u_st + d0, nl);
+                const vec$sfx dv = vld$sfx(dt + b * a->dt_sb + t * a->dt_st + d0, nl);
+                const $real *Bt = B + b * a->B_sb + t * a->B_st;
+                const $real k = keep ? keep[b * L + t] : ($real)1;
+                const vec$sfx dtu = dv * uv;
+                for (int64_t n = 0; n < N; n++) hc[n] = vexp$sfx(dv * Av[n]) * k * hc[n] + dtu * Bt[n];
+            }
+            /* 2. the adjoint, segment by segment from the end */
+            for (int64_t n = 0; n < N; n++)
+                g[n] = dhlast ? vlds$sfx(dhlast + (b * dim + d0) * N + n, N, nl) : ZERO$sfx;
+            for (int64_t s = nseg - 1; s >= 0; s--) {
+                const int64_t t0 = s * seg, t1 = t0 + seg < L ? t0 + seg : L;
+                for (int64_t n = 0; n < N; n++) hs[n] = ck[s * ck_stride + n];
+                for (int64_t t = t0; t < t1; t++) {
+                    const int64_t i = t - t0;
+                    const vec$sfx uv = vld$sfx(u + b * a->u_sb + t * a->u_st + d0, nl);
+                    const vec$sfx dv = vld$sfx(dt + b * a->dt_sb + t * a->dt_st + d0, nl);
+                    const $real *Bt = B + b * a->B_sb + t * a->B_st;
+                    const $real k = keep ? keep[b * L + t] : ($real)1;
+                    const vec$sfx dtu = dv * uv;
+                    for (int64_t n = 0; n < N; n++) {
+                        const vec$sfx an = vexp$sfx(dv * Av[n]) * k;
+                        as[i * N + n] = an;
+                        hs[(i + 1) * N + n] = an * hs[i * N + n] + dtu * Bt[n];
+                    }
+                }
+                for (int64_t t = t1 - 1; t >= t0; t--) {
+                    const int64_t i = t - t0;
+                    const vec$sfx uv = vld$sfx(u + b * a->u_sb + t * a->u_st + d0, nl);
+                    const vec$sfx dv = vld$sfx(dt + b * a->dt_sb + t * a->dt_st + d0, nl);
+                    const $real *Bt = B + b * a->B_sb + t * a->B_st, *Ct = C + b * a->C_sb + t * a->C_st;
+                    const vec$sfx *hcur = hs + (i + 1) * N, *hprev = hs + i * N, *at = as + i * N;
+                    vec$sfx gy = dy ? vld$sfx(dy + b * a->dy_sb + t * a->dy_st + d0, nl) : ZERO$sfx;
+                    if (z) {
+                        const vec$sfx zv = vld$sfx(z + b * a->z_sb + t * a->z_st + d0, nl);
+                        vec$sfx yv = Dv * uv;
+                        for (int64_t n = 0; n < N; n++) yv += Ct[n] * hcur[n];
+                        const vec$sfx sg = vsigmoid$sfx(zv);
+                        vst$sfx(dz + (b * L + t) * dim + d0, gy * yv * sg * (($real)1 + zv * (($real)1 - sg)), nl);
+                        gy = gy * zv * sg;
+                    }
+                    dDacc += gy * uv;
+                    const vec$sfx dtu = dv * uv;
+                    vec$sfx sB = ZERO$sfx, sA = ZERO$sfx;
+                    vec$sfx *aB = accB + t * N, *aC = accC + t * N;
+                    for (int64_t n = 0; n < N; n++) {
+                        const vec$sfx gn = g[n] + Ct[n] * gy;
+                        aC[n] += gy * hcur[n];
+                        aB[n] += gn * dtu;
+                        sB += gn * Bt[n];
+                        const vec$sfx gah = gn * at[n] * hprev[n];
+                        sA += Av[n] * gah;
+                        dAacc[n] += gah * dv;
+                        g[n] = gn * at[n];
+                    }
+                    vst$sfx(du + (b * L + t) * dim + d0, Dv * gy + dv * sB, nl);
+                    vst$sfx(ddt + (b * L + t) * dim + d0, uv * sB + sA, nl);
+                }
+            }
+            for (int64_t n = 0; n < N; n++) {
+                vsts$sfx(dh0 + (b * dim + d0) * N + n, N, g[n], nl);
+                for (int64_t l = 0; l < nl; l++) dA[(d0 + l) * N + n] += dAacc[n][l];
+            }
+            if (dD) for (int64_t l = 0; l < nl; l++) dD[d0 + l] += dDacc[l];
+        }
+        for (int64_t t = 0; t < L; t++)
+            for (int64_t n = 0; n < N; n++) {
+                dBp[(b * L + t) * N + n] = hsum$sfx(accB[t * N + n]);
+                dCp[(b * L + t) * N + n] = hsum$sfx(accC[t * N + n]);
+            }
+    }
+}
+
+void scan_bwd$sfx(const scan_args *a, int64_t g0, int64_t g1, $real *dBp, $real *dCp, vec$sfx *work) {
+    if (a->nstate == 16) bwd_groups$sfx(a, g0, g1, dBp, dCp, work, 16);
+    else bwd_groups$sfx(a, g0, g1, dBp, dCp, work, a->nstate);
+}
+
+/* One decoding step: state (batch, dim, N), x/dt/z/y (batch, dim), B/C (batch, N), A (dim, N), all contiguous. */
+void state_update$sfx(int64_t batch, int64_t dim, int64_t N, $real *state, const $real *x, const $real *dt,
+                      const $real *A, const $real *B, const $real *C, const $real *D, const $real *z,
+                      const $real *dt_bias, int64_t softplus, $real *y) {
+    for (int64_t b = 0; b < batch; b++)
+        for (int64_t d = 0; d < dim; d++) {
+            $real dtv = dt[b * dim + d] + (dt_bias ? dt_bias[d] : ($real)0);
+            if (softplus && dtv <= ($real)20) dtv = log1p(exp(dtv));  /* torch's softplus, threshold 20 */
+            const $real xv = x[b * dim + d];
+            $real *h = state + (b * dim + d) * N;
+            vec$sfx acc = ZERO$sfx;
+            for (int64_t n0 = 0; n0 < N; n0 += $W) {
+                const int64_t nl = N - n0 < $W ? N - n0 : $W;
+                const vec$sfx av = vexp$sfx(dtv * vld$sfx(A + d * N + n0, nl));
+                const vec$sfx hv = av * vld$sfx(h + n0, nl) + (dtv * xv) * vld$sfx(B + b * N + n0, nl);
+                vst$sfx(h + n0, hv, nl);
+                acc += vld$sfx(C + b * N + n0, nl) * hv;
+            }
+            $real yv = hsum$sfx(acc) + (D ? D[d] * xv : ($real)0);
+            if (z) { const $real zv = z[b * dim + d]; yv *= zv / (($real)1 + exp(-zv)); }
+            y[b * dim + d] = yv;
+        }
+}
+""")
+
+
+def _horner(coefficients: list[str]) -> str:
+    """``c0 + r * (c1 + r * (...))`` as C text."""
+    text = coefficients[-1]
+    for c in reversed(coefficients[:-1]):
+        text = f"({c} + r * {text})"
+    return text
+
+
+def _taylor(degree: int, real: str) -> list[str]:
+    from math import factorial
+
+    return [f"({real}){1.0 / factorial(k)!r}" for k in range(degree + 1)]
+
+
+SOURCE = _HEADER + "".join(
+    _BODY.substitute(
+        real=real, ireal=ireal, W=lanes, sfx=sfx, EXP_LO=lo, EXP_HI=hi, MAGIC=magic, LN2_HI=ln2_hi, LN2_LO=ln2_lo,
+        POLY=_horner(_taylor(degree, real)), EXP_BIAS=bias, MANT_BITS=mant,
+    )
+    for real, ireal, lanes, sfx, lo, hi, magic, ln2_hi, ln2_lo, degree, bias, mant in (
+        ("float", "int32_t", 16, "_f32", "-87.0", "88.0", "12582912.0", "0.693359375", "-2.12194440e-4", 7, 127, 23),
+        ("double", "int64_t", 8, "_f64", "-708.0", "709.0", "6755399441055744.0", "6.93147180369123816490e-01",
+         "1.90821492927058770002e-10", 13, 1023, 52),
+    )
+)
+
+
+class _ScanArgs(ctypes.Structure):
+    _fields_ = (
+        [(name, ctypes.c_int64) for name in ("batch", "dim", "length", "nstate", "seg")]
+        + [(name, ctypes.c_void_p) for name in ("u", "dt", "A", "B", "C", "D", "z", "keep", "h0", "dy", "dhlast")]
+        + [(name, ctypes.c_int64) for name in ("u_sb", "u_st", "dt_sb", "dt_st", "B_sb", "B_st", "C_sb", "C_st",
+                                                "z_sb", "z_st", "dy_sb", "dy_st", "y_sb", "y_st")]
+        + [(name, ctypes.c_void_p) for name in ("y", "hlast", "du", "ddt", "dz", "dA", "dD", "dh0", "ck")]
+    )
+
+
+def _library():
+    return load_library("selective_scan", SOURCE)
+
+
+def cpu_kernel_available() -> bool:
+    """Whether the compiled kernel can run here (built, or buildable now: this call builds it once)."""
+    return _library() is not None
+
+
+def why_unavailable() -> str | None:
+    """The reason the kernel could not be built in this process, or ``None``."""
+    return load_error("selective_scan")
+
+
+def _kernel_dtype(*tensors) -> torch.dtype:
+    return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+def _lanes(cdt: torch.dtype) -> int:
+    return 8 if cdt == torch.float64 else 16
+
+
+def _suffix(cdt: torch.dtype) -> str:
+    return "_f64" if cdt == torch.float64 else "_f32"
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _token_major(x: torch.Tensor | None, cdt: torch.dtype):
+    """``x`` (batch, k, length) as a (batch, length, k) tensor with unit stride along ``k`` in ``cdt`` (a view when
+    ``x`` already is a transposed view of such a tensor, else one copy), and its batch and token strides."""
+    if x is None:
+        return None, 0, 0
+    xt = x.transpose(1, 2)
+    if xt.dtype != cdt or xt.stride(2) != 1:
+        xt = xt.to(cdt).contiguous()
+    return xt, xt.stride(0), xt.stride(1)
+
+
+def _contiguous(x: torch.Tensor | None, cdt: torch.dtype) -> torch.Tensor | None:
+    return None if x is None else x.to(cdt).contiguous()
+
+
+def _args(u, dt, A, B, C, D, z, keep, h0) -> tuple[_ScanArgs, list]:
+    """The kernel's argument struct for the (batch, dim, length) inputs, and the tensors it points into (kept
+    alive by the caller while the kernel runs)."""
+    cdt = dt.dtype
+    batch, dim, length = u.shape
+    ut, u_sb, u_st = _token_major(u, cdt)
+    dtt, dt_sb, dt_st = _token_major(dt, cdt)
+    Bt, B_sb, B_st = _token_major(B, cdt)
+    Ct, C_sb, C_st = _token_major(C, cdt)
+    zt, z_sb, z_st = _token_major(z, cdt)
+    A_, D_, h0_ = _contiguous(A, cdt), _contiguous(D, cdt), _contiguous(h0, cdt)
+    keep_ = None if keep is None else keep.to(cdt).contiguous()
+    args = _ScanArgs(
+        batch=batch, dim=dim, length=length, nstate=A.shape[1], seg=SEGMENT,
+        u=_ptr(ut), dt=_ptr(dtt), A=_ptr(A_), B=_ptr(Bt), C=_ptr(Ct), D=_ptr(D_), z=_ptr(zt), keep=_ptr(keep_),
+        h0=_ptr(h0_), u_sb=u_sb, u_st=u_st, dt_sb=dt_sb, dt_st=dt_st, B_sb=B_sb, B_st=B_st, C_sb=C_sb, C_st=C_st,
+        z_sb=z_sb, z_st=z_st,
+    )
+    return args, [ut, dtt, Bt, Ct, zt, A_, D_, h0_, keep_]
+
+
+def _groups(dim: int, cdt: torch.dtype) -> int:
+    return -(-dim // _lanes(cdt))
+
+
+def _checkpoints(batch: int, dim: int, length: int, nstate: int, cdt: torch.dtype) -> torch.Tensor:
+    """Buffer of the states before every ``SEGMENT``-th token, as the kernel lays them out: (batch, segments,
+    channel groups, state, lanes); ``nstate / SEGMENT`` (one half) of a ``(batch, length, dim)`` tensor."""
+    lanes = _lanes(cdt)
+    return torch.empty(batch, -(-length // SEGMENT), -(-dim // lanes), nstate, lanes, dtype=cdt)
+
+
+def _scan_forward(u, dt, A, B, C, D, z, initial_state, keep, want_last: bool, checkpoints=None):
+    cdt = dt.dtype
+    lib = _library()
+    batch, dim, length = u.shape
+    args, alive = _args(u, dt, A, B, C, D, z, keep, initial_state)
+    y = torch.empty(batch, length, dim, dtype=cdt)
+    last = torch.empty(batch, dim, A.shape[1], dtype=cdt) if want_last else None
+    args.y, args.y_sb, args.y_st = y.data_ptr(), y.stride(0), y.stride(1)
+    args.hlast, args.ck = _ptr(last), _ptr(checkpoints)
+    fn = getattr(lib, "scan_fwd" + _suffix(cdt))
+    ref = ctypes.byref(args)
+    run_parallel(lambda w, g0, g1: fn(ref, ctypes.c_int64(g0), ctypes.c_int64(g1)), _groups(dim, cdt))
+    del alive
+    return y.transpose(1, 2), last
+
+
+class SelectiveScanCPUFn(torch.autograd.Function):
+    """Autograd wrapper of the compiled scan: ``(u, dt, A, B, C, D, z, initial_state, keep) -> (y, last_state)``,
+    the interface of :class:`.chunked_torch.SelectiveScanTorchFn` (``dt`` already discretized; it sets the compute
+    dtype, float32 or float64; ``keep`` (batch, length) is 0 at a packed document's first token, or None).
+
+    ``y`` (batch, dim, length) and ``last_state`` (batch, dim, state) come back in the compute dtype; gradients
+    in each input's dtype. Saves the inputs and, when a gradient is needed, the state before every ``SEGMENT``-th
+    token (:func:`_checkpoints`, half the size of one input), which spares the backward pass one sweep."""
+
+    @staticmethod
+    def forward(ctx, u, dt, A, B, C, D, z, initial_state, keep=None):
+        batch, dim, length = u.shape
+        checkpoints = _checkpoints(batch, dim, length, A.shape[1], dt.dtype) if any(ctx.needs_input_grad) else None
+        y, last = _scan_forward(u, dt, A, B, C, D, z, initial_state, keep, want_last=True, checkpoints=checkpoints)
+        ctx.save_for_backward(u, dt, A, B, C, D, z, initial_state, keep, checkpoints)
+        return y, last
+
+    @staticmethod
+    def backward(ctx, gout, glast):
+        u, dt, A, B, C, D, z, initial_state, keep, checkpoints = ctx.saved_tensors
+        cdt = dt.dtype
+        lib = _library()
+        batch, dim, length = u.shape
+        n = A.shape[1]
+        args, alive = _args(u, dt, A, B, C, D, z, keep, initial_state)
+        args.ck = _ptr(checkpoints)
+        gy, dy_sb, dy_st = _token_major(gout, cdt)
+        dhlast = _contiguous(glast, cdt)
+        args.dy, args.dy_sb, args.dy_st, args.dhlast = _ptr(gy), dy_sb, dy_st, _ptr(dhlast)
+        kw = dict(dtype=cdt)
+        du, ddt = torch.empty(batch, length, dim, **kw), torch.empty(batch, length, dim, **kw)
+        dz = None if z is None else torch.empty(batch, length, dim, **kw)
+        dA, dD = torch.zeros(dim, n, **kw), None if D is None else torch.zeros(dim, **kw)
+        dh0 = torch.empty(batch, dim, n, **kw)
+        args.du, args.ddt, args.dz, args.dA, args.dD, args.dh0 = (_ptr(t) for t in (du, ddt, dz, dA, dD, dh0))
+        groups = _groups(dim, cdt)
+        _, size = _pool_size(groups)
+        dB_parts = torch.empty(size, batch, length, n, **kw)
+        dC_parts = torch.empty(size, batch, length, n, **kw)
+        lanes = _lanes(cdt)
+        nseg = -(-length // SEGMENT)
+        work_vectors = (nseg + 2 * SEGMENT + 1 + 2 * length) * n
+        work = torch.empty(size, work_vectors * lanes, **kw)
+        fn = getattr(lib, "scan_bwd" + _suffix(cdt))
+        ref = ctypes.byref(args)
+
+        def part(w, g0, g1):
+            fn(ref, ctypes.c_int64(g0), ctypes.c_int64(g1), ctypes.c_void_p(dB_parts[w].data_ptr()),
+               ctypes.c_void_p(dC_parts[w].data_ptr()), ctypes.c_void_p(work[w].data_ptr()))
+
+        used = run_parallel(part, groups, workers=size)
+        dB = dB_parts[:used].sum(0) if used > 1 else dB_parts[0]
+        dC = dC_parts[:used].sum(0) if used > 1 else dC_parts[0]
+        del alive, gy, dhlast
+
+        def cast(grad, like):
+            return None if like is None or grad is None else grad.to(like.dtype)
+
+        return (
+            cast(du.transpose(1, 2), u), ddt.transpose(1, 2), cast(dA, A), cast(dB.transpose(1, 2), B),
+            cast(dC.transpose(1, 2), C), cast(dD, D), cast(None if dz is None else dz.transpose(1, 2), z),
+            cast(dh0, initial_state), None,
+        )
+
+
+def _pool_size(groups: int) -> tuple[None, int]:
+    from ..cpu_build import thread_pool
+
+    return None, max(1, min(groups, thread_pool()[1]))
+
+
+def selective_scan_cpu(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
+                       initial_state=None, return_last_state=False, reset=None):
+    """Selective scan with the compiled CPU kernel (Mamba paper, Algorithm 2, eq. 2a/2b and 4).
+
+    Args:
+        u: (batch, dim, length) SSM input. delta: (batch, dim, length) time step before ``delta_bias``/softplus.
+        A: (dim, state), entries <= 0, ``state <= MAX_STATE``. B, C: (batch, state, length).
+        D: (dim,) skip, optional. z: (batch, dim, length) gate, optional: ``y *= silu(z)``.
+        delta_bias: (dim,) optional. delta_softplus: apply softplus to ``delta + delta_bias`` (done in PyTorch).
+        initial_state: (batch, dim, state) optional (zeros). return_last_state: also return the last state.
+        reset: (batch, length) bool or None, True at each packed document's first token (``h_{t-1}`` taken as 0).
+
+    Returns:
+        ``y`` (batch, dim, length) in ``u``'s dtype; with ``return_last_state`` also ``last_state`` (batch, dim,
+        state) in float32 (float64 for float64 inputs). Differentiable in every tensor argument.
+
+    Raises:
+        RuntimeError: the kernel could not be built here (:func:`why_unavailable`), or the tensors are not on the
+            CPU. No other argument checks: :func:`hf_densessm.ops.selective_scan` does them.
+    """
+    if _library() is None:
+        raise RuntimeError(f"the compiled CPU selective scan is not available here: {why_unavailable()}")
+    if u.device.type != "cpu":
+        raise RuntimeError(f"the compiled CPU selective scan takes CPU tensors, got {u.device.type} tensors")
+    cdt = _kernel_dtype(u, delta, A, B, C, D, z, delta_bias, initial_state)
+    dt = delta.to(cdt)
+    if delta_bias is not None:
+        dt = dt + delta_bias.to(cdt)[:, None]
+    if delta_softplus:
+        dt = F.softplus(dt)
+    keep = None if reset is None else (~reset.bool()).to(cdt)
+    y, last_state = SelectiveScanCPUFn.apply(u, dt, A, B, C, D, z, initial_state, keep)
+    y = y.to(u.dtype)
+    return (y, last_state) if return_last_state else y
+
+
+def selective_state_update_cpu(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False):
+    """One decode step of the selective SSM with the compiled CPU kernel (Mamba paper eq. 2a/2b, recurrent mode).
+
+    Args:
+        state: (batch, dim, state) float32 (or float64) SSM state, contiguous, updated IN PLACE to ``h_t``.
+        x: (batch, dim) this token's input. dt: (batch, dim) time step before ``dt_bias``/softplus.
+        A: (dim, state), entries <= 0. B, C: (batch, state). D: (dim,) optional. z: (batch, dim) gate, optional.
+        dt_bias: (dim,) optional. dt_softplus: apply softplus (PyTorch's, threshold 20) to ``dt + dt_bias``.
+
+    Returns:
+        ``y`` (batch, dim) in ``x``'s dtype: ``(sum_n C_n h_n + D x) * silu(z)``. Not differentiable (decoding).
+
+    Raises:
+        RuntimeError: the kernel is not available, or ``state`` is not a contiguous float32/float64 CPU tensor
+            (the caller, :func:`hf_densessm.ops.selective_state_update`, sends other states to PyTorch).
+    """
+    lib = _library()
+    if lib is None:
+        raise RuntimeError(f"the compiled CPU selective scan is not available here: {why_unavailable()}")
+    if state.device.type != "cpu" or state.dtype not in (torch.float32, torch.float64) or not state.is_contiguous():
+        raise RuntimeError("selective_state_update_cpu needs a contiguous float32 or float64 CPU state")
+    cdt = state.dtype
+    batch, dim, n = state.shape
+    tensors = [_contiguous(t, cdt) for t in (x, dt, A, B, C, D, z, dt_bias)]
+    y = torch.empty(batch, dim, dtype=cdt)
+    getattr(lib, "state_update" + _suffix(cdt))(
+        ctypes.c_int64(batch), ctypes.c_int64(dim), ctypes.c_int64(n), ctypes.c_void_p(state.data_ptr()),
+        *(ctypes.c_void_p(_ptr(t)) for t in tensors), ctypes.c_int64(int(bool(dt_softplus))),
+        ctypes.c_void_p(y.data_ptr()),
+    )
+    return y.to(x.dtype)
