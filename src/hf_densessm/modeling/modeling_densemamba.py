@@ -63,6 +63,41 @@ def causal_conv_within_documents(
     return out if bias is None else out + bias[:, None]
 
 
+def causal_conv1d_token_major(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, window: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Mamba's causal depthwise convolution (Mamba paper §3.4, Fig. 3; ``nn.Conv1d`` with ``groups = channels`` and
+    ``kernel - 1`` left padding, as ``F.conv1d``) computed in token-major memory order:
+    ``out_t = bias + sum_k weight[:, 0, k] * x_{t - (kernel - 1) + k}``.
+
+    The block's projections produce ``(batch, seq_len, channels)`` tensors; ``F.conv1d`` wants channels first, and
+    on the CPU the two transposes (and the backward in mixed layouts) cost several times the convolution itself.
+    Here the taps are ``kernel`` multiply-adds of shifted views of one padded copy, in the input's order.
+
+    Args:
+        x: ``(batch, seq_len, channels)`` (any strides).
+        weight: ``(channels, 1, kernel)``, ``nn.Conv1d``'s. bias: ``(channels,)`` or ``None``.
+        window: ``(batch, channels, kernel)`` cached inputs of the previous call (transformers' Mamba conv state,
+            last input last) or ``None`` (zeros: a sequence's start).
+
+    Returns:
+        ``(batch, seq_len, channels)`` contiguous, in ``x``'s dtype, before the activation.
+    """
+    kernel, length = weight.shape[-1], x.shape[1]
+    if window is not None:
+        context = window[..., 1:].transpose(1, 2).to(x.dtype)
+    else:
+        context = x.new_zeros(x.shape[0], kernel - 1, x.shape[2])
+    padded = torch.cat([context, x], dim=1)  # (batch, kernel - 1 + seq_len, channels)
+    taps = weight[:, 0, :].to(x.dtype)
+    out = padded[:, kernel - 1 :] * taps[:, kernel - 1]
+    if bias is not None:
+        out = out + bias.to(x.dtype)
+    for k in range(kernel - 1):
+        out = out.addcmul_(padded[:, k : k + length], taps[:, k])
+    return out
+
+
 class DenseMambaMixer(nn.Module):
     """Sequence mixing of one DenseMamba block (Mamba paper Alg. 2 / Fig. 3, plus DenseSSM Eq. 10-17 on ``u`` and ``B``).
 
@@ -160,29 +195,30 @@ class DenseMambaMixer(nn.Module):
         mask = attention_mask[:, None, :].to(dtype) if attention_mask is not None else None
         acc = torch.promote_types(self.A_log.dtype, torch.float32)  # the scan's float32 (float64 in float64 models)
 
-        # 1. input projection: x (to the conv) and the gate z, channels first (batch, D, seq_len)
-        x, z = self.in_proj(hidden_states).transpose(1, 2).chunk(2, dim=1)
+        # 1. input projection: x (to the conv) and the gate z, token-major (batch, seq_len, D): every tensor of the
+        # block keeps the memory order of the projections' outputs (transposing them costs more than the conv)
+        x, z = self.in_proj(hidden_states).chunk(2, dim=-1)
         if mask is not None:
-            x = x * mask
+            x = x * attention_mask[:, :, None].to(dtype)
+        z = z.transpose(1, 2)  # (batch, D, seq_len) view, the scan's layout
 
         # 2. causal depthwise convolution, continuing from the cached window of the last `conv_kernel` inputs
         window = conv_state(cache_params, self.layer_idx)
         previous_window = window.clone() if window is not None and mask is not None else None
-        context = window[..., 1:].to(x.dtype) if window is not None else x.new_zeros(batch, x.shape[1], self.conv_kernel_size - 1)
         if reset is None:
-            u = F.conv1d(torch.cat([context, x], dim=-1), self.conv1d.weight, self.conv1d.bias, groups=self.intermediate_size)
+            u = causal_conv1d_token_major(x, self.conv1d.weight, self.conv1d.bias, window)
         else:  # packed documents: no tap reaches into the previous document
-            u = causal_conv_within_documents(x, self.conv1d.weight, self.conv1d.bias, reset)
+            u = causal_conv_within_documents(x.transpose(1, 2), self.conv1d.weight, self.conv1d.bias, reset)
+            u = u.transpose(1, 2)
         if cache_params is not None:
-            cache_params.update_conv_state(x, self.layer_idx, conv_kernel_size=self.conv_kernel_size)
+            cache_params.update_conv_state(x.transpose(1, 2), self.layer_idx, conv_kernel_size=self.conv_kernel_size)
             if previous_window is not None:  # rows given only padding keep their window
                 padded_rows = ~attention_mask.bool().any(dim=-1)
                 updated = conv_state(cache_params, self.layer_idx)
                 updated.copy_(torch.where(padded_rows[:, None, None], previous_window, updated))
-        u = F.silu(u)
+        u = F.silu(u)  # (batch, seq_len, D)
         if mask is not None:
-            u = u * mask
-        u = u.transpose(1, 2)  # (batch, seq_len, D)
+            u = u * attention_mask[:, :, None].to(dtype)
 
         # 3. input-dependent dt, B, C from the un-fused u
         time_step, B, C = torch.split(
