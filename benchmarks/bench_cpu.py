@@ -70,6 +70,7 @@ import math
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from functools import partial
@@ -141,6 +142,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def git_state() -> dict:
+    """The commit this checkout (package and script) was at, and the files changed or added since: uncommitted
+    work the run included (``None`` outside git)."""
+    root = Path(__file__).resolve().parents[1]
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
+        status = subprocess.run(["git", "status", "--porcelain"], cwd=root,
+                                capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return {"commit": None, "changed_files": None}
+    if commit.returncode:
+        return {"commit": None, "changed_files": None}
+    return {"commit": commit.stdout.strip(), "changed_files": [line[3:] for line in status.stdout.splitlines()]}
+
+
 def environment() -> dict:
     cpu, flags = platform.processor() or platform.machine(), set()
     try:
@@ -161,6 +177,7 @@ def environment() -> dict:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "hf_densessm": hf_densessm.__version__,
+        "git": git_state(),
         "load_average_1_5_15_min": os.getloadavg(),  # other processes on the machine skew every timing
     }
 
@@ -609,7 +626,8 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     env = environment()
-    print("  ".join(f"{k}={v}" for k, v in env.items()))
+    print("  ".join(f"{k}={v}" for k, v in env.items() if k != "git"))
+    print(f"git commit {env['git']['commit']}, changed or untracked files: {env['git']['changed_files']}")
     started = time.perf_counter()
     models = build_models(args.vocab_size, args.size)
     params = {name: model.num_parameters() for name, model in models.items()}
