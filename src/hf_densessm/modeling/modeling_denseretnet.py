@@ -18,6 +18,7 @@ neither does this implementation (docs/design.md §3).
 
 from __future__ import annotations
 
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +37,7 @@ from .modeling_densessm import (
     DenseSSMCausalLMMixin,
     DenseSSMForSequenceClassificationMixin,
     backbone_output,
+    decode_linear,
     document_positions,
     run_backbone,
 )
@@ -58,6 +60,30 @@ class DenseRetNetThetaShift(nn.Module):
         """The angles ``(head_dim / 2,)`` float32 (a non-persistent buffer, rebuilt by ``_init_weights`` on load)."""
         exponents = torch.linspace(0, 1, self.head_dim // 2, dtype=torch.float64, device=device)
         return (self.rope_theta**-exponents).float()
+
+    def rotation(self, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``exp(i n theta_j)`` for each position ``n``: ``positions`` ``(...)`` int64 -> ``(..., head_dim / 2)``
+        complex (complex64 for ``dtype`` float32 / 16-bit, complex128 for float64), for :meth:`rotate`."""
+        compute = torch.promote_types(dtype, torch.float32)
+        angles = positions.to(compute)[..., None] * self.theta.to(device=positions.device, dtype=compute)
+        return torch.polar(torch.ones((), dtype=compute, device=positions.device).expand_as(angles), angles)
+
+    @staticmethod
+    def rotate(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
+        """The theta shift of :meth:`forward` as one complex product: the channel pair ``(2j, 2j+1)`` is the complex
+        number ``x_2j + i x_2j+1``, and multiplying it by ``exp(i n theta_j)`` gives ``(x_2j cos - x_2j+1 sin,
+        x_2j+1 cos + x_2j sin)``, what :meth:`forward` computes (equal to float32 rounding).
+
+        Args:
+            x: ``(..., head_dim)``, any float dtype.
+            rotation: complex, broadcastable to ``(..., head_dim / 2)`` (:meth:`rotation`).
+
+        Returns:
+            ``x`` rotated, same shape and dtype.
+        """
+        xf = x.to(torch.promote_types(x.dtype, torch.float32))
+        pairs = torch.view_as_complex(xf.unflatten(-1, (-1, 2)).contiguous())
+        return torch.view_as_real(pairs * rotation).flatten(-2).to(x.dtype)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         compute = torch.promote_types(x.dtype, torch.float32)  # float32, or float64 for a float64 model
@@ -83,10 +109,19 @@ def retention_row_sums(positions: torch.Tensor, num_heads: int, dtype: torch.dty
     Returns:
         ``(batch, seq_len, H, 1)`` sums in ``[1, 2^(5+h))``.
     """
-    heads = torch.arange(num_heads, device=positions.device, dtype=torch.float64)
-    log_gamma = torch.log1p(-torch.exp2(-5.0 - heads))  # (H,)
+    log_gamma, denominator = _row_sum_constants(num_heads, positions.device)
     count = positions.clamp(min=0).to(torch.float64)[..., None] + 1  # t + 1
-    return (torch.expm1(count * log_gamma) / torch.expm1(log_gamma)).to(dtype)[..., None]
+    return (torch.expm1(count * log_gamma) / denominator).to(dtype)[..., None]
+
+
+@functools.lru_cache(maxsize=16)
+def _row_sum_constants(num_heads: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``log(gamma_h)`` and ``expm1(log(gamma_h)) = gamma_h - 1``, ``(H,)`` float64 each, for
+    :func:`retention_row_sums` (constants: computed once per head count and device)."""
+    with torch.inference_mode(False), torch.no_grad():  # plain tensors, usable in and out of inference mode
+        heads = torch.arange(num_heads, device=device, dtype=torch.float64)
+        log_gamma = torch.log1p(-torch.exp2(-5.0 - heads))
+        return log_gamma, torch.expm1(log_gamma)
 
 
 class DenseRetNetRetention(nn.Module):
@@ -119,6 +154,45 @@ class DenseRetNetRetention(nn.Module):
             self.v_norm = DenseSSMRMSNorm(self.value_dim, eps=config.rms_norm_eps)
         self.dropout = nn.Dropout(config.dropout)
 
+    def _decode_step(self, hidden_states, dense_inputs, state, seen):
+        """One decoding step (one token per row, no padding, no gradients): the function of :meth:`forward`, in
+        fewer operations, on ``(batch, channels)`` rows: the one-row products through
+        :func:`~hf_densessm.modeling.modeling_densessm.decode_linear`, the theta shift as one complex product
+        (:meth:`DenseRetNetThetaShift.rotate`, the rotation computed once for ``q`` and ``k``), the position count
+        advanced in place, no masks or clones.
+
+        Args:
+            hidden_states: ``(batch, 1, hidden_size)``, the block's normalized input.
+            dense_inputs: as in :meth:`forward` (the predecessors' ``(batch, 1, .)`` features of this step).
+            state: ``(batch, heads, d_qk / heads, d_v / heads)`` float32 (float64 in float64 models), this layer's
+                retention state (cache slot 0), updated in place.
+            seen: ``(batch,)`` int64, the real tokens seen per row (cache slot 1), advanced by 1 in place.
+
+        Returns:
+            As :meth:`forward`: ``(output (batch, 1, hidden_size), (k, v))``, ``(batch, 1, .)`` features.
+        """
+        batch = hidden_states.shape[0]
+        heads, head_dim = self.num_heads, self.head_dim
+        x = hidden_states[:, 0]
+        q = F.silu(decode_linear(self.q_proj, x))
+        k = F.silu(decode_linear(self.k_proj, x)).mul_(self.key_scale)
+        v, g = F.silu(decode_linear(self.hidden_proj, x)).chunk(2, dim=-1)
+        features = (k[:, None], v[:, None])
+        if self.dense_k is not None:  # dense KV connection, Eq. 20-23
+            dense_k, dense_v = split_dense_inputs(dense_inputs, 2)
+            k = self.k_norm(self.dense_k(hidden_states, features[0], dense_k))[:, 0]
+            v = self.v_norm(self.dense_v(hidden_states, features[1], dense_v))[:, 0]
+        rotation = self.theta_shift.rotation(seen, q.dtype)[:, None]  # (batch, 1, head_dim / 2): position t = seen
+        q = self.theta_shift.rotate(q.view(batch, heads, head_dim), rotation)
+        k = self.theta_shift.rotate(k.view(batch, heads, head_dim), rotation)
+        o = retention_state_update(
+            state, q, k, v.reshape(batch, heads, -1), scale=1.0, backend=self.config.kernel_backend
+        )  # Eq. 18, 19
+        row_sums = retention_row_sums(seen, heads, torch.promote_types(o.dtype, torch.float32))  # (batch, H, 1)
+        seen.add_(1)
+        o = self.group_norm(o.reshape(batch, self.value_dim), eps_scale=row_sums)
+        return self.dropout(decode_linear(self.o_proj, o * g)[:, None]), features
+
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -127,7 +201,9 @@ class DenseRetNetRetention(nn.Module):
         attention_mask: torch.Tensor | None = None,
         reset: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        """
+        """One decoding step without padding and gradients takes :meth:`_decode_step` (the same function in fewer
+        operations).
+
         Args:
             hidden_states: ``(batch, seq_len, hidden_size)``, the block's normalized input ``x^l``.
             dense_inputs: the predecessors' pre-fusion ``k`` tensors then their ``v`` tensors, nearest first (see
@@ -144,6 +220,11 @@ class DenseRetNetRetention(nn.Module):
             ``(output (batch, seq_len, hidden_size), (k, v))`` with this layer's pre-fusion ``k`` and ``v``.
         """
         batch, seq_len, _ = hidden_states.shape
+        if seq_len == 1 and attention_mask is None and reset is None and not torch.is_grad_enabled():
+            state = recurrent_state(cache_params, self.layer_idx, 0)
+            seen = recurrent_state(cache_params, self.layer_idx, 1)
+            if state is not None and seen is not None:
+                return self._decode_step(hidden_states, dense_inputs, state, seen)
         backend = self.config.kernel_backend
         q = F.silu(self.q_proj(hidden_states))
         k = F.silu(self.k_proj(hidden_states)) * self.key_scale

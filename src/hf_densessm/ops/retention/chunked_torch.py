@@ -145,6 +145,10 @@ def chunk_retention_torch(q, k, v, scale=None, initial_state=None, output_final_
 def retention_state_update_torch(state, q, k, v, scale=None):
     """One decoding step of retention, DenseSSM paper Eq. 18-19: ``S <- gamma S + k^T v``, ``o = (scale q) S``.
 
+    Three operations on the state (a decode step is bound by their count, not by arithmetic): ``S *= gamma``,
+    ``S += k^T v`` (one ``baddbmm_``), ``o = q S`` (one ``bmm``); the per-head decay is kept per
+    ``(heads, device, dtype)`` (:func:`_step_gamma`) and ``scale = 1`` multiplies nothing.
+
     Args:
         state (Tensor): ``(batch, heads, key_dim, value_dim)`` float32 (float64 allowed), updated in place.
         q, k (Tensor): ``(batch, heads, key_dim)``.
@@ -154,11 +158,32 @@ def retention_state_update_torch(state, q, k, v, scale=None):
     Returns:
         o (Tensor): ``(batch, heads, value_dim)`` in ``v``'s dtype.
     """
-    heads, key_dim = q.shape[1], q.shape[2]
+    batch, heads, key_dim = q.shape
+    value_dim = v.shape[-1]
     scale = key_dim**-0.5 if scale is None else scale
     sdt = state.dtype
-    gamma = torch.exp2(retention_log2_gamma(heads, state.device, sdt))[:, None, None]
-    update = k.to(sdt)[..., :, None] * v.to(sdt)[..., None, :]
-    state.mul_(gamma).add_(update)
-    o = (scale * q.to(sdt))[..., None, :] @ state
-    return o.squeeze(-2).to(v.dtype)
+    work = state if state.is_contiguous() else state.contiguous()
+    flat = work.view(batch * heads, key_dim, value_dim)
+    work.mul_(_step_gamma(heads, state.device, sdt))  # Eq. 18: S <- gamma S ...
+    flat.baddbmm_(k.reshape(-1, key_dim, 1).to(sdt), v.reshape(-1, 1, value_dim).to(sdt))  # ... + k^T v
+    if work is not state:
+        state.copy_(work)
+    q = q.reshape(-1, 1, key_dim).to(sdt)
+    if scale != 1.0:
+        q = q * scale
+    o = torch.bmm(q, flat)  # Eq. 19: o = (scale q) S
+    return o.view(batch, heads, value_dim).to(v.dtype)
+
+
+_GAMMAS = {}
+
+
+def _step_gamma(heads, device, dtype):
+    """``gamma_h`` ``(heads, 1, 1)`` in ``dtype`` on ``device`` (``exp2`` of :func:`.naive.retention_log2_gamma`),
+    built once per ``(heads, device, dtype)``: a decode step runs it per layer and token."""
+    key = (heads, device, dtype)
+    gamma = _GAMMAS.get(key)
+    if gamma is None:
+        with torch.inference_mode(False), torch.no_grad():  # a plain tensor, usable in and out of inference mode
+            gamma = _GAMMAS[key] = torch.exp2(retention_log2_gamma(heads, device, dtype))[:, None, None]
+    return gamma
