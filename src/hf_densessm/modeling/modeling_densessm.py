@@ -14,6 +14,7 @@ from transformers.utils import logging
 
 from .cache import check_cache, new_cache, record_tokens
 from .dense_connection import run_dense_layers
+from .loss import causal_lm_loss
 
 
 logger = logging.get_logger(__name__)
@@ -430,7 +431,7 @@ class DenseSSMCausalLMMixin:
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
         loss = None
         if labels is not None:
-            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+            loss = causal_lm_loss(self, logits, labels, **kwargs)  # transformers' ForCausalLMLoss, fused on CPU
         return loss, logits
 
     def _causal_lm_output(self, outputs, labels, logits_to_keep, return_dict, output_class, **kwargs):

@@ -40,7 +40,7 @@ from string import Template
 import torch
 import torch.nn.functional as F
 
-from ..cpu_build import load_error, load_library, run_parallel
+from ..cpu_build import load_error, load_library, run_parallel, vector_source
 
 __all__ = ["SelectiveScanCPUFn", "cpu_kernel_available", "selective_scan_cpu", "selective_state_update_cpu"]
 
@@ -50,10 +50,6 @@ MAX_STATE = 256
 SEGMENT = 32
 
 _HEADER = r"""
-#include <stdint.h>
-#include <string.h>
-#include <math.h>
-
 typedef struct {
     int64_t batch, dim, length, nstate, seg;
     const void *u, *dt, *A, *B, *C, *D, *z, *keep, *h0, *dy, *dhlast;
@@ -62,53 +58,8 @@ typedef struct {
 } scan_args;
 """
 
-# One copy per compute type: $real (element), $ireal (same-width integer), $W (lanes), $sfx (name suffix),
-# exponential constants ($MAGIC = 1.5 * 2^mantissa_bits: adding it rounds to an integer kept in the low bits).
+# One copy per compute type (:func:`hf_densessm.ops.cpu_build.vector_source`: $real, $W lanes, $sfx suffix).
 _BODY = Template(r"""
-typedef $real vec$sfx __attribute__((vector_size($W * sizeof($real))));
-typedef $ireal ivec$sfx __attribute__((vector_size($W * sizeof($real))));
-#define ZERO$sfx ((vec$sfx){0})
-
-static inline vec$sfx vexp$sfx(vec$sfx x) {
-    const vec$sfx lo = ZERO$sfx + ($real)$EXP_LO, hi = ZERO$sfx + ($real)$EXP_HI;
-    const vec$sfx magic = ZERO$sfx + ($real)$MAGIC;
-    ivec$sfx m = x < lo;
-    x = (vec$sfx)((m & (ivec$sfx)lo) | (~m & (ivec$sfx)x));
-    m = x > hi;
-    x = (vec$sfx)((m & (ivec$sfx)hi) | (~m & (ivec$sfx)x));
-    vec$sfx t = x * ($real)1.44269504088896340736 + magic;
-    vec$sfx n = t - magic;
-    ivec$sfx ni = (ivec$sfx)t - (ivec$sfx)magic;
-    vec$sfx r = x - n * ($real)$LN2_HI - n * ($real)$LN2_LO;
-    vec$sfx p = $POLY;
-    ivec$sfx bits = (ni + $EXP_BIAS) << $MANT_BITS;
-    return p * (vec$sfx)bits;
-}
-
-static inline vec$sfx vsigmoid$sfx(vec$sfx x) { return ($real)1 / (($real)1 + vexp$sfx(-x)); }
-
-static inline vec$sfx vld$sfx(const $real *p, int64_t nl) {
-    vec$sfx v = ZERO$sfx;
-    if (nl == $W) memcpy(&v, p, sizeof v); else for (int64_t l = 0; l < nl; l++) v[l] = p[l];
-    return v;
-}
-static inline void vst$sfx($real *p, vec$sfx v, int64_t nl) {
-    if (nl == $W) memcpy(p, &v, sizeof v); else for (int64_t l = 0; l < nl; l++) p[l] = v[l];
-}
-static inline vec$sfx vlds$sfx(const $real *p, int64_t stride, int64_t nl) {
-    vec$sfx v = ZERO$sfx;
-    for (int64_t l = 0; l < nl; l++) v[l] = p[l * stride];
-    return v;
-}
-static inline void vsts$sfx($real *p, int64_t stride, vec$sfx v, int64_t nl) {
-    for (int64_t l = 0; l < nl; l++) p[l * stride] = v[l];
-}
-static inline $real hsum$sfx(vec$sfx v) {
-    $real s = 0;
-    for (int l = 0; l < $W; l++) s += v[l];
-    return s;
-}
-
 /* Forward over channel groups [g0, g1): y and the last state. */
 static inline __attribute__((always_inline)) void fwd_groups$sfx(const scan_args *a, int64_t g0, int64_t g1,
                                                                 const int64_t N) {
@@ -283,31 +234,7 @@ void state_update$sfx(int64_t batch, int64_t dim, int64_t N, $real *state, const
 """)
 
 
-def _horner(coefficients: list[str]) -> str:
-    """``c0 + r * (c1 + r * (...))`` as C text."""
-    text = coefficients[-1]
-    for c in reversed(coefficients[:-1]):
-        text = f"({c} + r * {text})"
-    return text
-
-
-def _taylor(degree: int, real: str) -> list[str]:
-    from math import factorial
-
-    return [f"({real}){1.0 / factorial(k)!r}" for k in range(degree + 1)]
-
-
-SOURCE = _HEADER + "".join(
-    _BODY.substitute(
-        real=real, ireal=ireal, W=lanes, sfx=sfx, EXP_LO=lo, EXP_HI=hi, MAGIC=magic, LN2_HI=ln2_hi, LN2_LO=ln2_lo,
-        POLY=_horner(_taylor(degree, real)), EXP_BIAS=bias, MANT_BITS=mant,
-    )
-    for real, ireal, lanes, sfx, lo, hi, magic, ln2_hi, ln2_lo, degree, bias, mant in (
-        ("float", "int32_t", 16, "_f32", "-87.0", "88.0", "12582912.0", "0.693359375", "-2.12194440e-4", 7, 127, 23),
-        ("double", "int64_t", 8, "_f64", "-708.0", "709.0", "6755399441055744.0", "6.93147180369123816490e-01",
-         "1.90821492927058770002e-10", 13, 1023, 52),
-    )
-)
+SOURCE = vector_source(_HEADER, _BODY)
 
 
 class _ScanArgs(ctypes.Structure):

@@ -1,0 +1,172 @@
+"""Cross-entropy of the language-model head, row by row: the compiled CPU kernel and its PyTorch reference.
+
+``loss = sum_i w_i (logsumexp(x_i) - x_{i, t_i}) / divisor`` over rows ``i`` whose target ``t_i`` is not
+``ignore_index`` (``w_i = 1``, else 0); the gradient is ``(softmax(x_i) - onehot(t_i)) w_i / divisor``. The
+reference is ``torch.nn.functional.cross_entropy`` (reduction ``"sum"`` divided by ``divisor``), which is what
+transformers' ``ForCausalLMLoss`` computes.
+
+Why a kernel: at a 32000-word vocabulary the logits of a training step are the largest tensor of the model
+((batch * length) x vocabulary: 262 MB for 2 x 1024 tokens), and PyTorch's log-softmax, NLL and their backward
+make about six passes over it through main memory (with a zero-filled gradient). A row of logits (128 KB) fits in
+the L2 cache, so the kernel reads each row from memory once in the forward pass (maximum, then the sum of
+exponentials from the cache) and once in the backward pass, writing the gradient as it goes. Rows are split between
+the workers of :func:`hf_densessm.ops.cpu_build.run_parallel`. Accumulation is in the logits' dtype (float32, or
+float64 for float64 models); :func:`cross_entropy` runs the reference for other devices and dtypes and where the
+kernel cannot be built.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from string import Template
+
+import torch
+import torch.nn.functional as F
+
+from .cpu_build import load_library, run_parallel, vector_source
+
+__all__ = ["cross_entropy", "cross_entropy_reference"]
+
+_BODY = Template(r"""
+/* Rows [r0, r1): lse_i = logsumexp(x_i). */
+void ce_fwd$sfx(int64_t r0, int64_t r1, int64_t V, const $real *x, int64_t ld, $real *lse) {
+    for (int64_t i = r0; i < r1; i++) {
+        const $real *row = x + i * ld;
+        vec$sfx m = ZERO$sfx + row[0];
+        int64_t j = 0;
+        for (; j + $W <= V; j += $W) {
+            const vec$sfx v = vld$sfx(row + j, $W);
+            const ivec$sfx gt = v > m;
+            m = (vec$sfx)((gt & (ivec$sfx)v) | (~gt & (ivec$sfx)m));
+        }
+        $real mx = m[0];
+        for (int l = 1; l < $W; l++) mx = m[l] > mx ? m[l] : mx;
+        for (; j < V; j++) mx = row[j] > mx ? row[j] : mx;
+        vec$sfx s = ZERO$sfx;
+        for (j = 0; j + $W <= V; j += $W) s += vexp$sfx(vld$sfx(row + j, $W) - mx);
+        if (j < V) {
+            const int64_t nl = V - j;
+            const vec$sfx e = vexp$sfx(vld$sfx(row + j, nl) - mx);
+            for (int64_t l = 0; l < nl; l++) s[l] += e[l];
+        }
+        lse[i] = mx + log(hsum$sfx(s));
+    }
+}
+
+/* Rows [r0, r1): g_i = exp(x_i - lse_i) * scale_i, then g_{i, t_i} -= scale_i (rows with scale 0 are zeros). */
+void ce_bwd$sfx(int64_t r0, int64_t r1, int64_t V, const $real *x, int64_t ld, const $real *lse,
+                const int64_t *target, const $real *scale, $real *g) {
+    for (int64_t i = r0; i < r1; i++) {
+        const $real *row = x + i * ld;
+        $real *out = g + i * V;
+        const $real sc = scale[i];
+        if (sc == ($real)0) { memset(out, 0, (size_t)V * sizeof($real)); continue; }
+        for (int64_t j = 0; j < V; j += $W) {
+            const int64_t nl = V - j < $W ? V - j : $W;
+            vst$sfx(out + j, vexp$sfx(vld$sfx(row + j, nl) - lse[i]) * sc, nl);
+        }
+        out[target[i]] -= sc;
+    }
+}
+""")
+
+SOURCE = vector_source("", _BODY)
+
+
+def _library():
+    return load_library("cross_entropy", SOURCE)
+
+
+def _suffix(dtype: torch.dtype) -> str:
+    return "_f64" if dtype == torch.float64 else "_f32"
+
+
+class CrossEntropyCPUFn(torch.autograd.Function):
+    """``(logits (rows, vocab), target (rows,) int64, ignore_index, divisor) -> loss`` (0-dim, logits' dtype) with
+    the compiled kernel; saves the logits (no copy), the row log-sum-exps and the targets."""
+
+    @staticmethod
+    def forward(ctx, logits, target, ignore_index, divisor):
+        lib = _library()
+        rows, vocab = logits.shape
+        lse = torch.empty(rows, dtype=logits.dtype)
+        fn = getattr(lib, "ce_fwd" + _suffix(logits.dtype))
+        x, ld = ctypes.c_void_p(logits.data_ptr()), ctypes.c_int64(logits.stride(0))
+
+        def part(_, r0, r1):
+            fn(ctypes.c_int64(r0), ctypes.c_int64(r1), ctypes.c_int64(vocab), x, ld, ctypes.c_void_p(lse.data_ptr()))
+
+        run_parallel(part, rows)
+        valid = target != ignore_index
+        safe = torch.where(valid, target, torch.zeros_like(target)).contiguous()
+        picked = logits.gather(1, safe[:, None])[:, 0]
+        ctx.save_for_backward(logits, lse, safe, valid)
+        ctx.divisor = divisor
+        return torch.where(valid, lse - picked, torch.zeros_like(lse)).sum() / divisor
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        logits, lse, safe, valid = ctx.saved_tensors
+        lib = _library()
+        rows, vocab = logits.shape
+        scale = (grad_loss / ctx.divisor * valid).to(logits.dtype).contiguous()
+        grad = torch.empty(rows, vocab, dtype=logits.dtype)
+        fn = getattr(lib, "ce_bwd" + _suffix(logits.dtype))
+        pointers = [ctypes.c_void_p(t.data_ptr()) for t in (lse, safe, scale, grad)]
+        x, ld = ctypes.c_void_p(logits.data_ptr()), ctypes.c_int64(logits.stride(0))
+
+        def part(_, r0, r1):
+            fn(ctypes.c_int64(r0), ctypes.c_int64(r1), ctypes.c_int64(vocab), x, ld, *pointers)
+
+        run_parallel(part, rows)
+        return grad, None, None, None
+
+
+def cross_entropy_reference(logits, target, ignore_index: int = -100, divisor=None) -> torch.Tensor:
+    """``F.cross_entropy(logits, target, ignore_index, reduction="sum") / divisor`` (``divisor=None``: the number
+    of rows whose target is not ``ignore_index``, i.e. reduction ``"mean"``; 0 valid rows give NaN, as PyTorch)."""
+    if divisor is None:
+        return F.cross_entropy(logits, target, ignore_index=ignore_index, reduction="mean")
+    return F.cross_entropy(logits, target, ignore_index=ignore_index, reduction="sum") / divisor
+
+
+def cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int = -100, divisor=None) -> torch.Tensor:
+    """Summed cross-entropy of ``logits`` rows against ``target`` divided by ``divisor`` (module docstring).
+
+    Args:
+        logits: ``(rows, vocab)`` float32 or float64 (other dtypes and devices run the reference), any row stride
+            with unit stride along the vocabulary (else one copy is made).
+        target: ``(rows,)`` integer class indices in ``[0, vocab)``, or ``ignore_index``.
+        ignore_index: target value of rows that do not count.
+        divisor: a number or 0-dim tensor the sum is divided by (transformers' ``num_items_in_batch``); ``None``
+            divides by the number of counted rows (reduction ``"mean"``).
+
+    Returns:
+        The loss, a 0-dim tensor in ``logits``' dtype, differentiable in ``logits``. Equal to
+        :func:`cross_entropy_reference` within the dtype's rounding (tested).
+
+    Raises:
+        ValueError: ``logits`` not 2-D, ``target`` not 1-D of ``rows`` entries, or a target outside
+            ``[0, vocab)`` that is not ``ignore_index`` (on the reference path, PyTorch's own error).
+        TypeError: ``target`` not an integer tensor.
+    """
+    if logits.dim() != 2:
+        raise ValueError(f"logits must have shape (rows, vocab), got shape {tuple(logits.shape)}")
+    if target.dim() != 1 or target.shape[0] != logits.shape[0]:
+        raise ValueError(f"target must have shape ({logits.shape[0]},), got shape {tuple(target.shape)}")
+    if target.is_floating_point() or target.dtype == torch.bool or target.is_complex():
+        raise TypeError(f"target must be an integer tensor, got {target.dtype}")
+    target = target.to(torch.int64)
+    if logits.device.type != "cpu" or logits.dtype not in (torch.float32, torch.float64) or _library() is None:
+        return cross_entropy_reference(logits, target, ignore_index, divisor)  # it checks the targets itself
+    counted = target != ignore_index
+    if bool(((target < 0) | (target >= logits.shape[1])).logical_and(counted).any()):
+        raise ValueError(
+            f"target values must be in [0, {logits.shape[1]}) or ignore_index={ignore_index}, got "
+            f"min {int(target.min())}, max {int(target.max())}"
+        )
+    if divisor is None:
+        divisor = counted.sum().to(logits.dtype)
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    return CrossEntropyCPUFn.apply(logits, target, ignore_index, divisor)
