@@ -27,6 +27,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.utils import ModelOutput
 
 from ..configuration.configuration_densemamba import DenseMambaConfig
+from ..ops.causal_conv1d import causal_conv1d
 from ..ops.selective_scan import selective_scan, selective_state_update
 from .cache import conv_state, recurrent_state
 from .dense_connection import build_dense_connection, init_dense_linear, split_dense_inputs
@@ -37,68 +38,9 @@ from .modeling_densessm import (
     backbone_output,
     cached_from_parameters,
     decode_linear,
-    document_positions,
     merge_cache_arguments,
     run_backbone,
 )
-
-def causal_conv_within_documents(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, reset: torch.Tensor
-) -> torch.Tensor:
-    """Mamba's causal depthwise convolution over packed documents: tap ``k`` of token ``t`` reads ``x_{t-k}`` only
-    when that token lies in ``t``'s document (the window of each document starts empty, as a lone sequence's does).
-
-    Args:
-        x: ``(batch, channels, seq_len)``. weight: ``(channels, 1, kernel)`` (``nn.Conv1d``'s). bias: ``(channels,)``
-            or ``None``. reset: ``(batch, seq_len)`` bool, True at each document's first token.
-
-    Returns:
-        ``(batch, channels, seq_len)``, before the activation.
-    """
-    kernel, length = weight.shape[-1], x.shape[-1]
-    position = document_positions(reset)  # (batch, seq_len): tokens since the document started
-    padded = F.pad(x, (kernel - 1, 0))
-    out = x * weight[:, 0, -1, None]
-    for back in range(1, kernel):  # tap reading x_{t - back}
-        visible = (position >= back).to(x.dtype)[:, None, :]
-        out = out + padded[..., kernel - 1 - back : kernel - 1 - back + length] * weight[:, 0, -1 - back, None] * visible
-    return out if bias is None else out + bias[:, None]
-
-
-def causal_conv1d_token_major(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, window: torch.Tensor | None = None
-) -> torch.Tensor:
-    """Mamba's causal depthwise convolution (Mamba paper §3.4, Fig. 3; ``nn.Conv1d`` with ``groups = channels`` and
-    ``kernel - 1`` left padding, as ``F.conv1d``) computed in token-major memory order:
-    ``out_t = bias + sum_k weight[:, 0, k] * x_{t - (kernel - 1) + k}``.
-
-    The block's projections produce ``(batch, seq_len, channels)`` tensors; ``F.conv1d`` wants channels first, and
-    on the CPU the two transposes (and the backward in mixed layouts) cost several times the convolution itself.
-    Here the taps are ``kernel`` multiply-adds of shifted views of one padded copy, in the input's order.
-
-    Args:
-        x: ``(batch, seq_len, channels)`` (any strides).
-        weight: ``(channels, 1, kernel)``, ``nn.Conv1d``'s. bias: ``(channels,)`` or ``None``.
-        window: ``(batch, channels, kernel)`` cached inputs of the previous call (transformers' Mamba conv state,
-            last input last) or ``None`` (zeros: a sequence's start).
-
-    Returns:
-        ``(batch, seq_len, channels)`` contiguous, in ``x``'s dtype, before the activation.
-    """
-    kernel, length = weight.shape[-1], x.shape[1]
-    if window is not None:
-        context = window[..., 1:].transpose(1, 2).to(x.dtype)
-    else:
-        context = x.new_zeros(x.shape[0], kernel - 1, x.shape[2])
-    padded = torch.cat([context, x], dim=1)  # (batch, kernel - 1 + seq_len, channels)
-    taps = weight[:, 0, :].to(x.dtype)
-    out = padded[:, kernel - 1 :] * taps[:, kernel - 1]
-    if bias is not None:
-        out = out + bias.to(x.dtype)
-    for k in range(kernel - 1):
-        out = out.addcmul_(padded[:, k : k + length], taps[:, k])
-    return out
-
 
 class DenseMambaMixer(nn.Module):
     """Sequence mixing of one DenseMamba block (Mamba paper Alg. 2 / Fig. 3, plus DenseSSM Eq. 10-17 on ``u`` and ``B``).
@@ -271,18 +213,16 @@ class DenseMambaMixer(nn.Module):
         # 2. causal depthwise convolution, continuing from the cached window of the last `conv_kernel` inputs
         window = conv_state(cache_params, self.layer_idx)
         previous_window = window.clone() if window is not None and mask is not None else None
-        if reset is None:
-            u = causal_conv1d_token_major(x, self.conv1d.weight, self.conv1d.bias, window)
-        else:  # packed documents: no tap reaches into the previous document
-            u = causal_conv_within_documents(x.transpose(1, 2), self.conv1d.weight, self.conv1d.bias, reset)
-            u = u.transpose(1, 2)
+        # (packed documents: no tap reaches into the previous document); SiLU fused
+        u = causal_conv1d(
+            x, self.conv1d.weight, self.conv1d.bias, window, reset=reset, activation="silu", backend=backend
+        )  # (batch, seq_len, D)
         if cache_params is not None:
             cache_params.update_conv_state(x.transpose(1, 2), self.layer_idx, conv_kernel_size=self.conv_kernel_size)
             if previous_window is not None:  # rows given only padding keep their window
                 padded_rows = ~attention_mask.bool().any(dim=-1)
                 updated = conv_state(cache_params, self.layer_idx)
                 updated.copy_(torch.where(padded_rows[:, None, None], previous_window, updated))
-        u = F.silu(u)  # (batch, seq_len, D)
         if mask is not None:
             u = u * attention_mask[:, :, None].to(dtype)
 
