@@ -189,3 +189,17 @@ def test_theta_shift_rotation_equals_forward(dtype):
     positions = torch.tensor([[0], [5], [1234]])
     rotated = shift.rotate(x, shift.rotation(positions, dtype)[:, :, None])
     torch.testing.assert_close(rotated, shift(x, positions))
+
+
+@pytest.mark.parametrize("family", ["densemamba", "denseretnet"])
+def test_decode_of_a_model_cast_under_inference_mode(family):
+    """Parameters cast under ``torch.inference_mode`` are inference tensors (no version counter): nothing is kept
+    for them, and decoding still equals the full forward."""
+    model = micro_model(family)
+    ids = random_ids(2, 8)
+    with torch.inference_mode():
+        model = model.to(torch.bfloat16)
+        assert next(model.parameters()).is_inference()
+        full = model(ids).logits
+        decoded = _decode_logits(model, ids, None, prefill=4)
+    _assert_close_relative(decoded, full, torch.bfloat16, "inference-mode cast")

@@ -77,6 +77,8 @@ def prepare_attention_mask(attention_mask: torch.Tensor | None, batch: int, seq_
             f"and 0 for padding, got {tuple(attention_mask.shape)}."
         )
     attention_mask = attention_mask[:, -seq_len:]
+    if bool((attention_mask == 1).all()):  # the common case (every decoding step): one check, nothing padded
+        return None
     if attention_mask.dtype != torch.bool and not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
         raise ValueError("`attention_mask` must hold only 0 (padding) and 1 (token); got other values.")
     if bool(attention_mask.all()):
@@ -358,8 +360,12 @@ def cached_from_parameters(owner: nn.Module, name: str, build, *tensors: torch.T
         tensors: the parameters the value is computed from.
 
     Returns:
-        The tensor ``build()`` returns (the kept one while the parameters are unchanged).
+        The tensor ``build()`` returns (the kept one while the parameters are unchanged). Parameters that are
+        inference tensors (cast or created under ``torch.inference_mode``) keep no version counter, so an in-place
+        update of them could not be seen: for them ``build()`` runs on every call and nothing is kept.
     """
+    if any(t.is_inference() for t in tensors):
+        return build()
     key = tuple((t.data_ptr(), t._version, t.dtype, t.device, t.shape) for t in tensors)
     store = owner.__dict__.setdefault("_decode_derived", {})
     entry = store.get(name)
