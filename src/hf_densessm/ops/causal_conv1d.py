@@ -56,66 +56,78 @@ static inline vec$sfx conv_pre$sfx(const conv_args *a, const vec$sfx *wv, vec$sf
     return acc;
 }
 
+/* Loops: token outer, channel groups inner (a worker's groups of one token are contiguous in memory: one page
+   visit per token instead of one per group and token). */
 void conv_fwd$sfx(const conv_args *a, int64_t g0, int64_t g1) {
-    const int64_t K = a->kernel, dim = a->dim, L = a->length;
+    const int64_t K = a->kernel, dim = a->dim, L = a->length, ng = g1 - g0;
     const $real *w = a->w, *bias = a->bias;
     $real *out = a->out;
-    vec$sfx wv[K];
+    vec$sfx wv[ng][K], bv[ng];
     for (int64_t g = g0; g < g1; g++) {
         const int64_t d0 = g * $W, nl = dim - d0 < $W ? dim - d0 : $W;
-        for (int64_t k = 0; k < K; k++) wv[k] = vlds$sfx(w + d0 * K + k, K, nl);
-        const vec$sfx bv = bias ? vld$sfx(bias + d0, nl) : ZERO$sfx;
-        for (int64_t b = 0; b < a->batch; b++)
-            for (int64_t t = 0; t < L; t++) {
-                vec$sfx v = conv_pre$sfx(a, wv, bv, b, t, d0, nl);
+        for (int64_t k = 0; k < K; k++) wv[g - g0][k] = vlds$sfx(w + d0 * K + k, K, nl);
+        bv[g - g0] = bias ? vld$sfx(bias + d0, nl) : ZERO$sfx;
+    }
+    for (int64_t b = 0; b < a->batch; b++)
+        for (int64_t t = 0; t < L; t++)
+            for (int64_t g = g0; g < g1; g++) {
+                const int64_t d0 = g * $W, nl = dim - d0 < $W ? dim - d0 : $W;
+                vec$sfx v = conv_pre$sfx(a, wv[g - g0], bv[g - g0], b, t, d0, nl);
                 if (a->silu) v = v * vsigmoid$sfx(v);
                 vst$sfx(out + (b * L + t) * dim + d0, v, nl);
             }
-    }
 }
 
-/* dx (batch, L, dim) written; dw (dim, K) and dbias (dim) written for the groups [g0, g1); work: L vectors. */
+/* dx (batch, L, dim) written; dw (dim, K) and dbias (dim) written for the groups [g0, g1). One pass over the
+   tokens: the pre-activation's gradient of token t goes into a ring of K per group, and dx of token t - (K - 1),
+   whose later readers are then all known, is written. work: (g1 - g0) * K vectors. */
 void conv_bwd$sfx(const conv_args *a, int64_t g0, int64_t g1, vec$sfx *work) {
-    const int64_t K = a->kernel, dim = a->dim, L = a->length;
+    const int64_t K = a->kernel, dim = a->dim, L = a->length, ng = g1 - g0;
     const $real *w = a->w, *bias = a->bias, *x = a->x, *window = a->window, *gout = a->gout;
     const int64_t *pos = a->pos;
     $real *dx = a->dx, *dw = a->dw, *dbias = a->dbias;
-    vec$sfx wv[K], dwv[K];
+    vec$sfx wv[ng][K], dwv[ng][K], bv[ng], dbv[ng];
     for (int64_t g = g0; g < g1; g++) {
         const int64_t d0 = g * $W, nl = dim - d0 < $W ? dim - d0 : $W;
-        for (int64_t k = 0; k < K; k++) { wv[k] = vlds$sfx(w + d0 * K + k, K, nl); dwv[k] = ZERO$sfx; }
-        const vec$sfx bv = bias ? vld$sfx(bias + d0, nl) : ZERO$sfx;
-        vec$sfx dbv = ZERO$sfx;
-        for (int64_t b = 0; b < a->batch; b++) {
-            /* 1. gradient of the pre-activation; the taps' and the bias' gradients */
-            for (int64_t t = 0; t < L; t++) {
-                vec$sfx gp = vld$sfx(gout + b * a->g_sb + t * a->g_st + d0, nl);
-                if (a->silu) {
-                    const vec$sfx v = conv_pre$sfx(a, wv, bv, b, t, d0, nl), s = vsigmoid$sfx(v);
-                    gp = gp * s * (($real)1 + v * (($real)1 - s));
+        for (int64_t k = 0; k < K; k++) { wv[g - g0][k] = vlds$sfx(w + d0 * K + k, K, nl); dwv[g - g0][k] = ZERO$sfx; }
+        bv[g - g0] = bias ? vld$sfx(bias + d0, nl) : ZERO$sfx;
+        dbv[g - g0] = ZERO$sfx;
+    }
+    for (int64_t b = 0; b < a->batch; b++)
+        for (int64_t t = 0; t < L + K - 1; t++)
+            for (int64_t g = g0; g < g1; g++) {
+                const int64_t i = g - g0, d0 = g * $W, nl = dim - d0 < $W ? dim - d0 : $W;
+                vec$sfx *ring = work + i * K;
+                if (t < L) {  /* gradient of token t's pre-activation; the taps' and the bias' gradients */
+                    vec$sfx gp = vld$sfx(gout + b * a->g_sb + t * a->g_st + d0, nl);
+                    if (a->silu) {
+                        const vec$sfx v = conv_pre$sfx(a, wv[i], bv[i], b, t, d0, nl), s = vsigmoid$sfx(v);
+                        gp = gp * s * (($real)1 + v * (($real)1 - s));
+                    }
+                    ring[t % K] = gp;
+                    dbv[i] += gp;
+                    for (int64_t k = 0; k < K; k++) {
+                        const int64_t back = K - 1 - k, p = t - back;
+                        if (pos && pos[b * L + t] < back) continue;
+                        if (p >= 0) dwv[i][k] += gp * vld$sfx(x + b * a->x_sb + p * a->x_st + d0, nl);
+                        else if (window) dwv[i][k] += gp * vlds$sfx(window + (b * dim + d0) * K + K + p, K, nl);
+                    }
                 }
-                work[t] = gp;
-                dbv += gp;
-                for (int64_t k = 0; k < K; k++) {
-                    const int64_t back = K - 1 - k, p = t - back;
-                    if (pos && pos[b * L + t] < back) continue;
-                    if (p >= 0) dwv[k] += gp * vld$sfx(x + b * a->x_sb + p * a->x_st + d0, nl);
-                    else if (window) dwv[k] += gp * vlds$sfx(window + (b * dim + d0) * K + K + p, K, nl);
+                const int64_t p = t - (K - 1);  /* dx_p = sum_k w_k gpre_{p + K-1-k}, readers inside p's document */
+                if (p >= 0) {
+                    vec$sfx acc = ZERO$sfx;
+                    for (int64_t k = 0; k < K; k++) {
+                        const int64_t back = K - 1 - k, r = p + back;
+                        if (r >= L || (pos && pos[b * L + r] < back)) continue;
+                        acc += wv[i][k] * ring[r % K];
+                    }
+                    vst$sfx(dx + (b * L + p) * dim + d0, acc, nl);
                 }
             }
-            /* 2. dx_p = sum_k w_k gpre_{p + K-1-k} over the later tokens whose tap k reads x_p */
-            for (int64_t p = 0; p < L; p++) {
-                vec$sfx acc = ZERO$sfx;
-                for (int64_t k = 0; k < K; k++) {
-                    const int64_t back = K - 1 - k, t = p + back;
-                    if (t >= L || (pos && pos[b * L + t] < back)) continue;
-                    acc += wv[k] * work[t];
-                }
-                vst$sfx(dx + (b * L + p) * dim + d0, acc, nl);
-            }
-        }
-        for (int64_t k = 0; k < K; k++) vsts$sfx(dw + d0 * K + k, K, dwv[k], nl);
-        if (dbias) vst$sfx(dbias + d0, dbv, nl);
+    for (int64_t g = g0; g < g1; g++) {
+        const int64_t d0 = g * $W, nl = dim - d0 < $W ? dim - d0 : $W;
+        for (int64_t k = 0; k < K; k++) vsts$sfx(dw + d0 * K + k, K, dwv[g - g0][k], nl);
+        if (dbias) vst$sfx(dbias + d0, dbv[g - g0], nl);
     }
 }
 """)
@@ -224,7 +236,7 @@ class CausalConv1dCPUFn(torch.autograd.Function):
         from .cpu_build import thread_pool
 
         size = max(1, min(groups, thread_pool()[1]))
-        work = torch.empty(size, x.shape[1] * lanes, dtype=x.dtype)
+        work = torch.empty(size, -(-groups // size) * taps.shape[1] * lanes, dtype=x.dtype)
         ref = ctypes.byref(args)
 
         def part(w, g0, g1):

@@ -48,6 +48,8 @@ __all__ = ["SelectiveScanCPUFn", "cpu_kernel_available", "selective_scan_cpu", "
 MAX_STATE = 256
 #: Tokens per recomputed segment in the backward pass (the segment's states stay in the L2 cache).
 SEGMENT = 32
+#: Channel groups whose states a worker advances together, token by token (must match the C source's TILE).
+TILE = 8
 
 _HEADER = r"""
 typedef struct {
@@ -60,7 +62,13 @@ typedef struct {
 
 # One copy per compute type (:func:`hf_densessm.ops.cpu_build.vector_source`: $real, $W lanes, $sfx suffix).
 _BODY = Template(r"""
-/* Forward over channel groups [g0, g1): y and the last state. */
+/* Loops: sequence, then tiles of TILE channel groups, then tokens, then the tile's groups: a tile's states stay in
+   the L1 cache and the tile's inputs of one token are contiguous in memory (one page visit per token and tile). */
+#ifndef TILE
+#define TILE 8
+#endif
+
+/* Forward over channel groups [g0, g1): y, the last state, the checkpoints. */
 static inline __attribute__((always_inline)) void fwd_groups$sfx(const scan_args *a, int64_t g0, int64_t g1,
                                                                 const int64_t N) {
     const $real *u = a->u, *dt = a->dt, *A = a->A, *B = a->B, *C = a->C, *D = a->D, *z = a->z, *keep = a->keep,
@@ -69,35 +77,46 @@ static inline __attribute__((always_inline)) void fwd_groups$sfx(const scan_args
     vec$sfx *ck = a->ck;  /* optional: the state before every seg-th token, for the backward pass */
     const int64_t L = a->length, dim = a->dim, seg = a->seg, nseg = (L + seg - 1) / seg;
     const int64_t ngroups = (dim + $W - 1) / $W;
-    vec$sfx h[N], Av[N];
-    for (int64_t g = g0; g < g1; g++) {
-        const int64_t d0 = g * $W, nl = dim - d0 < $W ? dim - d0 : $W;
-        for (int64_t n = 0; n < N; n++) Av[n] = vlds$sfx(A + d0 * N + n, N, nl);
-        const vec$sfx Dv = D ? vld$sfx(D + d0, nl) : ZERO$sfx;
-        for (int64_t b = 0; b < a->batch; b++) {
-            for (int64_t n = 0; n < N; n++) h[n] = h0 ? vlds$sfx(h0 + (b * dim + d0) * N + n, N, nl) : ZERO$sfx;
+    vec$sfx h[TILE][N], Av[TILE][N], Dv[TILE];
+    for (int64_t b = 0; b < a->batch; b++)
+        for (int64_t gt = g0; gt < g1; gt += TILE) {
+            const int64_t nt = g1 - gt < TILE ? g1 - gt : TILE;
+            for (int64_t i = 0; i < nt; i++) {
+                const int64_t d0 = (gt + i) * $W, nl = dim - d0 < $W ? dim - d0 : $W;
+                for (int64_t n = 0; n < N; n++) {
+                    Av[i][n] = vlds$sfx(A + d0 * N + n, N, nl);
+                    h[i][n] = h0 ? vlds$sfx(h0 + (b * dim + d0) * N + n, N, nl) : ZERO$sfx;
+                }
+                Dv[i] = D ? vld$sfx(D + d0, nl) : ZERO$sfx;
+            }
             for (int64_t t = 0; t < L; t++) {
-                if (ck && t % seg == 0)
-                    memcpy(ck + ((b * nseg + t / seg) * ngroups + g) * N, h, (size_t)N * sizeof(vec$sfx));
-                const vec$sfx uv = vld$sfx(u + b * a->u_sb + t * a->u_st + d0, nl);
-                const vec$sfx dv = vld$sfx(dt + b * a->dt_sb + t * a->dt_st + d0, nl);
                 const $real *Bt = B + b * a->B_sb + t * a->B_st, *Ct = C + b * a->C_sb + t * a->C_st;
                 const $real k = keep ? keep[b * L + t] : ($real)1;
-                const vec$sfx dtu = dv * uv;
-                vec$sfx acc = Dv * uv;
-                for (int64_t n = 0; n < N; n++) {
-                    h[n] = vexp$sfx(dv * Av[n]) * k * h[n] + dtu * Bt[n];
-                    acc += Ct[n] * h[n];
+                for (int64_t i = 0; i < nt; i++) {
+                    const int64_t d0 = (gt + i) * $W, nl = dim - d0 < $W ? dim - d0 : $W;
+                    if (ck && t % seg == 0)
+                        memcpy(ck + ((b * nseg + t / seg) * ngroups + gt + i) * N, h[i], (size_t)N * sizeof(vec$sfx));
+                    const vec$sfx uv = vld$sfx(u + b * a->u_sb + t * a->u_st + d0, nl);
+                    const vec$sfx dv = vld$sfx(dt + b * a->dt_sb + t * a->dt_st + d0, nl);
+                    const vec$sfx dtu = dv * uv;
+                    vec$sfx acc = Dv[i] * uv;
+                    for (int64_t n = 0; n < N; n++) {
+                        h[i][n] = vexp$sfx(dv * Av[i][n]) * k * h[i][n] + dtu * Bt[n];
+                        acc += Ct[n] * h[i][n];
+                    }
+                    if (z) {
+                        const vec$sfx zv = vld$sfx(z + b * a->z_sb + t * a->z_st + d0, nl);
+                        acc = acc * zv * vsigmoid$sfx(zv);
+                    }
+                    vst$sfx(y + b * a->y_sb + t * a->y_st + d0, acc, nl);
                 }
-                if (z) {
-                    const vec$sfx zv = vld$sfx(z + b * a->z_sb + t * a->z_st + d0, nl);
-                    acc = acc * zv * vsigmoid$sfx(zv);
-                }
-                vst$sfx(y + b * a->y_sb + t * a->y_st + d0, acc, nl);
             }
-            if (hlast) for (int64_t n = 0; n < N; n++) vsts$sfx(hlast + (b * dim + d0) * N + n, N, h[n], nl);
+            if (hlast)
+                for (int64_t i = 0; i < nt; i++) {
+                    const int64_t d0 = (gt + i) * $W, nl = dim - d0 < $W ? dim - d0 : $W;
+                    for (int64_t n = 0; n < N; n++) vsts$sfx(hlast + (b * dim + d0) * N + n, N, h[i][n], nl);
+                }
         }
-    }
 }
 
 void scan_fwd$sfx(const scan_args *a, int64_t g0, int64_t g1) {
@@ -106,7 +125,8 @@ void scan_fwd$sfx(const scan_args *a, int64_t g0, int64_t g1) {
 
 /* Backward over channel groups [g0, g1). du, ddt, dz: (batch, length, dim) contiguous, written; dA (dim, N) and
    dD (dim) accumulated (+=, zeroed by the caller); dh0 (batch, dim, N) written; dBp, dCp (batch, length, N): this
-   worker's partial sums over its channels, written. work: (nseg + 2 * seg + 1 + 2 * length) * N vectors. */
+   worker's partial sums over its channels, written. work: TILE * (nseg + 2 * seg + 1) * N + 2 * length * N
+   vectors. */
 static inline __attribute__((always_inline)) void bwd_groups$sfx(const scan_args *a, int64_t g0, int64_t g1,
                                                                 $real *dBp, $real *dCp, vec$sfx *work,
                                                                 const int64_t N) {
@@ -115,85 +135,109 @@ static inline __attribute__((always_inline)) void bwd_groups$sfx(const scan_args
     $real *du = a->du, *ddt = a->ddt, *dz = a->dz, *dA = a->dA, *dD = a->dD, *dh0 = a->dh0;
     const int64_t L = a->length, dim = a->dim, seg = a->seg, nseg = (L + seg - 1) / seg;
     const int64_t ngroups = (dim + $W - 1) / $W;
-    vec$sfx *ckw = work, *hs = ckw + nseg * N, *as = hs + (seg + 1) * N, *accB = as + seg * N, *accC = accB + L * N;
-    vec$sfx g[N], Av[N], dAacc[N], hc[N];
+    /* per tile member i: recomputed checkpoints ckw, the segment's states hs (seg + 1) and decays as (seg) */
+    vec$sfx *ckw = work, *hs = ckw + TILE * nseg * N, *as = hs + TILE * (seg + 1) * N;
+    vec$sfx *accB = as + TILE * seg * N, *accC = accB + L * N;
+    vec$sfx g[TILE][N], Av[TILE][N], dAacc[TILE][N], Dv[TILE], dDacc[TILE];
     for (int64_t b = 0; b < a->batch; b++) {
         memset(accB, 0, (size_t)(2 * L * N) * sizeof(vec$sfx));
-        for (int64_t grp = g0; grp < g1; grp++) {
-            const int64_t d0 = grp * $W, nl = dim - d0 < $W ? dim - d0 : $W;
-            for (int64_t n = 0; n < N; n++) { Av[n] = vlds$sfx(A + d0 * N + n, N, nl); dAacc[n] = ZERO$sfx; }
-            const vec$sfx Dv = D ? vld$sfx(D + d0, nl) : ZERO$sfx;
-            vec$sfx dDacc = ZERO$sfx;
-            /* 1. states at the segment starts: saved by the forward pass, or recomputed */
-            const vec$sfx *ck = a->ck ? (const vec$sfx *)a->ck + (b * nseg * ngroups + grp) * N : ckw;
-            const int64_t ck_stride = a->ck ? ngroups * N : N;  /* vectors between segments */
-            for (int64_t n = 0; n < N; n++) hc[n] = h0 ? vlds$sfx(h0 + (b * dim + d0) * N + n, N, nl) : ZERO$sfx;
-            for (int64_t t = 0; t < L && !a->ck; t++) {
-                if (t % seg == 0) for (int64_t n = 0; n < N; n++) ckw[(t / seg) * N + n] = hc[n];
-                const vec$sfx uv = vld$sfx(u + b * a->u_sb + t * a->u_st + d0, nl);
-                const vec$sfx dv = vld$sfx(dt + b * a->dt_sb + t * a->dt_st + d0, nl);
-                const $real *Bt = B + b * a->B_sb + t * a->B_st;
-                const $real k = keep ? keep[b * L + t] : ($real)1;
-                const vec$sfx dtu = dv * uv;
-                for (int64_t n = 0; n < N; n++) hc[n] = vexp$sfx(dv * Av[n]) * k * hc[n] + dtu * Bt[n];
+        for (int64_t gt = g0; gt < g1; gt += TILE) {
+            const int64_t nt = g1 - gt < TILE ? g1 - gt : TILE;
+            for (int64_t i = 0; i < nt; i++) {
+                const int64_t d0 = (gt + i) * $W, nl = dim - d0 < $W ? dim - d0 : $W;
+                for (int64_t n = 0; n < N; n++) {
+                    Av[i][n] = vlds$sfx(A + d0 * N + n, N, nl);
+                    dAacc[i][n] = ZERO$sfx;
+                    g[i][n] = dhlast ? vlds$sfx(dhlast + (b * dim + d0) * N + n, N, nl) : ZERO$sfx;
+                    hs[i * (seg + 1) * N + n] = h0 ? vlds$sfx(h0 + (b * dim + d0) * N + n, N, nl) : ZERO$sfx;
+                }
+                Dv[i] = D ? vld$sfx(D + d0, nl) : ZERO$sfx;
+                dDacc[i] = ZERO$sfx;
             }
-            /* 2. the adjoint, segment by segment from the end */
-            for (int64_t n = 0; n < N; n++)
-                g[n] = dhlast ? vlds$sfx(dhlast + (b * dim + d0) * N + n, N, nl) : ZERO$sfx;
-            for (int64_t s = nseg - 1; s >= 0; s--) {
-                const int64_t t0 = s * seg, t1 = t0 + seg < L ? t0 + seg : L;
-                for (int64_t n = 0; n < N; n++) hs[n] = ck[s * ck_stride + n];
-                for (int64_t t = t0; t < t1; t++) {
-                    const int64_t i = t - t0;
-                    const vec$sfx uv = vld$sfx(u + b * a->u_sb + t * a->u_st + d0, nl);
-                    const vec$sfx dv = vld$sfx(dt + b * a->dt_sb + t * a->dt_st + d0, nl);
+            /* 1. states at the segment starts: saved by the forward pass, or recomputed here */
+            if (!a->ck)
+                for (int64_t t = 0; t < L; t++) {
                     const $real *Bt = B + b * a->B_sb + t * a->B_st;
                     const $real k = keep ? keep[b * L + t] : ($real)1;
-                    const vec$sfx dtu = dv * uv;
-                    for (int64_t n = 0; n < N; n++) {
-                        const vec$sfx an = vexp$sfx(dv * Av[n]) * k;
-                        as[i * N + n] = an;
-                        hs[(i + 1) * N + n] = an * hs[i * N + n] + dtu * Bt[n];
+                    for (int64_t i = 0; i < nt; i++) {
+                        const int64_t d0 = (gt + i) * $W, nl = dim - d0 < $W ? dim - d0 : $W;
+                        vec$sfx *hc = hs + i * (seg + 1) * N;
+                        if (t % seg == 0) memcpy(ckw + (i * nseg + t / seg) * N, hc, (size_t)N * sizeof(vec$sfx));
+                        const vec$sfx uv = vld$sfx(u + b * a->u_sb + t * a->u_st + d0, nl);
+                        const vec$sfx dv = vld$sfx(dt + b * a->dt_sb + t * a->dt_st + d0, nl);
+                        const vec$sfx dtu = dv * uv;
+                        for (int64_t n = 0; n < N; n++) hc[n] = vexp$sfx(dv * Av[i][n]) * k * hc[n] + dtu * Bt[n];
+                    }
+                }
+            /* 2. the adjoint, segment by segment from the end */
+            for (int64_t s = nseg - 1; s >= 0; s--) {
+                const int64_t t0 = s * seg, t1 = t0 + seg < L ? t0 + seg : L;
+                for (int64_t i = 0; i < nt; i++) {
+                    const vec$sfx *ck = a->ck ? (const vec$sfx *)a->ck + ((b * nseg + s) * ngroups + gt + i) * N
+                                              : ckw + (i * nseg + s) * N;
+                    memcpy(hs + i * (seg + 1) * N, ck, (size_t)N * sizeof(vec$sfx));
+                }
+                for (int64_t t = t0; t < t1; t++) {
+                    const int64_t r = t - t0;
+                    const $real *Bt = B + b * a->B_sb + t * a->B_st;
+                    const $real k = keep ? keep[b * L + t] : ($real)1;
+                    for (int64_t i = 0; i < nt; i++) {
+                        const int64_t d0 = (gt + i) * $W, nl = dim - d0 < $W ? dim - d0 : $W;
+                        vec$sfx *hh = hs + (i * (seg + 1) + r) * N, *aa = as + (i * seg + r) * N;
+                        const vec$sfx uv = vld$sfx(u + b * a->u_sb + t * a->u_st + d0, nl);
+                        const vec$sfx dv = vld$sfx(dt + b * a->dt_sb + t * a->dt_st + d0, nl);
+                        const vec$sfx dtu = dv * uv;
+                        for (int64_t n = 0; n < N; n++) {
+                            const vec$sfx an = vexp$sfx(dv * Av[i][n]) * k;
+                            aa[n] = an;
+                            hh[N + n] = an * hh[n] + dtu * Bt[n];
+                        }
                     }
                 }
                 for (int64_t t = t1 - 1; t >= t0; t--) {
-                    const int64_t i = t - t0;
-                    const vec$sfx uv = vld$sfx(u + b * a->u_sb + t * a->u_st + d0, nl);
-                    const vec$sfx dv = vld$sfx(dt + b * a->dt_sb + t * a->dt_st + d0, nl);
+                    const int64_t r = t - t0;
                     const $real *Bt = B + b * a->B_sb + t * a->B_st, *Ct = C + b * a->C_sb + t * a->C_st;
-                    const vec$sfx *hcur = hs + (i + 1) * N, *hprev = hs + i * N, *at = as + i * N;
-                    vec$sfx gy = dy ? vld$sfx(dy + b * a->dy_sb + t * a->dy_st + d0, nl) : ZERO$sfx;
-                    if (z) {
-                        const vec$sfx zv = vld$sfx(z + b * a->z_sb + t * a->z_st + d0, nl);
-                        vec$sfx yv = Dv * uv;
-                        for (int64_t n = 0; n < N; n++) yv += Ct[n] * hcur[n];
-                        const vec$sfx sg = vsigmoid$sfx(zv);
-                        vst$sfx(dz + (b * L + t) * dim + d0, gy * yv * sg * (($real)1 + zv * (($real)1 - sg)), nl);
-                        gy = gy * zv * sg;
-                    }
-                    dDacc += gy * uv;
-                    const vec$sfx dtu = dv * uv;
-                    vec$sfx sB = ZERO$sfx, sA = ZERO$sfx;
                     vec$sfx *aB = accB + t * N, *aC = accC + t * N;
-                    for (int64_t n = 0; n < N; n++) {
-                        const vec$sfx gn = g[n] + Ct[n] * gy;
-                        aC[n] += gy * hcur[n];
-                        aB[n] += gn * dtu;
-                        sB += gn * Bt[n];
-                        const vec$sfx gah = gn * at[n] * hprev[n];
-                        sA += Av[n] * gah;
-                        dAacc[n] += gah * dv;
-                        g[n] = gn * at[n];
+                    for (int64_t i = 0; i < nt; i++) {
+                        const int64_t d0 = (gt + i) * $W, nl = dim - d0 < $W ? dim - d0 : $W;
+                        const vec$sfx *hprev = hs + (i * (seg + 1) + r) * N, *hcur = hprev + N, *at = as + (i * seg + r) * N;
+                        const vec$sfx uv = vld$sfx(u + b * a->u_sb + t * a->u_st + d0, nl);
+                        const vec$sfx dv = vld$sfx(dt + b * a->dt_sb + t * a->dt_st + d0, nl);
+                        vec$sfx gy = dy ? vld$sfx(dy + b * a->dy_sb + t * a->dy_st + d0, nl) : ZERO$sfx;
+                        if (z) {
+                            const vec$sfx zv = vld$sfx(z + b * a->z_sb + t * a->z_st + d0, nl);
+                            vec$sfx yv = Dv[i] * uv;
+                            for (int64_t n = 0; n < N; n++) yv += Ct[n] * hcur[n];
+                            const vec$sfx sg = vsigmoid$sfx(zv);
+                            vst$sfx(dz + (b * L + t) * dim + d0, gy * yv * sg * (($real)1 + zv * (($real)1 - sg)), nl);
+                            gy = gy * zv * sg;
+                        }
+                        dDacc[i] += gy * uv;
+                        const vec$sfx dtu = dv * uv;
+                        vec$sfx sB = ZERO$sfx, sA = ZERO$sfx;
+                        for (int64_t n = 0; n < N; n++) {
+                            const vec$sfx gn = g[i][n] + Ct[n] * gy;
+                            aC[n] += gy * hcur[n];
+                            aB[n] += gn * dtu;
+                            sB += gn * Bt[n];
+                            const vec$sfx gah = gn * at[n] * hprev[n];
+                            sA += Av[i][n] * gah;
+                            dAacc[i][n] += gah * dv;
+                            g[i][n] = gn * at[n];
+                        }
+                        vst$sfx(du + (b * L + t) * dim + d0, Dv[i] * gy + dv * sB, nl);
+                        vst$sfx(ddt + (b * L + t) * dim + d0, uv * sB + sA, nl);
                     }
-                    vst$sfx(du + (b * L + t) * dim + d0, Dv * gy + dv * sB, nl);
-                    vst$sfx(ddt + (b * L + t) * dim + d0, uv * sB + sA, nl);
                 }
             }
-            for (int64_t n = 0; n < N; n++) {
-                vsts$sfx(dh0 + (b * dim + d0) * N + n, N, g[n], nl);
-                for (int64_t l = 0; l < nl; l++) dA[(d0 + l) * N + n] += dAacc[n][l];
+            for (int64_t i = 0; i < nt; i++) {
+                const int64_t d0 = (gt + i) * $W, nl = dim - d0 < $W ? dim - d0 : $W;
+                for (int64_t n = 0; n < N; n++) {
+                    vsts$sfx(dh0 + (b * dim + d0) * N + n, N, g[i][n], nl);
+                    for (int64_t l = 0; l < nl; l++) dA[(d0 + l) * N + n] += dAacc[i][n][l];
+                }
+                if (dD) for (int64_t l = 0; l < nl; l++) dD[d0 + l] += dDacc[i][l];
             }
-            if (dD) for (int64_t l = 0; l < nl; l++) dD[d0 + l] += dDacc[l];
         }
         for (int64_t t = 0; t < L; t++)
             for (int64_t n = 0; n < N; n++) {
@@ -381,7 +425,7 @@ class SelectiveScanCPUFn(torch.autograd.Function):
         dC_parts = torch.empty(size, batch, length, n, **kw)
         lanes = _lanes(cdt)
         nseg = -(-length // SEGMENT)
-        work_vectors = (nseg + 2 * SEGMENT + 1 + 2 * length) * n
+        work_vectors = (TILE * (nseg + 2 * SEGMENT + 1) + 2 * length) * n
         work = torch.empty(size, work_vectors * lanes, **kw)
         fn = getattr(lib, "scan_bwd" + _suffix(cdt))
         ref = ctypes.byref(args)
