@@ -551,7 +551,9 @@ def run_generation(args, models, generator, figures) -> dict:
                 "weight_bytes_per_token": weight_bytes, "ideal_tokens_per_s": ideal, "fraction_of_ideal": tps / ideal,
                 "ideal_tokens_per_s_weight_sized_buffer": sized_bw / weight_bytes,
                 "fraction_of_ideal_weight_sized_buffer": tps * weight_bytes / sized_bw,
-                "same_tokens_as_transformers_mamba": bool(torch.equal(outputs[name], outputs[MAMBA])),
+                # the same weights (DenseMamba m=0 only): greedy tokens agree unless rounding flips an argmax
+                "same_tokens_as_transformers_mamba": (
+                    bool(torch.equal(outputs[name], outputs[MAMBA])) if name == "DenseMamba m=0" else None),
                 "all_seconds": times[name],
             }
             rows.append([name, weight_bytes / 1e6, tps, speedup, ideal, tps / ideal, sized_bw / weight_bytes,
