@@ -54,11 +54,17 @@ It prints one table per part, then every figure with its anchor, its limit and t
 everything, with the environment (CPU model, its AVX-512 / AMX flags, threads, load averages, versions), to
 ``--out`` as JSON.
 
-Run from the repository root (the full default run takes about 10 minutes on 2 cores)::
+Run from the repository root (the full default run: 618 s with ``--threads 1`` on a 2-core VM shared with other
+work, 2026-11-22)::
 
     python benchmarks/bench_cpu.py
     python benchmarks/bench_cpu.py --parts training --repeats 3 --out /tmp/cpu.json        # one part
     python benchmarks/bench_cpu.py --parts generation --dtypes bfloat16 --new-tokens 32 --out /tmp/cpu.json
+
+On a machine whose cores other processes are using, pass ``--threads 1``: a pool of as many threads as cores then
+stalls at every barrier (measured on 2 shared cores: a tiny model's forward 100x slower, and the full run's
+forward part not done after 7 minutes). Every limit is measured at the same thread count, so
+the fractions stay meaningful (per thread).
 """
 
 from __future__ import annotations
@@ -630,6 +636,10 @@ def main(argv=None) -> dict:
     env = environment()
     print("  ".join(f"{k}={v}" for k, v in env.items() if k != "git"))
     print(f"git commit {env['git']['commit']}, changed or untracked files: {env['git']['changed_files']}")
+    busy = env["load_average_1_5_15_min"][0]
+    if env["cpu_count"] and args.threads > 1 and busy + args.threads > env["cpu_count"] + 0.5:
+        print(f"note: load average {busy:.1f} with {args.threads} threads on {env['cpu_count']} CPUs: other processes "
+              "share the cores, and a full thread pool stalls at its barriers; --threads 1 measures more reliably")
     started = time.perf_counter()
     models = build_models(args.vocab_size, args.size)
     params = {name: model.num_parameters() for name, model in models.items()}
