@@ -169,6 +169,14 @@ class DenseHiddenConnection(nn.Module):
                 f"DenseHiddenConnection expects {self.num_predecessors} predecessor features, got {len(predecessors)}."
             )
         shared = self.gate(x) if self.selection != "none" and self.shared_gate else None
+        if shared is not None and self.projections is None and self.fusion == "add":
+            # The defaults (identity transition, one shared gate, add): sum_i g * f_i = g * sum_i f_i, so the
+            # predecessors are summed first and gated once (m + 1 passes over the feature instead of 2m; the
+            # backward hands every predecessor the same g * grad).
+            total = predecessors[0]
+            for f in predecessors[1:]:
+                total = total + f
+            return torch.addcmul(feature, total, shared)
         selected = []
         for i, f in enumerate(predecessors):
             if self.projections is not None:
