@@ -6,7 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hf_densessm.ops import causal_conv1d as conv_module
+import importlib
+
+conv_module = importlib.import_module("hf_densessm.ops.causal_conv1d")  # the module (the package exports the function)
 from hf_densessm.ops.causal_conv1d import causal_conv1d
 
 BACKENDS = ["torch", pytest.param("cpu", marks=pytest.mark.skipif(conv_module._library() is None, reason="no C compiler"))]

@@ -4,12 +4,20 @@
   §3.3) for training/prefill, and its single-token step for decoding.
 - :func:`chunk_retention` / :func:`retention_state_update`: RetNet's multi-scale retention (DenseSSM
   paper Eq. 18, 19, 24) in chunkwise form for training/prefill, and its single-token step for decoding.
+- :func:`causal_conv1d`: Mamba's short causal depthwise convolution (Mamba paper §3.4), token-major, SiLU fused.
+- :func:`cross_entropy`: the LM head's cross-entropy, row by row (the models' training loss on the CPU).
 
-Every op takes ``backend="auto" | "triton" | "torch"``: ``"auto"`` runs the Triton kernel on CUDA tensors
-and the PyTorch reference otherwise.
+Every op takes ``backend="auto" | "triton" | "cpu" | "torch"`` (:mod:`.backend`): ``"auto"`` runs the Triton
+kernel on CUDA tensors, the compiled CPU kernel (:mod:`.cpu_build`) on CPU tensors where the op has one and a C
+compiler exists, and the PyTorch path otherwise.
 """
 
+from .causal_conv1d import causal_conv1d
+from .cross_entropy import cross_entropy
 from .retention import chunk_retention, retention_state_update
 from .selective_scan import selective_scan, selective_state_update
 
-__all__ = ["chunk_retention", "retention_state_update", "selective_scan", "selective_state_update"]
+__all__ = [
+    "causal_conv1d", "chunk_retention", "cross_entropy", "retention_state_update", "selective_scan",
+    "selective_state_update",
+]

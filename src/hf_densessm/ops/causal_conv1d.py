@@ -23,9 +23,9 @@ import torch.nn.functional as F
 
 from .backend import resolve_backend
 from .cpu_build import load_library, run_parallel, vector_source
-from .packing import check_reset
+from .packing import check_reset, document_positions
 
-__all__ = ["causal_conv1d", "causal_conv1d_torch", "document_positions"]
+__all__ = ["causal_conv1d", "causal_conv1d_torch"]
 
 _ACTIVATIONS = (None, "silu")
 
@@ -146,14 +146,6 @@ class _ConvArgs(ctypes.Structure):
 
 def _library():
     return load_library("causal_conv1d", SOURCE)
-
-
-def document_positions(reset: torch.Tensor) -> torch.Tensor:
-    """``(batch, seq_len)`` int64 position of each token inside its packed document (0 at each ``reset``, counting
-    from the row's start before the first reset). ``reset``: ``(batch, seq_len)`` bool."""
-    index = torch.arange(reset.shape[1], device=reset.device).expand_as(reset)
-    start = torch.where(reset, index, torch.zeros_like(index)).cummax(dim=1).values
-    return index - start
 
 
 def causal_conv1d_torch(x, weight, bias=None, window=None, reset=None, activation=None) -> torch.Tensor:

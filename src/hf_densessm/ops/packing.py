@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["check_reset"]
+__all__ = ["check_reset", "document_positions"]
 
 
 def check_reset(reset, batch: int, length: int, device: torch.device) -> torch.Tensor | None:
@@ -35,3 +35,11 @@ def check_reset(reset, batch: int, length: int, device: torch.device) -> torch.T
             raise ValueError("reset must hold only 0 and 1 (True where a packed document starts)")
         reset = reset.bool()
     return reset
+
+
+def document_positions(reset: torch.Tensor) -> torch.Tensor:
+    """``(batch, seq_len)`` int64 position of each token inside its packed document: 0 at each ``reset``, counting
+    from the row's start before the first one. ``reset``: ``(batch, seq_len)`` bool."""
+    index = torch.arange(reset.shape[1], device=reset.device).expand_as(reset)
+    start = torch.where(reset, index, torch.zeros_like(index)).cummax(dim=1).values
+    return index - start
