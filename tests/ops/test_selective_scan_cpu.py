@@ -214,3 +214,12 @@ def test_build_leaves_one_library_and_no_temporary_files():
     names = [p.name for p in folder.iterdir()]
     assert any(n.startswith("selective_scan-") and n.endswith(".so") for n in names), names
     assert all(n.endswith(".so") for n in names), names  # the temporary build folders are gone
+
+
+def test_an_unwritable_cache_falls_back_with_a_warning(tmp_path):
+    blocker = tmp_path / "not_a_folder"
+    blocker.write_text("")  # the cache path lies under a file: it cannot be created
+    env = dict(os.environ, HF_DENSESSM_CACHE=str(blocker))
+    script = NO_COMPILER.replace('"no C compiler" in why_unavailable()', '"Error" in why_unavailable()')
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
