@@ -223,3 +223,27 @@ def test_an_unwritable_cache_falls_back_with_a_warning(tmp_path):
     script = NO_COMPILER.replace('"no C compiler" in why_unavailable()', '"Error" in why_unavailable()')
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
+
+
+FORKED = """
+import multiprocessing as mp
+import torch
+from hf_densessm.ops.selective_scan import selective_scan
+
+def run(_=None):
+    torch.manual_seed(0)
+    u = torch.randn(2, 40, 30)
+    return selective_scan(u, u.abs(), -torch.ones(40, 16), torch.randn(2, 16, 30), torch.randn(2, 16, 30), backend="cpu")
+
+torch.set_num_threads(2)
+parent = run()  # the pool exists before the fork
+with mp.get_context("fork").Pool(1) as pool:
+    child = pool.apply_async(run).get(timeout=120)
+assert torch.equal(parent, child)
+print("ok")
+"""
+
+
+def test_the_kernels_run_in_a_forked_child():
+    result = subprocess.run([sys.executable, "-c", FORKED], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]

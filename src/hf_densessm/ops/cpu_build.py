@@ -48,6 +48,7 @@ _LIBRARIES: dict[str, ctypes.CDLL | None] = {}
 _ERRORS: dict[str, str] = {}
 _POOL: ThreadPoolExecutor | None = None
 _POOL_SIZE = 0
+_POOL_PID = 0
 
 
 def cache_dir() -> Path:
@@ -141,14 +142,16 @@ def load_error(name: str) -> str | None:
 
 
 def thread_pool() -> tuple[ThreadPoolExecutor, int]:
-    """A process-wide pool of ``torch.get_num_threads()`` workers (rebuilt when that number changes) and its size."""
-    global _POOL, _POOL_SIZE
+    """A process-wide pool of ``torch.get_num_threads()`` workers and its size; rebuilt when that number changes and
+    in a forked child (whose copy of the pool has no threads)."""
+    global _POOL, _POOL_SIZE, _POOL_PID
     size = max(1, torch.get_num_threads())
     with _LOCK:
-        if _POOL is None or _POOL_SIZE != size:
-            if _POOL is not None:
+        if _POOL is None or _POOL_SIZE != size or _POOL_PID != os.getpid():
+            if _POOL is not None and _POOL_PID == os.getpid():
                 _POOL.shutdown(wait=False)
-            _POOL, _POOL_SIZE = ThreadPoolExecutor(max_workers=size, thread_name_prefix="hf_densessm_cpu"), size
+            _POOL = ThreadPoolExecutor(max_workers=size, thread_name_prefix="hf_densessm_cpu")
+            _POOL_SIZE, _POOL_PID = size, os.getpid()
         return _POOL, _POOL_SIZE
 
 
