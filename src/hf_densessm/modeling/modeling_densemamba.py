@@ -113,8 +113,9 @@ class DenseMambaMixer(nn.Module):
         fewer and cheaper operations, on ``(batch, channels)`` rows.
 
         - the causal convolution is one dot product per channel over the cached window, ``sum_k w_{d,k}
-          window_{d,k} + b_d`` (``F.conv1d`` on a 4-tap window costs about 10x that on the CPU, through oneDNN);
-          the window is rolled by transformers' own ``update_conv_state`` (one ``cat``, one ``copy_``);
+          window_{d,k} + b_d`` (three small ops: on the CPU here, 10 us against 62 us for ``F.conv1d`` through
+          oneDNN on a 1024-channel, 4-tap window); the window is rolled by transformers' own
+          ``update_conv_state`` (one ``cat``, one ``copy_``);
         - no transposes, masks, clones or casts that are no-ops for an unpadded token; the one-row products go
           through :func:`~hf_densessm.modeling.modeling_densessm.decode_linear`;
         - ``A = -exp(A_log)`` and ``D`` in the scan's dtype are kept between steps while the parameters are

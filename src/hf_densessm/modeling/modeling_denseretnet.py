@@ -154,16 +154,35 @@ class DenseRetNetRetention(nn.Module):
             self.v_norm = DenseSSMRMSNorm(self.value_dim, eps=config.rms_norm_eps)
         self.dropout = nn.Dropout(config.dropout)
 
-    def _decode_step(self, hidden_states, dense_inputs, state, seen):
+    def _step_positions(self, cache_params, seen: torch.Tensor, dtype: torch.dtype):
+        """The rotation ``(batch, 1, head_dim / 2)`` complex (:meth:`DenseRetNetThetaShift.rotation`) and the
+        retention row sums ``(batch, H, 1)`` (:func:`retention_row_sums`) of a decoding step at positions ``seen``.
+
+        Every layer of a step has the same positions (each layer's count, cache slot 1, advances alike), so the
+        first layer computes them and leaves them on the cache with a copy of its count; a later layer reuses them
+        when its own count equals that copy (one comparison instead of about a dozen operations). The key also holds
+        the dtype and everything the values depend on (heads, head size, ``rope_theta``), so a mismatch recomputes.
+        """
+        key = (dtype, self.num_heads, self.head_dim, self.config.rope_theta, seen.shape, seen.device)
+        memo = getattr(cache_params, "_denseretnet_step_positions", None)
+        if memo is not None and memo[0] == key and torch.equal(memo[1], seen):
+            return memo[2], memo[3]
+        rotation = self.theta_shift.rotation(seen, dtype)[:, None]  # position t = seen
+        row_sums = retention_row_sums(seen, self.num_heads, torch.promote_types(dtype, torch.float32))
+        cache_params._denseretnet_step_positions = (key, seen.clone(), rotation, row_sums)
+        return rotation, row_sums
+
+    def _decode_step(self, hidden_states, dense_inputs, cache_params, state, seen):
         """One decoding step (one token per row, no padding, no gradients): the function of :meth:`forward`, in
         fewer operations, on ``(batch, channels)`` rows: the one-row products through
         :func:`~hf_densessm.modeling.modeling_densessm.decode_linear`, the theta shift as one complex product
-        (:meth:`DenseRetNetThetaShift.rotate`, the rotation computed once for ``q`` and ``k``), the position count
-        advanced in place, no masks or clones.
+        (:meth:`DenseRetNetThetaShift.rotate`, the rotation computed once per step for ``q`` and ``k`` of every
+        layer, as the row sums: :meth:`_step_positions`), the position count advanced in place, no masks or clones.
 
         Args:
             hidden_states: ``(batch, 1, hidden_size)``, the block's normalized input.
             dense_inputs: as in :meth:`forward` (the predecessors' ``(batch, 1, .)`` features of this step).
+            cache_params: the cache (holds the step's positions for the next layers, :meth:`_step_positions`).
             state: ``(batch, heads, d_qk / heads, d_v / heads)`` float32 (float64 in float64 models), this layer's
                 retention state (cache slot 0), updated in place.
             seen: ``(batch,)`` int64, the real tokens seen per row (cache slot 1), advanced by 1 in place.
@@ -182,13 +201,12 @@ class DenseRetNetRetention(nn.Module):
             dense_k, dense_v = split_dense_inputs(dense_inputs, 2)
             k = self.k_norm(self.dense_k(hidden_states, features[0], dense_k))[:, 0]
             v = self.v_norm(self.dense_v(hidden_states, features[1], dense_v))[:, 0]
-        rotation = self.theta_shift.rotation(seen, q.dtype)[:, None]  # (batch, 1, head_dim / 2): position t = seen
+        rotation, row_sums = self._step_positions(cache_params, seen, q.dtype)
         q = self.theta_shift.rotate(q.view(batch, heads, head_dim), rotation)
         k = self.theta_shift.rotate(k.view(batch, heads, head_dim), rotation)
         o = retention_state_update(
             state, q, k, v.reshape(batch, heads, -1), scale=1.0, backend=self.config.kernel_backend
         )  # Eq. 18, 19
-        row_sums = retention_row_sums(seen, heads, torch.promote_types(o.dtype, torch.float32))  # (batch, H, 1)
         seen.add_(1)
         o = self.group_norm(o.reshape(batch, self.value_dim), eps_scale=row_sums)
         return self.dropout(decode_linear(self.o_proj, o * g)[:, None]), features
@@ -224,7 +242,7 @@ class DenseRetNetRetention(nn.Module):
             state = recurrent_state(cache_params, self.layer_idx, 0)
             seen = recurrent_state(cache_params, self.layer_idx, 1)
             if state is not None and seen is not None:
-                return self._decode_step(hidden_states, dense_inputs, state, seen)
+                return self._decode_step(hidden_states, dense_inputs, cache_params, state, seen)
         backend = self.config.kernel_backend
         q = F.silu(self.q_proj(hidden_states))
         k = F.silu(self.k_proj(hidden_states)) * self.key_scale

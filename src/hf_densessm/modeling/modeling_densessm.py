@@ -310,7 +310,7 @@ def decode_linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     So for a plain ``nn.Linear`` (:func:`_plain_linear`) in a 16-bit dtype on a CPU, without gradients:
 
     - a weight of at most :data:`SMALL_WEIGHT_NUMEL` elements is applied in float32, from a float32 copy kept while
-      the weight is unchanged (:func:`cached_from_parameters`; at most 1 MiB per layer);
+      the weight is unchanged (:func:`cached_from_parameters`; at most 1 MiB per weight);
     - a larger weight: ``torch.mv`` / ``torch.addmv`` for one row, ``W @ x^T`` (``torch.addmm`` with a bias) for
       several.
 
