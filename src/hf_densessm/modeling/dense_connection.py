@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..ops.gated_add import gated_add
+
 GATE_INIT_GAIN = 2**-2.5  # Xavier-uniform gain of DenseMamba's gates (docs/design.md §4)
 
 
@@ -94,9 +96,13 @@ class DenseGate(nn.Module):
             raise ValueError(f"`dense_selection` must be 'mlp' or 'linear' for a gate, got {selection!r}.")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.silu(self.pre_activation(x))
+
+    def pre_activation(self, x: torch.Tensor) -> torch.Tensor:
+        """The gate before its last SiLU: ``fc2(SiLU(fc1(x)))`` or ``fc(x)``, ``(..., feature_size)``."""
         if self.selection == "mlp":
-            return F.silu(self.fc2(F.silu(self.fc1(x))))
-        return F.silu(self.fc(x))
+            return self.fc2(F.silu(self.fc1(x)))
+        return self.fc(x)
 
     def output_layer(self) -> nn.Linear:
         """The gate's last linear layer (zero it to make the dense connection an exact no-op)."""
@@ -117,6 +123,8 @@ class DenseHiddenConnection(nn.Module):
         fusion: ``"add"`` (Eq. 17) | ``"concat"`` (Table 8; ``reduce: (n+1)*feature_size -> feature_size``,
             initialized to pass ``f^l`` through unchanged).
         gate_hidden_size: width of the MLP gate.
+        config: the model's config, read for ``kernel_backend`` at each call (the fused gate of the default knobs,
+            :func:`hf_densessm.ops.gated_add.gated_add`); ``None`` means ``"auto"``.
 
     Shapes: ``forward(x, feature, predecessors)`` takes ``x`` ``(..., hidden_size)``, ``feature``
     ``(..., feature_size)`` and a list of ``n`` tensors shaped like ``feature``, nearest layer first
@@ -136,8 +144,10 @@ class DenseHiddenConnection(nn.Module):
         shared_gate: bool,
         fusion: str,
         gate_hidden_size: int,
+        config=None,
     ):
         super().__init__()
+        self.config = config
         self.num_predecessors = num_predecessors
         self.fusion = fusion
         self.selection = selection
@@ -168,15 +178,16 @@ class DenseHiddenConnection(nn.Module):
             raise ValueError(
                 f"DenseHiddenConnection expects {self.num_predecessors} predecessor features, got {len(predecessors)}."
             )
-        shared = self.gate(x) if self.selection != "none" and self.shared_gate else None
-        if shared is not None and self.projections is None and self.fusion == "add":
+        if self.selection != "none" and self.shared_gate and self.projections is None and self.fusion == "add":
             # The defaults (identity transition, one shared gate, add): sum_i g * f_i = g * sum_i f_i, so the
-            # predecessors are summed first and gated once (m + 1 passes over the feature instead of 2m; the
-            # backward hands every predecessor the same g * grad).
+            # predecessors are summed first and gated once, the gate's SiLU fused in (one pass forward and one
+            # backward on the CPU kernel; every predecessor gets the same gradient).
             total = predecessors[0]
             for f in predecessors[1:]:
                 total = total + f
-            return torch.addcmul(feature, total, shared)
+            gate = self.gate.pre_activation(x).to(feature.dtype)
+            return gated_add(feature, total.to(feature.dtype), gate, getattr(self.config, "kernel_backend", "auto"))
+        shared = self.gate(x) if self.selection != "none" and self.shared_gate else None
         selected = []
         for i, f in enumerate(predecessors):
             if self.projections is not None:
@@ -216,6 +227,7 @@ def build_dense_connection(config, layer_idx: int, feature_size: int) -> DenseHi
         shared_gate=config.dense_shared_gate,
         fusion=config.dense_fusion,
         gate_hidden_size=config.dense_gate_hidden_size,
+        config=config,
     )
 
 
