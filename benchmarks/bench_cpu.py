@@ -54,8 +54,8 @@ It prints one table per part, then every figure with its anchor, its limit and t
 everything, with the environment (CPU model, its AVX-512 / AMX flags, threads, load averages, versions), to
 ``--out`` as JSON.
 
-Run from the repository root (the full default run: 618 s with ``--threads 1`` on a 2-core VM shared with other
-work, 2026-11-22)::
+Run from the repository root (the full default run: 535-618 s with ``--threads 1`` on a 2-core VM shared with
+other work, 2026-11-22)::
 
     python benchmarks/bench_cpu.py
     python benchmarks/bench_cpu.py --parts training --repeats 3 --out /tmp/cpu.json        # one part
