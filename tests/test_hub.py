@@ -222,7 +222,9 @@ def test_remote_code_loads_and_generates_without_the_package(saved, tmp_path):
                 type(model.config).__name__
             )
             assert entry["state"] == sorted(model.state_dict())
-            assert entry["logits_diff"] == 0.0
+            # same weights, same code, another process: equal up to float32 rounding (the BLAS may block a product
+            # differently from run to run; the CPU kernels split channels between threads)
+            assert entry["logits_diff"] <= 1e-5
             assert entry["generated"]
         resaved = Path(where[family]["resave"])  # by transformers' custom_object_save: everything but the card
         assert {p.name for p in resaved.iterdir()} == {p.name for p in folder.iterdir()} - {"README.md"}
