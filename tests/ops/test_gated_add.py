@@ -33,11 +33,12 @@ def test_matches_the_formula_float64(backend, shape):
         torch.testing.assert_close(a, b, atol=1e-13, rtol=1e-13)
 
 
-def test_float32_and_bfloat16():
+@pytest.mark.parametrize("backend", BACKENDS + ["auto"])
+def test_float32_and_bfloat16(backend):
     x = [torch.randn(2, 5, 48) for _ in range(3)]
-    torch.testing.assert_close(gated_add(*x, backend="auto"), gated_add_torch(*x), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(gated_add(*x, backend=backend), gated_add_torch(*x), atol=1e-6, rtol=1e-6)
     xb = [t.bfloat16() for t in x]
-    assert gated_add(*xb).dtype == torch.bfloat16
+    assert gated_add(*xb, backend=backend).dtype == torch.bfloat16
 
 
 def test_bad_inputs():

@@ -23,6 +23,10 @@ from .cpu_build import load_library, run_parallel, vector_source
 
 __all__ = ["gated_add", "gated_add_torch"]
 
+#: Below this many elements ``backend="auto"`` runs PyTorch: a kernel call through ctypes costs about 25 us, PyTorch's
+#: ``addcmul`` on one decoding step's row about 4 us (measured on the 2-core Xeon of docs/benchmarks.md).
+MIN_KERNEL_ELEMENTS = 1 << 16
+
 _BODY = Template(r"""
 /* Rows [r0, r1) of width n; each tensor has its own row stride, unit stride along the row. */
 void gated_add_fwd$sfx(int64_t r0, int64_t r1, int64_t n, const $real *f, int64_t sf, const $real *t, int64_t st,
@@ -120,8 +124,9 @@ def gated_add(feature: torch.Tensor, total: torch.Tensor, gate: torch.Tensor, ba
     Args:
         feature, total, gate: tensors of one shape ``(..., n)`` and one float dtype; ``gate`` is the gate's
             pre-activation (e.g. ``fc2`` of the MLP gate, DenseSSM Eq. 16).
-        backend: ``"auto"`` (the compiled kernel for float32/float64 CPU tensors where it builds, PyTorch
-            otherwise), ``"cpu"``, ``"torch"``, ``"triton"`` (no Triton kernel: PyTorch).
+        backend: ``"auto"`` (the compiled kernel for float32/float64 CPU tensors of at least
+            ``MIN_KERNEL_ELEMENTS`` elements where it builds, PyTorch otherwise: a decoding step's row is cheaper
+            in PyTorch), ``"cpu"`` (the kernel for any size), ``"torch"``, ``"triton"`` (no Triton kernel: PyTorch).
 
     Returns:
         A tensor of that shape and dtype (contiguous on the kernel path), differentiable in all three.
@@ -136,6 +141,7 @@ def gated_add(feature: torch.Tensor, total: torch.Tensor, gate: torch.Tensor, ba
     if not (feature.dtype == total.dtype == gate.dtype):
         raise ValueError(f"feature, total and gate must have one dtype, got {feature.dtype}, {total.dtype}, {gate.dtype}")
     form = resolve_backend(backend, feature.device, lambda: _library() is not None)
-    if form != "cpu" or feature.dtype not in (torch.float32, torch.float64) or feature.numel() == 0:
+    small = backend == "auto" and feature.numel() < MIN_KERNEL_ELEMENTS
+    if form != "cpu" or small or feature.dtype not in (torch.float32, torch.float64) or feature.numel() == 0:
         return gated_add_torch(feature, total, gate)
     return GatedAddCPUFn.apply(feature, total, gate)
