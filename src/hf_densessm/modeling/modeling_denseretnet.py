@@ -29,6 +29,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
 from ..configuration.configuration_denseretnet import DenseRetNetConfig
+from ..ops.packing import document_positions
 from ..ops.retention import chunk_retention, retention_state_update
 from .cache import recurrent_state
 from .dense_connection import build_dense_connection, init_dense_linear, split_dense_inputs
@@ -38,7 +39,6 @@ from .modeling_densessm import (
     DenseSSMForSequenceClassificationMixin,
     backbone_output,
     decode_linear,
-    document_positions,
     run_backbone,
 )
 

@@ -171,13 +171,6 @@ def _integer_tensor(name: str, value) -> torch.Tensor:
     return value
 
 
-def document_positions(reset: torch.Tensor) -> torch.Tensor:
-    """``(batch, seq_len)`` int64 position of each token inside its packed document (0 at each ``reset``)."""
-    index = torch.arange(reset.shape[1], device=reset.device).expand_as(reset)
-    start = torch.where(reset, index, torch.zeros_like(index)).cummax(dim=1).values
-    return index - start
-
-
 def run_backbone(
     model,
     embeddings: nn.Embedding,
