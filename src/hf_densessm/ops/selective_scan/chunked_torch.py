@@ -51,7 +51,10 @@ import math
 import torch
 import torch.nn.functional as F
 
-__all__ = ["SelectiveScanTorchFn", "default_chunk_size", "selective_scan_torch", "selective_state_update_torch"]
+__all__ = [
+    "SelectiveScanTorchFn", "default_chunk_size", "discretize_delta", "selective_scan_torch",
+    "selective_state_update_torch",
+]
 
 # Upper bound on the elements of the recomputed-state buffer of the backward pass (64 MiB in float32).
 _BWD_BLOCK_ELEMENTS = 1 << 24
@@ -65,6 +68,15 @@ def default_chunk_size(length: int) -> int:
 
 def _compute_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
     return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+def discretize_delta(delta: torch.Tensor, delta_bias: torch.Tensor | None, softplus: bool, dtype: torch.dtype):
+    """``dt = softplus(delta + delta_bias)`` (bias and softplus optional; Mamba paper eq. 4's ``Delta``) in
+    ``dtype``, differentiable: ``delta`` (batch, dim, length), ``delta_bias`` (dim,) or None."""
+    dt = delta.to(dtype)
+    if delta_bias is not None:
+        dt = dt + delta_bias.to(dtype)[:, None]
+    return F.softplus(dt) if softplus else dt
 
 
 # Layout. Per-token tensors are held "token-major", ``(batch, n_chunks * chunk_size, k)`` contiguous, and used
@@ -356,11 +368,7 @@ def selective_scan_torch(u, delta, A, B, C, D=None, z=None, delta_bias=None, del
     call :func:`hf_densessm.ops.selective_scan` for those.
     """
     cdt = _compute_dtype(u, delta, A, B, C, D, z, delta_bias, initial_state)
-    dt = delta.to(cdt)
-    if delta_bias is not None:
-        dt = dt + delta_bias.to(cdt)[:, None]
-    if delta_softplus:
-        dt = F.softplus(dt)
+    dt = discretize_delta(delta, delta_bias, delta_softplus, cdt)
     length = u.shape[-1]
     if chunk_size is None:
         chunk_size = default_chunk_size(length)

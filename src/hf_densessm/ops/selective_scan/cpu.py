@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from ..cpu_build import load_error, load_library, run_parallel, vector_source
+from .chunked_torch import _compute_dtype, discretize_delta
 
 __all__ = ["SelectiveScanCPUFn", "cpu_kernel_available", "selective_scan_cpu", "selective_state_update_cpu"]
 
@@ -68,6 +69,23 @@ _BODY = Template(r"""
 #define TILE 8
 #endif
 
+/* A tile's parameters: A (lanes over channels, one vector per state index) and D; the state before the sequence
+   (h0, or zeros) into h[i * hstride + n]. */
+static inline __attribute__((always_inline)) void load_tile$sfx(const scan_args *a, int64_t b, int64_t gt, int64_t nt,
+                                                               const int64_t N, vec$sfx Av[][N], vec$sfx *Dv,
+                                                               vec$sfx *h, int64_t hstride) {
+    const $real *A = a->A, *D = a->D, *h0 = a->h0;
+    const int64_t dim = a->dim;
+    for (int64_t i = 0; i < nt; i++) {
+        const int64_t d0 = (gt + i) * $W, nl = dim - d0 < $W ? dim - d0 : $W;
+        for (int64_t n = 0; n < N; n++) {
+            Av[i][n] = vlds$sfx(A + d0 * N + n, N, nl);
+            h[i * hstride + n] = h0 ? vlds$sfx(h0 + (b * dim + d0) * N + n, N, nl) : ZERO$sfx;
+        }
+        Dv[i] = D ? vld$sfx(D + d0, nl) : ZERO$sfx;
+    }
+}
+
 /* Forward over channel groups [g0, g1): y, the last state, the checkpoints. */
 static inline __attribute__((always_inline)) void fwd_groups$sfx(const scan_args *a, int64_t g0, int64_t g1,
                                                                 const int64_t N) {
@@ -81,14 +99,7 @@ static inline __attribute__((always_inline)) void fwd_groups$sfx(const scan_args
     for (int64_t b = 0; b < a->batch; b++)
         for (int64_t gt = g0; gt < g1; gt += TILE) {
             const int64_t nt = g1 - gt < TILE ? g1 - gt : TILE;
-            for (int64_t i = 0; i < nt; i++) {
-                const int64_t d0 = (gt + i) * $W, nl = dim - d0 < $W ? dim - d0 : $W;
-                for (int64_t n = 0; n < N; n++) {
-                    Av[i][n] = vlds$sfx(A + d0 * N + n, N, nl);
-                    h[i][n] = h0 ? vlds$sfx(h0 + (b * dim + d0) * N + n, N, nl) : ZERO$sfx;
-                }
-                Dv[i] = D ? vld$sfx(D + d0, nl) : ZERO$sfx;
-            }
+            load_tile$sfx(a, b, gt, nt, N, Av, Dv, &h[0][0], N);
             for (int64_t t = 0; t < L; t++) {
                 const $real *Bt = B + b * a->B_sb + t * a->B_st, *Ct = C + b * a->C_sb + t * a->C_st;
                 const $real k = keep ? keep[b * L + t] : ($real)1;
@@ -143,15 +154,13 @@ static inline __attribute__((always_inline)) void bwd_groups$sfx(const scan_args
         memset(accB, 0, (size_t)(2 * L * N) * sizeof(vec$sfx));
         for (int64_t gt = g0; gt < g1; gt += TILE) {
             const int64_t nt = g1 - gt < TILE ? g1 - gt : TILE;
+            load_tile$sfx(a, b, gt, nt, N, Av, Dv, hs, (seg + 1) * N);
             for (int64_t i = 0; i < nt; i++) {
                 const int64_t d0 = (gt + i) * $W, nl = dim - d0 < $W ? dim - d0 : $W;
                 for (int64_t n = 0; n < N; n++) {
-                    Av[i][n] = vlds$sfx(A + d0 * N + n, N, nl);
                     dAacc[i][n] = ZERO$sfx;
                     g[i][n] = dhlast ? vlds$sfx(dhlast + (b * dim + d0) * N + n, N, nl) : ZERO$sfx;
-                    hs[i * (seg + 1) * N + n] = h0 ? vlds$sfx(h0 + (b * dim + d0) * N + n, N, nl) : ZERO$sfx;
                 }
-                Dv[i] = D ? vld$sfx(D + d0, nl) : ZERO$sfx;
                 dDacc[i] = ZERO$sfx;
             }
             /* 1. states at the segment starts: saved by the forward pass, or recomputed here */
@@ -303,10 +312,6 @@ def cpu_kernel_available() -> bool:
 def why_unavailable() -> str | None:
     """The reason the kernel could not be built in this process, or ``None``."""
     return load_error("selective_scan")
-
-
-def _kernel_dtype(*tensors) -> torch.dtype:
-    return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
 def _lanes(cdt: torch.dtype) -> int:
@@ -479,12 +484,8 @@ def selective_scan_cpu(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta
         raise RuntimeError(f"the compiled CPU selective scan is not available here: {why_unavailable()}")
     if u.device.type != "cpu":
         raise RuntimeError(f"the compiled CPU selective scan takes CPU tensors, got {u.device.type} tensors")
-    cdt = _kernel_dtype(u, delta, A, B, C, D, z, delta_bias, initial_state)
-    dt = delta.to(cdt)
-    if delta_bias is not None:
-        dt = dt + delta_bias.to(cdt)[:, None]
-    if delta_softplus:
-        dt = F.softplus(dt)
+    cdt = _compute_dtype(u, delta, A, B, C, D, z, delta_bias, initial_state)
+    dt = discretize_delta(delta, delta_bias, delta_softplus, cdt)
     keep = None if reset is None else (~reset.bool()).to(cdt)
     y, last_state = SelectiveScanCPUFn.apply(u, dt, A, B, C, D, z, initial_state, keep)
     y = y.to(u.dtype)
