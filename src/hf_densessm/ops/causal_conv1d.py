@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from .backend import resolve_backend
-from .cpu_build import load_library, run_parallel, vector_source
+from .cpu_build import load_library, run_parallel, vector_source, worker_count
 from .packing import check_reset, document_positions
 
 __all__ = ["causal_conv1d", "causal_conv1d_torch"]
@@ -225,9 +225,7 @@ class CausalConv1dCPUFn(torch.autograd.Function):
         args.dx, args.dw, args.dbias = dx.data_ptr(), dtaps.data_ptr(), None if dbias is None else dbias.data_ptr()
         fn = getattr(_library(), "conv_bwd" + _suffix(x.dtype))
         groups, lanes = _groups(x.shape[2], x.dtype), 8 if x.dtype == torch.float64 else 16
-        from .cpu_build import thread_pool
-
-        size = max(1, min(groups, thread_pool()[1]))
+        size = worker_count(groups)
         work = torch.empty(size, -(-groups // size) * taps.shape[1] * lanes, dtype=x.dtype)
         ref = ctypes.byref(args)
 

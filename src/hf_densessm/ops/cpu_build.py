@@ -41,6 +41,7 @@ import torch
 
 __all__ = [
     "cache_dir", "find_compiler", "load_error", "load_library", "run_parallel", "thread_pool", "vector_source",
+    "worker_count",
 ]
 
 _LOCK = threading.Lock()
@@ -155,12 +156,18 @@ def thread_pool() -> tuple[ThreadPoolExecutor, int]:
         return _POOL, _POOL_SIZE
 
 
+def worker_count(n_items: int) -> int:
+    """How many slices :func:`run_parallel` cuts ``n_items`` into by default (the pool's size, at most
+    ``n_items``, at least 1): the number of per-worker buffers a kernel needs."""
+    return max(1, min(n_items, thread_pool()[1]))
+
+
 def run_parallel(fn, n_items: int, workers: int | None = None) -> int:
     """Call ``fn(worker, begin, end)`` on ``workers`` contiguous slices of ``range(n_items)`` (default: the pool's
     size, at most ``n_items``), the first in this thread and the others in :func:`thread_pool`; re-raises the
     first exception. Returns the number of slices (``worker`` runs ``0 .. slices - 1``)."""
     pool, size = thread_pool()
-    workers = max(1, min(n_items, size if workers is None else workers))
+    workers = worker_count(n_items) if workers is None else max(1, min(n_items, workers))
     bounds = [n_items * w // workers for w in range(workers + 1)]
     futures = [pool.submit(fn, w, bounds[w], bounds[w + 1]) for w in range(1, workers)]
     fn(0, bounds[0], bounds[1])

@@ -40,7 +40,7 @@ from string import Template
 import torch
 import torch.nn.functional as F
 
-from ..cpu_build import load_error, load_library, run_parallel, vector_source
+from ..cpu_build import load_error, load_library, run_parallel, vector_source, worker_count
 from .chunked_torch import _compute_dtype, discretize_delta
 
 __all__ = ["SelectiveScanCPUFn", "cpu_kernel_available", "selective_scan_cpu", "selective_state_update_cpu"]
@@ -425,7 +425,7 @@ class SelectiveScanCPUFn(torch.autograd.Function):
         dh0 = torch.empty(batch, dim, n, **kw)
         args.du, args.ddt, args.dz, args.dA, args.dD, args.dh0 = (_ptr(t) for t in (du, ddt, dz, dA, dD, dh0))
         groups = _groups(dim, cdt)
-        _, size = _pool_size(groups)
+        size = worker_count(groups)
         dB_parts = torch.empty(size, batch, length, n, **kw)
         dC_parts = torch.empty(size, batch, length, n, **kw)
         lanes = _lanes(cdt)
@@ -452,12 +452,6 @@ class SelectiveScanCPUFn(torch.autograd.Function):
             cast(dC.transpose(1, 2), C), cast(dD, D), cast(None if dz is None else dz.transpose(1, 2), z),
             cast(dh0, initial_state), None,
         )
-
-
-def _pool_size(groups: int) -> tuple[None, int]:
-    from ..cpu_build import thread_pool
-
-    return None, max(1, min(groups, thread_pool()[1]))
 
 
 def selective_scan_cpu(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
