@@ -41,3 +41,18 @@ def get_cache(outputs):
 def random_ids(batch: int, length: int, seed: int = 1, low: int = 3):
     g = torch.Generator().manual_seed(seed)
     return torch.randint(low, VOCAB, (batch, length), generator=g)
+
+
+def decode_step_by_step(model, ids, mask, prefill):
+    """Logits ``(batch, length, vocab)`` of ``ids[:, :prefill]`` in one call, then of every later token one by one,
+    continuing the cache (``mask``: the 2-D padding mask or ``None``)."""
+    with torch.no_grad():
+        out = model(ids[:, :prefill], attention_mask=None if mask is None else mask[:, :prefill], use_cache=True)
+        logits, cache = [out.logits], get_cache(out)
+        for t in range(prefill, ids.shape[1]):
+            out = model(
+                ids[:, t : t + 1], attention_mask=None if mask is None else mask[:, : t + 1],
+                use_cache=True, **{cache_kwarg(model): cache},
+            )
+            logits.append(out.logits)
+    return torch.cat(logits, dim=1)

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from helpers import cache_kwarg, get_cache, micro_model, random_ids
+from helpers import decode_step_by_step as _decode_logits
 from hf_densessm.modeling import modeling_densessm
 from hf_densessm.modeling.modeling_densemamba import DenseMambaMixer
 from hf_densessm.modeling.modeling_densessm import cached_from_parameters, decode_linear
@@ -28,20 +29,6 @@ IDS = [f"{family}-{'-'.join(f'{k}={v}' for k, v in o.items())}" for family, o in
 # max |decode - forward| / max |forward| allowed: float32 rounding, and a few bfloat16 roundings (2^-8 each) of
 # intermediate values that the step and the chunked scan round at different places
 RELATIVE_TOL = {torch.float32: 1e-5, torch.bfloat16: 4e-2}
-
-
-def _decode_logits(model, ids, mask, prefill):
-    """Logits of ``ids[:, :prefill]`` in one call, then of every later token one by one, continuing the cache."""
-    with torch.no_grad():
-        out = model(ids[:, :prefill], attention_mask=None if mask is None else mask[:, :prefill], use_cache=True)
-        logits, cache = [out.logits], get_cache(out)
-        for t in range(prefill, ids.shape[1]):
-            out = model(
-                ids[:, t : t + 1], attention_mask=None if mask is None else mask[:, : t + 1],
-                use_cache=True, **{cache_kwarg(model): cache},
-            )
-            logits.append(out.logits)
-    return torch.cat(logits, dim=1)
 
 
 def _count_fast_steps(monkeypatch):

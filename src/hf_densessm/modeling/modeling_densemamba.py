@@ -407,6 +407,8 @@ class DenseMambaModel(DenseMambaPreTrainedModel):
     """The DenseMamba backbone: embeddings, ``num_hidden_layers`` :class:`DenseMambaBlock` with the dense
     connection, final RMSNorm (``embeddings``, ``layers``, ``norm_f`` as in ``transformers.MambaModel``)."""
 
+    final_norm_name = "norm_f"
+
     def __init__(self, config: DenseMambaConfig):
         super().__init__(config)
         self.embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
@@ -494,9 +496,14 @@ class DenseMambaForCausalLM(DenseSSMCausalLMMixin, DenseMambaPreTrainedModel, Ge
                 those positions.
             others: see :meth:`DenseMambaModel.forward`.
         """
+        cache = merge_cache_arguments(cache_params, past_key_values)
+        logits = self._compiled_step(input_ids, inputs_embeds, cache, attention_mask, labels, output_hidden_states,
+                                     logits_to_keep, kwargs)
+        if logits is not None:
+            return self._step_output(logits, cache, return_dict, DenseMambaCausalLMOutput)
         outputs = self.backbone(
             input_ids,
-            cache_params=merge_cache_arguments(cache_params, past_key_values),
+            cache_params=cache,
             inputs_embeds=inputs_embeds,
             output_hidden_states=output_hidden_states,
             return_dict=True,

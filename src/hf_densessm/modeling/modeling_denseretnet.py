@@ -109,7 +109,8 @@ def retention_row_sums(positions: torch.Tensor, num_heads: int, dtype: torch.dty
     Returns:
         ``(batch, seq_len, H, 1)`` sums in ``[1, 2^(5+h))``.
     """
-    log_gamma, denominator = _row_sum_constants(num_heads, positions.device)
+    constants = _row_sum_constants.__wrapped__ if torch.compiler.is_compiling() else _row_sum_constants  # no memo traced
+    log_gamma, denominator = constants(num_heads, positions.device)
     count = positions.clamp(min=0).to(torch.float64)[..., None] + 1  # t + 1
     return (torch.expm1(count * log_gamma) / denominator).to(dtype)[..., None]
 
@@ -157,12 +158,16 @@ class DenseRetNetRetention(nn.Module):
     def _step_positions(self, cache_params, seen: torch.Tensor, dtype: torch.dtype):
         """The rotation ``(batch, 1, head_dim / 2)`` complex (:meth:`DenseRetNetThetaShift.rotation`) and the
         retention row sums ``(batch, H, 1)`` (:func:`retention_row_sums`) of a decoding step at positions ``seen``.
+        While ``torch.compile`` traces the step, the rotation is ``None`` and nothing is kept on the cache.
 
         Every layer of a step has the same positions (each layer's count, cache slot 1, advances alike), so the
         first layer computes them and leaves them on the cache with a copy of its count; a later layer reuses them
         when its own count equals that copy (one comparison instead of about a dozen operations). The key also holds
         the dtype and everything the values depend on (heads, head size, ``rope_theta``), so a mismatch recomputes.
         """
+        if torch.compiler.is_compiling():  # traced (compile_decode_step): the row sums in the graph, nothing kept;
+            # no rotation: the caller takes the real-valued theta shift (the compiler generates no complex code)
+            return None, retention_row_sums(seen, self.num_heads, torch.promote_types(dtype, torch.float32))
         key = (dtype, self.num_heads, self.head_dim, self.config.rope_theta, seen.shape, seen.device)
         memo = getattr(cache_params, "_denseretnet_step_positions", None)
         if memo is not None and memo[0] == key and torch.equal(memo[1], seen):
@@ -202,8 +207,12 @@ class DenseRetNetRetention(nn.Module):
             k = self.k_norm(self.dense_k(hidden_states, features[0], dense_k))[:, 0]
             v = self.v_norm(self.dense_v(hidden_states, features[1], dense_v))[:, 0]
         rotation, row_sums = self._step_positions(cache_params, seen, q.dtype)
-        q = self.theta_shift.rotate(q.view(batch, heads, head_dim), rotation)
-        k = self.theta_shift.rotate(k.view(batch, heads, head_dim), rotation)
+        if rotation is None:  # inside torch.compile: the full forward's real-valued theta shift at position `seen`
+            q = self.theta_shift(q.view(batch, 1, heads, head_dim), seen[:, None])[:, 0]
+            k = self.theta_shift(k.view(batch, 1, heads, head_dim), seen[:, None])[:, 0]
+        else:
+            q = self.theta_shift.rotate(q.view(batch, heads, head_dim), rotation)
+            k = self.theta_shift.rotate(k.view(batch, heads, head_dim), rotation)
         o = retention_state_update(
             state, q, k, v.reshape(batch, heads, -1), scale=1.0, backend=self.config.kernel_backend
         )  # Eq. 18, 19
@@ -352,6 +361,8 @@ class DenseRetNetModel(DenseRetNetPreTrainedModel):
     """The DenseRetNet backbone: ``embed_tokens``, ``num_hidden_layers`` :class:`DenseRetNetBlock` with the dense
     KV connection, final RMSNorm ``norm``."""
 
+    final_norm_name = "norm"
+
     def __init__(self, config: DenseRetNetConfig):
         super().__init__(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
@@ -438,6 +449,10 @@ class DenseRetNetForCausalLM(DenseSSMCausalLMMixin, DenseRetNetPreTrainedModel, 
                 those positions.
             others: see :meth:`DenseRetNetModel.forward`.
         """
+        logits = self._compiled_step(input_ids, inputs_embeds, past_key_values, attention_mask, labels,
+                                     output_hidden_states, logits_to_keep, kwargs)
+        if logits is not None:
+            return self._step_output(logits, past_key_values, return_dict, CausalLMOutputWithPast)
         outputs = self.model(
             input_ids,
             attention_mask=attention_mask,

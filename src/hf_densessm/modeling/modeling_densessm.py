@@ -5,6 +5,9 @@ once, used by both families; the dense connection itself is :mod:`.dense_connect
 
 from __future__ import annotations
 
+import types
+import warnings
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -12,7 +15,7 @@ from torch.nn.modules import module as _module
 from transformers.modeling_layers import GenericForSequenceClassification
 from transformers.utils import logging
 
-from .cache import check_cache, new_cache, record_tokens
+from .cache import CACHE_SLOTS, check_cache, new_cache, record_tokens
 from .dense_connection import run_dense_layers
 from .loss import causal_lm_loss
 
@@ -319,7 +322,8 @@ def decode_linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
         ``(rows, out)`` contiguous, in ``x``'s dtype, as ``module(x)``.
     """
     if (
-        x.dim() != 2
+        torch.compiler.is_compiling()  # traced: the module call, left to the compiler
+        or x.dim() != 2
         or x.dtype not in (torch.bfloat16, torch.float16)
         or x.device.type != "cpu"
         or torch.is_grad_enabled()
@@ -357,7 +361,7 @@ def cached_from_parameters(owner: nn.Module, name: str, build, *tensors: torch.T
         inference tensors (cast or created under ``torch.inference_mode``) keep no version counter, so an in-place
         update of them could not be seen: for them ``build()`` runs on every call and nothing is kept.
     """
-    if any(t.is_inference() for t in tensors):
+    if torch.compiler.is_compiling() or any(t.is_inference() for t in tensors):
         return build()
     key = tuple((t.data_ptr(), t._version, t.dtype, t.device, t.shape) for t in tensors)
     store = owner.__dict__.setdefault("_decode_derived", {})
@@ -432,6 +436,109 @@ class DenseSSMCausalLMMixin:
         if labels is not None:
             loss = causal_lm_loss(self, logits, labels, **kwargs)  # transformers' ForCausalLMLoss, fused on CPU
         return loss, logits
+
+    def compile_decode_step(self, enable: bool = True):
+        """Run every later one-token decoding step (``generate()``'s loop, or a manual loop over a cache) on the CPU
+        as one ``torch.compile``-d function: the embedding, the densely connected blocks' one-token paths, the final
+        norm and the LM head, with the cache's states updated in place. Opt-in, per model instance, not saved.
+
+        Why: a batch-1 step of a small model is mostly per-operation overhead (about 25 small PyTorch ops and a
+        Python frame per block); the compiler fuses the pointwise work into a few C++ loops and leaves the one-row
+        matrix products to PyTorch. Measured in ``benchmarks/bench_cpu.py`` (docs/benchmarks.md). The cost: the
+        first step of each new batch size or dtype compiles (tens of seconds on a 2-core CPU; PyTorch keeps the
+        compiled code on disk for later processes), and a C++ compiler is needed (``torch.compile``'s CPU backend).
+
+        The compiled step runs only where the eager one-token paths would (CPU, no gradients, ``eval()`` mode, one
+        token per row given as ``input_ids``, no padding in this step, a cache whose states are all filled, no
+        ``labels`` and no ``output_hidden_states``); every other call, and every call after a compilation failure
+        (one warning, e.g. no C++ compiler), runs the eager model. The compiled kernels of this package are not
+        used inside it (:func:`hf_densessm.ops.backend.resolve_backend`): the step runs their PyTorch references,
+        which the tests check against the full forward.
+
+        Args:
+            enable: ``False`` goes back to the eager step.
+
+        Returns:
+            The model (so ``model = Model.from_pretrained(...).compile_decode_step()`` reads naturally).
+
+        Raises:
+            TypeError: ``enable`` is not a bool.
+        """
+        if not isinstance(enable, bool):
+            raise TypeError(f"`enable` must be a bool, got {enable!r} ({type(enable).__name__}).")
+        compiled = None
+        if enable:
+            # torch.compile keeps its compiled entries (at most `torch._dynamo.config.recompile_limit`, 8) per code
+            # object: a copy of the method's code per model keeps one model's entries from crowding out another's
+            method = type(self)._decode_logits
+            code = method.__code__.replace()
+            step = types.FunctionType(code, method.__globals__, method.__name__, method.__defaults__, method.__closure__)
+            compiled = torch.compile(types.MethodType(step, self), dynamic=False)
+        self.__dict__["_compiled_decode_fn"] = compiled
+        return self
+
+    def _decode_logits(self, input_ids: torch.Tensor, cache) -> torch.Tensor:
+        """One decoding step from token ids ``(batch, 1)`` to float32 logits ``(batch, 1, vocab_size)`` over a filled
+        ``cache`` (updated in place): what ``forward`` computes on that input, traced by :meth:`compile_decode_step`."""
+        backbone = getattr(self, self.base_model_prefix)
+        hidden_states = backbone.get_input_embeddings()(input_ids)
+        hidden_states, _ = run_dense_layers(
+            backbone.layers, hidden_states, self.config, False, cache_params=cache, attention_mask=None, reset=None
+        )
+        hidden_states = getattr(backbone, backbone.final_norm_name)(hidden_states)
+        return self._logits_and_loss(hidden_states, None, 0)[1]
+
+    def _compiled_step(self, input_ids, inputs_embeds, cache, attention_mask, labels, output_hidden_states,
+                       logits_to_keep, kwargs) -> torch.Tensor | None:
+        """The logits of this call from the compiled step (:meth:`compile_decode_step`), the cache advanced by one
+        position; ``None`` (nothing done) when it is off or the call is not a plain one-token step."""
+        compiled = self.__dict__.get("_compiled_decode_fn")
+        if (
+            compiled is None
+            or input_ids is None
+            or inputs_embeds is not None
+            or labels is not None
+            or output_hidden_states
+            or self.training
+            or torch.is_grad_enabled()
+            or not isinstance(input_ids, torch.Tensor)
+            or input_ids.dim() != 2
+            or input_ids.shape[1] != 1
+            or input_ids.device.type != "cpu"
+            or cache is None
+            or not (isinstance(logits_to_keep, int) and not isinstance(logits_to_keep, bool) and logits_to_keep in (0, 1))
+            or any(kwargs.get(key) is not None for key in PACKING_KEYS)
+        ):
+            return None
+        batch = input_ids.shape[0]
+        check_cache(cache, self.config, self._cache_arg_name, batch)
+        slots = CACHE_SLOTS[self.config.model_type]
+        for layer in cache.layers:
+            if not (all(layer.is_conv_states_initialized[i] for i in slots["conv"])
+                    and all(layer.is_recurrent_states_initialized[i] for i in slots["recurrent"])):
+                return None
+        if prepare_attention_mask(attention_mask, batch, 1) is not None:
+            return None
+        try:
+            logits = compiled(input_ids, cache)
+        except Exception as error:  # noqa: BLE001 -- e.g. no C++ compiler: the eager step, with one warning
+            self.__dict__["_compiled_decode_fn"] = None
+            warnings.warn(
+                f"hf_densessm: compile_decode_step could not compile the decoding step ({type(error).__name__}: "
+                f"{str(error).splitlines()[0] if str(error) else ''}); the eager step runs instead.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            return None
+        record_tokens(cache, 1)
+        return logits
+
+    def _step_output(self, logits, cache, return_dict, output_class):
+        """The return value of a compiled step (:meth:`_compiled_step`), as :meth:`_causal_lm_output` builds it."""
+        return_dict = return_dict if return_dict is not None else self.config.return_dict
+        if not return_dict:
+            return (logits, cache)
+        return output_class(logits=logits, **{self._cache_arg_name: cache})
 
     def _causal_lm_output(self, outputs, labels, logits_to_keep, return_dict, output_class, **kwargs):
         """The head's return value from the backbone's ``outputs``: logits and loss (:meth:`_logits_and_loss`), the

@@ -163,13 +163,17 @@ def resolve_backend(backend: str, device: torch.device, cpu_kernel=None) -> str:
             (it builds the kernel on first call); ``None`` for ops without one.
 
     Returns:
-        ``"triton"`` as :func:`use_triton`; else ``"cpu"`` for ``backend="cpu"``, or for ``"auto"`` on CPU tensors
-        when ``cpu_kernel()`` is true; else ``"torch"``.
+        ``"torch"`` for CPU tensors while ``torch.compile`` traces (the compiled C kernels are ctypes calls, opaque to
+        the compiler: a compiled region, e.g. :meth:`~hf_densessm.modeling.modeling_densessm.DenseSSMCausalLMMixin.compile_decode_step`,
+        runs and fuses the PyTorch path); else ``"triton"`` as :func:`use_triton`; else ``"cpu"`` for
+        ``backend="cpu"``, or for ``"auto"`` on CPU tensors when ``cpu_kernel()`` is true; else ``"torch"``.
 
     Raises:
         ValueError, RuntimeError: as :func:`use_triton`; RuntimeError for ``backend="cpu"`` with an op whose kernel
         cannot be built here or with tensors not on the CPU.
     """
+    if device.type == "cpu" and torch.compiler.is_compiling():
+        return "torch"  # inside torch.compile the PyTorch path is traced and fused; a ctypes call would break the graph
     if use_triton(backend, device):
         return "triton"
     if cpu_kernel is None or backend == "torch":
