@@ -124,6 +124,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     add("--warmup", type=int, default=1, help="untimed runs of everything before timing (default: %(default)s)")
     add("--repeats", type=int, default=5, help="timed forward / training repeats, median kept (default: %(default)s)")
     add("--gen-repeats", type=int, default=5, help="timed generation repeats, median kept (default: %(default)s)")
+    add("--no-compiled", dest="compiled", action="store_false",
+        help="skip the rows of the DenseSSM models with compile_decode_step() in the generation parts")
     add("--matmul-size", type=int, default=2048, help="square fp32 matmul of the peak probe (default: %(default)s)")
     add("--matmul-calls", type=int, default=3, help="matmuls per repeat of the peak probe (default: %(default)s)")
     add("--bandwidth-mib", type=int, default=None,
@@ -509,6 +511,21 @@ def run_training(args, models, generator, figures) -> dict:
     return results
 
 
+COMPILED = " compiled"
+
+
+def with_compiled(args, models: dict) -> dict:
+    """``models`` plus, unless ``--no-compiled``, a copy of each DenseSSM model with
+    ``compile_decode_step()`` on, named ``"<name> compiled"`` (it compiles on its first one-token step, in the
+    untimed check call)."""
+    out = dict(models)
+    if args.compiled:
+        for name, model in models.items():
+            if name != MAMBA:
+                out[name + COMPILED] = copy.deepcopy(model).compile_decode_step()
+    return out
+
+
 def run_generation(args, models, generator, figures) -> dict:
     prompt = torch.randint(3, args.vocab_size, (1, args.prompt_len), generator=generator)
     generate_kwargs = dict(
@@ -521,25 +538,28 @@ def run_generation(args, models, generator, figures) -> dict:
     for dtype_name in args.dtypes:
         dtype = DTYPES[dtype_name]
         cast = {name: (model if dtype == torch.float32 else copy.deepcopy(model).to(dtype)) for name, model in models.items()}
+        cast = with_compiled(args, cast)
         # The same probe over a buffer as large as the largest model's weights: where those fit in the cache, this
         # is the rate they can be read at from there (a second, cache-aware limit).
         weight_sized = Bandwidth(max(weight_bytes_per_token(model) for model in cast.values()))
-        outputs = {}
+        outputs, first_call = {}, {}
         with torch.inference_mode():
-            for name, model in cast.items():  # the check, once: exactly --new-tokens new tokens
+            for name, model in cast.items():  # the check, once: exactly --new-tokens new tokens (compiles, if on)
+                start = time.perf_counter()
                 outputs[name] = model.generate(prompt, **generate_kwargs)
+                first_call[name] = time.perf_counter() - start
                 assert outputs[name].shape[1] == args.prompt_len + args.new_tokens, name
             fns = {"bandwidth": bandwidth, "weight-sized bandwidth": weight_sized,
                    **{name: partial(model.generate, prompt, **generate_kwargs) for name, model in cast.items()}}
             times = interleaved_times(fns, args.warmup, args.gen_repeats)
-        timed[dtype_name] = (cast, times, outputs, weight_sized)
+        timed[dtype_name] = (cast, times, outputs, weight_sized, first_call)
     read_bw = bandwidth.read_bytes_per_s()
     limit = f"read bandwidth {read_bw / 1e9:.1f} GB/s"
     results["bandwidth"] = {
         "buffer_mib": args.bandwidth_mib, "read_bytes_per_s": read_bw, "copy_bytes_per_s": bandwidth.copy_bytes_per_s(),
         "calls": len(bandwidth.read_times), "all_read_seconds": bandwidth.read_times, "all_copy_seconds": bandwidth.copy_times,
     }
-    for dtype_name, (cast, times, outputs, weight_sized) in timed.items():
+    for dtype_name, (cast, times, outputs, weight_sized, first_call) in timed.items():
         rows, entry = [], {}
         sized_bw = weight_sized.read_bytes_per_s()
         results[f"weight_sized_bandwidth_{dtype_name}"] = {
@@ -559,7 +579,12 @@ def run_generation(args, models, generator, figures) -> dict:
                 "fraction_of_ideal_weight_sized_buffer": tps * weight_bytes / sized_bw,
                 # the same weights (DenseMamba m=0 only): greedy tokens agree unless rounding flips an argmax
                 "same_tokens_as_transformers_mamba": (
-                    bool(torch.equal(outputs[name], outputs[MAMBA])) if name == "DenseMamba m=0" else None),
+                    bool(torch.equal(outputs[name], outputs[MAMBA])) if name.startswith("DenseMamba m=0") else None),
+                # the compiled step against the same model's eager step
+                "same_tokens_as_eager": (
+                    bool(torch.equal(outputs[name], outputs[name.removesuffix(COMPILED)])) if name.endswith(COMPILED)
+                    else None),
+                "first_call_seconds": first_call[name],
                 "all_seconds": times[name],
             }
             rows.append([name, weight_bytes / 1e6, tps, speedup, ideal, tps / ideal, sized_bw / weight_bytes,
@@ -593,7 +618,10 @@ def run_batched(args, models, generator, figures) -> dict:
         mask[row, longest - length:] = 1
     kwargs = dict(attention_mask=mask, do_sample=False, pad_token_id=0,
                   max_new_tokens=args.batched_new_tokens, min_new_tokens=args.batched_new_tokens)
+    models = with_compiled(args, models)
     with torch.inference_mode():
+        for model in models.values():  # untimed: compiles the compiled rows' step for this batch size
+            model.generate(ids, **kwargs)
         times = interleaved_times({name: partial(model.generate, ids, **kwargs) for name, model in models.items()},
                                   args.warmup, args.gen_repeats)
     new = batch * args.batched_new_tokens

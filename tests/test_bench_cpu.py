@@ -19,6 +19,7 @@ TINY = [
     "--batched-size", "4", "--batched-new-tokens", "3", "--repeats", "2", "--gen-repeats", "2", "--warmup", "0",
     "--matmul-size", "128", "--matmul-calls", "2", "--bandwidth-mib", "8",
     "--threads", "1",  # one thread: a shared CI machine's other processes would stall a two-thread pool
+    "--no-compiled",  # the compiled rows compile one step per model, dtype and batch: their own test below
 ]
 
 
@@ -100,3 +101,20 @@ def test_weight_bytes_count_a_tied_head_once_and_an_untied_table_by_one_row():
     table = retnet.get_input_embeddings().weight
     assert bench_cpu.weight_bytes_per_token(retnet) == 4 * (retnet.num_parameters() - table.numel() + table.shape[1])
     assert bench_cpu.flop_parameters(retnet) == retnet.num_parameters() - table.numel()
+
+
+def test_generation_with_compiled_rows(tmp_path):
+    threads = torch.get_num_threads()
+    torch._dynamo.reset()
+    args = [a for a in TINY if a != "--no-compiled"]
+    try:
+        report = bench_cpu.main([*args, "--parts", "generation", "--dtypes", "float32", "--out", str(tmp_path / "g.json")])
+    finally:
+        torch.set_num_threads(threads)
+        torch._dynamo.reset()
+    entries = report["generation"]["dtypes"]["float32"]
+    compiled = {name for name in entries if name.endswith(" compiled")}
+    assert compiled == {f"{name} compiled" for name in entries if name != "transformers Mamba" and name not in compiled}
+    for name in compiled:
+        assert entries[name]["same_tokens_as_eager"] is True, name  # float32: the eager model's greedy tokens
+        assert positive(entries[name]["speedup_vs_transformers_mamba"]) and positive(entries[name]["first_call_seconds"])
