@@ -11,9 +11,9 @@ from torch import nn
 
 from helpers import cache_kwarg, get_cache, micro_model, random_ids
 from helpers import decode_step_by_step as _decode_logits
-from hf_densessm.modeling import modeling_densessm
+from hf_densessm.modeling import decode
 from hf_densessm.modeling.modeling_densemamba import DenseMambaMixer
-from hf_densessm.modeling.modeling_densessm import cached_from_parameters, decode_linear
+from hf_densessm.modeling.decode import cached_from_parameters, decode_linear
 from hf_densessm.modeling.modeling_denseretnet import DenseRetNetRetention, DenseRetNetThetaShift
 
 # (family, overrides): both families without and with the dense connection, DenseMamba's Eq. 14 mode too
@@ -56,7 +56,7 @@ def _assert_close_relative(actual, expected, dtype, where=""):
 @pytest.mark.parametrize("family,overrides", VARIANTS, ids=IDS)
 def test_decode_equals_full_forward(family, overrides, dtype, small_numel, monkeypatch):
     if small_numel is not None:  # every 16-bit product through torch.mv / W @ x^T instead of float32 copies
-        monkeypatch.setattr(modeling_densessm, "SMALL_WEIGHT_NUMEL", small_numel)
+        monkeypatch.setattr(decode, "SMALL_WEIGHT_NUMEL", small_numel)
     model = micro_model(family, **overrides).to(dtype)
     ids = random_ids(2, 12)
     with torch.no_grad():

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..ops.gated_add import gated_add
+from .decode import decode_linear
 
 GATE_INIT_GAIN = 2**-2.5  # Xavier-uniform gain of DenseMamba's gates (docs/design.md §4)
 
@@ -100,9 +101,9 @@ class DenseGate(nn.Module):
 
     def pre_activation(self, x: torch.Tensor) -> torch.Tensor:
         """The gate before its last SiLU: ``fc2(SiLU(fc1(x)))`` or ``fc(x)``, ``(..., feature_size)``."""
-        if self.selection == "mlp":
-            return self.fc2(F.silu(self.fc1(x)))
-        return self.fc(x)
+        if self.selection == "mlp":  # decode_linear: the module call, or a fused form in a compiled decoding step
+            return decode_linear(self.fc2, F.silu(decode_linear(self.fc1, x)))
+        return decode_linear(self.fc, x)
 
     def output_layer(self) -> nn.Linear:
         """The gate's last linear layer (zero it to make the dense connection an exact no-op)."""

@@ -32,12 +32,11 @@ from ..ops.selective_scan import selective_scan, selective_state_update
 from .cache import conv_state, recurrent_state
 from .dense_connection import build_dense_connection, init_dense_linear, split_dense_inputs
 from .norm import DenseSSMRMSNorm
+from .decode import cached_from_parameters, decode_linear
 from .modeling_densessm import (
     DenseSSMCausalLMMixin,
     DenseSSMForSequenceClassificationMixin,
     backbone_output,
-    cached_from_parameters,
-    decode_linear,
     merge_cache_arguments,
     run_backbone,
 )
@@ -117,9 +116,9 @@ class DenseMambaMixer(nn.Module):
           oneDNN on a 1024-channel, 4-tap window); the window is rolled by transformers' own
           ``update_conv_state`` (one ``cat``, one ``copy_``);
         - no transposes, masks, clones or casts that are no-ops for an unpadded token; the one-row products go
-          through :func:`~hf_densessm.modeling.modeling_densessm.decode_linear`;
+          through :func:`~hf_densessm.modeling.decode.decode_linear`;
         - ``A = -exp(A_log)`` and ``D`` in the scan's dtype are kept between steps while the parameters are
-          unchanged (:func:`~hf_densessm.modeling.modeling_densessm.cached_from_parameters`);
+          unchanged (:func:`~hf_densessm.modeling.decode.cached_from_parameters`);
         - the SSM step itself is :func:`hf_densessm.ops.selective_state_update` (``dt_softplus=True``), as in
           :meth:`forward`.
 

@@ -34,11 +34,11 @@ from ..ops.retention import chunk_retention, retention_state_update
 from .cache import recurrent_state
 from .dense_connection import build_dense_connection, init_dense_linear, split_dense_inputs
 from .norm import DenseSSMRMSNorm
+from .decode import decode_linear
 from .modeling_densessm import (
     DenseSSMCausalLMMixin,
     DenseSSMForSequenceClassificationMixin,
     backbone_output,
-    decode_linear,
     run_backbone,
 )
 
@@ -180,7 +180,7 @@ class DenseRetNetRetention(nn.Module):
     def _decode_step(self, hidden_states, dense_inputs, cache_params, state, seen):
         """One decoding step (one token per row, no padding, no gradients): the function of :meth:`forward`, in
         fewer operations, on ``(batch, channels)`` rows: the one-row products through
-        :func:`~hf_densessm.modeling.modeling_densessm.decode_linear`, the theta shift as one complex product
+        :func:`~hf_densessm.modeling.decode.decode_linear`, the theta shift as one complex product
         (:meth:`DenseRetNetThetaShift.rotate`, the rotation computed once per step for ``q`` and ``k`` of every
         layer, as the row sums: :meth:`_step_positions`), the position count advanced in place, no masks or clones.
 
