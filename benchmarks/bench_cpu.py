@@ -42,13 +42,16 @@ data sheet. Each part can be run alone (``--parts``):
     read + written) is recorded as well. A 30M model's weights (120 MB float32, 60 MB bfloat16) can fit in a
     large last-level cache, and then this main-memory roofline can be beaten (fraction > 1): a second limit, the
     same probe over a buffer as large as the largest model's weights in that dtype, gives the rate such a buffer
-    is read at wherever it lives (``ideal_tokens_per_s_weight_sized_buffer`` and its fraction).
+    is read at wherever it lives (``ideal_tokens_per_s_weight_sized_buffer`` and its fraction). Each DenseSSM
+    model is also timed as ``"<name> compiled"``: a copy with ``compile_decode_step()`` on (the one-token step as one
+    ``torch.compile``-d function), compiled in the untimed first call (``first_call_seconds`` records it), its
+    tokens compared with the eager model's (``same_tokens_as_eager``); ``--no-compiled`` skips these rows.
 
 ``batched``
     Greedy generation for a batch of ``--batched-size`` left-padded prompts of different lengths (from
     ``--prompt-len`` / 2 to ``--prompt-len`` tokens, ``attention_mask`` zero on the padding), exactly
-    ``--batched-new-tokens`` new tokens per row, float32: new tokens/s (all rows) against transformers' Mamba.
-    Reported, no target.
+    ``--batched-new-tokens`` new tokens per row, float32: new tokens/s (all rows) against transformers' Mamba, the
+    compiled rows too. Reported, no target.
 
 It prints one table per part, then every figure with its anchor, its limit and the fraction reached, and writes
 everything, with the environment (CPU model, its AVX-512 / AMX flags, threads, load averages, versions), to
