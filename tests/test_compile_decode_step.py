@@ -9,6 +9,9 @@ falls back to the eager step with one warning, and bad arguments raise. Speed: `
 Each compiled model costs one compilation (several seconds on a 2-core CPU), so the models are few and small.
 """
 
+import copy
+import pickle
+
 import pytest
 import torch
 
@@ -32,13 +35,13 @@ RELATIVE_TOL = {torch.float32: 1e-5, torch.bfloat16: 4e-2}
 def _compiled(model):
     """Turn the compiled step on and count its calls (a wrapper around the compiled function)."""
     model.compile_decode_step()
-    compiled, calls = model.__dict__["_compiled_decode_fn"], []
+    compiled, calls = model._compiled_decode_fn(), []
 
     def counted(*args):
-        calls.append(args[0].shape)
+        calls.append(args[1].shape)
         return compiled(*args)
 
-    model.__dict__["_compiled_decode_fn"] = counted
+    modeling_densessm.COMPILED_DECODE_STEPS[model] = counted
     return calls
 
 
@@ -85,6 +88,10 @@ def test_other_calls_run_the_eager_model():
         model(ids[:, 6:7], output_hidden_states=True, use_cache=True, **{cache_kwarg(model): cache})
         model(ids[:, 5:7], use_cache=True, **{cache_kwarg(model): cache})  # two tokens
         model(ids[:, 6:7], use_cache=True)  # no cache given: a new one, not filled
+        with pytest.raises(IndexError):  # a token id outside the vocabulary: the eager embedding's error
+            model(torch.full((2, 1), 10_000), use_cache=True, **{cache_kwarg(model): cache})
+        with pytest.raises(TypeError, match="input_ids"):
+            model(ids[:, 6:7].float(), use_cache=True, **{cache_kwarg(model): cache})
     model(ids[:, 6:7], use_cache=True, **{cache_kwarg(model): cache})  # gradients on
     model.train()
     with torch.no_grad():
@@ -108,14 +115,32 @@ def test_compilation_failure_falls_back_to_eager_with_one_warning(monkeypatch):
     with pytest.warns(RuntimeWarning, match="compile_decode_step could not compile.*no C\\+\\+ compiler here"):
         fallback = decode_step_by_step(model, ids, None, prefill=4)
     torch.testing.assert_close(fallback, eager, rtol=0, atol=0)
-    assert model.__dict__["_compiled_decode_fn"] is None  # later steps: eager, no further warnings
+    assert model.__dict__["_compile_decode_step"] is False  # later steps: eager, no further warnings
 
 
 def test_compile_decode_step_arguments():
     model = micro_model("densemamba")
     assert model.compile_decode_step() is model
-    assert model.__dict__["_compiled_decode_fn"] is not None
+    assert model.__dict__["_compile_decode_step"] is True
     assert model.compile_decode_step(False) is model
-    assert model.__dict__["_compiled_decode_fn"] is None
+    assert model.__dict__["_compile_decode_step"] is False
     with pytest.raises(TypeError, match="`enable` must be a bool"):
         model.compile_decode_step("yes")
+
+
+def test_a_copy_compiles_its_own_step_and_the_model_pickles():
+    model = micro_model("densemamba", dense_layers=0)
+    _compiled(model)
+    ids = random_ids(1, 7)
+    decode_step_by_step(model, ids, None, prefill=5)  # the original compiles and runs its step
+    clone = copy.deepcopy(model)
+    with torch.no_grad():
+        clone.backbone.norm_f.weight.mul_(2.0)  # the copy's weights differ: a shared step would ignore that
+        expected = clone(ids).logits
+    assert clone.__dict__["_compile_decode_step"] is True and clone not in modeling_densessm.COMPILED_DECODE_STEPS
+    calls = _compiled(clone)
+    decoded = decode_step_by_step(clone, ids, None, prefill=5)
+    assert len(calls) == 2
+    torch.testing.assert_close(decoded, expected, rtol=1e-5, atol=1e-5)
+    restored = pickle.loads(pickle.dumps(model))  # only the flag travels
+    assert restored.__dict__["_compile_decode_step"] is True

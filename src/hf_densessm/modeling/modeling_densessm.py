@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import types
 import warnings
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -306,6 +307,11 @@ def check_logits_to_keep(logits_to_keep, seq_len: int):
     return slice(-logits_to_keep, None) if logits_to_keep else slice(None)
 
 
+#: The compiled decoding step of each model with ``compile_decode_step()`` on, by model (weak keys). Kept outside the
+#: model, so that ``copy.deepcopy``, pickling and saving never carry a compiled function bound to another model.
+COMPILED_DECODE_STEPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 class DenseSSMCausalLMMixin:
     """The causal-LM head's forward logic and the generation glue shared by both families.
 
@@ -373,16 +379,22 @@ class DenseSSMCausalLMMixin:
         """
         if not isinstance(enable, bool):
             raise TypeError(f"`enable` must be a bool, got {enable!r} ({type(enable).__name__}).")
-        compiled = None
-        if enable:
-            # torch.compile keeps its compiled entries (at most `torch._dynamo.config.recompile_limit`, 8) per code
-            # object: a copy of the method's code per model keeps one model's entries from crowding out another's
-            method = type(self)._decode_logits
+        self.__dict__["_compile_decode_step"] = enable  # a plain flag: copies and pickles of the model carry it
+        COMPILED_DECODE_STEPS.pop(self, None)
+        return self
+
+    def _compiled_decode_fn(self):
+        """This model's compiled step, built on first use: ``torch.compile`` of a copy of :meth:`_decode_logits`'s code,
+        called as ``fn(model, input_ids, cache)``. PyTorch keeps its compiled entries (at most
+        ``torch._dynamo.config.recompile_limit``, 8) per code object; a copy per model keeps one model's entries from
+        crowding out another's. Kept in :data:`COMPILED_DECODE_STEPS`, not on the model."""
+        compiled = COMPILED_DECODE_STEPS.get(self)
+        if compiled is None:
+            method = DenseSSMCausalLMMixin._decode_logits
             code = method.__code__.replace()
             step = types.FunctionType(code, method.__globals__, method.__name__, method.__defaults__, method.__closure__)
-            compiled = torch.compile(types.MethodType(step, self), dynamic=False)
-        self.__dict__["_compiled_decode_fn"] = compiled
-        return self
+            compiled = COMPILED_DECODE_STEPS[self] = torch.compile(step, dynamic=False)
+        return compiled
 
     def _decode_logits(self, input_ids: torch.Tensor, cache) -> torch.Tensor:
         """One decoding step from token ids ``(batch, 1)`` to float32 logits ``(batch, 1, vocab_size)`` over a filled
@@ -399,9 +411,8 @@ class DenseSSMCausalLMMixin:
                        logits_to_keep, kwargs) -> torch.Tensor | None:
         """The logits of this call from the compiled step (:meth:`compile_decode_step`), the cache advanced by one
         position; ``None`` (nothing done) when it is off or the call is not a plain one-token step."""
-        compiled = self.__dict__.get("_compiled_decode_fn")
         if (
-            compiled is None
+            not self.__dict__.get("_compile_decode_step", False)
             or input_ids is None
             or inputs_embeds is not None
             or labels is not None
@@ -417,6 +428,9 @@ class DenseSSMCausalLMMixin:
             or any(kwargs.get(key) is not None for key in PACKING_KEYS)
         ):
             return None
+        check_inputs(input_ids, None, self.config.hidden_size)  # the errors the eager forward raises
+        if bool((input_ids < 0).any()) or bool((input_ids >= self.config.vocab_size).any()):
+            return None  # the eager embedding raises its IndexError
         batch = input_ids.shape[0]
         check_cache(cache, self.config, self._cache_arg_name, batch)
         slots = CACHE_SLOTS[self.config.model_type]
@@ -427,9 +441,9 @@ class DenseSSMCausalLMMixin:
         if prepare_attention_mask(attention_mask, batch, 1) is not None:
             return None
         try:
-            logits = compiled(input_ids, cache)
+            logits = self._compiled_decode_fn()(self, input_ids, cache)
         except Exception as error:  # noqa: BLE001 -- e.g. no C++ compiler: the eager step, with one warning
-            self.__dict__["_compiled_decode_fn"] = None
+            self.compile_decode_step(False)
             warnings.warn(
                 f"hf_densessm: compile_decode_step could not compile the decoding step ({type(error).__name__}: "
                 f"{str(error).splitlines()[0] if str(error) else ''}); the eager step runs instead.",
