@@ -105,8 +105,8 @@ def test_compilation_failure_falls_back_to_eager_with_one_warning(monkeypatch):
     eager = decode_step_by_step(model, ids, None, prefill=4)
 
     def failing_compile(fn, **kwargs):
-        def run(*args):
-            raise RuntimeError("no C++ compiler here\nsecond line")
+        def run(*args):  # what torch.compile raises when its backend cannot compile (e.g. no C++ compiler)
+            raise torch._dynamo.exc.BackendCompilerFailed(fn, RuntimeError("no C++ compiler here\nsecond line"), None)
 
         return run
 
@@ -116,6 +116,23 @@ def test_compilation_failure_falls_back_to_eager_with_one_warning(monkeypatch):
         fallback = decode_step_by_step(model, ids, None, prefill=4)
     torch.testing.assert_close(fallback, eager, rtol=0, atol=0)
     assert model.__dict__["_compile_decode_step"] is False  # later steps: eager, no further warnings
+
+
+def test_errors_other_than_compilation_are_raised(monkeypatch):
+    model = micro_model("densemamba", dense_layers=0)
+    ids = random_ids(1, 7)
+
+    def broken_compile(fn, **kwargs):
+        def run(*args):
+            raise ValueError("raised while running")
+
+        return run
+
+    monkeypatch.setattr(modeling_densessm.torch, "compile", broken_compile)
+    model.compile_decode_step()
+    with pytest.raises(ValueError, match="raised while running"):
+        decode_step_by_step(model, ids, None, prefill=5)
+    assert model.__dict__["_compile_decode_step"] is True  # not switched off silently
 
 
 def test_compile_decode_step_arguments():

@@ -30,9 +30,9 @@ from ..configuration.configuration_densemamba import DenseMambaConfig
 from ..ops.causal_conv1d import causal_conv1d
 from ..ops.selective_scan import selective_scan, selective_state_update
 from .cache import conv_state, recurrent_state
+from .decode import cached_from_parameters, decode_linear
 from .dense_connection import build_dense_connection, init_dense_linear, split_dense_inputs
 from .norm import DenseSSMRMSNorm
-from .decode import cached_from_parameters, decode_linear
 from .modeling_densessm import (
     DenseSSMCausalLMMixin,
     DenseSSMForSequenceClassificationMixin,

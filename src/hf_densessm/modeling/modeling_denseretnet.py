@@ -32,9 +32,9 @@ from ..configuration.configuration_denseretnet import DenseRetNetConfig
 from ..ops.packing import document_positions
 from ..ops.retention import chunk_retention, retention_state_update
 from .cache import recurrent_state
+from .decode import decode_linear
 from .dense_connection import build_dense_connection, init_dense_linear, split_dense_inputs
 from .norm import DenseSSMRMSNorm
-from .decode import decode_linear
 from .modeling_densessm import (
     DenseSSMCausalLMMixin,
     DenseSSMForSequenceClassificationMixin,

@@ -364,7 +364,8 @@ class DenseSSMCausalLMMixin:
         The compiled step runs only where the eager one-token paths would (CPU, no gradients, ``eval()`` mode, one
         token per row given as ``input_ids``, no padding in this step, a cache whose states are all filled, no
         ``labels`` and no ``output_hidden_states``); every other call, and every call after a compilation failure
-        (one warning, e.g. no C++ compiler), runs the eager model. The compiled kernels of this package are not
+        (one warning, e.g. no C++ compiler; any other error is raised as the eager model would), runs the eager
+        model. The compiled kernels of this package are not
         used inside it (:func:`hf_densessm.ops.backend.resolve_backend`): the step runs their PyTorch references,
         which the tests check against the full forward.
 
@@ -442,11 +443,13 @@ class DenseSSMCausalLMMixin:
             return None
         try:
             logits = self._compiled_decode_fn()(self, input_ids, cache)
-        except Exception as error:  # noqa: BLE001 -- e.g. no C++ compiler: the eager step, with one warning
+        except torch._dynamo.exc.BackendCompilerFailed as error:  # e.g. no C++ compiler (raised before running)
             self.compile_decode_step(False)
+            cause = getattr(error, "inner_exception", None) or error
+            reason = f"{type(cause).__name__}: {(str(cause).strip().splitlines() or [''])[0]}"
             warnings.warn(
-                f"hf_densessm: compile_decode_step could not compile the decoding step ({type(error).__name__}: "
-                f"{str(error).splitlines()[0] if str(error) else ''}); the eager step runs instead.",
+                f"hf_densessm: compile_decode_step could not compile the decoding step ({reason}); the eager step "
+                "runs instead.",
                 RuntimeWarning,
                 stacklevel=3,
             )
