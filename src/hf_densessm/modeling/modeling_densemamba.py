@@ -496,10 +496,10 @@ class DenseMambaForCausalLM(DenseSSMCausalLMMixin, DenseMambaPreTrainedModel, Ge
             others: see :meth:`DenseMambaModel.forward`.
         """
         cache = merge_cache_arguments(cache_params, past_key_values)
-        logits = self._compiled_step(input_ids, inputs_embeds, cache, attention_mask, labels, output_hidden_states,
-                                     logits_to_keep, kwargs)
-        if logits is not None:
-            return self._step_output(logits, cache, return_dict, DenseMambaCausalLMOutput)
+        step = self._compiled_step(input_ids, inputs_embeds, cache, attention_mask, labels, output_hidden_states,
+                                   logits_to_keep, return_dict, DenseMambaCausalLMOutput, kwargs)
+        if step is not None:
+            return step
         outputs = self.backbone(
             input_ids,
             cache_params=cache,

@@ -449,10 +449,10 @@ class DenseRetNetForCausalLM(DenseSSMCausalLMMixin, DenseRetNetPreTrainedModel, 
                 those positions.
             others: see :meth:`DenseRetNetModel.forward`.
         """
-        logits = self._compiled_step(input_ids, inputs_embeds, past_key_values, attention_mask, labels,
-                                     output_hidden_states, logits_to_keep, kwargs)
-        if logits is not None:
-            return self._step_output(logits, past_key_values, return_dict, CausalLMOutputWithPast)
+        step = self._compiled_step(input_ids, inputs_embeds, past_key_values, attention_mask, labels,
+                                   output_hidden_states, logits_to_keep, return_dict, CausalLMOutputWithPast, kwargs)
+        if step is not None:
+            return step
         outputs = self.model(
             input_ids,
             attention_mask=attention_mask,

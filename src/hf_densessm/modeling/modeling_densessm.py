@@ -409,9 +409,10 @@ class DenseSSMCausalLMMixin:
         return self._logits_and_loss(hidden_states, None, 0)[1]
 
     def _compiled_step(self, input_ids, inputs_embeds, cache, attention_mask, labels, output_hidden_states,
-                       logits_to_keep, kwargs) -> torch.Tensor | None:
-        """The logits of this call from the compiled step (:meth:`compile_decode_step`), the cache advanced by one
-        position; ``None`` (nothing done) when it is off or the call is not a plain one-token step."""
+                       logits_to_keep, return_dict, output_class, kwargs):
+        """The return value of this call from the compiled step (:meth:`compile_decode_step`; built as
+        :meth:`_lm_return`), the cache advanced by one position; ``None`` (nothing done) when it is off or the call
+        is not a plain one-token step."""
         if (
             not self.__dict__.get("_compile_decode_step", False)
             or input_ids is None
@@ -455,27 +456,22 @@ class DenseSSMCausalLMMixin:
             )
             return None
         record_tokens(cache, 1)
-        return logits
+        return self._lm_return(None, logits, cache, None, return_dict, output_class)
 
-    def _step_output(self, logits, cache, return_dict, output_class):
-        """The return value of a compiled step (:meth:`_compiled_step`), as :meth:`_causal_lm_output` builds it."""
+    def _lm_return(self, loss, logits, cache, hidden_states, return_dict, output_class):
+        """The head's return value: ``output_class(loss, logits, hidden_states, <_cache_arg_name>=cache)``, or the
+        tuple of the ones that are not ``None`` when ``return_dict`` is False (default ``config.return_dict``)."""
         return_dict = return_dict if return_dict is not None else self.config.return_dict
         if not return_dict:
-            return (logits, cache)
-        return output_class(logits=logits, **{self._cache_arg_name: cache})
+            return tuple(v for v in (loss, logits, cache, hidden_states) if v is not None)
+        return output_class(loss=loss, logits=logits, hidden_states=hidden_states, **{self._cache_arg_name: cache})
 
     def _causal_lm_output(self, outputs, labels, logits_to_keep, return_dict, output_class, **kwargs):
         """The head's return value from the backbone's ``outputs``: logits and loss (:meth:`_logits_and_loss`), the
-        cache under ``_cache_arg_name``, the hidden states; a tuple when ``return_dict`` is False."""
+        cache under ``_cache_arg_name``, the hidden states (:meth:`_lm_return`)."""
         loss, logits = self._logits_and_loss(outputs.last_hidden_state, labels, logits_to_keep, **kwargs)
         cache = getattr(outputs, self._cache_arg_name)
-        return_dict = return_dict if return_dict is not None else self.config.return_dict
-        if not return_dict:
-            output = tuple(v for v in (logits, cache, outputs.hidden_states) if v is not None)
-            return ((loss,) + output) if loss is not None else output
-        return output_class(
-            loss=loss, logits=logits, hidden_states=outputs.hidden_states, **{self._cache_arg_name: cache}
-        )
+        return self._lm_return(loss, logits, cache, outputs.hidden_states, return_dict, output_class)
 
     def prepare_inputs_for_generation(
         self,
