@@ -98,6 +98,12 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 #: /proc/cpuinfo flags that decide the CPU's matmul peak (recorded in the JSON).
 CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "avx512_vnni", "amx_tile", "amx_bf16", "amx_int8")
 MAMBA = "transformers Mamba"
+RUNTIME_ENV_PREFIXES = ("MALLOC_", "GLIBC_TUNABLES", "LD_PRELOAD", "OMP_", "GOMP_", "KMP_", "MKL_", "THP_MEM_ALLOC")
+#: Every generation figure's ``generate()`` arguments besides the inputs and ``max_new_tokens``: plain greedy decoding,
+#: each model's own ``eos_token_id`` (a model that stops early is counted per token it made). Runs A-F also passed
+#: ``min_new_tokens`` (docs/benchmarks.md).
+GENERATE_CALL = dict(do_sample=False, pad_token_id=0)
+GENERATE_CALL_TEXT = "generate(input_ids, attention_mask=..., do_sample=False, pad_token_id=0, max_new_tokens=N)"
 TARGETS = {
     "forward_speedup": (">=", 2.0),
     "forward_dense_cost": ("<=", 1.2),
@@ -190,6 +196,9 @@ def environment() -> dict:
         "hf_densessm": hf_densessm.__version__,
         "git": git_state(),
         "load_average_1_5_15_min": os.getloadavg(),  # other processes on the machine skew every timing
+        # allocator and thread-runtime settings read at process start (e.g. glibc's MALLOC_MMAP_MAX_, which changes
+        # the training figures: docs/training.md)
+        "runtime_env": {key: value for key, value in sorted(os.environ.items()) if key.startswith(RUNTIME_ENV_PREFIXES)},
     }
 
 
@@ -531,12 +540,12 @@ def with_compiled(args, models: dict) -> dict:
 
 def run_generation(args, models, generator, figures) -> dict:
     prompt = torch.randint(3, args.vocab_size, (1, args.prompt_len), generator=generator)
-    generate_kwargs = dict(
-        attention_mask=torch.ones_like(prompt), do_sample=False, pad_token_id=0,
-        max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,  # every model makes the same count
-    )
+    # The plain greedy call (GENERATE_CALL): no min_new_tokens, whose processor costs every model about 0.6 ms per
+    # token here (an isin and a where over the 32000 logits), so the models' own step is what is compared.
+    generate_kwargs = dict(attention_mask=torch.ones_like(prompt), **GENERATE_CALL, max_new_tokens=args.new_tokens)
     bandwidth = Bandwidth(args.bandwidth_mib * 2**20)
-    results = {"prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "dtypes": {}}
+    results = {"prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "generate_call": GENERATE_CALL_TEXT,
+               "dtypes": {}}
     timed = {}
     for dtype_name in args.dtypes:
         dtype = DTYPES[dtype_name]
@@ -547,11 +556,10 @@ def run_generation(args, models, generator, figures) -> dict:
         weight_sized = Bandwidth(max(weight_bytes_per_token(model) for model in cast.values()))
         outputs, first_call = {}, {}
         with torch.inference_mode():
-            for name, model in cast.items():  # the check, once: exactly --new-tokens new tokens (compiles, if on)
+            for name, model in cast.items():  # the check, once: how many tokens each makes (compiles, if on)
                 start = time.perf_counter()
                 outputs[name] = model.generate(prompt, **generate_kwargs)
                 first_call[name] = time.perf_counter() - start
-                assert outputs[name].shape[1] == args.prompt_len + args.new_tokens, name
             fns = {"bandwidth": bandwidth, "weight-sized bandwidth": weight_sized,
                    **{name: partial(model.generate, prompt, **generate_kwargs) for name, model in cast.items()}}
             times = interleaved_times(fns, args.warmup, args.gen_repeats)
@@ -569,14 +577,16 @@ def run_generation(args, models, generator, figures) -> dict:
             "buffer_bytes": weight_sized.buffer.numel() * 4, "read_bytes_per_s": sized_bw,
             "all_read_seconds": weight_sized.read_times,
         }
+        produced = {name: outputs[name].shape[1] - args.prompt_len for name in cast}  # fewer if EOS came first
         for name, model in cast.items():
             seconds = statistics.median(times[name])
             weight_bytes = weight_bytes_per_token(model)
             ideal = read_bw / weight_bytes
-            tps = args.new_tokens / seconds
-            speedup = paired_ratio(times, MAMBA, name)
+            tps = produced[name] / seconds
+            speedup = paired_ratio(times, MAMBA, name) * produced[name] / produced[MAMBA]  # per token
             entry[name] = {
                 "seconds": seconds, "tokens_per_s": tps, "speedup_vs_transformers_mamba": speedup,
+                "new_tokens_produced": produced[name],
                 "weight_bytes_per_token": weight_bytes, "ideal_tokens_per_s": ideal, "fraction_of_ideal": tps / ideal,
                 "ideal_tokens_per_s_weight_sized_buffer": sized_bw / weight_bytes,
                 "fraction_of_ideal_weight_sized_buffer": tps * weight_bytes / sized_bw,
@@ -596,7 +606,7 @@ def run_generation(args, models, generator, figures) -> dict:
             if name != MAMBA:
                 figures.append(figure(
                     f"generation speed-up, {name} vs transformers Mamba, {dtype_name}, batch 1", speedup, "x",
-                    anchor=f"transformers Mamba {args.new_tokens / statistics.median(times[MAMBA]):.1f} tokens/s",
+                    anchor=f"transformers Mamba {produced[MAMBA] / statistics.median(times[MAMBA]):.1f} tokens/s",
                     target=target, target_on="value"))
             figures.append(figure(
                 f"generation {name}, {dtype_name}, batch 1: tokens/s", tps, "tokens/s",
@@ -604,7 +614,7 @@ def run_generation(args, models, generator, figures) -> dict:
                 limit=f"{limit} / weight bytes = ideal tokens/s", limit_value=ideal, fraction=tps / ideal))
         results["dtypes"][dtype_name] = entry
         print_table(
-            f"batch-1 greedy generation, {dtype_name}, prompt {args.prompt_len} + {args.new_tokens} new tokens "
+            f"batch-1 greedy generation, {dtype_name}, prompt {args.prompt_len} + up to {args.new_tokens} new tokens "
             f"(limit: {limit}, best of {len(bandwidth.read_times)} sums over {args.bandwidth_mib} MiB)",
             ["model", "weight MB/token", "tokens/s", "vs transformers", "ideal tokens/s", "fraction",
              f"ideal, {weight_sized.buffer.numel() * 4 / 1e6:.0f} MB buffer", "fraction"], rows)
@@ -619,29 +629,31 @@ def run_batched(args, models, generator, figures) -> dict:
     for row, length in enumerate(lengths):  # left padding: the prompt at the right end, zeros in the mask before it
         ids[row, longest - length:] = torch.randint(3, args.vocab_size, (length,), generator=generator)
         mask[row, longest - length:] = 1
-    kwargs = dict(attention_mask=mask, do_sample=False, pad_token_id=0,
-                  max_new_tokens=args.batched_new_tokens, min_new_tokens=args.batched_new_tokens)
+    kwargs = dict(attention_mask=mask, **GENERATE_CALL, max_new_tokens=args.batched_new_tokens)
     models = with_compiled(args, models)
+    steps = {}
     with torch.inference_mode():
-        for model in models.values():  # untimed: compiles the compiled rows' step for this batch size
-            model.generate(ids, **kwargs)
+        for name, model in models.items():  # untimed: compiles the compiled rows' step for this batch size
+            steps[name] = model.generate(ids, **kwargs).shape[1] - longest  # fewer if every row hit EOS
         times = interleaved_times({name: partial(model.generate, ids, **kwargs) for name, model in models.items()},
                                   args.warmup, args.gen_repeats)
-    new = batch * args.batched_new_tokens
-    results = {"batch": batch, "prompt_lens": lengths, "new_tokens_per_row": args.batched_new_tokens, "models": {}}
+    results = {"batch": batch, "prompt_lens": lengths, "new_tokens_per_row": args.batched_new_tokens,
+               "generate_call": GENERATE_CALL_TEXT, "models": {}}
     rows = []
     for name in models:
         seconds = statistics.median(times[name])
-        speedup = paired_ratio(times, MAMBA, name)
-        results["models"][name] = {"seconds": seconds, "tokens_per_s": new / seconds,
+        new = batch * steps[name]  # every row is computed at every step, finished or not
+        speedup = paired_ratio(times, MAMBA, name) * steps[name] / steps[MAMBA]  # per step
+        results["models"][name] = {"seconds": seconds, "tokens_per_s": new / seconds, "steps": steps[name],
                                    "speedup_vs_transformers_mamba": speedup, "all_seconds": times[name]}
         rows.append([name, new / seconds, speedup])
         if name != MAMBA:
             figures.append(figure(
                 f"batched generation speed-up, {name} vs transformers Mamba, B={batch} left-padded, float32",
-                speedup, "x", anchor=f"transformers Mamba {new / statistics.median(times[MAMBA]):.1f} tokens/s"))
+                speedup, "x",
+                anchor=f"transformers Mamba {batch * steps[MAMBA] / statistics.median(times[MAMBA]):.1f} tokens/s"))
     print_table(f"batched greedy generation, B={batch}, left-padded prompts of {lengths[0]}-{lengths[-1]} tokens, "
-                f"{args.batched_new_tokens} new tokens per row, float32",
+                f"up to {args.batched_new_tokens} new tokens per row, float32",
                 ["model", "tokens/s", "vs transformers"], rows)
     return results
 

@@ -8,6 +8,7 @@ import math
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -64,6 +65,10 @@ def test_every_part_runs_and_reports_finite_positive_figures(tmp_path):
         for name, entry in entries.items():
             for key in ("tokens_per_s", "speedup_vs_transformers_mamba", "ideal_tokens_per_s", "fraction_of_ideal"):
                 assert positive(entry[key]), (dtype, name, key)
+            # per token made: the plain greedy call may stop at EOS before max_new_tokens
+            assert 1 <= entry["new_tokens_produced"] <= generation["new_tokens"], (dtype, name)
+            assert entry["tokens_per_s"] == pytest.approx(entry["new_tokens_produced"] / entry["seconds"])
+    assert "min_new_tokens" not in generation["generate_call"]
     # bfloat16 weights are half the bytes of float32 ones
     f32, bf16 = generation["dtypes"]["float32"], generation["dtypes"]["bfloat16"]
     assert all(f32[n]["weight_bytes_per_token"] == 2 * bf16[n]["weight_bytes_per_token"] for n in names)
@@ -118,3 +123,12 @@ def test_generation_with_compiled_rows(tmp_path):
     for name in compiled:
         assert entries[name]["same_tokens_as_eager"] is True, name  # float32: the eager model's greedy tokens
         assert positive(entries[name]["speedup_vs_transformers_mamba"]) and positive(entries[name]["first_call_seconds"])
+
+
+def test_environment_records_the_allocator_and_thread_runtime_settings(monkeypatch):
+    monkeypatch.setenv("MALLOC_MMAP_MAX_", "0")
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    monkeypatch.setenv("HF_DENSESSM_UNRELATED", "1")
+    recorded = bench_cpu.environment()["runtime_env"]
+    assert recorded["MALLOC_MMAP_MAX_"] == "0" and recorded["OMP_WAIT_POLICY"] == "PASSIVE"
+    assert "HF_DENSESSM_UNRELATED" not in recorded
