@@ -35,7 +35,9 @@ def packed_reset(batch, length, seed=3):
 
 @pytest.mark.parametrize(
     "batch,dim,state,length",
-    [(1, 1, 1, 1), (2, 5, 3, 7), (2, 37, 16, SEG - 1), (1, 16, 16, SEG), (2, 19, 16, SEG + 1), (3, 9, 17, 2 * SEG + 5)],
+    [(1, 1, 1, 1), (2, 5, 3, 7), (2, 37, 16, SEG - 1), (1, 16, 16, SEG), (2, 19, 16, SEG + 1), (3, 9, 17, 2 * SEG + 5),
+     # several tiles of TILE channel groups per worker and a ragged last tile (300 channels = 38 groups of 8 lanes)
+     (2, 300, 16, SEG + 3), (1, 300, 5, 9)],
 )
 @pytest.mark.parametrize("full", [True, False])
 @pytest.mark.parametrize("packed", [False, True])
