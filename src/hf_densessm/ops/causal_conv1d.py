@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from .backend import resolve_backend
-from .cpu_build import load_library, run_parallel, vector_source, worker_count
+from .cpu_build import load_library, run_job, vector_source, worker_count
 from .packing import check_reset, document_positions
 
 __all__ = ["causal_conv1d", "causal_conv1d_torch"]
@@ -130,6 +130,16 @@ void conv_bwd$sfx(const conv_args *a, int64_t g0, int64_t g1, vec$sfx *work) {
         if (dbias) vst$sfx(dbias + d0, dbv[g - g0], nl);
     }
 }
+
+/* Jobs of cpu_build.run_job over channel groups [g0, g1). fwd args: the conv_args. bwd args: the conv_args, then
+   worker 0's work buffer and the per-worker stride in bytes. */
+void conv_fwd_job$sfx(int64_t w, int64_t g0, int64_t g1, const int64_t *args) {
+    (void)w;
+    conv_fwd$sfx((const conv_args *)(intptr_t)args[0], g0, g1);
+}
+void conv_bwd_job$sfx(int64_t w, int64_t g0, int64_t g1, const int64_t *args) {
+    conv_bwd$sfx((const conv_args *)(intptr_t)args[0], g0, g1, (vec$sfx *)((char *)(intptr_t)args[1] + w * args[2]));
+}
 """)
 
 SOURCE = vector_source(_HEADER, _BODY)
@@ -205,9 +215,7 @@ class CausalConv1dCPUFn(torch.autograd.Function):
         args, alive = _kernel_args(x, taps, bias, window, position, activation)
         out = torch.empty(x.shape, dtype=x.dtype)
         args.out = out.data_ptr()
-        fn = getattr(_library(), "conv_fwd" + _suffix(x.dtype))
-        ref = ctypes.byref(args)
-        run_parallel(lambda w, g0, g1: fn(ref, ctypes.c_int64(g0), ctypes.c_int64(g1)), _groups(x.shape[2], x.dtype))
+        run_job(_library(), "conv_fwd_job" + _suffix(x.dtype), [ctypes.addressof(args)], _groups(x.shape[2], x.dtype))
         del alive
         ctx.save_for_backward(x, taps, bias, window, position)
         ctx.activation = activation
@@ -223,16 +231,11 @@ class CausalConv1dCPUFn(torch.autograd.Function):
         dbias = None if bias is None else torch.empty_like(bias)
         args.gout, args.g_sb, args.g_st = gout.data_ptr(), gout.stride(0), gout.stride(1)
         args.dx, args.dw, args.dbias = dx.data_ptr(), dtaps.data_ptr(), None if dbias is None else dbias.data_ptr()
-        fn = getattr(_library(), "conv_bwd" + _suffix(x.dtype))
         groups, lanes = _groups(x.shape[2], x.dtype), 8 if x.dtype == torch.float64 else 16
         size = worker_count(groups)
         work = torch.empty(size, -(-groups // size) * taps.shape[1] * lanes, dtype=x.dtype)
-        ref = ctypes.byref(args)
-
-        def part(w, g0, g1):
-            fn(ref, ctypes.c_int64(g0), ctypes.c_int64(g1), ctypes.c_void_p(work[w].data_ptr()))
-
-        run_parallel(part, groups, workers=size)
+        job_args = [ctypes.addressof(args), work.data_ptr(), work.stride(0) * work.element_size()]
+        run_job(_library(), "conv_bwd_job" + _suffix(x.dtype), job_args, groups, workers=size)
         del alive
         return dx, dtaps, dbias, None, None, None
 

@@ -1,5 +1,5 @@
 """Build and load the compiled CPU kernels of :mod:`hf_densessm.ops`: C source compiled once per machine with the
-system C compiler, loaded with :mod:`ctypes`, run from a thread pool.
+system C compiler, loaded with :mod:`ctypes`, run on the threads of PyTorch's OpenMP runtime (or a thread pool).
 
 Why C and not PyTorch for some ops: the selective scan is a sequential recurrence over the length with a tiny
 per-token body (Mamba paper §3.3: its cost is memory traffic, not FLOPs). In PyTorch every token step is a pass
@@ -9,10 +9,16 @@ checkpoint's remote code carries it too.
 
 How it is built (:func:`load_library`):
 
-- compiler: ``$CC``, else ``cc``, else ``gcc``; flags ``-O3 -std=c11 -fPIC -shared`` plus ``-march=native``
-  (retried without it where the compiler refuses), never ``-ffast-math`` (which would switch the whole process to
-  flush-to-zero arithmetic); no OpenMP (it could load a second OpenMP runtime next to PyTorch's): the caller splits
-  the work between threads of :func:`thread_pool`, and ctypes releases the GIL during each call;
+- compiler: ``$CC``, else ``cc``, else ``gcc``; flags ``-O3 -std=c11 -fPIC -shared`` plus ``-fopenmp`` and
+  ``-march=native`` (each dropped where the compiler refuses it), never ``-ffast-math`` (which would switch the
+  whole process to flush-to-zero arithmetic);
+- threads (:func:`run_job`): a kernel's work is cut into one slice per thread (``torch.get_num_threads()``), run in
+  an OpenMP parallel region of the library's driver (``hfd_run``) when that region runs on PyTorch's own OpenMP
+  threads: the only OpenMP runtime mapped in the process is one ``libgomp`` (the one PyTorch loaded: the library
+  links it by name), and this is not a forked child (libgomp's threads do not survive a fork). A second pool next
+  to PyTorch's would lose a core to PyTorch's workers, which spin for a while after each parallel region
+  (docs/benchmarks.md, run M). Anywhere else the slices run on :func:`thread_pool` through ctypes, which releases
+  the GIL during each call; the results are the same;
 - cache: ``$HF_DENSESSM_CACHE`` or ``~/.cache/hf_densessm``, subfolder ``cpu_kernels``, one file per hash of the
   source, the flags, the compiler's version and the machine; written to a temporary name and renamed, so two
   processes building at once, or a build killed half-way, never leave a broken library behind;
@@ -40,8 +46,8 @@ from string import Template
 import torch
 
 __all__ = [
-    "cache_dir", "find_compiler", "load_error", "load_library", "run_parallel", "thread_pool", "vector_source",
-    "worker_count",
+    "cache_dir", "find_compiler", "load_error", "load_library", "openmp_ready", "run_job", "run_parallel",
+    "thread_pool", "vector_source", "worker_count",
 ]
 
 _LOCK = threading.Lock()
@@ -50,6 +56,51 @@ _ERRORS: dict[str, str] = {}
 _POOL: ThreadPoolExecutor | None = None
 _POOL_SIZE = 0
 _POOL_PID = 0
+_IMPORT_PID = os.getpid()
+_FORKED = False
+_SHARED_OPENMP: bool | None = None
+#: Whether :func:`run_job` may use the OpenMP driver (tests set it to False to run the thread pool instead).
+USE_OPENMP = True
+
+
+def _mark_forked() -> None:
+    global _FORKED
+    _FORKED = True
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_mark_forked)
+
+#: Appended to every library: the OpenMP driver of :func:`run_job` (``hfd_run``; ``hfd_openmp`` says whether the
+#: library was built with OpenMP). Slice ``w`` of ``slices`` is ``[n w / slices, n (w + 1) / slices)``, as in
+#: :func:`run_parallel`; each slice keeps its own index even if the runtime gives fewer threads than asked.
+_DRIVER = r"""
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+typedef void (*hfd_job_fn)(int64_t worker, int64_t begin, int64_t end, const int64_t *args);
+int hfd_openmp(void) {
+#ifdef _OPENMP
+    return 1;
+#else
+    return 0;
+#endif
+}
+void hfd_run(hfd_job_fn job, const int64_t *args, int64_t n, int64_t slices) {
+#ifdef _OPENMP
+    #pragma omp parallel num_threads((int)slices)
+    {
+        const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+        for (int64_t w = t; w < slices; w += nt) {
+            const int64_t b = n * w / slices, e = n * (w + 1) / slices;
+            if (b < e) job(w, b, e, args);
+        }
+    }
+#else
+    (void)job; (void)args; (void)n; (void)slices;
+#endif
+}
+"""
 
 
 def cache_dir() -> Path:
@@ -99,6 +150,7 @@ def load_library(name: str, source: str) -> ctypes.CDLL | None:
             return _LIBRARIES[name]
         library, error = None, None
         compiler = find_compiler()
+        source = "#include <stdint.h>\n" + source + _DRIVER
         if compiler is None:
             error = "no C compiler found (set $CC or install cc/gcc)"
         else:
@@ -116,13 +168,19 @@ def load_library(name: str, source: str) -> ctypes.CDLL | None:
                         src = Path(tmp) / f"{name}.c"
                         src.write_text(source)
                         built = Path(tmp) / f"{name}.so"
-                        error = _compile(compiler, src, built, base_flags + ["-march=native"])
-                        if error is not None:  # e.g. compilers that spell it -mcpu=native
-                            error = _compile(compiler, src, built, base_flags)
+                        # without OpenMP (e.g. a compiler with no OpenMP runtime) the thread pool runs the slices;
+                        # without -march=native, e.g. compilers that spell it -mcpu=native
+                        for extra in (["-fopenmp", "-march=native"], ["-march=native"], ["-fopenmp"], []):
+                            error = _compile(compiler, src, built, base_flags + extra)
+                            if error is None:
+                                break
                         if error is None:
                             os.replace(built, target)  # atomic: other processes see the old state or the new file
                 if error is None:
                     library = ctypes.CDLL(str(target))
+                    library.hfd_openmp.restype = ctypes.c_int
+                    library.hfd_run.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
+                    library.hfd_run.restype = None
             except OSError as oserror:
                 error = f"{type(oserror).__name__}: {oserror}"
         if error is not None:
@@ -160,6 +218,53 @@ def worker_count(n_items: int) -> int:
     """How many slices :func:`run_parallel` cuts ``n_items`` into by default (the pool's size, at most
     ``n_items``, at least 1): the number of per-worker buffers a kernel needs."""
     return max(1, min(n_items, thread_pool()[1]))
+
+
+def _shared_openmp_runtime() -> bool:
+    """Whether exactly one OpenMP runtime is mapped in this process and it is a ``libgomp`` (Linux; read once,
+    after a library was loaded): then the libraries' OpenMP regions run on PyTorch's OpenMP threads."""
+    global _SHARED_OPENMP
+    if _SHARED_OPENMP is None:
+        try:
+            maps = Path("/proc/self/maps").read_text()
+        except OSError:
+            maps = None
+        runtimes = set()
+        for line in (maps or "").splitlines():
+            path = line.split()[-1] if line.split() else ""
+            base = os.path.basename(path)
+            if base.startswith(("libgomp", "libiomp", "libomp")):
+                runtimes.add(path)
+        _SHARED_OPENMP = maps is not None and len(runtimes) == 1 and "libgomp" in os.path.basename(next(iter(runtimes)))
+    return _SHARED_OPENMP
+
+
+def openmp_ready(library: ctypes.CDLL) -> bool:
+    """Whether :func:`run_job` runs ``library``'s jobs in its OpenMP driver here (module docstring)."""
+    return (
+        USE_OPENMP
+        and not _FORKED
+        and os.getpid() == _IMPORT_PID
+        and bool(library.hfd_openmp())
+        and _shared_openmp_runtime()
+    )
+
+
+def run_job(library: ctypes.CDLL, name: str, args, n_items: int, workers: int | None = None) -> int:
+    """Run the C job ``name`` of ``library`` (``void name(int64_t worker, int64_t begin, int64_t end, const int64_t
+    *args)``) on ``workers`` contiguous slices of ``range(n_items)`` (default: :func:`worker_count`): in the
+    library's OpenMP driver where :func:`openmp_ready`, else on :func:`run_parallel`. ``args`` are the job's
+    arguments as 64-bit integers (pointers as addresses). Returns the number of slices (slice ``w`` may use the
+    ``w``-th of per-worker buffers)."""
+    job = getattr(library, name)
+    packed = (ctypes.c_int64 * max(1, len(args)))(*args)
+    slices = worker_count(n_items) if workers is None else max(1, min(n_items, workers))
+    if openmp_ready(library):
+        library.hfd_run(ctypes.cast(job, ctypes.c_void_p), packed, n_items, slices)
+        return slices
+    return run_parallel(
+        lambda w, b, e: job(ctypes.c_int64(w), ctypes.c_int64(b), ctypes.c_int64(e), packed), n_items, slices
+    )
 
 
 def run_parallel(fn, n_items: int, workers: int | None = None) -> int:

@@ -10,20 +10,19 @@ Why a kernel: at a 32000-word vocabulary the logits of a training step are the l
 make about six passes over it through main memory (with a zero-filled gradient). A row of logits (128 KB) fits in
 the L2 cache, so the kernel reads each row from memory once in the forward pass (maximum, then the sum of
 exponentials from the cache) and once in the backward pass, writing the gradient as it goes. Rows are split between
-the workers of :func:`hf_densessm.ops.cpu_build.run_parallel`. Accumulation is in the logits' dtype (float32, or
+the workers of :func:`hf_densessm.ops.cpu_build.run_job`. Accumulation is in the logits' dtype (float32, or
 float64 for float64 models); :func:`cross_entropy` runs the reference for other devices and dtypes and where the
 kernel cannot be built.
 """
 
 from __future__ import annotations
 
-import ctypes
 from string import Template
 
 import torch
 import torch.nn.functional as F
 
-from .cpu_build import load_library, run_parallel, vector_source
+from .cpu_build import load_library, run_job, vector_source
 
 __all__ = ["cross_entropy", "cross_entropy_reference"]
 
@@ -68,6 +67,17 @@ void ce_bwd$sfx(int64_t r0, int64_t r1, int64_t V, const $real *x, int64_t ld, c
         out[target[i]] -= sc;
     }
 }
+
+/* Jobs of cpu_build.run_job over rows [r0, r1). fwd args: V, x, ld, lse. bwd args: V, x, ld, lse, target, scale, g. */
+void ce_fwd_job$sfx(int64_t w, int64_t r0, int64_t r1, const int64_t *a) {
+    (void)w;
+    ce_fwd$sfx(r0, r1, a[0], (const $real *)(intptr_t)a[1], a[2], ($real *)(intptr_t)a[3]);
+}
+void ce_bwd_job$sfx(int64_t w, int64_t r0, int64_t r1, const int64_t *a) {
+    (void)w;
+    ce_bwd$sfx(r0, r1, a[0], (const $real *)(intptr_t)a[1], a[2], (const $real *)(intptr_t)a[3],
+               (const int64_t *)(intptr_t)a[4], (const $real *)(intptr_t)a[5], ($real *)(intptr_t)a[6]);
+}
 """)
 
 SOURCE = vector_source("", _BODY)
@@ -90,13 +100,8 @@ class CrossEntropyCPUFn(torch.autograd.Function):
         lib = _library()
         rows, vocab = logits.shape
         lse = torch.empty(rows, dtype=logits.dtype)
-        fn = getattr(lib, "ce_fwd" + _suffix(logits.dtype))
-        x, ld = ctypes.c_void_p(logits.data_ptr()), ctypes.c_int64(logits.stride(0))
-
-        def part(_, r0, r1):
-            fn(ctypes.c_int64(r0), ctypes.c_int64(r1), ctypes.c_int64(vocab), x, ld, ctypes.c_void_p(lse.data_ptr()))
-
-        run_parallel(part, rows)
+        run_job(lib, "ce_fwd_job" + _suffix(logits.dtype), [vocab, logits.data_ptr(), logits.stride(0), lse.data_ptr()],
+                rows)
         valid = target != ignore_index
         safe = torch.where(valid, target, torch.zeros_like(target)).contiguous()
         picked = logits.gather(1, safe[:, None])[:, 0]
@@ -111,14 +116,8 @@ class CrossEntropyCPUFn(torch.autograd.Function):
         rows, vocab = logits.shape
         scale = (grad_loss / ctx.divisor * valid).to(logits.dtype).contiguous()
         grad = torch.empty(rows, vocab, dtype=logits.dtype)
-        fn = getattr(lib, "ce_bwd" + _suffix(logits.dtype))
-        pointers = [ctypes.c_void_p(t.data_ptr()) for t in (lse, safe, scale, grad)]
-        x, ld = ctypes.c_void_p(logits.data_ptr()), ctypes.c_int64(logits.stride(0))
-
-        def part(_, r0, r1):
-            fn(ctypes.c_int64(r0), ctypes.c_int64(r1), ctypes.c_int64(vocab), x, ld, *pointers)
-
-        run_parallel(part, rows)
+        pointers = [t.data_ptr() for t in (lse, safe, scale, grad)]
+        run_job(lib, "ce_bwd_job" + _suffix(logits.dtype), [vocab, logits.data_ptr(), logits.stride(0), *pointers], rows)
         return grad, None, None, None
 
 

@@ -7,19 +7,18 @@ SiLU and a multiply-add forward and three multiplies backward (five passes over 
 saved activation), in C one pass each way: forward reads ``feature, total, gate`` and writes the result; backward
 reads ``grad, total, gate`` and writes ``d total = grad * silu(gate)`` and ``d gate = grad * total * silu'(gate)``
 (``d feature`` is ``grad`` itself). Rows are split between the workers of
-:func:`hf_densessm.ops.cpu_build.run_parallel`.
+:func:`hf_densessm.ops.cpu_build.run_job`.
 """
 
 from __future__ import annotations
 
-import ctypes
 from string import Template
 
 import torch
 import torch.nn.functional as F
 
 from .backend import resolve_backend
-from .cpu_build import load_library, run_parallel, vector_source
+from .cpu_build import load_library, run_job, vector_source
 
 __all__ = ["gated_add", "gated_add_torch"]
 
@@ -49,6 +48,19 @@ void gated_add_bwd$sfx(int64_t r0, int64_t r1, int64_t n, const $real *g, int64_
             vst$sfx(dt + i * n + j, gv * av * s, nl);
             vst$sfx(da + i * n + j, gv * vld$sfx(t + i * st + j, nl) * s * (($real)1 + av * (($real)1 - s)), nl);
         }
+}
+
+/* Jobs of cpu_build.run_job over rows [r0, r1). fwd args: n, f, sf, t, st, a, sa, out. bwd args: n, g, sg, t, st,
+   a, sa, dt, da. */
+void gated_add_fwd_job$sfx(int64_t w, int64_t r0, int64_t r1, const int64_t *p) {
+    (void)w;
+    gated_add_fwd$sfx(r0, r1, p[0], (const $real *)(intptr_t)p[1], p[2], (const $real *)(intptr_t)p[3], p[4],
+                      (const $real *)(intptr_t)p[5], p[6], ($real *)(intptr_t)p[7]);
+}
+void gated_add_bwd_job$sfx(int64_t w, int64_t r0, int64_t r1, const int64_t *p) {
+    (void)w;
+    gated_add_bwd$sfx(r0, r1, p[0], (const $real *)(intptr_t)p[1], p[2], (const $real *)(intptr_t)p[3], p[4],
+                      (const $real *)(intptr_t)p[5], p[6], ($real *)(intptr_t)p[7], ($real *)(intptr_t)p[8]);
 }
 """)
 
@@ -93,11 +105,8 @@ class GatedAddCPUFn(torch.autograd.Function):
         t, st = _rows(total, dtype)
         a, sa = _rows(gate, dtype)
         out = torch.empty(f.shape, dtype=dtype)
-        fn = getattr(_library(), "gated_add_fwd" + _suffix(dtype))
-        n = ctypes.c_int64(f.shape[1])
-        ptrs = (ctypes.c_void_p(f.data_ptr()), ctypes.c_int64(sf), ctypes.c_void_p(t.data_ptr()), ctypes.c_int64(st),
-                ctypes.c_void_p(a.data_ptr()), ctypes.c_int64(sa), ctypes.c_void_p(out.data_ptr()))
-        run_parallel(lambda w, r0, r1: fn(ctypes.c_int64(r0), ctypes.c_int64(r1), n, *ptrs), f.shape[0])
+        job_args = [f.shape[1], f.data_ptr(), sf, t.data_ptr(), st, a.data_ptr(), sa, out.data_ptr()]
+        run_job(_library(), "gated_add_fwd_job" + _suffix(dtype), job_args, f.shape[0])
         ctx.save_for_backward(total, gate)
         return out.view(shape)
 
@@ -109,12 +118,9 @@ class GatedAddCPUFn(torch.autograd.Function):
         t, st = _rows(total, dtype)
         a, sa = _rows(gate, dtype)
         d_total, d_gate = torch.empty(g.shape, dtype=dtype), torch.empty(g.shape, dtype=dtype)
-        fn = getattr(_library(), "gated_add_bwd" + _suffix(dtype))
-        n = ctypes.c_int64(g.shape[1])
-        ptrs = (ctypes.c_void_p(g.data_ptr()), ctypes.c_int64(sg), ctypes.c_void_p(t.data_ptr()), ctypes.c_int64(st),
-                ctypes.c_void_p(a.data_ptr()), ctypes.c_int64(sa), ctypes.c_void_p(d_total.data_ptr()),
-                ctypes.c_void_p(d_gate.data_ptr()))
-        run_parallel(lambda w, r0, r1: fn(ctypes.c_int64(r0), ctypes.c_int64(r1), n, *ptrs), g.shape[0])
+        job_args = [g.shape[1], g.data_ptr(), sg, t.data_ptr(), st, a.data_ptr(), sa, d_total.data_ptr(),
+                    d_gate.data_ptr()]
+        run_job(_library(), "gated_add_bwd_job" + _suffix(dtype), job_args, g.shape[0])
         return grad, d_total.view(total.shape), d_gate.view(gate.shape)
 
 

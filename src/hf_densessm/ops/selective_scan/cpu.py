@@ -28,7 +28,7 @@ gradient off ``g``, ``h_{t-1}`` and ``a_t`` (``d a_t / d dt_t = A a_t``). ``dB``
 each worker accumulates them per lane for all of its channel groups and reduces the lanes once per sequence.
 
 Threads: the channel groups are split between ``torch.get_num_threads()`` workers
-(:func:`hf_densessm.ops.cpu_build.run_parallel`); the decode step runs on one thread (it is a few microseconds).
+(:func:`hf_densessm.ops.cpu_build.run_job`: PyTorch's OpenMP threads, or a thread pool); the decode step runs on one thread (it is a few microseconds).
 Accumulation is in float32 for float32/bfloat16/float16 inputs and in float64 for float64 inputs.
 """
 
@@ -40,7 +40,7 @@ from string import Template
 import torch
 import torch.nn.functional as F
 
-from ..cpu_build import load_error, load_library, run_parallel, vector_source, worker_count
+from ..cpu_build import load_error, load_library, run_job, vector_source, worker_count
 from .chunked_torch import _compute_dtype, discretize_delta
 
 __all__ = ["SelectiveScanCPUFn", "cpu_kernel_available", "selective_scan_cpu", "selective_state_update_cpu"]
@@ -263,6 +263,17 @@ void scan_bwd$sfx(const scan_args *a, int64_t g0, int64_t g1, $real *dBp, $real 
     else bwd_groups$sfx(a, g0, g1, dBp, dCp, work, a->nstate);
 }
 
+/* Jobs of cpu_build.run_job over channel groups [g0, g1). fwd args: the scan_args. bwd args: the scan_args, then
+   the dB, dC and work buffers of worker 0 and their per-worker strides in bytes. */
+void scan_fwd_job$sfx(int64_t w, int64_t g0, int64_t g1, const int64_t *args) {
+    (void)w;
+    scan_fwd$sfx((const scan_args *)(intptr_t)args[0], g0, g1);
+}
+void scan_bwd_job$sfx(int64_t w, int64_t g0, int64_t g1, const int64_t *args) {
+    scan_bwd$sfx((const scan_args *)(intptr_t)args[0], g0, g1, ($real *)((char *)(intptr_t)args[1] + w * args[2]),
+                 ($real *)((char *)(intptr_t)args[3] + w * args[4]), (vec$sfx *)((char *)(intptr_t)args[5] + w * args[6]));
+}
+
 /* One decoding step: state (batch, dim, N), x/dt/z/y (batch, dim), B/C (batch, N), A (dim, N), all contiguous. */
 void state_update$sfx(int64_t batch, int64_t dim, int64_t N, $real *state, const $real *x, const $real *dt,
                       const $real *A, const $real *B, const $real *C, const $real *D, const $real *z,
@@ -384,9 +395,7 @@ def _scan_forward(u, dt, A, B, C, D, z, initial_state, keep, want_last: bool, ch
     last = torch.empty(batch, dim, A.shape[1], dtype=cdt) if want_last else None
     args.y, args.y_sb, args.y_st = y.data_ptr(), y.stride(0), y.stride(1)
     args.hlast, args.ck = _ptr(last), _ptr(checkpoints)
-    fn = getattr(lib, "scan_fwd" + _suffix(cdt))
-    ref = ctypes.byref(args)
-    run_parallel(lambda w, g0, g1: fn(ref, ctypes.c_int64(g0), ctypes.c_int64(g1)), _groups(dim, cdt))
+    run_job(lib, "scan_fwd_job" + _suffix(cdt), [ctypes.addressof(args)], _groups(dim, cdt))
     del alive
     return y.transpose(1, 2), last
 
@@ -434,14 +443,8 @@ class SelectiveScanCPUFn(torch.autograd.Function):
         nseg = -(-length // SEGMENT)
         work_vectors = (TILE * (nseg + 2 * SEGMENT + 1) + 2 * length) * n
         work = torch.empty(size, work_vectors * lanes, **kw)
-        fn = getattr(lib, "scan_bwd" + _suffix(cdt))
-        ref = ctypes.byref(args)
-
-        def part(w, g0, g1):
-            fn(ref, ctypes.c_int64(g0), ctypes.c_int64(g1), ctypes.c_void_p(dB_parts[w].data_ptr()),
-               ctypes.c_void_p(dC_parts[w].data_ptr()), ctypes.c_void_p(work[w].data_ptr()))
-
-        used = run_parallel(part, groups, workers=size)
+        per_worker = [value for t in (dB_parts, dC_parts, work) for value in (t.data_ptr(), t.stride(0) * t.element_size())]
+        used = run_job(lib, "scan_bwd_job" + _suffix(cdt), [ctypes.addressof(args), *per_worker], groups, workers=size)
         dB = dB_parts[:used].sum(0) if used > 1 else dB_parts[0]
         dC = dC_parts[:used].sum(0) if used > 1 else dC_parts[0]
         del alive, gy, dhlast
