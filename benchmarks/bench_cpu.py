@@ -103,7 +103,10 @@ RUNTIME_ENV_PREFIXES = ("MALLOC_", "GLIBC_TUNABLES", "LD_PRELOAD", "OMP_", "GOMP
 #: each model's own ``eos_token_id`` (a model that stops early is counted per token it made). Runs A-F also passed
 #: ``min_new_tokens`` (docs/benchmarks.md).
 GENERATE_CALL = dict(do_sample=False, pad_token_id=0)
-GENERATE_CALL_TEXT = "generate(input_ids, attention_mask=..., do_sample=False, pad_token_id=0, max_new_tokens=N)"
+GENERATE_CALL_TEXT = (
+    "generate(input_ids, attention_mask=..., " + ", ".join(f"{k}={v!r}" for k, v in GENERATE_CALL.items())
+    + ", max_new_tokens=N)"
+)
 TARGETS = {
     "forward_speedup": (">=", 2.0),
     "forward_dense_cost": ("<=", 1.2),
@@ -198,7 +201,9 @@ def environment() -> dict:
         "load_average_1_5_15_min": os.getloadavg(),  # other processes on the machine skew every timing
         # allocator and thread-runtime settings read at process start (e.g. glibc's MALLOC_MMAP_MAX_, which changes
         # the training figures: docs/training.md)
-        "runtime_env": {key: value for key, value in sorted(os.environ.items()) if key.startswith(RUNTIME_ENV_PREFIXES)},
+        "runtime_env": {
+            key: value for key, value in sorted(os.environ.items()) if key.startswith(RUNTIME_ENV_PREFIXES)
+        },
     }
 
 

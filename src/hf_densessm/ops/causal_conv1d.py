@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from .backend import resolve_backend
-from .cpu_build import load_library, run_job, vector_source, worker_count
+from .cpu_build import load_library, per_worker, run_job, vector_source, worker_count
 from .packing import check_reset, document_positions
 
 __all__ = ["causal_conv1d", "causal_conv1d_torch"]
@@ -234,7 +234,7 @@ class CausalConv1dCPUFn(torch.autograd.Function):
         groups, lanes = _groups(x.shape[2], x.dtype), 8 if x.dtype == torch.float64 else 16
         size = worker_count(groups)
         work = torch.empty(size, -(-groups // size) * taps.shape[1] * lanes, dtype=x.dtype)
-        job_args = [ctypes.addressof(args), work.data_ptr(), work.stride(0) * work.element_size()]
+        job_args = [ctypes.addressof(args), *per_worker(work)]
         run_job(_library(), "conv_bwd_job" + _suffix(x.dtype), job_args, groups, workers=size)
         del alive
         return dx, dtaps, dbias, None, None, None

@@ -46,8 +46,8 @@ from string import Template
 import torch
 
 __all__ = [
-    "cache_dir", "find_compiler", "load_error", "load_library", "openmp_ready", "run_job", "run_parallel",
-    "thread_pool", "vector_source", "worker_count",
+    "cache_dir", "find_compiler", "load_error", "load_library", "openmp_ready", "per_worker", "run_job",
+    "run_parallel", "thread_pool", "vector_source", "worker_count",
 ]
 
 _LOCK = threading.Lock()
@@ -75,6 +75,7 @@ if hasattr(os, "register_at_fork"):
 #: library was built with OpenMP). Slice ``w`` of ``slices`` is ``[n w / slices, n (w + 1) / slices)``, as in
 #: :func:`run_parallel`; each slice keeps its own index even if the runtime gives fewer threads than asked.
 _DRIVER = r"""
+#include <stdint.h>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -150,7 +151,7 @@ def load_library(name: str, source: str) -> ctypes.CDLL | None:
             return _LIBRARIES[name]
         library, error = None, None
         compiler = find_compiler()
-        source = "#include <stdint.h>\n" + source + _DRIVER
+        source += _DRIVER
         if compiler is None:
             error = "no C compiler found (set $CC or install cc/gcc)"
         else:
@@ -179,6 +180,7 @@ def load_library(name: str, source: str) -> ctypes.CDLL | None:
                 if error is None:
                     library = ctypes.CDLL(str(target))
                     library.hfd_openmp.restype = ctypes.c_int
+                    library.built_with_openmp = bool(library.hfd_openmp())  # read once, not per kernel call
                     library.hfd_run.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
                     library.hfd_run.restype = None
             except OSError as oserror:
@@ -245,9 +247,15 @@ def openmp_ready(library: ctypes.CDLL) -> bool:
         USE_OPENMP
         and not _FORKED
         and os.getpid() == _IMPORT_PID
-        and bool(library.hfd_openmp())
+        and library.built_with_openmp
         and _shared_openmp_runtime()
     )
+
+
+def per_worker(buffer) -> list[int]:
+    """The job arguments of a per-worker buffer ``(workers, ...)``: worker 0's address and the stride from one worker's
+    part to the next, in bytes (a job reads worker ``w``'s part at ``address + w * stride``)."""
+    return [buffer.data_ptr(), buffer.stride(0) * buffer.element_size()]
 
 
 def run_job(library: ctypes.CDLL, name: str, args, n_items: int, workers: int | None = None) -> int:

@@ -117,7 +117,8 @@ class CrossEntropyCPUFn(torch.autograd.Function):
         scale = (grad_loss / ctx.divisor * valid).to(logits.dtype).contiguous()
         grad = torch.empty(rows, vocab, dtype=logits.dtype)
         pointers = [t.data_ptr() for t in (lse, safe, scale, grad)]
-        run_job(lib, "ce_bwd_job" + _suffix(logits.dtype), [vocab, logits.data_ptr(), logits.stride(0), *pointers], rows)
+        job_args = [vocab, logits.data_ptr(), logits.stride(0), *pointers]
+        run_job(lib, "ce_bwd_job" + _suffix(logits.dtype), job_args, rows)
         return grad, None, None, None
 
 

@@ -28,7 +28,8 @@ gradient off ``g``, ``h_{t-1}`` and ``a_t`` (``d a_t / d dt_t = A a_t``). ``dB``
 each worker accumulates them per lane for all of its channel groups and reduces the lanes once per sequence.
 
 Threads: the channel groups are split between ``torch.get_num_threads()`` workers
-(:func:`hf_densessm.ops.cpu_build.run_job`: PyTorch's OpenMP threads, or a thread pool); the decode step runs on one thread (it is a few microseconds).
+(:func:`hf_densessm.ops.cpu_build.run_job`: PyTorch's OpenMP threads, or a thread pool); the decode step runs on one
+thread (it is a few microseconds).
 Accumulation is in float32 for float32/bfloat16/float16 inputs and in float64 for float64 inputs.
 """
 
@@ -40,7 +41,7 @@ from string import Template
 import torch
 import torch.nn.functional as F
 
-from ..cpu_build import load_error, load_library, run_job, vector_source, worker_count
+from ..cpu_build import load_error, load_library, per_worker, run_job, vector_source, worker_count
 from .chunked_torch import _compute_dtype, discretize_delta
 
 __all__ = ["SelectiveScanCPUFn", "cpu_kernel_available", "selective_scan_cpu", "selective_state_update_cpu"]
@@ -271,7 +272,8 @@ void scan_fwd_job$sfx(int64_t w, int64_t g0, int64_t g1, const int64_t *args) {
 }
 void scan_bwd_job$sfx(int64_t w, int64_t g0, int64_t g1, const int64_t *args) {
     scan_bwd$sfx((const scan_args *)(intptr_t)args[0], g0, g1, ($real *)((char *)(intptr_t)args[1] + w * args[2]),
-                 ($real *)((char *)(intptr_t)args[3] + w * args[4]), (vec$sfx *)((char *)(intptr_t)args[5] + w * args[6]));
+                 ($real *)((char *)(intptr_t)args[3] + w * args[4]),
+                 (vec$sfx *)((char *)(intptr_t)args[5] + w * args[6]));
 }
 
 /* One decoding step: state (batch, dim, N), x/dt/z/y (batch, dim), B/C (batch, N), A (dim, N), all contiguous. */
@@ -443,8 +445,8 @@ class SelectiveScanCPUFn(torch.autograd.Function):
         nseg = -(-length // SEGMENT)
         work_vectors = (TILE * (nseg + 2 * SEGMENT + 1) + 2 * length) * n
         work = torch.empty(size, work_vectors * lanes, **kw)
-        per_worker = [value for t in (dB_parts, dC_parts, work) for value in (t.data_ptr(), t.stride(0) * t.element_size())]
-        used = run_job(lib, "scan_bwd_job" + _suffix(cdt), [ctypes.addressof(args), *per_worker], groups, workers=size)
+        job_args = [ctypes.addressof(args), *per_worker(dB_parts), *per_worker(dC_parts), *per_worker(work)]
+        used = run_job(lib, "scan_bwd_job" + _suffix(cdt), job_args, groups, workers=size)
         dB = dB_parts[:used].sum(0) if used > 1 else dB_parts[0]
         dC = dC_parts[:used].sum(0) if used > 1 else dC_parts[0]
         del alive, gy, dhlast
