@@ -9,7 +9,8 @@ Why a kernel: at a 32000-word vocabulary the logits of a training step are the l
 ((batch * length) x vocabulary: 262 MB for 2 x 1024 tokens), and PyTorch's log-softmax, NLL and their backward
 make about six passes over it through main memory (with a zero-filled gradient). A row of logits (128 KB) fits in
 the L2 cache, so the kernel reads each row from memory once in the forward pass (maximum, then the sum of
-exponentials from the cache) and once in the backward pass, writing the gradient as it goes. Rows are split between
+exponentials from the cache) and once in the backward pass, writing the gradient as it goes, into a buffer kept from
+the last step when one is given (``workspace``: :mod:`hf_densessm.ops.workspace` says why and when it is safe). Rows are split between
 the workers of :func:`hf_densessm.ops.cpu_build.run_job`. Accumulation is in the logits' dtype (float32, or
 float64 for float64 models); :func:`cross_entropy` runs the reference for other devices and dtypes and where the
 kernel cannot be built.
@@ -23,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from .cpu_build import load_library, run_job, vector_source
+from .workspace import Workspace
 
 __all__ = ["cross_entropy", "cross_entropy_reference"]
 
@@ -92,11 +94,13 @@ def _suffix(dtype: torch.dtype) -> str:
 
 
 class CrossEntropyCPUFn(torch.autograd.Function):
-    """``(logits (rows, vocab), target (rows,) int64, ignore_index, divisor) -> loss`` (0-dim, logits' dtype) with
-    the compiled kernel; saves the logits (no copy), the row log-sum-exps and the targets."""
+    """``(logits (rows, vocab), target (rows,) int64, ignore_index, divisor, workspace) -> loss`` (0-dim, logits'
+    dtype) with the compiled kernel; saves the logits (no copy), the row log-sum-exps and the targets. The backward
+    pass writes the logits' gradient into ``workspace`` (a :class:`~hf_densessm.ops.workspace.Workspace`) when one
+    is given, else into a new tensor."""
 
     @staticmethod
-    def forward(ctx, logits, target, ignore_index, divisor):
+    def forward(ctx, logits, target, ignore_index, divisor, workspace):
         lib = _library()
         rows, vocab = logits.shape
         lse = torch.empty(rows, dtype=logits.dtype)
@@ -107,6 +111,7 @@ class CrossEntropyCPUFn(torch.autograd.Function):
         picked = logits.gather(1, safe[:, None])[:, 0]
         ctx.save_for_backward(logits, lse, safe, valid)
         ctx.divisor = divisor
+        ctx.workspace = workspace
         return torch.where(valid, lse - picked, torch.zeros_like(lse)).sum() / divisor
 
     @staticmethod
@@ -115,11 +120,14 @@ class CrossEntropyCPUFn(torch.autograd.Function):
         lib = _library()
         rows, vocab = logits.shape
         scale = (grad_loss / ctx.divisor * valid).to(logits.dtype).contiguous()
-        grad = torch.empty(rows, vocab, dtype=logits.dtype)
+        if ctx.workspace is None:
+            grad = torch.empty(rows, vocab, dtype=logits.dtype)
+        else:
+            grad = ctx.workspace.take("cross_entropy_grad", (rows, vocab), logits.dtype)
         pointers = [t.data_ptr() for t in (lse, safe, scale, grad)]
         job_args = [vocab, logits.data_ptr(), logits.stride(0), *pointers]
         run_job(lib, "ce_bwd_job" + _suffix(logits.dtype), job_args, rows)
-        return grad, None, None, None
+        return grad, None, None, None, None
 
 
 def cross_entropy_reference(logits, target, ignore_index: int = -100, divisor=None) -> torch.Tensor:
@@ -130,7 +138,9 @@ def cross_entropy_reference(logits, target, ignore_index: int = -100, divisor=No
     return F.cross_entropy(logits, target, ignore_index=ignore_index, reduction="sum") / divisor
 
 
-def cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int = -100, divisor=None) -> torch.Tensor:
+def cross_entropy(
+    logits: torch.Tensor, target: torch.Tensor, ignore_index: int = -100, divisor=None, workspace=None
+) -> torch.Tensor:
     """Summed cross-entropy of ``logits`` rows against ``target`` divided by ``divisor`` (module docstring).
 
     Args:
@@ -140,6 +150,9 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int 
         ignore_index: target value of rows that do not count.
         divisor: a number or 0-dim tensor the sum is divided by (transformers' ``num_items_in_batch``); ``None``
             divides by the number of counted rows (reduction ``"mean"``).
+        workspace: a :class:`~hf_densessm.ops.workspace.Workspace` whose buffer the backward pass writes the
+            logits' gradient into when it is free (the causal-LM models pass their own), or ``None``: a new tensor
+            each time. The kernel path only; the values are the same either way.
 
     Returns:
         The loss, a 0-dim tensor in ``logits``' dtype, differentiable in ``logits``. Equal to
@@ -148,7 +161,7 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int 
     Raises:
         ValueError: ``logits`` not 2-D, ``target`` not 1-D of ``rows`` entries, or a target outside
             ``[0, vocab)`` that is not ``ignore_index`` (on the reference path, PyTorch's own error).
-        TypeError: ``target`` not an integer tensor.
+        TypeError: ``target`` not an integer tensor, or ``workspace`` neither ``None`` nor a ``Workspace``.
     """
     if logits.dim() != 2:
         raise ValueError(f"logits must have shape (rows, vocab), got shape {tuple(logits.shape)}")
@@ -156,6 +169,8 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int 
         raise ValueError(f"target must have shape ({logits.shape[0]},), got shape {tuple(target.shape)}")
     if target.is_floating_point() or target.dtype == torch.bool or target.is_complex():
         raise TypeError(f"target must be an integer tensor, got {target.dtype}")
+    if workspace is not None and not isinstance(workspace, Workspace):
+        raise TypeError(f"workspace must be None or an hf_densessm.ops.workspace.Workspace, got {type(workspace).__name__}")
     target = target.to(torch.int64)
     if logits.device.type != "cpu" or logits.dtype not in (torch.float32, torch.float64) or _library() is None:
         return cross_entropy_reference(logits, target, ignore_index, divisor)  # it checks the targets itself
@@ -169,4 +184,4 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int 
         divisor = counted.sum().to(logits.dtype)
     if logits.stride(1) != 1:
         logits = logits.contiguous()
-    return CrossEntropyCPUFn.apply(logits, target, ignore_index, divisor)
+    return CrossEntropyCPUFn.apply(logits, target, ignore_index, divisor, workspace)

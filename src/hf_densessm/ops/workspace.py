@@ -1,0 +1,99 @@
+"""Scratch buffers kept from one training step to the next, reused only when nothing else holds them.
+
+Why: a CPU training step at a 32000-word vocabulary allocates the gradient of the logits, (batch * length) x
+vocabulary values (262 MB for 2 x 1024 tokens in float32), and frees it a moment later. glibc's ``malloc`` serves a
+block that large with a fresh ``mmap`` and gives it back with ``munmap`` (its threshold for that stops rising at
+32 MB), so every step the kernel maps and zeroes 64,000 new pages on first touch: 45-450 ms per step on the 2-core
+VM of docs/benchmarks.md, a third of it from the page faults of two threads at once. Keeping the buffer makes that
+cost go away (run P in docs/benchmarks.md: the DenseMamba training step 1.12-1.15x faster, paired), without
+touching the allocator of the user's process (which ``MALLOC_MMAP_MAX_=0``, docs/training.md, does for
+everything).
+
+Safety: :meth:`Workspace.take` hands out a new view of a kept buffer only when the workspace's own reference is the
+last one to the buffer's storage (PyTorch's storage use count, measured against a fresh tensor's: nothing else, no
+earlier view, no ``.grad``, no hook, holds any part of it). Otherwise, say the user kept last step's gradient, it
+allocates a new buffer and keeps that one instead. A view that is handed out therefore never shares memory with a
+tensor anyone can still read. Where the count cannot be read (a PyTorch without ``torch._C._storage_Use_Count``),
+or under ``torch.compile``, every call allocates (the behaviour without a workspace).
+
+Lifetime: each causal-LM model owns one (``DenseSSMCausalLMMixin``), made at its first loss computed with
+gradients; ``model.eval()`` (``train(False)``) frees it, and so does dropping the model. ``copy.deepcopy`` and
+pickling give an empty workspace.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import torch
+
+__all__ = ["Workspace"]
+
+
+def _use_count(tensor: torch.Tensor) -> int:
+    return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata)
+
+
+try:  # the count of a storage held by exactly one tensor, as _use_count reads it (its own handle included)
+    _SOLE = _use_count(torch.empty(1))
+except (AttributeError, RuntimeError, TypeError):  # no such private function in this PyTorch: never reuse
+    _SOLE = None
+
+
+class Workspace:
+    """Reusable scratch tensors, one per key (module docstring).
+
+    Example: ``grad = workspace.take("cross_entropy_grad", (rows, vocab), torch.float32)`` returns an uninitialized
+    ``(rows, vocab)`` float32 CPU tensor, the same memory as the last call's when that is free again.
+
+    Thread-safe: two threads never get the same memory at once (the check and the hand-out are one locked step).
+    """
+
+    def __init__(self):
+        self._buffers: dict[str, torch.Tensor] = {}
+        self._lock = threading.Lock()
+
+    def take(self, key: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialized contiguous CPU tensor of ``shape`` and ``dtype``.
+
+        It is a view of the buffer kept under ``key`` when that buffer is large enough, of ``dtype``, and held by
+        nothing but this workspace; else a new buffer of exactly ``shape``, which is then kept under ``key``
+        instead (the old one stays with whoever holds it, or is freed).
+
+        Raises:
+            ValueError: a negative entry in ``shape``.
+        """
+        shape = tuple(int(size) for size in shape)
+        if any(size < 0 for size in shape):
+            raise ValueError(f"shape must have entries >= 0, got {shape}")
+        numel = math.prod(shape)
+        if _SOLE is None or torch.compiler.is_compiling():
+            return torch.empty(shape, dtype=dtype)
+        with self._lock:
+            kept = self._buffers.get(key)
+            if kept is None or kept.dtype != dtype or kept.numel() < numel or _use_count(kept) != _SOLE:
+                kept = self._buffers[key] = torch.empty(numel, dtype=dtype)
+            return kept[:numel].view(shape)
+
+    def clear(self) -> None:
+        """Drop every kept buffer (memory still held by a handed-out view is freed when that view goes)."""
+        with self._lock:
+            self._buffers.clear()
+
+    def nbytes(self) -> int:
+        """Bytes of the buffers kept now."""
+        with self._lock:
+            return sum(buffer.numel() * buffer.element_size() for buffer in self._buffers.values())
+
+    def __deepcopy__(self, memo) -> "Workspace":
+        return Workspace()
+
+    def __getstate__(self) -> dict:
+        return {}
+
+    def __setstate__(self, state) -> None:
+        self.__init__()
+
+    def __repr__(self) -> str:
+        return f"Workspace({len(self._buffers)} buffers, {self.nbytes()} bytes)"
