@@ -1,5 +1,5 @@
 """The training step's kept scratch buffer (``ops/workspace.py``): reused only when nothing else holds it, the loss
-gradient written into it equal to a fresh one's, and the models' own workspace freed by ``eval()``."""
+gradient written into it equal to a fresh one's, and the models' own workspace."""
 
 import copy
 import importlib
@@ -119,18 +119,18 @@ def test_cross_entropy_workspace_type():
 @pytest.mark.parametrize("family", FAMILIES)
 def test_model_training_steps_reuse_and_eval_frees(family):
     """Training steps of a model with its workspace give the same parameter gradients as with PyTorch's own loss;
-    the workspace holds the gradient between steps, logits whose gradient the user retained stay intact, and
-    ``eval()`` frees it."""
+    the workspace holds the gradient between steps, also through ``eval()``; logits whose gradient the user
+    retained stay intact; ``clear()`` frees it; a deep copy starts empty."""
     model = micro_model(family, vocab_size=300).train()
     reference = copy.deepcopy(model)
     reference.loss_function = lambda logits, labels, vocab_size, **kw: cross_entropy_reference(
         logits[:, :-1].reshape(-1, vocab_size), labels[:, 1:].reshape(-1))
-    assert model._loss_workspace().nbytes() == 0
+    assert model.loss_workspace().nbytes() == 0
     retained = None
     for step in range(3):
         ids = random_ids(2, 19, seed=step) * 3  # ids up to 288
         for m in (model, reference):
-            m.zero_grad(set_to_none=True)
+            m.train().zero_grad(set_to_none=True)
         out = model(ids, labels=ids)
         if step == 1:
             out.logits.retain_grad()
@@ -141,8 +141,10 @@ def test_model_training_steps_reuse_and_eval_frees(family):
         if step == 1:
             retained, retained_copy = out.logits.grad, out.logits.grad.clone()
         del out
-        assert model._loss_workspace().nbytes() == 2 * 19 * 300 * 4
+        assert model.loss_workspace().nbytes() == 2 * 19 * 300 * 4
+        model.eval()  # an evaluation between steps keeps it
     assert torch.equal(retained, retained_copy)
-    model.eval()
-    assert model._loss_workspace().nbytes() == 0
-    assert copy.deepcopy(model.train())._loss_workspace().nbytes() == 0
+    assert model.loss_workspace().nbytes() == 2 * 19 * 300 * 4
+    assert copy.deepcopy(model).loss_workspace().nbytes() == 0
+    model.loss_workspace().clear()
+    assert model.loss_workspace().nbytes() == 0

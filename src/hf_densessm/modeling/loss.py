@@ -7,7 +7,7 @@ labels are shifted inside (position ``t`` predicts label ``t + 1``; ``shift_labe
 ``Trainer`` passes it (gradient accumulation), else by the number of counted positions. One difference: float64
 logits stay float64 (transformers casts them to float32), so float64 tests compare exactly.
 
-With gradients on, the logits' gradient is written into the model's ``_loss_workspace()``, a buffer kept from the
+With gradients on, the logits' gradient is written into the model's ``loss_workspace()``, a buffer kept from the
 last step when nothing else holds it (:mod:`hf_densessm.ops.workspace`).
 
 A loss function a user set (``model.loss_function = fn``) and non-CPU logits take ``model.loss_function`` itself.
@@ -36,7 +36,7 @@ def causal_lm_loss(
     """Next-token cross-entropy of ``logits`` against ``labels`` (module docstring).
 
     Args:
-        model: the causal LM (its ``loss_function``, ``config.vocab_size`` and ``_loss_workspace()``).
+        model: the causal LM (its ``loss_function``, ``config.vocab_size`` and ``loss_workspace()``).
         logits: ``(batch, seq_len, vocab_size)`` float32 or float64.
         labels: ``(batch, seq_len)`` token ids, ``ignore_index`` where no loss is wanted.
         num_items_in_batch: divisor of the summed loss (``Trainer``'s, int or 0-dim tensor), or ``None`` (mean).
@@ -58,7 +58,7 @@ def causal_lm_loss(
     if shift_labels is None:
         shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
     vocab = model.config.vocab_size
-    workspace = model._loss_workspace() if torch.is_grad_enabled() and logits.requires_grad else None
+    workspace = model.loss_workspace() if torch.is_grad_enabled() and logits.requires_grad else None
     return cross_entropy(
         logits.reshape(-1, vocab), shift_labels.reshape(-1).to(logits.device), ignore_index, divisor=num_items_in_batch,
         workspace=workspace,

@@ -351,28 +351,18 @@ class DenseSSMCausalLMMixin:
             loss = causal_lm_loss(self, logits, labels, **kwargs)  # transformers' ForCausalLMLoss, fused on CPU
         return loss, logits
 
-    def _loss_workspace(self) -> Workspace:
-        """The :class:`~hf_densessm.ops.workspace.Workspace` the CPU loss writes the logits' gradient into (made on
-        first use, one per model; empty again after ``train(False)``, ``copy.deepcopy`` or pickling). Kept in the
-        instance's ``__dict__``, never in the ``state_dict``."""
+    def loss_workspace(self) -> Workspace:
+        """The :class:`~hf_densessm.ops.workspace.Workspace` the CPU training loss writes the logits' gradient into,
+        so that one buffer serves every training step instead of a fresh allocation each (made on first use, one
+        per model). It keeps the largest such gradient seen, (batch x length) x vocabulary values (262 MB at
+        2 x 1024 tokens and a 32000-word vocabulary in float32), as long as the model lives; a model that never
+        computes a loss with gradients on the CPU never makes one. ``model.loss_workspace().clear()`` frees it
+        now. Kept in the instance's ``__dict__``, never in the ``state_dict``; ``copy.deepcopy`` and pickling give
+        an empty one."""
         workspace = self.__dict__.get("_hfd_loss_workspace")
         if workspace is None:
             workspace = self.__dict__["_hfd_loss_workspace"] = Workspace()
         return workspace
-
-    def train(self, mode: bool = True):
-        """``torch.nn.Module.train``; leaving training mode (``train(False)``, ``eval()``) also frees the buffer the
-        loss kept from the last training step (:meth:`_loss_workspace`; 262 MB at 2 x 1024 tokens and a 32000-word
-        vocabulary in float32).
-
-        Raises:
-            ValueError: ``mode`` not a bool (PyTorch's own check).
-        """
-        module = super().train(mode)
-        workspace = self.__dict__.get("_hfd_loss_workspace")
-        if not mode and workspace is not None:
-            workspace.clear()
-        return module
 
     def compile_decode_step(self, enable: bool = True):
         """Run every later one-token decoding step (``generate()``'s loop, or a manual loop over a cache) on the CPU

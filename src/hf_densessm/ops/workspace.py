@@ -16,9 +16,10 @@ allocates a new buffer and keeps that one instead. A view that is handed out the
 tensor anyone can still read. Where the count cannot be read (a PyTorch without ``torch._C._storage_Use_Count``),
 or under ``torch.compile``, every call allocates (the behaviour without a workspace).
 
-Lifetime: each causal-LM model owns one (``DenseSSMCausalLMMixin``), made at its first loss computed with
-gradients; ``model.eval()`` (``train(False)``) frees it, and so does dropping the model. ``copy.deepcopy`` and
-pickling give an empty workspace.
+Lifetime: each causal-LM model owns one (``model.loss_workspace()``), made at its first loss computed with
+gradients on the CPU, and kept while the model lives, through evaluation too: a training loop that evaluates
+between steps would otherwise pay the fresh allocation again after each evaluation.
+``model.loss_workspace().clear()`` frees it. ``copy.deepcopy`` and pickling give an empty workspace.
 """
 
 from __future__ import annotations
