@@ -28,12 +28,12 @@ def _all_kernels(dtype):
     y = selective_scan(u, dt, A, B, C, z=z, delta_softplus=True, backend="cpu")
     x, taps = rand(2, 70, 300), rand(300, 4)
     conv = causal_conv1d(x, taps, activation="silu", backend="cpu")
-    f, total, gate = rand(70, 300), rand(70, 300), rand(70, 300)
-    fused = gated_add(f, total, gate, backend="cpu")
+    f, total, total2, gate_in, gate_w = rand(70, 300), rand(70, 300), rand(70, 300), rand(70, 16), rand(300, 16)
+    fused = gated_add(f, [total, total2], gate_in, gate_w, backend="cpu")
     logits, target = rand(70, 500), torch.randint(0, 500, (70,), generator=g)
     loss = cross_entropy(logits, target)
     (y.square().sum() + conv.square().sum() + fused.square().sum() + loss).backward()
-    leaves = (u, dt, A, B, C, z, x, taps, f, total, gate, logits)
+    leaves = (u, dt, A, B, C, z, x, taps, f, total, total2, gate_in, gate_w, logits)
     return [t.detach() for t in (y, conv, fused, loss)] + [t.grad for t in leaves]
 
 

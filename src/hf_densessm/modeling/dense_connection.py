@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..ops.gated_add import gated_add
-from .decode import decode_linear
+from ..ops.gated_add import gated_add, uses_kernel
+from .decode import _plain_linear, decode_linear
 
 GATE_INIT_GAIN = 2**-2.5  # Xavier-uniform gain of DenseMamba's gates (docs/design.md §4)
 
@@ -124,8 +124,8 @@ class DenseHiddenConnection(nn.Module):
         fusion: ``"add"`` (Eq. 17) | ``"concat"`` (Table 8; ``reduce: (n+1)*feature_size -> feature_size``,
             initialized to pass ``f^l`` through unchanged).
         gate_hidden_size: width of the MLP gate.
-        config: the model's config, read for ``kernel_backend`` at each call (the fused gate of the default knobs,
-            :func:`hf_densessm.ops.gated_add.gated_add`); ``None`` means ``"auto"``.
+        config: the model's config, read for ``kernel_backend`` at each call (the fused sum, gate output layer and
+            add of the default knobs, :func:`hf_densessm.ops.gated_add.gated_add`); ``None`` means ``"auto"``.
 
     Shapes: ``forward(x, feature, predecessors)`` takes ``x`` ``(..., hidden_size)``, ``feature``
     ``(..., feature_size)`` and a list of ``n`` tensors shaped like ``feature``, nearest layer first
@@ -181,13 +181,19 @@ class DenseHiddenConnection(nn.Module):
             )
         if self.selection != "none" and self.shared_gate and self.projections is None and self.fusion == "add":
             # The defaults (identity transition, one shared gate, add): sum_i g * f_i = g * sum_i f_i, so the
-            # predecessors are summed first and gated once, the gate's SiLU fused in (one pass forward and one
-            # backward on the CPU kernel; every predecessor gets the same gradient).
+            # predecessors are summed first and gated once. With the MLP gate on the CPU kernel, the sum, the gate's
+            # output layer fc2, its SiLU and the add are one pass forward and one backward (ops/gated_add.py); fc2 is
+            # read as a weight only when calling it would run nothing else (no hook, no adapter, no bias).
+            dtype, backend = feature.dtype, getattr(self.config, "kernel_backend", "auto")
+            output = self.gate.output_layer()
+            kernel = self.selection == "mlp" and uses_kernel(feature, output.in_features, backend)
+            if kernel and _plain_linear(output) and output.bias is None:
+                hidden = F.silu(self.gate.fc1(x)).to(dtype)
+                return gated_add(feature, [f.to(dtype) for f in predecessors], hidden, output.weight.to(dtype), backend)
             total = predecessors[0]
             for f in predecessors[1:]:
                 total = total + f
-            gate = self.gate.pre_activation(x).to(feature.dtype)
-            return gated_add(feature, total.to(feature.dtype), gate, getattr(self.config, "kernel_backend", "auto"))
+            return torch.addcmul(feature, total.to(dtype), F.silu(self.gate.pre_activation(x).to(dtype)))
         shared = self.gate(x) if self.selection != "none" and self.shared_gate else None
         selected = []
         for i, f in enumerate(predecessors):
