@@ -12,6 +12,7 @@ from hf_densessm.ops import cpu_build
 from hf_densessm.ops.causal_conv1d import causal_conv1d
 from hf_densessm.ops.cross_entropy import cross_entropy
 from hf_densessm.ops.gated_add import gated_add
+from hf_densessm.ops.rms_norm import rms_norm
 from hf_densessm.ops.selective_scan import selective_scan
 from hf_densessm.ops.selective_scan import cpu as cpu_scan
 
@@ -30,11 +31,13 @@ def _all_kernels(dtype):
     conv = causal_conv1d(x, taps, activation="silu", backend="cpu")
     f, total, total2, gate_in, gate_w = rand(70, 300), rand(70, 300), rand(70, 300), rand(70, 16), rand(300, 16)
     fused = gated_add(f, [total, total2], gate_in, gate_w, backend="cpu")
+    normed_in, norm_w = rand(2, 70, 300), rand(150)
+    normed = rms_norm(normed_in, norm_w, 1e-6, num_groups=2, backend="cpu")
     logits, target = rand(70, 500), torch.randint(0, 500, (70,), generator=g)
     loss = cross_entropy(logits, target)
-    (y.square().sum() + conv.square().sum() + fused.square().sum() + loss).backward()
-    leaves = (u, dt, A, B, C, z, x, taps, f, total, total2, gate_in, gate_w, logits)
-    return [t.detach() for t in (y, conv, fused, loss)] + [t.grad for t in leaves]
+    (y.square().sum() + conv.square().sum() + fused.square().sum() + normed.square().sum() + loss).backward()
+    leaves = (u, dt, A, B, C, z, x, taps, f, total, total2, gate_in, gate_w, normed_in, norm_w, logits)
+    return [t.detach() for t in (y, conv, fused, normed, loss)] + [t.grad for t in leaves]
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])

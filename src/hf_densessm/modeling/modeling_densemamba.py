@@ -295,7 +295,7 @@ class DenseMambaBlock(GradientCheckpointingLayer):
         super().__init__()
         self.layer_idx = layer_idx
         self.residual_in_fp32 = config.residual_in_fp32
-        self.norm = DenseSSMRMSNorm(config.hidden_size, eps=config.layer_norm_epsilon)
+        self.norm = DenseSSMRMSNorm(config.hidden_size, eps=config.layer_norm_epsilon, config=config)
         self.mixer = DenseMambaMixer(config, layer_idx=layer_idx)
 
     def forward(self, hidden_states, *dense_inputs, cache_params=None, attention_mask=None, reset=None):
@@ -413,7 +413,7 @@ class DenseMambaModel(DenseMambaPreTrainedModel):
         self.embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DenseMambaBlock(config, layer_idx=i) for i in range(config.num_hidden_layers))
         self.gradient_checkpointing = False
-        self.norm_f = DenseSSMRMSNorm(config.hidden_size, eps=config.layer_norm_epsilon)
+        self.norm_f = DenseSSMRMSNorm(config.hidden_size, eps=config.layer_norm_epsilon, config=config)
         self.post_init()
 
     def get_input_embeddings(self):

@@ -146,13 +146,15 @@ class DenseRetNetRetention(nn.Module):
         self.k_proj = nn.Linear(config.hidden_size, self.key_dim, bias=False)
         self.hidden_proj = nn.Linear(config.hidden_size, 2 * self.value_dim, bias=False)
         self.o_proj = nn.Linear(self.value_dim, config.hidden_size, bias=False)
-        self.group_norm = DenseSSMRMSNorm(self.value_dim, eps=config.rms_norm_eps, num_groups=self.num_heads)
+        self.group_norm = DenseSSMRMSNorm(
+            self.value_dim, eps=config.rms_norm_eps, num_groups=self.num_heads, config=config
+        )
         self.theta_shift = DenseRetNetThetaShift(self.head_dim, config.rope_theta)
         self.dense_k = build_dense_connection(config, layer_idx, self.key_dim)
         self.dense_v = build_dense_connection(config, layer_idx, self.value_dim)
         if self.dense_k is not None:
-            self.k_norm = DenseSSMRMSNorm(self.key_dim, eps=config.rms_norm_eps)
-            self.v_norm = DenseSSMRMSNorm(self.value_dim, eps=config.rms_norm_eps)
+            self.k_norm = DenseSSMRMSNorm(self.key_dim, eps=config.rms_norm_eps, config=config)
+            self.v_norm = DenseSSMRMSNorm(self.value_dim, eps=config.rms_norm_eps, config=config)
         self.dropout = nn.Dropout(config.dropout)
 
     def _step_positions(self, cache_params, seen: torch.Tensor, dtype: torch.dtype):
@@ -313,7 +315,7 @@ class DenseRetNetBlock(GradientCheckpointingLayer):
 
     def __init__(self, config: DenseRetNetConfig, layer_idx: int):
         super().__init__()
-        self.input_layernorm = DenseSSMRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.input_layernorm = DenseSSMRMSNorm(config.hidden_size, eps=config.rms_norm_eps, config=config)
         self.self_attn = DenseRetNetRetention(config, layer_idx)
 
     def forward(self, hidden_states, *dense_inputs, cache_params=None, attention_mask=None, reset=None):
@@ -367,7 +369,7 @@ class DenseRetNetModel(DenseRetNetPreTrainedModel):
         super().__init__(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DenseRetNetBlock(config, layer_idx=i) for i in range(config.num_hidden_layers))
-        self.norm = DenseSSMRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.norm = DenseSSMRMSNorm(config.hidden_size, eps=config.rms_norm_eps, config=config)
         self.gradient_checkpointing = False
         self.post_init()
 
