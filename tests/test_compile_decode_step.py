@@ -112,8 +112,9 @@ def test_compilation_failure_falls_back_to_eager_with_one_warning(monkeypatch):
 
     monkeypatch.setattr(modeling_densessm.torch, "compile", failing_compile)
     model.compile_decode_step()
-    with pytest.warns(RuntimeWarning, match="compile_decode_step could not compile.*no C\\+\\+ compiler here"):
+    with pytest.warns(RuntimeWarning, match="compile_decode_step could not compile.*no C\\+\\+ compiler here") as caught:
         fallback = decode_step_by_step(model, ids, None, prefill=4)
+    assert caught[0].filename.endswith("helpers.py")  # names the caller's line, not PyTorch's module call
     torch.testing.assert_close(fallback, eager, rtol=0, atol=0)
     assert model.__dict__["_compile_decode_step"] is False  # later steps: eager, no further warnings
 

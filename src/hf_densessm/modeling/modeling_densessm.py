@@ -5,12 +5,15 @@ once, used by both families; the dense connection itself is :mod:`.dense_connect
 
 from __future__ import annotations
 
+import os
+import sys
 import types
 import warnings
 import weakref
 
 import torch
 import torch.nn.functional as F
+import transformers
 from torch import nn
 from transformers.modeling_layers import GenericForSequenceClassification
 from transformers.utils import logging
@@ -308,6 +311,22 @@ def check_logits_to_keep(logits_to_keep, seq_len: int):
     return slice(-logits_to_keep, None) if logits_to_keep else slice(None)
 
 
+#: Folders whose frames a warning of ours skips, so that it names the user's line (our package, PyTorch, transformers).
+_LIBRARY_DIRS = tuple(
+    os.path.dirname(module.__file__) + os.sep for module in (sys.modules[__name__.split(".")[0]], torch, transformers)
+)
+
+
+def _caller_stacklevel() -> int:
+    """The ``stacklevel`` for ``warnings.warn`` (called by the function that calls this) that points at the first frame
+    outside :data:`_LIBRARY_DIRS`: the user's call of ``generate()`` or of the model, however deep the library
+    frames between (PyTorch's module call, transformers' generation loop)."""
+    level, frame = 2, sys._getframe(2)  # stacklevel 2: the caller of the function that warns
+    while frame is not None and frame.f_code.co_filename.startswith(_LIBRARY_DIRS):
+        level, frame = level + 1, frame.f_back
+    return level
+
+
 #: The compiled decoding step of each model with ``compile_decode_step()`` on, by model (weak keys). Kept outside the
 #: model, so that ``copy.deepcopy``, pickling and saving never carry a compiled function bound to another model.
 COMPILED_DECODE_STEPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -469,7 +488,7 @@ class DenseSSMCausalLMMixin:
                 f"hf_densessm: compile_decode_step could not compile the decoding step ({reason}); the eager step "
                 "runs instead.",
                 RuntimeWarning,
-                stacklevel=3,
+                stacklevel=_caller_stacklevel(),
             )
             return None
         record_tokens(cache, 1)
