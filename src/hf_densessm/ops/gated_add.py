@@ -12,7 +12,9 @@ gate's ``k``-term products instead of storing them, and accumulates the gradient
 (backward: reads ``grad, sum, h``, writes ``d sum = grad * silu(a)``, ``d h`` and per-worker partial ``d W``; ``d
 feature`` is ``grad`` itself, and every predecessor's gradient is ``d sum``). Rows are split between the workers of
 :func:`hf_densessm.ops.cpu_build.run_job`; accumulation in the tensors' dtype (float32, or float64 for float64
-models).
+models). The dense connection's other settings (``dense_selection="linear"``, a gate per predecessor, a projection,
+``"concat"``) and an output layer with a hook, an adapter or a bias run PyTorch
+(:class:`hf_densessm.modeling.dense_connection.DenseHiddenConnection`).
 """
 
 from __future__ import annotations
