@@ -46,7 +46,7 @@ from string import Template
 import torch
 
 __all__ = [
-    "cache_dir", "find_compiler", "load_error", "load_library", "openmp_ready", "per_worker", "run_job",
+    "as_rows", "cache_dir", "find_compiler", "load_error", "load_library", "openmp_ready", "per_worker", "run_job",
     "run_parallel", "thread_pool", "vector_source", "worker_count",
 ]
 
@@ -250,6 +250,20 @@ def openmp_ready(library: ctypes.CDLL) -> bool:
         and library.built_with_openmp
         and _shared_openmp_runtime()
     )
+
+
+def as_rows(x: torch.Tensor, width: int | None = None) -> tuple[torch.Tensor, int]:
+    """``x`` as a ``(rows, width)`` tensor (``width`` default: its last dimension) with unit stride along ``width``,
+    for a kernel that walks rows: a view when the leading dimensions collapse into one row stride, else a contiguous
+    copy; and that row stride (elements)."""
+    width = x.shape[-1] if width is None else width
+    try:
+        rows = x.view(-1, width)
+    except RuntimeError:
+        rows = x.reshape(-1, width).contiguous()
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    return rows, rows.stride(0)
 
 
 def per_worker(buffer) -> list[int]:

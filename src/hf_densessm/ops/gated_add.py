@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from .backend import resolve_backend
-from .cpu_build import load_library, per_worker, run_job, vector_source, worker_count
+from .cpu_build import as_rows, load_library, per_worker, run_job, vector_source, worker_count
 
 __all__ = ["gated_add", "gated_add_torch", "uses_kernel"]
 
@@ -129,19 +129,6 @@ def gated_add_torch(
     return torch.addcmul(feature, total, F.silu(F.linear(gate_input, gate_weight)))
 
 
-def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """``x`` as a ``(rows, n)`` tensor with unit stride along ``n`` (a view when the leading dimensions collapse into
-    one row stride, else a copy), and that row stride."""
-    n = x.shape[-1]
-    try:
-        rows = x.view(-1, n)
-    except RuntimeError:
-        rows = x.reshape(-1, n).contiguous()
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
-    return rows, rows.stride(0)
-
-
 def _suffix(dtype: torch.dtype) -> str:
     return "_f64" if dtype == torch.float64 else "_f32"
 
@@ -154,9 +141,9 @@ class GatedAddCPUFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, feature, gate_input, gate_weight, *predecessors):
         shape, dtype = feature.shape, feature.dtype
-        f, sf = _rows(feature)
-        h, sh = _rows(gate_input)
-        preds = [_rows(p) for p in predecessors]
+        f, sf = as_rows(feature)
+        h, sh = as_rows(gate_input)
+        preds = [as_rows(p) for p in predecessors]
         wt = gate_weight.t().contiguous()  # (k, n): the kernel reads it along n
         rows, n = f.shape
         out = torch.empty(rows, n, dtype=dtype)
@@ -175,7 +162,7 @@ class GatedAddCPUFn(torch.autograd.Function):
         total, h, wt = ctx.saved_tensors
         gate_input_shape, count = ctx.shapes
         dtype = total.dtype
-        g, sg = _rows(grad.to(dtype))
+        g, sg = as_rows(grad.to(dtype))
         rows, n = g.shape
         k = h.shape[1]
         d_total = torch.empty(rows, n, dtype=dtype)

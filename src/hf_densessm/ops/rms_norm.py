@@ -18,7 +18,7 @@ from string import Template
 import torch
 
 from .backend import resolve_backend
-from .cpu_build import load_library, per_worker, run_job, vector_source, worker_count
+from .cpu_build import as_rows, load_library, per_worker, run_job, vector_source, worker_count
 
 __all__ = ["rms_norm", "rms_norm_torch"]
 
@@ -186,12 +186,7 @@ def rms_norm(
     if form != "cpu" or small or not usable:
         return rms_norm_torch(x, weight, eps, num_groups, eps_scale)
     grouped = x.unflatten(-1, (num_groups, d))
-    try:
-        rows = grouped.view(-1, d)
-    except RuntimeError:
-        rows = grouped.reshape(-1, d).contiguous()
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
+    rows, _ = as_rows(grouped)
     if eps_scale is None:
         eps_rows, eps_stride = torch.full((1,), eps, dtype=x.dtype), 0
     else:
