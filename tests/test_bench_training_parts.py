@@ -36,7 +36,8 @@ def test_switches_take_the_other_path(monkeypatch):
     calls = []
     for fn in (gated_add_module.GatedAddCPUFn, rms_norm_module.RMSNormCPUFn):
         real = fn.apply
-        monkeypatch.setattr(fn, "apply", (lambda real, name: lambda *a: calls.append(name) or real(*a))(real, fn.__name__))
+        counting = (lambda real, name: lambda *a: calls.append(name) or real(*a))(real, fn.__name__)
+        monkeypatch.setattr(fn, "apply", counting)
     models = {k: v for k, v in bench_training_parts.bench_cpu.build_models(256, "tiny").items() if "m=0" not in k}
     model = models["DenseMamba m=4"] if "DenseMamba m=4" in models else next(iter(models.values()))
     ids = torch.randint(3, 256, (2, 300))

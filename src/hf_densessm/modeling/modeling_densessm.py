@@ -18,10 +18,10 @@ from torch import nn
 from transformers.modeling_layers import GenericForSequenceClassification
 from transformers.utils import logging
 
+from ..ops.workspace import Workspace
 from .cache import CACHE_SLOTS, check_cache, new_cache, record_tokens
 from .decode import decode_linear
 from .dense_connection import run_dense_layers
-from ..ops.workspace import Workspace
 from .loss import causal_lm_loss
 
 

@@ -10,8 +10,8 @@ Why a kernel: at a 32000-word vocabulary the logits of a training step are the l
 make about six passes over it through main memory (with a zero-filled gradient). A row of logits (128 KB) fits in
 the L2 cache, so the kernel reads each row from memory once in the forward pass (maximum, then the sum of
 exponentials from the cache) and once in the backward pass, writing the gradient as it goes, into a buffer kept from
-the last step when one is given (``workspace``: :mod:`hf_densessm.ops.workspace` says why and when it is safe). Rows are split between
-the workers of :func:`hf_densessm.ops.cpu_build.run_job`. Accumulation is in the logits' dtype (float32, or
+the last step when one is given (``workspace``: :mod:`hf_densessm.ops.workspace` says why and when it is safe).
+Rows are split between the workers of :func:`hf_densessm.ops.cpu_build.run_job`. Accumulation is in the logits' dtype (float32, or
 float64 for float64 models); :func:`cross_entropy` runs the reference for other devices and dtypes and where the
 kernel cannot be built.
 """
@@ -170,7 +170,9 @@ def cross_entropy(
     if target.is_floating_point() or target.dtype == torch.bool or target.is_complex():
         raise TypeError(f"target must be an integer tensor, got {target.dtype}")
     if workspace is not None and not isinstance(workspace, Workspace):
-        raise TypeError(f"workspace must be None or an hf_densessm.ops.workspace.Workspace, got {type(workspace).__name__}")
+        raise TypeError(
+            f"workspace must be None or an hf_densessm.ops.workspace.Workspace, got {type(workspace).__name__}"
+        )
     target = target.to(torch.int64)
     if logits.device.type != "cpu" or logits.dtype not in (torch.float32, torch.float64) or _library() is None:
         return cross_entropy_reference(logits, target, ignore_index, divisor)  # it checks the targets itself

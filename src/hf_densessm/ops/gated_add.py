@@ -52,7 +52,8 @@ void gated_add_fwd$sfx(int64_t r0, int64_t r1, int64_t n, int64_t k, int64_t np,
             vec$sfx a = ZERO$sfx;
             for (int64_t c = 0; c < k; c++) a += hi[c] * vld$sfx(wt + c * n + j, nl);
             vec$sfx t = vld$sfx((const $real *)(intptr_t)pp[0] + i * pp[1] + j, nl);
-            for (int64_t q = 1; q < np; q++) t += vld$sfx((const $real *)(intptr_t)pp[2 * q] + i * pp[2 * q + 1] + j, nl);
+            for (int64_t q = 1; q < np; q++)
+                t += vld$sfx((const $real *)(intptr_t)pp[2 * q] + i * pp[2 * q + 1] + j, nl);
             if (total) vst$sfx(total + i * n + j, t, nl);
             vst$sfx(out + i * n + j, vld$sfx(f + i * sf + j, nl) + t * a * vsigmoid$sfx(a), nl);
         }
@@ -221,7 +222,9 @@ def gated_add(
         raise ValueError("predecessors must hold at least one tensor")
     for p in predecessors:
         if p.shape != feature.shape:
-            raise ValueError(f"every predecessor must have feature's shape {tuple(feature.shape)}, got {tuple(p.shape)}")
+            raise ValueError(
+                f"every predecessor must have feature's shape {tuple(feature.shape)}, got {tuple(p.shape)}"
+            )
     n = feature.shape[-1]
     if gate_weight.dim() != 2 or gate_weight.shape[0] != n:
         raise ValueError(f"gate_weight must have shape ({n}, k), got {tuple(gate_weight.shape)}")

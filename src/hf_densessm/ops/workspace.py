@@ -5,7 +5,7 @@ vocabulary values (262 MB for 2 x 1024 tokens in float32), and frees it a moment
 block that large with a fresh ``mmap`` and gives it back with ``munmap`` (its threshold for that stops rising at
 32 MB), so every step the kernel maps and zeroes 64,000 new pages on first touch: 45-450 ms per step on the 2-core
 VM of docs/benchmarks.md, a third of it from the page faults of two threads at once. Keeping the buffer makes that
-cost go away (run P in docs/benchmarks.md: the DenseMamba training step 1.12-1.15x faster, paired), without
+cost go away (run Q in docs/benchmarks.md: training steps 1.04-1.23x faster, paired), without
 touching the allocator of the user's process (which ``MALLOC_MMAP_MAX_=0``, docs/training.md, does for
 everything).
 
