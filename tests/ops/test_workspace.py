@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hf_densessm.ops.cross_entropy import cross_entropy, cross_entropy_reference
-from hf_densessm.ops.workspace import Workspace
+from hf_densessm.ops.workspace import Workspace, linear_into
 from tests.helpers import FAMILIES, micro_model, random_ids
 
 ws_module = importlib.import_module("hf_densessm.ops.workspace")
@@ -141,10 +141,49 @@ def test_model_training_steps_reuse_and_eval_frees(family):
         if step == 1:
             retained, retained_copy = out.logits.grad, out.logits.grad.clone()
         del out
-        assert model.loss_workspace().nbytes() == 2 * 19 * 300 * 4
+        assert model.loss_workspace().nbytes() == 2 * (2 * 19 * 300 * 4)  # the logits and their gradient
         model.eval()  # an evaluation between steps keeps it
     assert torch.equal(retained, retained_copy)
-    assert model.loss_workspace().nbytes() == 2 * 19 * 300 * 4
+    assert model.loss_workspace().nbytes() == 2 * (2 * 19 * 300 * 4)
     assert copy.deepcopy(model).loss_workspace().nbytes() == 0
     model.loss_workspace().clear()
     assert model.loss_workspace().nbytes() == 0
+
+
+@needs_count
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logits_in_the_workspace_only_when_free(family):
+    """The training forward's logits reuse the kept buffer once the last step's outputs are gone, never while the
+    user holds them (they keep their values); the values and gradients equal the LM head's own call; a hook on the
+    LM head is honoured (the module is called)."""
+    model = micro_model(family, vocab_size=300).train()
+    ids = random_ids(2, 19) * 3
+    held = model(ids, labels=ids)
+    held_logits = held.logits.detach().clone()
+    second = model(ids.flip(1), labels=ids.flip(1))  # `held` is alive: new memory
+    assert second.logits.data_ptr() != held.logits.data_ptr()
+    assert torch.equal(held.logits.detach(), held_logits)
+    pointer = second.logits.data_ptr()
+    del held, second
+    third = model(ids, labels=ids)
+    assert third.logits.data_ptr() == pointer  # free again: reused
+    (g1,) = torch.autograd.grad(third.loss, model.lm_head.weight)
+    handle = model.lm_head.register_forward_hook(lambda mod, args, out: out * 1.0)
+    try:
+        fourth = model(ids, labels=ids)  # the module call (a hook): a fresh tensor, the same values
+    finally:
+        handle.remove()
+    assert fourth.logits.data_ptr() != pointer
+    torch.testing.assert_close(fourth.logits, third.logits, rtol=0, atol=0)
+    (g2,) = torch.autograd.grad(fourth.loss, model.lm_head.weight)
+    torch.testing.assert_close(g1, g2, rtol=1e-6, atol=1e-8)
+    with torch.no_grad():  # inference: the module call, nothing kept for it
+        assert model(ids).logits.data_ptr() != pointer
+
+
+def test_linear_into_bad_inputs():
+    ws = Workspace()
+    with pytest.raises(ValueError, match="weight must have shape \\(out, 4\\)"):
+        linear_into(torch.randn(2, 4), torch.randn(3, 5), ws, "y")
+    with pytest.raises(ValueError, match="float32 or float64"):
+        linear_into(torch.randn(2, 4).bfloat16(), torch.randn(3, 4).bfloat16(), ws, "y")

@@ -18,9 +18,9 @@ from torch import nn
 from transformers.modeling_layers import GenericForSequenceClassification
 from transformers.utils import logging
 
-from ..ops.workspace import Workspace
+from ..ops.workspace import Workspace, linear_into
 from .cache import CACHE_SLOTS, check_cache, new_cache, record_tokens
-from .decode import decode_linear
+from .decode import _plain_linear, decode_linear
 from .dense_connection import run_dense_layers
 from .loss import causal_lm_loss
 
@@ -362,6 +362,8 @@ class DenseSSMCausalLMMixin:
         hidden_states = hidden_states[:, kept, :].to(self.lm_head.weight.dtype)
         if hidden_states.shape[1] == 1:  # a decoding step: the fastest one-row form (decode_linear)
             logits = decode_linear(self.lm_head, hidden_states[:, 0])[:, None]
+        elif self._logits_into_workspace(hidden_states):  # training on the CPU: the logits' memory kept between steps
+            logits = linear_into(hidden_states, self.lm_head.weight, self.loss_workspace(), "logits")
         else:
             logits = self.lm_head(hidden_states)
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
@@ -370,12 +372,29 @@ class DenseSSMCausalLMMixin:
             loss = causal_lm_loss(self, logits, labels, **kwargs)  # transformers' ForCausalLMLoss, fused on CPU
         return loss, logits
 
+    def _logits_into_workspace(self, hidden_states: torch.Tensor) -> bool:
+        """Whether the LM head writes its logits into :meth:`loss_workspace` (:func:`~hf_densessm.ops.workspace.linear_into`):
+        with gradients on, on the CPU, in float32/float64, outside ``torch.compile``, and only when calling the head
+        would run nothing but its product (a plain bias-free ``nn.Linear``: no hook, no adapter, no replaced
+        ``forward``, :func:`~hf_densessm.modeling.decode._plain_linear`)."""
+        head = self.lm_head
+        return (
+            torch.is_grad_enabled()
+            and hidden_states.device.type == "cpu"
+            and hidden_states.dtype in (torch.float32, torch.float64)
+            and not torch.compiler.is_compiling()
+            and _plain_linear(head)
+            and head.bias is None
+            and head.weight.dtype == hidden_states.dtype
+            and head.weight.device.type == "cpu"
+        )
+
     def loss_workspace(self) -> Workspace:
-        """The :class:`~hf_densessm.ops.workspace.Workspace` the CPU training loss writes the logits' gradient into,
-        so that one buffer serves every training step instead of a fresh allocation each (made on first use, one
-        per model). It keeps the largest such gradient seen, (batch x length) x vocabulary values (262 MB at
-        2 x 1024 tokens and a 32000-word vocabulary in float32), as long as the model lives; a model that never
-        computes a loss with gradients on the CPU never makes one. ``model.loss_workspace().clear()`` frees it
+        """The :class:`~hf_densessm.ops.workspace.Workspace` the CPU training step writes its logits and the loss's
+        gradient of them into, so that two buffers serve every training step instead of fresh allocations each
+        (made on first use, one per model). It keeps the largest of each seen, (batch x length) x vocabulary values
+        (262 MB each at 2 x 1024 tokens and a 32000-word vocabulary in float32), as long as the model lives; a
+        model that never runs a forward with gradients on the CPU never makes one. ``model.loss_workspace().clear()`` frees it
         now. Kept in the instance's ``__dict__``, never in the ``state_dict``; ``copy.deepcopy`` and pickling give
         an empty one."""
         workspace = self.__dict__.get("_hfd_loss_workspace")

@@ -16,9 +16,14 @@ allocates a new buffer and keeps that one instead. A view that is handed out the
 tensor anyone can still read. Where the count cannot be read (a PyTorch without ``torch._C._storage_Use_Count``),
 or under ``torch.compile``, every call allocates (the behaviour without a workspace).
 
-Lifetime: each causal-LM model owns one (``model.loss_workspace()``), made at its first loss computed with
-gradients on the CPU, and kept while the model lives, through evaluation too: a training loop that evaluates
-between steps would otherwise pay the fresh allocation again after each evaluation.
+The models keep two such buffers: the loss's gradient of the logits, and the logits themselves (:func:`linear_into`,
+the LM head while the model trains on the CPU). The logits are the user's output: while a user holds them (an
+outputs object kept from the last step), the next step finds the buffer taken and allocates, exactly as without a
+workspace; ``Trainer`` and loops that drop the outputs get the reuse.
+
+Lifetime: each causal-LM model owns one (``model.loss_workspace()``), made at its first forward with gradients on
+the CPU, and kept while the model lives, through evaluation too: a training loop that evaluates between steps would
+otherwise pay the fresh allocation again after each evaluation.
 ``model.loss_workspace().clear()`` frees it. ``copy.deepcopy`` and pickling give an empty workspace.
 """
 
@@ -29,7 +34,7 @@ import threading
 
 import torch
 
-__all__ = ["Workspace"]
+__all__ = ["Workspace", "linear_into"]
 
 
 def _use_count(tensor: torch.Tensor) -> int:
@@ -75,7 +80,9 @@ class Workspace:
             kept = self._buffers.get(key)
             if kept is None or kept.dtype != dtype or kept.numel() < numel or _use_count(kept) != _SOLE:
                 kept = self._buffers[key] = torch.empty(numel, dtype=dtype)
-            return kept[:numel].view(shape)
+            # a tensor of its own on the kept storage, not an autograd view of it: what it is handed to (an
+            # autograd function's output, a gradient) behaves as a freshly allocated tensor would
+            return torch.empty(0, dtype=dtype).set_(kept.untyped_storage(), 0, shape)
 
     def clear(self) -> None:
         """Drop every kept buffer (memory still held by a handed-out view is freed when that view goes)."""
@@ -98,3 +105,51 @@ class Workspace:
 
     def __repr__(self) -> str:
         return f"Workspace({len(self._buffers)} buffers, {self.nbytes()} bytes)"
+
+
+class _LinearIntoFn(torch.autograd.Function):
+    """``(x (..., in), weight (out, in), workspace, key) -> x @ weight^T`` written into ``workspace.take(key, ...)``;
+    the backward pass is ``nn.Linear``'s: ``d x = g @ weight``, ``d weight = g^T @ x`` (rows flattened)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, workspace, key):
+        out = workspace.take(key, (*x.shape[:-1], weight.shape[0]), x.dtype)
+        torch.matmul(x, weight.t(), out=out)
+        ctx.save_for_backward(x, weight)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        rows = grad.reshape(-1, grad.shape[-1])
+        d_x = (rows @ weight).view(x.shape) if ctx.needs_input_grad[0] else None
+        d_weight = rows.t() @ x.reshape(-1, x.shape[-1]) if ctx.needs_input_grad[1] else None
+        return d_x, d_weight, None, None
+
+
+def linear_into(x: torch.Tensor, weight: torch.Tensor, workspace: Workspace, key: str) -> torch.Tensor:
+    """``torch.nn.functional.linear(x, weight)`` (no bias) with its output in ``workspace``'s buffer ``key``
+    (:meth:`Workspace.take`): the causal-LM models' logits while they train on the CPU, (batch, length, vocabulary),
+    the other tensor as large as the loss's gradient that a step would otherwise allocate afresh.
+
+    Args:
+        x: ``(..., in)`` float32 or float64 CPU tensor.
+        weight: ``(out, in)``, ``x``'s dtype and device.
+        workspace: where the output goes.
+        key: the buffer's name in ``workspace``.
+
+    Returns:
+        ``(..., out)`` contiguous, differentiable in ``x`` and ``weight`` as ``F.linear``'s output (same matrix
+        products forward and backward).
+
+    Raises:
+        ValueError: ``x`` and ``weight`` of different dtypes or devices, a non-CPU tensor, or a dtype other than
+            float32/float64; ``weight`` not 2-D or its ``in`` not ``x``'s last dimension.
+    """
+    if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"weight must have shape (out, {x.shape[-1]}), got {tuple(weight.shape)}")
+    if x.dtype != weight.dtype or x.dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"x and weight must both be float32 or float64, got {x.dtype} and {weight.dtype}")
+    if x.device.type != "cpu" or weight.device.type != "cpu":
+        raise ValueError(f"x and weight must be CPU tensors, got {x.device} and {weight.device}")
+    return _LinearIntoFn.apply(x, weight, workspace, key)
