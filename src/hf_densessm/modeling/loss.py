@@ -8,7 +8,7 @@ labels are shifted inside (position ``t`` predicts label ``t + 1``; ``shift_labe
 logits stay float64 (transformers casts them to float32), so float64 tests compare exactly.
 
 With gradients on, the logits' gradient is written into the model's ``loss_workspace()``, a buffer kept from the
-last step when nothing else holds it (:mod:`hf_densessm.ops.workspace`).
+last step and reused when nothing else holds it (:mod:`hf_densessm.ops.workspace`).
 
 A loss function a user set (``model.loss_function = fn``) and non-CPU logits take ``model.loss_function`` itself.
 """

@@ -1,18 +1,18 @@
 """Scratch buffers kept from one training step to the next, reused only when nothing else holds them.
 
-Why: a CPU training step at a 32000-word vocabulary allocates the gradient of the logits, (batch * length) x
-vocabulary values (262 MB for 2 x 1024 tokens in float32), and frees it a moment later. glibc's ``malloc`` serves a
-block that large with a fresh ``mmap`` and gives it back with ``munmap`` (its threshold for that stops rising at
-32 MB), so every step the kernel maps and zeroes 64,000 new pages on first touch: 45-450 ms per step on the 2-core
-VM of docs/benchmarks.md, a third of it from the page faults of two threads at once. Keeping the buffer makes that
-cost go away (run Q in docs/benchmarks.md: training steps 1.04-1.23x faster, paired), without
+Why: a CPU training step at a 32000-word vocabulary allocates the logits and their gradient, (batch * length) x
+vocabulary values each (262 MB for 2 x 1024 tokens in float32), and frees them a moment later. glibc's ``malloc``
+serves a block that large with a fresh ``mmap`` and gives it back with ``munmap`` (its threshold for that stops
+rising at 32 MB), so every step the kernel maps and zeroes 64,000 new pages per tensor on first touch: the loss's
+backward took 107-494 ms per step on the 2-core VM of docs/benchmarks.md, 27 ms of it its own work. Keeping the
+buffers makes that cost go away (run U in docs/benchmarks.md: training steps 1.11-1.46x faster, paired) without
 touching the allocator of the user's process (which ``MALLOC_MMAP_MAX_=0``, docs/training.md, does for
 everything).
 
-Safety: :meth:`Workspace.take` hands out a new view of a kept buffer only when the workspace's own reference is the
+Safety: :meth:`Workspace.take` hands out a new tensor on a kept buffer's memory only when the workspace's own reference is the
 last one to the buffer's storage (PyTorch's storage use count, measured against a fresh tensor's: nothing else, no
 earlier view, no ``.grad``, no hook, holds any part of it). Otherwise, say the user kept last step's gradient, it
-allocates a new buffer and keeps that one instead. A view that is handed out therefore never shares memory with a
+allocates a new buffer and keeps that one instead. A tensor that is handed out therefore never shares memory with a
 tensor anyone can still read. Where the count cannot be read (a PyTorch without ``torch._C._storage_Use_Count``),
 or under ``torch.compile``, every call allocates (the behaviour without a workspace).
 
@@ -63,9 +63,10 @@ class Workspace:
     def take(self, key: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """An uninitialized contiguous CPU tensor of ``shape`` and ``dtype``.
 
-        It is a view of the buffer kept under ``key`` when that buffer is large enough, of ``dtype``, and held by
-        nothing but this workspace; else a new buffer of exactly ``shape``, which is then kept under ``key``
-        instead (the old one stays with whoever holds it, or is freed).
+        It lies on the memory of the buffer kept under ``key`` when that buffer is large enough, of ``dtype``, and
+        held by nothing but this workspace; else on a new buffer of exactly ``shape``, which is then kept under
+        ``key`` instead (the old one stays with whoever holds it, or is freed). It is a tensor of its own (``set_``
+        on the storage), not an autograd view of the kept one.
 
         Raises:
             ValueError: a negative entry in ``shape``.
@@ -85,7 +86,7 @@ class Workspace:
             return torch.empty(0, dtype=dtype).set_(kept.untyped_storage(), 0, shape)
 
     def clear(self) -> None:
-        """Drop every kept buffer (memory still held by a handed-out view is freed when that view goes)."""
+        """Drop every kept buffer (memory still held by a handed-out tensor is freed when that tensor goes)."""
         with self._lock:
             self._buffers.clear()
 
