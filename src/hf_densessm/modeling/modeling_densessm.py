@@ -373,8 +373,8 @@ class DenseSSMCausalLMMixin:
         return loss, logits
 
     def _logits_into_workspace(self, hidden_states: torch.Tensor) -> bool:
-        """Whether the LM head writes its logits into :meth:`loss_workspace` (:func:`~hf_densessm.ops.workspace.linear_into`):
-        with gradients on, on the CPU, in float32/float64, outside ``torch.compile``, and only when calling the head
+        """Whether the LM head writes its logits into :meth:`loss_workspace`
+        (:func:`~hf_densessm.ops.workspace.linear_into`): with gradients on, on the CPU, in float32/float64, outside ``torch.compile``, and only when calling the head
         would run nothing but its product (a plain bias-free ``nn.Linear``: no hook, no adapter, no replaced
         ``forward``, :func:`~hf_densessm.modeling.decode._plain_linear`)."""
         head = self.lm_head
@@ -394,9 +394,9 @@ class DenseSSMCausalLMMixin:
         gradient of them into, so that two buffers serve every training step instead of fresh allocations each
         (made on first use, one per model). It keeps the largest of each seen, (batch x length) x vocabulary values
         (262 MB each at 2 x 1024 tokens and a 32000-word vocabulary in float32), as long as the model lives; a
-        model that never runs a forward with gradients on the CPU never makes one. ``model.loss_workspace().clear()`` frees it
-        now. Kept in the instance's ``__dict__``, never in the ``state_dict``; ``copy.deepcopy`` and pickling give
-        an empty one."""
+        model that never runs a forward with gradients on the CPU never makes one.
+        ``model.loss_workspace().clear()`` frees it now. Kept in the instance's ``__dict__``, never in the
+        ``state_dict``; ``copy.deepcopy`` and pickling give an empty one."""
         workspace = self.__dict__.get("_hfd_loss_workspace")
         if workspace is None:
             workspace = self.__dict__["_hfd_loss_workspace"] = Workspace()

@@ -9,8 +9,8 @@ buffers makes that cost go away (run U in docs/benchmarks.md: training steps 1.1
 touching the allocator of the user's process (which ``MALLOC_MMAP_MAX_=0``, docs/training.md, does for
 everything).
 
-Safety: :meth:`Workspace.take` hands out a new tensor on a kept buffer's memory only when the workspace's own reference is the
-last one to the buffer's storage (PyTorch's storage use count, measured against a fresh tensor's: nothing else, no
+Safety: :meth:`Workspace.take` hands out a new tensor on a kept buffer's memory only when the workspace's own
+reference is the last one to the buffer's storage (PyTorch's storage use count, measured against a fresh tensor's: nothing else, no
 earlier view, no ``.grad``, no hook, holds any part of it). Otherwise, say the user kept last step's gradient, it
 allocates a new buffer and keeps that one instead. A tensor that is handed out therefore never shares memory with a
 tensor anyone can still read. Where the count cannot be read (a PyTorch without ``torch._C._storage_Use_Count``),
