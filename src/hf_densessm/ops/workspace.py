@@ -10,11 +10,12 @@ touching the allocator of the user's process (which ``MALLOC_MMAP_MAX_=0``, docs
 everything).
 
 Safety: :meth:`Workspace.take` hands out a new tensor on a kept buffer's memory only when the workspace's own
-reference is the last one to the buffer's storage (PyTorch's storage use count, measured against a fresh tensor's: nothing else, no
-earlier view, no ``.grad``, no hook, holds any part of it). Otherwise, say the user kept last step's gradient, it
-allocates a new buffer and keeps that one instead. A tensor that is handed out therefore never shares memory with a
-tensor anyone can still read. Where the count cannot be read (a PyTorch without ``torch._C._storage_Use_Count``),
-or under ``torch.compile``, every call allocates (the behaviour without a workspace).
+reference is the last one to the buffer's storage (PyTorch's storage use count, measured against a fresh tensor's:
+nothing else, no earlier view, no ``.grad``, no hook, holds any part of it). Otherwise, say the user kept last
+step's gradient, it allocates a new buffer and keeps that one instead. A tensor that is handed out therefore never
+shares memory with a tensor anyone can still read. Where the count cannot be read (a PyTorch without
+``torch._C._storage_Use_Count``), or under ``torch.compile``, every call allocates (the behaviour without a
+workspace).
 
 The models keep two such buffers: the loss's gradient of the logits, and the logits themselves (:func:`linear_into`,
 the LM head while the model trains on the CPU). The logits are the user's output: while a user holds them (an
