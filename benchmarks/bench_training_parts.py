@@ -7,7 +7,8 @@ Each part is switched off the way a machine without it would run (the model and 
     gradient every step, as before it existed.
 ``gated_add``
     the dense fusion kernel with the predecessors' sum and the gate's output layer fused in
-    (:mod:`hf_densessm.ops.gated_add`); off: its PyTorch path (the sum, the gate's ``fc2`` call, ``addcmul``).
+    (:mod:`hf_densessm.ops.gated_add`); off: its PyTorch path (the sum, the gate's ``fc2`` call, ``addcmul``), as
+    for tensors below the kernel's size threshold.
 ``rms_norm``
     the RMSNorm kernel (:mod:`hf_densessm.ops.rms_norm`); off: its PyTorch path.
 
@@ -47,8 +48,7 @@ def part_off(part: str):
     if part == "workspace":
         module, name, value = importlib.import_module("hf_densessm.ops.workspace"), "_SOLE", None
     elif part == "gated_add":
-        module = importlib.import_module("hf_densessm.modeling.dense_connection")
-        name, value = "uses_kernel", lambda *args, **kwargs: False
+        module, name, value = importlib.import_module("hf_densessm.ops.gated_add"), "MIN_KERNEL_ELEMENTS", 1 << 62
     elif part == "rms_norm":
         module, name, value = importlib.import_module("hf_densessm.ops.rms_norm"), "MIN_KERNEL_ELEMENTS", 1 << 62
     else:

@@ -112,3 +112,36 @@ def test_default_connection_equals_the_unfused_sum(backend):
         torch.testing.assert_close(conn(x, feature, preds), feature, atol=0, rtol=0)
     finally:
         handle.remove()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("shape,count", [((1, 1, 1), 1), ((2, 7, 5), 2), ((3, 11, 37), 4), ((2, 9, 1024), 3)])
+def test_gate_given_directly_float64(backend, shape, count):
+    """No weight: ``gate_input`` is the gate's pre-activation (``dense_selection="linear"``, or a hooked output
+    layer), strided as a split projection's output."""
+    g = torch.Generator().manual_seed(shape[-1])
+    feature = torch.randn(shape, generator=g, dtype=torch.float64, requires_grad=True)
+    preds = [torch.randn(shape, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(count)]
+    wide = torch.randn(*shape[:-1], 2 * shape[-1], generator=g, dtype=torch.float64) * 3
+    gate = wide[..., shape[-1]:].detach().requires_grad_()
+    out = gated_add(feature, preds, gate, None, backend=backend)
+    ref = feature + torch.stack(preds).sum(0) * gate * torch.sigmoid(gate)
+    torch.testing.assert_close(out, ref, atol=1e-13, rtol=1e-13)
+    go = torch.randn(shape, generator=g, dtype=torch.float64)
+    inputs = (feature, gate, *preds)
+    for a, b in zip(torch.autograd.grad((out * go).sum(), inputs), torch.autograd.grad((ref * go).sum(), inputs)):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12)
+    with pytest.raises(ValueError, match="gate_input must have shape"):
+        gated_add(feature, preds, gate[..., :-1], None, backend=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS + ["auto"])
+def test_linear_gate_connection_equals_the_unfused_sum(backend):
+    torch.manual_seed(0)
+    conn = DenseHiddenConnection(16, 24, 2, "identity", "linear", True, "add", 4).double()
+    torch.nn.init.normal_(conn.gate.fc.weight)
+    conn.config = type("C", (), {"kernel_backend": backend})()
+    x, feature = torch.randn(2, 5, 16, dtype=torch.float64), torch.randn(2, 5, 24, dtype=torch.float64)
+    preds = [torch.randn(2, 5, 24, dtype=torch.float64) for _ in range(2)]
+    gate = F.silu(x @ conn.gate.fc.weight.t())
+    torch.testing.assert_close(conn(x, feature, preds), feature + sum(f * gate for f in preds), atol=1e-13, rtol=1e-13)

@@ -187,13 +187,12 @@ class DenseHiddenConnection(nn.Module):
             dtype, backend = feature.dtype, getattr(self.config, "kernel_backend", "auto")
             output = self.gate.output_layer()
             kernel = self.selection == "mlp" and uses_kernel(feature, output.in_features, backend)
+            predecessors = [f.to(dtype) for f in predecessors]
             if kernel and _plain_linear(output) and output.bias is None:
                 hidden = F.silu(self.gate.fc1(x)).to(dtype)
-                return gated_add(feature, [f.to(dtype) for f in predecessors], hidden, output.weight.to(dtype), backend)
-            total = predecessors[0]
-            for f in predecessors[1:]:
-                total = total + f
-            return torch.addcmul(feature, total.to(dtype), F.silu(self.gate.pre_activation(x).to(dtype)))
+                return gated_add(feature, predecessors, hidden, output.weight.to(dtype), backend)
+            # otherwise the gate's layers are called, and its pre-activation is fused in (kernel or PyTorch path)
+            return gated_add(feature, predecessors, self.gate.pre_activation(x).to(dtype), None, backend)
         shared = self.gate(x) if self.selection != "none" and self.shared_gate else None
         selected = []
         for i, f in enumerate(predecessors):
