@@ -41,8 +41,8 @@ MIN_KERNEL_ELEMENTS = 1 << 16
 MAX_GATE_INPUTS = 64
 
 _BODY = Template(r"""
-/* Rows [r0, r1), n features, k gate inputs (k = 0: h is the gate's pre-activation, (rows, n)), np predecessors. pp: np pairs (address, row stride) of the predecessors;
-   wt: the gate's output weight transposed, (k, n) contiguous; out, total: (rows, n) contiguous (total NULL when
+/* Rows [r0, r1), n features, k gate inputs (k = 0: h is the gate's pre-activation, (rows, n)), np predecessors.
+   pp: np pairs (address, row stride) of the predecessors; wt: the gate's output weight transposed, (k, n) contiguous; out, total: (rows, n) contiguous (total NULL when
    np == 1: the sum is the one predecessor). a = h_i . wt[:, j], out = f + total * a * sigmoid(a). */
 void gated_add_fwd$sfx(int64_t r0, int64_t r1, int64_t n, int64_t k, int64_t np, const $real *f, int64_t sf,
                        const int64_t *pp, const $real *h, int64_t sh, const $real *wt, $real *out, $real *total) {
@@ -256,7 +256,9 @@ def gated_add(
     weights = () if gate_weight is None else (gate_weight,)
     dtypes = {t.dtype for t in (feature, gate_input, *weights, *predecessors)}
     if len(dtypes) != 1:
-        raise ValueError(f"feature, predecessors, gate_input and gate_weight must have one dtype, got {sorted(map(str, dtypes))}")
+        raise ValueError(
+            f"feature, predecessors, gate_input and gate_weight must have one dtype, got {sorted(map(str, dtypes))}"
+        )
     if not uses_kernel(feature, k, backend):
         return gated_add_torch(feature, predecessors, gate_input, gate_weight)
     return GatedAddCPUFn.apply(feature, gate_input, gate_weight, *predecessors)
