@@ -42,8 +42,9 @@ MAX_GATE_INPUTS = 64
 
 _BODY = Template(r"""
 /* Rows [r0, r1), n features, k gate inputs (k = 0: h is the gate's pre-activation, (rows, n)), np predecessors.
-   pp: np pairs (address, row stride) of the predecessors; wt: the gate's output weight transposed, (k, n) contiguous; out, total: (rows, n) contiguous (total NULL when
-   np == 1: the sum is the one predecessor). a = h_i . wt[:, j], out = f + total * a * sigmoid(a). */
+   pp: np pairs (address, row stride) of the predecessors; wt: the gate's output weight transposed, (k, n)
+   contiguous; out, total: (rows, n) contiguous (total NULL when np == 1: the sum is the one predecessor).
+   a = h_i . wt[:, j], out = f + total * a * sigmoid(a). */
 void gated_add_fwd$sfx(int64_t r0, int64_t r1, int64_t n, int64_t k, int64_t np, const $real *f, int64_t sf,
                        const int64_t *pp, const $real *h, int64_t sh, const $real *wt, $real *out, $real *total) {
     for (int64_t i = r0; i < r1; i++) {
