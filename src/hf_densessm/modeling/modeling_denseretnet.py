@@ -206,8 +206,9 @@ class DenseRetNetRetention(nn.Module):
         features = (k[:, None], v[:, None])
         if self.dense_k is not None:  # dense KV connection, Eq. 20-23
             dense_k, dense_v = split_dense_inputs(dense_inputs, 2)
-            k = self.k_norm(self.dense_k(hidden_states, features[0], dense_k))[:, 0]
-            v = self.v_norm(self.dense_v(hidden_states, features[1], dense_v))[:, 0]
+            # under autocast the norms' float32 weights promote their outputs: back to q's compute dtype
+            k = self.k_norm(self.dense_k(hidden_states, features[0], dense_k))[:, 0].to(q.dtype)
+            v = self.v_norm(self.dense_v(hidden_states, features[1], dense_v))[:, 0].to(q.dtype)
         rotation, row_sums = self._step_positions(cache_params, seen, q.dtype)
         if rotation is None:  # inside torch.compile: the full forward's real-valued theta shift at position `seen`
             q = self.theta_shift(q.view(batch, 1, heads, head_dim), seen[:, None])[:, 0]
@@ -264,8 +265,10 @@ class DenseRetNetRetention(nn.Module):
         features = (k, v)
         if self.dense_k is not None:  # dense KV connection, Eq. 20-23
             dense_k, dense_v = split_dense_inputs(dense_inputs, 2)
-            k = self.k_norm(self.dense_k(hidden_states, k, dense_k))
-            v = self.v_norm(self.dense_v(hidden_states, v, dense_v))
+            # under autocast the norms' float32 weights promote their outputs (q stays in the autocast dtype):
+            # the retention op takes one dtype, q's
+            k = self.k_norm(self.dense_k(hidden_states, k, dense_k)).to(q.dtype)
+            v = self.v_norm(self.dense_v(hidden_states, v, dense_v)).to(q.dtype)
 
         state = recurrent_state(cache_params, self.layer_idx, 0)
         seen = recurrent_state(cache_params, self.layer_idx, 1)
