@@ -81,3 +81,39 @@ print("ok")
 def test_pytorch_path_imports_and_runs_without_triton():
     result = subprocess.run([sys.executable, "-c", NO_TRITON], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
+
+
+@pytest.mark.parametrize("form", ["torch", "cpu"])
+def test_ops_compute_in_their_own_precision_under_autocast(form):
+    """``torch.autocast`` does not reach into the ops: their PyTorch paths (which cast to float32 on purpose) give
+    under bfloat16 autocast bit for bit what they give without it, values and gradients, as the kernels do. Without
+    :func:`backend.own_precision` autocast ran the references' matrix products in bfloat16 (errors of about 1e-2)."""
+    from hf_densessm.ops import retention_state_update, selective_state_update
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 40, 2, 16, generator=gen, requires_grad=True) for _ in range(3))
+    u, delta, z = (torch.randn(2, 8, 40, generator=gen, requires_grad=True) for _ in range(3))
+    A, B, C = -torch.rand(8, 4, generator=gen) - 0.5, torch.randn(2, 4, 40, generator=gen), torch.randn(2, 4, 40)
+    state0, scan_state0 = torch.randn(2, 2, 16, 16, generator=gen), torch.randn(2, 8, 4, generator=gen)
+
+    def run():
+        retention_backend = "torch"  # retention has no compiled CPU kernel: its CPU form is the PyTorch path
+        o, final = chunk_retention(q, k, v, initial_state=state0, output_final_state=True, backend=retention_backend)
+        y, last = selective_scan(u, delta, A, B, C, z=z, delta_softplus=True, initial_state=scan_state0,
+                                 return_last_state=True, backend=form)
+        state, scan_state = state0.clone(), scan_state0.clone()
+        step_o = retention_state_update(state, q[:, 0].detach(), k[:, 0].detach(), v[:, 0].detach(),
+                                        backend=retention_backend)
+        step_y = selective_state_update(scan_state, u[..., 0].detach(), delta[..., 0].detach(), A, B[..., 0],
+                                        C[..., 0], z=z[..., 0].detach(), dt_softplus=True, backend=form)
+        return [o, final, y, last, step_o, state, step_y, scan_state]
+
+    def with_grads(outputs):  # the backward pass outside autocast, as in a training loop
+        return outputs + list(torch.autograd.grad(outputs[0].square().sum() + outputs[2].square().sum(),
+                                                  (q, k, v, u, delta, z)))
+
+    plain = with_grads(run())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        autocast = run()
+    for i, (a, b) in enumerate(zip(with_grads(autocast), plain)):
+        assert a.dtype == b.dtype and torch.equal(a, b), i

@@ -22,7 +22,7 @@ import numbers
 
 import torch
 
-from ..backend import use_triton
+from ..backend import own_precision, use_triton
 from ..packing import check_reset
 from .chunked_torch import chunk_retention_torch, retention_state_update_torch
 from .naive import retention_gamma, retention_log2_gamma
@@ -139,7 +139,8 @@ def chunk_retention(q, k, v, scale=None, initial_state=None, output_final_state=
         from .chunk import chunk_retention_triton
 
         return chunk_retention_triton(q, k, v, scale, initial_state, output_final_state, reset=reset)
-    return chunk_retention_torch(q, k, v, scale, initial_state, output_final_state, reset=reset)
+    with own_precision(q.device):
+        return chunk_retention_torch(q, k, v, scale, initial_state, output_final_state, reset=reset)
 
 
 def retention_state_update(state, q, k, v, scale=None, backend="auto"):
@@ -171,4 +172,5 @@ def retention_state_update(state, q, k, v, scale=None, backend="auto"):
         from .fused_recurrent import retention_state_update_triton
 
         return retention_state_update_triton(state, q, k, v, scale)
-    return retention_state_update_torch(state, q, k, v, scale)
+    with own_precision(q.device):
+        return retention_state_update_torch(state, q, k, v, scale)

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import torch
 
-from ..backend import resolve_backend
+from ..backend import own_precision, resolve_backend
 from ..packing import check_reset
 from .chunked_torch import selective_scan_torch, selective_state_update_torch
 from .cpu import MAX_STATE, cpu_kernel_available, selective_scan_cpu, selective_state_update_cpu
@@ -170,10 +170,11 @@ def selective_scan(
             initial_state=initial_state, return_last_state=return_last_state, reset=reset,
         )
     scan = selective_scan_cpu if form == "cpu" else selective_scan_torch
-    return scan(
-        u, delta, A, B, C, D=D, z=z, delta_bias=delta_bias, delta_softplus=delta_softplus,
-        initial_state=initial_state, return_last_state=return_last_state, reset=reset,
-    )
+    with own_precision(u.device):
+        return scan(
+            u, delta, A, B, C, D=D, z=z, delta_bias=delta_bias, delta_softplus=delta_softplus,
+            initial_state=initial_state, return_last_state=return_last_state, reset=reset,
+        )
 
 
 def selective_state_update(
@@ -234,6 +235,8 @@ def selective_state_update(
         from .fused_recurrent import selective_state_update_triton
 
         return selective_state_update_triton(state, x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus)
+    step = selective_state_update_torch
     if form == "cpu" and state.dtype in (torch.float32, torch.float64) and state.is_contiguous():
-        return selective_state_update_cpu(state, x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus)
-    return selective_state_update_torch(state, x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus)
+        step = selective_state_update_cpu
+    with own_precision(dev):
+        return step(state, x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus)
