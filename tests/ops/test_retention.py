@@ -87,7 +87,7 @@ def test_chunked_matches_parallel(length, chunk_size):
 def test_parallel_matches_eq24_sum():
     """Eq. 24 written out as a double loop on a tiny input: o_t = scale sum_{s<=t} gamma^(t-s) (q_t . k_s) v_s."""
     q, k, v, _ = _inputs(1, 6, 2, 3, 4)
-    gamma = retention_gamma(2, dtype=torch.float64)
+    gamma = retention_gamma(2, dtype=torch.float64).to(q.device)
     expected = torch.zeros_like(v)
     for t in range(6):
         for s in range(t + 1):
