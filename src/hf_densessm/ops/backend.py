@@ -43,9 +43,9 @@ def own_precision(device: torch.device):
     ``torch.autocast`` runs matrix products in bfloat16 / float16 even where an op has cast its inputs to float32
     on purpose (the chunked references accumulate states and decays in float32). The Triton and compiled CPU
     kernels are outside autocast's reach; inside this context the PyTorch path is too, so every backend computes
-    the same function under autocast, and its gradients run in the dtypes of its forward pass. Measured on a
-    DenseRetNet micro model (``tests/test_training.py::test_bfloat16_autocast_training_step``): the gradients'
-    cosine similarity with float64 went from 0.981 to that of a pure bfloat16 model (0.9998).
+    the same function under autocast, and its gradients run in the dtypes of its forward pass. On the DenseRetNet
+    micro model of ``tests/test_training.py::test_bfloat16_autocast_training_step`` (PyTorch path) the cosine
+    similarity of the autocast gradients with float64 ones went from 0.981 to 0.988.
 
     Args:
         device: the device of the op's tensors.
