@@ -36,3 +36,26 @@ def test_dry_run_covers_every_section(tmp_path):
     assert len(training) == 4, training
     table = (tmp_path / "gpu_suite.md").read_text().splitlines()
     assert table[0].startswith("| section |") and len(table) == len(records) + 2
+
+
+SWEEP = SUITE.parent / "sweep_triton_tiles.py"
+
+
+@pytest.mark.parametrize("mode", [[], ["--compare"]])
+def test_tile_sweep_dry_run(tmp_path, mode):
+    """``benchmarks/sweep_triton_tiles.py --dry-run`` (and ``--compare``): every candidate compiles and runs under
+    the interpreter, computes what the table's choice computes (float32, to rounding), and lands in the JSON."""
+    pytest.importorskip("triton")
+    out = tmp_path / "sweep.json"
+    result = subprocess.run([sys.executable, str(SWEEP), "--dry-run", "--out", str(out), *mode],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert rows and not [r for r in rows if "error" in r]
+    if mode:
+        assert {(r["kernel"], r["pass_"]) for r in rows} == {(k, p) for k in ("selective_scan", "retention")
+                                                            for p in ("fwd", "fwd+bwd")}
+        assert all(r["first_ms"] > 0 and r["table_ms"] > 0 and r["speedup_median"] > 0 for r in rows)
+    else:
+        assert {r["kernel"] for r in rows} == {"selective_scan", "retention_fwd", "retention_dq", "retention_dkv"}
+        assert all(r["max_rel_dev"] < 1e-5 and r["fwd_bwd_ms"] > 0 for r in rows)

@@ -89,9 +89,14 @@ def chunk_retention_config(arch: GPUArch, dtype: torch.dtype, key_dim: int, valu
       products runs on the FMA units and holds its operands in registers: the first version's 64-token, 64 x 64
       tiles at 4 warps and 3 stages spilled 8-10 KB per thread in every kernel on sm_80, and its backward
       ``dk/dv`` kernel asked for 176 KB of shared memory, over an A100's 163 KB (the launch failed there);
-    - float16 / bfloat16 on sm_90 (H100): 64-token chunks and 64 x 64 tiles for the forward and ``dq`` kernels
-      (fewer partial sums over tiles), 32 x 64 for ``dk/dv``; on sm_8x the float32 choice (the 64-wide tiles
-      spill there).
+    - float16 / bfloat16 on sm_90 (H100), measured there (``benchmarks/sweep_triton_tiles.py``, 24 candidates per
+      kernel at DenseRetNet-350M's heads, 8 x 2048 tokens, ``benchmarks/results/sweep_triton_tiles.json``):
+      the forward and ``dq`` kernels keep the first choice, 64-token chunks and 64 x 64 (key x value) state
+      tiles at 8 warps; the faster candidates compiled here (forward 1.25-1.60 ms against 2.38 ms, ``dq`` 9.5 ms
+      against 10.7 ms of forward + backward) spill registers in the compile test. ``dk/dv``: 32-token chunks, 64 x 64
+      tiles at 4 warps, where the first choice had 32 x 64 tiles at 8 warps: forward + backward 8.0 ms against
+      10.7 ms (three faster ones on 64-token chunks, 6.7-7.6 ms, spill; 32-token chunks with 128-wide tiles,
+      7.2-7.3 ms, were not tried). On sm_8x the float32 choice (the 64-wide tiles spill there).
 
     Stages: for float16 / bfloat16, 2 (loads of the next chunk pipelined through shared memory) where a block may
     use at least 160 KB of shared memory (A100, H100), 1 elsewhere (99 KB: RTX 3090 / 4090, A10, L4, L40); for
@@ -110,11 +115,12 @@ def chunk_retention_config(arch: GPUArch, dtype: torch.dtype, key_dim: int, valu
     stages = 2 if half and arch.shared_per_block >= 160 * 1024 else 1
     if half and arch.capability >= (9, 0):
         fwd = dq = RetentionTiles(64, 64, 64, 8, stages)
+        dkv = RetentionTiles(32, 64, 64, 4, stages)
     else:
         fwd, dq = RetentionTiles(32, 32, 32, 8, stages), RetentionTiles(32, 32, 64, 8, stages)
-    # heads smaller than one 32 x 64 tile: 4 warps for dk/dv (8 warps on its 16 x 32 tile made ptxas spill the
-    # float32 kernel with packed-sequence resets on sm_90, at 128 registers)
-    dkv = RetentionTiles(32, 32, 64, 8 if key_dim * value_dim >= 32 * 64 else 4, stages)
+        # heads smaller than one 32 x 64 tile: 4 warps for dk/dv (8 warps on its 16 x 32 tile made ptxas spill the
+        # float32 kernel with packed-sequence resets on sm_90, at 128 registers)
+        dkv = RetentionTiles(32, 32, 64, 8 if key_dim * value_dim >= 32 * 64 else 4, stages)
     return ChunkRetentionConfig(*(tiles.fit(key_dim, value_dim) for tiles in (fwd, dq, dkv)))
 
 

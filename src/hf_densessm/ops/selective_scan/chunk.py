@@ -78,15 +78,19 @@ def selective_scan_config(arch: GPUArch, dtype: torch.dtype, nstate: int) -> Sel
     """Tiles, warps and stages of the fused scan for one GPU, input dtype and state size.
 
     Both kernels hold ``(block_d, state, chunk)`` tiles in registers (the associative scan, Mamba paper
-    §3.3.2): registers, not shared memory (at most 2 KB here), bound them, and every architecture in
-    :data:`~hf_densessm.ops.backend.ARCHS` has 64K registers per SM, so the choice depends on the state size
-    only. Measured by the compile test (``tests/ops/test_compile.py``) for state 16 (the presets), bfloat16: the
-    forward kernel with 8 channels x 16 tokens x 4 warps takes 124 registers on sm_80 and 96 on sm_90, for a
-    theoretical occupancy of 25% / 31% (with packed-sequence resets: 124 / 102 registers, 25% / 25%), where the
-    first version's 16 channels x 32 tokens x 8 warps took 170-176 registers (12.5%); the backward kernel stays
-    at 12.5% (about 240 registers; 4 channels per program
-    would give 19% on sm_80 only, for twice the atomic adds of ``dB``, ``dC``). No spills. Larger states get
-    proportionally fewer channels per program, so that a thread holds as many elements.
+    §3.3.2); each program walks the whole sequence, chunk after chunk, so the time is the latency of one chunk's
+    loads and scan times the number of chunks, and many small programs hide it better than few large ones.
+
+    Measured on an H100 (``benchmarks/sweep_triton_tiles.py``, state 16, bfloat16, 1 x 2048 channels x 8192
+    tokens, 34 candidates, ``benchmarks/results/sweep_triton_tiles.json``): the forward kernel is fastest with
+    2 channels per program: 0.85 ms with one warp, 1.04 ms with two (the first choice, 8 channels x 4 warps,
+    took 1.87 ms); one warp is not taken, as its kernel keeps an 8-16 B stack frame. The backward kernel is
+    fastest with 4 channels and 2 warps (forward + backward 5.7 ms, against 7.6 ms), both on 16-token chunks. A
+    thread holds at most 16 elements of each tile, as in the first choice's backward kernel (32-token chunks were
+    as fast, but their backward kernel spills registers with packed-sequence resets on sm_80). The other
+    architectures take the same choice: ``tests/ops/test_compile.py`` compiles it for each and checks it spills
+    nothing; it is not timed there (no such GPU was lent). Other state sizes get proportionally fewer or more
+    channels per program (at least 1), so that a thread holds as many elements.
 
     Args:
         arch: the GPU's limits (:func:`hf_densessm.ops.backend.device_arch`); unused beyond documenting that
@@ -99,8 +103,9 @@ def selective_scan_config(arch: GPUArch, dtype: torch.dtype, nstate: int) -> Sel
     """
     del arch, dtype  # see the docstring: registers per SM and per-thread work are the same for all of them
     block_n = triton.next_power_of_2(nstate)
-    block_d = max(2, min(8, 8 * 16 // block_n))
-    return SelectiveScanConfig(chunk=16, fwd_block_d=block_d, fwd_warps=4, bwd_block_d=block_d, bwd_warps=4)
+    fwd_block_d = max(1, 2 * 16 // block_n)
+    bwd_block_d = max(1, 4 * 16 // block_n)
+    return SelectiveScanConfig(chunk=16, fwd_block_d=fwd_block_d, fwd_warps=2, bwd_block_d=bwd_block_d, bwd_warps=2)
 
 
 @triton.jit
