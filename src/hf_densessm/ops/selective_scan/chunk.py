@@ -82,15 +82,16 @@ def selective_scan_config(arch: GPUArch, dtype: torch.dtype, nstate: int) -> Sel
     loads and scan times the number of chunks, and many small programs hide it better than few large ones.
 
     Measured on an H100 (``benchmarks/sweep_triton_tiles.py``, state 16, bfloat16, 1 x 2048 channels x 8192
-    tokens, 34 candidates, ``benchmarks/results/sweep_triton_tiles.json``): the forward kernel is fastest with
+    tokens, 33 candidates, ``benchmarks/results/sweep_triton_tiles.json``): the forward kernel is fastest with
     2 channels per program: 0.85 ms with one warp, 1.04 ms with two (the first choice, 8 channels x 4 warps,
     took 1.87 ms); one warp is not taken, as its kernel keeps an 8-16 B stack frame. The backward kernel is
     fastest with 4 channels and 2 warps (forward + backward 5.7 ms, against 7.6 ms), both on 16-token chunks. A
     thread holds at most 16 elements of each tile, as in the first choice's backward kernel (32-token chunks were
-    as fast, but their backward kernel spills registers with packed-sequence resets on sm_80). The other
+    as fast, but with them the backward kernel of a state of 4, at 16 channels, spilled registers with
+    packed-sequence resets on sm_80). The other
     architectures take the same choice: ``tests/ops/test_compile.py`` compiles it for each and checks it spills
     nothing; it is not timed there (no such GPU was lent). Other state sizes get proportionally fewer or more
-    channels per program (at least 1), so that a thread holds as many elements.
+    channels per program (at least 2, as before), so that a thread holds as many elements.
 
     Args:
         arch: the GPU's limits (:func:`hf_densessm.ops.backend.device_arch`); unused beyond documenting that
@@ -103,8 +104,8 @@ def selective_scan_config(arch: GPUArch, dtype: torch.dtype, nstate: int) -> Sel
     """
     del arch, dtype  # see the docstring: registers per SM and per-thread work are the same for all of them
     block_n = triton.next_power_of_2(nstate)
-    fwd_block_d = max(1, 2 * 16 // block_n)
-    bwd_block_d = max(1, 4 * 16 // block_n)
+    fwd_block_d = max(2, 2 * 16 // block_n)
+    bwd_block_d = max(2, 4 * 16 // block_n)
     return SelectiveScanConfig(chunk=16, fwd_block_d=fwd_block_d, fwd_warps=2, bwd_block_d=bwd_block_d, bwd_warps=2)
 
 
