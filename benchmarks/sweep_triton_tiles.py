@@ -62,7 +62,8 @@ def _time_ms(fn, dry):
 
 
 def _rel(a, b):
-    return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30))
+    a, b = a.detach().float(), b.detach().float()
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
 
 
 def _scan_inputs(batch, dim, nstate, length, device, dtype):
