@@ -59,3 +59,15 @@ def test_tile_sweep_dry_run(tmp_path, mode):
     else:
         assert {r["kernel"] for r in rows} == {"selective_scan", "retention_fwd", "retention_dq", "retention_dkv"}
         assert all(r["max_rel_dev"] < 1e-5 and r["fwd_bwd_ms"] > 0 for r in rows)
+
+
+def test_decode_profile_dry_run(tmp_path):
+    """``benchmarks/profile_gpu_decode.py --dry-run``: both families' tiny presets prefill, step through the cache
+    and are profiled on the CPU; the JSON holds a row per family with the counters (zero without CUDA)."""
+    out = tmp_path / "profile.json"
+    result = subprocess.run([sys.executable, str(SUITE.parent / "profile_gpu_decode.py"), "--dry-run", "--out",
+                             str(out)], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["model"] for r in rows] == ["DenseMamba-TINY", "DenseRetNet-TINY"]
+    assert all(r["ms_per_step"] > 0 and r["host_ms"] > 0 and "cudaStreamSynchronize" in r for r in rows)

@@ -9,7 +9,7 @@ import torch
 from hf_densessm.ops import backend
 from hf_densessm.ops.retention import chunk_retention, retention_gamma, retention_state_update
 from hf_densessm.ops.retention.chunked_torch import chunk_retention_torch, retention_state_update_torch
-from hf_densessm.ops.retention.naive import chunk_retention_naive
+from hf_densessm.ops.retention.naive import chunk_retention_naive, retention_log2_gamma
 
 try:
     import triton  # noqa: F401
@@ -340,3 +340,19 @@ def test_missing_triton(monkeypatch):
         chunk_retention(_Q, _K, _V, backend="triton")
     o, _ = chunk_retention(_Q, _K, _V, backend="auto")  # falls back to the PyTorch reference
     torch.testing.assert_close(o, chunk_retention(_Q, _K, _V, backend="torch")[0])
+
+
+def test_step_decay_is_built_once_and_usable_everywhere():
+    """The decode steps' decay is built once per (heads, device, dtype) (on a GPU each build was a host-to-device
+    copy per layer and token), equals the definition, and is a plain tensor even when first built under
+    ``torch.inference_mode`` (so a later training step can use it)."""
+    from hf_densessm.ops.retention.chunked_torch import step_decay
+
+    with torch.inference_mode():
+        first = step_decay(7, torch.device("cpu"), torch.float64, log2=True)
+    assert step_decay(7, torch.device("cpu"), torch.float64, log2=True) is first
+    assert not first.is_inference()
+    assert torch.equal(first, retention_log2_gamma(7, dtype=torch.float64))
+    gamma = step_decay(7, torch.device("cpu"), torch.float64)
+    assert gamma.shape == (7, 1, 1) and torch.equal(gamma.flatten(), torch.exp2(first))
+    torch.testing.assert_close(gamma.flatten(), retention_gamma(7, dtype=torch.float64), rtol=1e-15, atol=0)

@@ -147,7 +147,7 @@ def retention_state_update_torch(state, q, k, v, scale=None):
 
     Three operations on the state (a decode step is bound by their count, not by arithmetic): ``S *= gamma``,
     ``S += k^T v`` (one ``baddbmm_``), ``o = q S`` (one ``bmm``); the per-head decay is kept per
-    ``(heads, device, dtype)`` (:func:`_step_gamma`) and ``scale = 1`` multiplies nothing.
+    ``(heads, device, dtype)`` (:func:`step_decay`) and ``scale = 1`` multiplies nothing.
 
     Args:
         state (Tensor): ``(batch, heads, key_dim, value_dim)`` float32 (float64 allowed), updated in place.
@@ -164,7 +164,7 @@ def retention_state_update_torch(state, q, k, v, scale=None):
     sdt = state.dtype
     work = state if state.is_contiguous() else state.contiguous()
     flat = work.view(batch * heads, key_dim, value_dim)
-    work.mul_(_step_gamma(heads, state.device, sdt))  # Eq. 18: S <- gamma S ...
+    work.mul_(step_decay(heads, state.device, sdt))  # Eq. 18: S <- gamma S ...
     flat.baddbmm_(k.reshape(-1, key_dim, 1).to(sdt), v.reshape(-1, 1, value_dim).to(sdt))  # ... + k^T v
     if work is not state:
         state.copy_(work)
@@ -175,15 +175,27 @@ def retention_state_update_torch(state, q, k, v, scale=None):
     return o.view(batch, heads, value_dim).to(v.dtype)
 
 
-_GAMMAS = {}
+_STEP_DECAYS = {}
 
 
-def _step_gamma(heads, device, dtype):
-    """``gamma_h`` ``(heads, 1, 1)`` in ``dtype`` on ``device`` (``exp2`` of :func:`.naive.retention_log2_gamma`),
-    built once per ``(heads, device, dtype)``: a decode step runs it per layer and token."""
-    key = (heads, device, dtype)
-    gamma = _GAMMAS.get(key)
-    if gamma is None:
-        with torch.inference_mode(False), torch.no_grad():  # a plain tensor, usable in and out of inference mode
-            gamma = _GAMMAS[key] = torch.exp2(retention_log2_gamma(heads, device, dtype))[:, None, None]
-    return gamma
+def step_decay(heads, device, dtype, log2=False):
+    """The decay of a decoding step, built once per ``(heads, device, dtype)``: a decode step runs per layer and
+    token, and on a GPU each fresh build is a host-to-device copy, which waits for the host.
+
+    Args:
+        heads (int): number of heads ``H``.
+        device, dtype: of the returned tensor.
+        log2 (bool): ``log2(gamma_h)`` ``(H,)`` (:func:`.naive.retention_log2_gamma`, what the Triton step takes)
+            instead of ``gamma_h`` ``(H, 1, 1)`` (what the PyTorch step multiplies the state by).
+
+    Returns:
+        A tensor shared by every call with the same arguments: read it, never write to it. It is a plain tensor
+        (not an inference tensor), usable in and out of ``torch.inference_mode``.
+    """
+    key = (heads, device, dtype, log2)
+    decay = _STEP_DECAYS.get(key)
+    if decay is None:
+        with torch.inference_mode(False), torch.no_grad():
+            log2_gamma = retention_log2_gamma(heads, device, dtype)
+            decay = _STEP_DECAYS[key] = log2_gamma if log2 else torch.exp2(log2_gamma)[:, None, None]
+    return decay

@@ -16,7 +16,7 @@ except ImportError as error:
     raise ImportError(f"{__name__} holds Triton kernels and needs the `triton` package") from error
 
 from ..backend import GPUArch, device_arch
-from .naive import retention_log2_gamma
+from .chunked_torch import step_decay
 
 __all__ = ["retention_state_update_config", "retention_state_update_triton"]
 
@@ -86,7 +86,7 @@ def retention_state_update_triton(state, q, k, v, scale, config=None):
     batch, heads, key_dim = q.shape
     value_dim = v.shape[-1]
     acc = tl.float64 if state.dtype == torch.float64 else tl.float32
-    log2_gamma = retention_log2_gamma(heads, q.device, state.dtype)
+    log2_gamma = step_decay(heads, q.device, state.dtype, log2=True)  # built once, not copied to the GPU per call
     work = state if state.is_contiguous() else state.contiguous()
     o = torch.empty_like(v)
     block_k, block_v, num_warps = config or retention_state_update_config(device_arch(q.device), key_dim, value_dim)
