@@ -36,14 +36,13 @@ def profile_model(name, model, context, steps, device):
     from torch.profiler import ProfilerActivity, profile
 
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    kwarg = "cache_params" if hasattr(model.config, "state_size") else "past_key_values"
     ids = torch.randint(0, model.config.vocab_size, (1, context), device=device)
     with torch.no_grad():
         cache = _cache_of(model(ids, use_cache=True))
         token = ids[:, -1:]
 
         def step():
-            return model(token, use_cache=True, **{kwarg: cache})
+            return model(token, use_cache=True, past_key_values=cache)  # both families take it under this name
 
         for _ in range(3):
             step()

@@ -83,6 +83,45 @@ def _scan_inputs(batch, dim, nstate, length, device, dtype):
     return dict(u=u, delta=delta, A=A, B=B, C=C, D=D, z=z, delta_bias=bias)
 
 
+def _scan_runner(shape, device, dtype):
+    """``run(config, backward)``: the fused scan on fixed inputs of ``shape`` (batch, dim, state, length), returning
+    ``[y]`` or ``[y, du, ddelta, dB, dC, dz]``."""
+    from hf_densessm.ops.selective_scan.chunk import selective_scan_triton
+
+    inputs = _scan_inputs(*shape, device, dtype)
+    gy = torch.randn(shape[0], shape[1], shape[3], device=device, dtype=dtype)
+    names = ("u", "delta", "B", "C", "z")
+
+    def run(config, backward):
+        args = {k: (v.detach().requires_grad_(backward) if k in names else v) for k, v in inputs.items()}
+        y = selective_scan_triton(**args, delta_softplus=True, config=config)
+        if not backward:
+            return [y]
+        return [y, *torch.autograd.grad(y, [args[k] for k in names], gy)]
+
+    return run
+
+
+def _retention_runner(shape, device, dtype):
+    """``run(config, backward)``: the chunkwise retention kernels on fixed inputs of ``shape`` (batch, length, heads,
+    key, value), returning ``[o]`` or ``[o, dq, dk, dv]``."""
+    from hf_densessm.ops.retention.chunk import chunk_retention_triton
+
+    batch, length, heads, key_dim, value_dim = shape
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    q, k = (torch.randn(batch, length, heads, key_dim, generator=gen).to(device, dtype) for _ in range(2))
+    v, do = (torch.randn(batch, length, heads, value_dim, generator=gen).to(device, dtype) for _ in range(2))
+
+    def run(config, backward):
+        args = [t.detach().requires_grad_(backward) for t in (q, k, v)]
+        o, _ = chunk_retention_triton(*args, key_dim ** -0.5, config=config)
+        if not backward:
+            return [o]
+        return [o, *torch.autograd.grad(o, args, do)]
+
+    return run
+
+
 def _scan_candidates(dry):
     from hf_densessm.ops.selective_scan.chunk import SelectiveScanConfig
 
@@ -98,23 +137,12 @@ def _scan_candidates(dry):
 
 
 def sweep_scan(device, dtype, dry, record):
-    from hf_densessm.ops.selective_scan.chunk import selective_scan_config, selective_scan_triton
     from hf_densessm.ops.backend import device_arch
+    from hf_densessm.ops.selective_scan.chunk import selective_scan_config
 
     for shape in SCAN_SHAPES["dry" if dry else "gpu"]:
-        inputs = _scan_inputs(*shape, device, dtype)
+        run = _scan_runner(shape, device, dtype)
         default = selective_scan_config(device_arch(device), dtype, shape[2])
-        grad_names = ("u", "delta", "B", "C", "z")
-        gy = torch.randn(shape[0], shape[1], shape[3], device=device, dtype=dtype)
-
-        def run(config, backward):
-            args = {k: (v.detach().requires_grad_(backward) if k in grad_names else v) for k, v in inputs.items()}
-            y = selective_scan_triton(**args, delta_softplus=True, config=config)
-            if not backward:
-                return [y]
-            grads = torch.autograd.grad(y, [args[k] for k in grad_names], gy)
-            return [y, *grads]
-
         reference = run(default, True)
         for config in _scan_candidates(dry):
             row = dict(kernel="selective_scan", shape=list(shape), dtype=str(dtype), config=config.__dict__,
@@ -148,23 +176,11 @@ def _retention_candidates(dry, default):
 
 def sweep_retention(device, dtype, dry, record):
     from hf_densessm.ops.backend import device_arch
-    from hf_densessm.ops.retention.chunk import chunk_retention_config, chunk_retention_triton
+    from hf_densessm.ops.retention.chunk import chunk_retention_config
 
     for batch, length, heads, key_dim, value_dim in RETENTION_SHAPES["dry" if dry else "gpu"]:
-        gen = torch.Generator(device="cpu").manual_seed(0)
-        q, k = (torch.randn(batch, length, heads, key_dim, generator=gen).to(device, dtype) for _ in range(2))
-        v = torch.randn(batch, length, heads, value_dim, generator=gen).to(device, dtype)
-        do = torch.randn(batch, length, heads, value_dim, generator=gen).to(device, dtype)
-        scale = key_dim ** -0.5
+        run = _retention_runner((batch, length, heads, key_dim, value_dim), device, dtype)
         default = chunk_retention_config(device_arch(device), dtype, key_dim, value_dim)
-
-        def run(config, backward):
-            args = [t.detach().requires_grad_(backward) for t in (q, k, v)]
-            o, _ = chunk_retention_triton(*args, scale, config=config)
-            if not backward:
-                return [o]
-            return [o, *torch.autograd.grad(o, args, do)]
-
         reference = run(default, True)
         for kernel, config in _retention_candidates(dry, default):
             tiles = getattr(config, kernel).fit(key_dim, value_dim)
@@ -185,39 +201,19 @@ def sweep_retention(device, dtype, dry, record):
 def compare(device, dtype, dry, record, repeats):
     """The tables' choice against :func:`_first_choice`, forward and forward + backward, in alternating turns."""
     from hf_densessm.ops.backend import device_arch
-    from hf_densessm.ops.retention.chunk import chunk_retention_config, chunk_retention_triton
-    from hf_densessm.ops.selective_scan.chunk import selective_scan_config, selective_scan_triton
+    from hf_densessm.ops.retention.chunk import chunk_retention_config
+    from hf_densessm.ops.selective_scan.chunk import selective_scan_config
 
     first = _first_choice()
     cases = []
     for shape in SCAN_SHAPES["dry" if dry else "gpu"]:
-        inputs = _scan_inputs(*shape, device, dtype)
-        gy = torch.randn(shape[0], shape[1], shape[3], device=device, dtype=dtype)
-        names = ("u", "delta", "B", "C", "z")
-
-        def scan(config, backward, inputs=inputs, gy=gy):
-            args = {k: (v.detach().requires_grad_(backward) if k in names else v) for k, v in inputs.items()}
-            y = selective_scan_triton(**args, delta_softplus=True, config=config)
-            if backward:
-                torch.autograd.grad(y, [args[k] for k in names], gy)
-
         new = selective_scan_config(device_arch(device), dtype, shape[2])
-        cases.append(("selective_scan", list(shape), scan, first["scan"], new))
+        cases.append(("selective_scan", list(shape), _scan_runner(shape, device, dtype), first["scan"], new))
     shapes = RETENTION_SHAPES["dry" if dry else "gpu"] + ([] if dry else [(4, 2048, 4, 320, 1280)])
-    for batch, length, heads, key_dim, value_dim in shapes:
-        gen = torch.Generator(device="cpu").manual_seed(0)
-        q, k = (torch.randn(batch, length, heads, key_dim, generator=gen).to(device, dtype) for _ in range(2))
-        v, do = (torch.randn(batch, length, heads, value_dim, generator=gen).to(device, dtype) for _ in range(2))
-
-        def retention(config, backward, q=q, k=k, v=v, do=do):
-            args = [t.detach().requires_grad_(backward) for t in (q, k, v)]
-            o, _ = chunk_retention_triton(*args, q.shape[-1] ** -0.5, config=config)
-            if backward:
-                torch.autograd.grad(o, args, do)
-
-        new = chunk_retention_config(device_arch(device), dtype, key_dim, value_dim)
-        old = type(new)(fwd=new.fwd, dq=new.dq, dkv=first["dkv"].fit(key_dim, value_dim))
-        cases.append(("retention", [batch, length, heads, key_dim, value_dim], retention, old, new))
+    for shape in shapes:
+        new = chunk_retention_config(device_arch(device), dtype, shape[3], shape[4])
+        old = type(new)(fwd=new.fwd, dq=new.dq, dkv=first["dkv"].fit(shape[3], shape[4]))
+        cases.append(("retention", list(shape), _retention_runner(shape, device, dtype), old, new))
     for kernel, shape, fn, old, new in cases:
         for backward in (False, True):
             times = {"first": [], "table": []}
