@@ -47,12 +47,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_cpu import MAMBA, Bandwidth, build_models, environment, weight_bytes_per_token  # noqa: E402
+from bench_cpu import DTYPES, MAMBA, Bandwidth, build_models, environment, weight_bytes_per_token  # noqa: E402
 
 #: Profiler event names of the compiled graph's matrix products (cpp_wrapper's ``aoti_torch_cpu_*`` shims, or the
 #: ATen ops a Python wrapper calls).
 PRODUCT_EVENT = re.compile(r"^(aoti_torch_cpu_|aten::)(mm|addmm|mv|addmv|bmm|baddbmm|linear)(_out)?$")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -88,9 +87,9 @@ class Stepper:
         self.model = model
         with torch.inference_mode():
             outputs = model(prompt, use_cache=True)
-        self.cache = getattr(outputs, _cache_keyword(model))
+        self.keyword = _cache_keyword(model)  # transformers' Mamba: cache_params only
+        self.cache = getattr(outputs, self.keyword)
         self.token = outputs.logits[:, -1:].argmax(-1)
-        self.keyword = _cache_keyword(model)
         self.compiled = model.__dict__.get("_compile_decode_step", False)
 
     def call(self):
