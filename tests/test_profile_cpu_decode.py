@@ -31,7 +31,8 @@ def test_dry_run_reports_every_part(tmp_path):
         for key in ("generate_ms", "model_call_ms", "generate_loop_ms", "floor_ms", "speedup_vs_anchor",
                     "bound_vs_anchor", "weight_bytes_per_token"):
             assert math.isfinite(row[key]), (name, key)
-        assert row["generate_ms"] > 0 and row["model_call_ms"] > 0 and row["weight_bytes_per_token"] > 0
+        # generate_ms is a difference of two timings (a few tokens here): finite, its sign left to the machine
+        assert row["model_call_ms"] > 0 and row["weight_bytes_per_token"] > 0
         compiled = name != "transformers Mamba"
         assert all((key in row) == compiled for key in COMPILED_PARTS), name
         if compiled:
