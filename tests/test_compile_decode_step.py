@@ -33,8 +33,9 @@ RELATIVE_TOL = {torch.float32: 1e-5, torch.bfloat16: 4e-2}
 
 
 def _compiled(model):
-    """Turn the compiled step on and count its calls (a wrapper around the compiled function)."""
-    model.compile_decode_step()
+    """Turn the ``torch.compile`` step on and count its calls (a wrapper around the compiled function). DenseMamba's
+    C kernel, which ``"auto"`` takes for float32 DenseMamba, is tested in ``test_densemamba_step.py``."""
+    model.compile_decode_step(implementation="torch_compile")
     compiled, calls = model._compiled_decode_fn(), []
 
     def counted(*args):
@@ -130,7 +131,7 @@ def test_errors_other_than_compilation_are_raised(monkeypatch):
         return run
 
     monkeypatch.setattr(modeling_densessm.torch, "compile", broken_compile)
-    model.compile_decode_step()
+    model.compile_decode_step(implementation="torch_compile")
     with pytest.raises(ValueError, match="raised while running"):
         decode_step_by_step(model, ids, None, prefill=5)
     assert model.__dict__["_compile_decode_step"] is True  # not switched off silently
@@ -144,6 +145,8 @@ def test_compile_decode_step_arguments():
     assert model.__dict__["_compile_decode_step"] is False
     with pytest.raises(TypeError, match="`enable` must be a bool"):
         model.compile_decode_step("yes")
+    with pytest.raises(ValueError, match="`implementation` must be one of .*'auto'.*got 'inductor'"):
+        model.compile_decode_step(implementation="inductor")
 
 
 def test_a_copy_compiles_its_own_step_and_the_model_pickles():

@@ -18,6 +18,7 @@ from torch import nn
 from transformers.modeling_layers import GenericForSequenceClassification
 from transformers.utils import logging
 
+from ..ops import densemamba_step
 from ..ops.workspace import Workspace, linear_into
 from .cache import CACHE_SLOTS, check_cache, new_cache, record_tokens
 from .decode import _plain_linear, decode_linear
@@ -330,6 +331,11 @@ def _caller_stacklevel() -> int:
 #: The compiled decoding step of each model with ``compile_decode_step()`` on, by model (weak keys). Kept outside the
 #: model, so that ``copy.deepcopy``, pickling and saving never carry a compiled function bound to another model.
 COMPILED_DECODE_STEPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+#: The compiled C decoding step of each DenseMamba model it covers (:mod:`hf_densessm.ops.densemamba_step`), or
+#: ``(None, key)`` where it does not (tried again when the key, the registration count and the head's dtype, changes).
+CPU_DECODE_STEPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+#: ``compile_decode_step(implementation=...)`` values.
+DECODE_STEP_IMPLEMENTATIONS = ("auto", "torch_compile")
 
 
 class DenseSSMCausalLMMixin:
@@ -402,7 +408,7 @@ class DenseSSMCausalLMMixin:
             workspace = self.__dict__["_hfd_loss_workspace"] = Workspace()
         return workspace
 
-    def compile_decode_step(self, enable: bool = True):
+    def compile_decode_step(self, enable: bool = True, implementation: str = "auto"):
         """Run every later one-token decoding step (``generate()``'s loop, or a manual loop over a cache) on the CPU
         as one ``torch.compile``-d function: the embedding, the densely connected blocks' one-token paths, the final
         norm and the LM head, with the cache's states updated in place. Opt-in, per model instance, not saved.
@@ -421,20 +427,53 @@ class DenseSSMCausalLMMixin:
         used inside it (:func:`hf_densessm.ops.backend.resolve_backend`): the step runs their PyTorch references,
         which the tests check against the full forward.
 
+        Which compiled function (``implementation``):
+
+        - ``"auto"`` (default): for a DenseMamba model in float32 or float64 with the default dense connection, this
+          package's C kernel of the whole step (:mod:`hf_densessm.ops.densemamba_step`: one call per token, no
+          ``torch.compile``, no guard check; built once per machine with the C compiler), wherever
+          :func:`~hf_densessm.ops.densemamba_step.unsupported_reason` gives no reason; every other model, dtype and
+          configuration (DenseRetNet, bfloat16, a LoRA layer or a hook on a module, ...) gets ``torch.compile``;
+        - ``"torch_compile"``: always ``torch.compile``.
+
         Args:
             enable: ``False`` goes back to the eager step.
+            implementation: ``"auto"`` or ``"torch_compile"`` (above).
 
         Returns:
             The model (so ``model = Model.from_pretrained(...).compile_decode_step()`` reads naturally).
 
         Raises:
             TypeError: ``enable`` is not a bool.
+            ValueError: ``implementation`` is not one of :data:`DECODE_STEP_IMPLEMENTATIONS`.
         """
         if not isinstance(enable, bool):
             raise TypeError(f"`enable` must be a bool, got {enable!r} ({type(enable).__name__}).")
-        self.__dict__["_compile_decode_step"] = enable  # a plain flag: copies and pickles of the model carry it
+        if implementation not in DECODE_STEP_IMPLEMENTATIONS:
+            raise ValueError(
+                f"`implementation` must be one of {DECODE_STEP_IMPLEMENTATIONS}, got {implementation!r}."
+            )
+        self.__dict__["_compile_decode_step"] = enable  # plain flags: copies and pickles of the model carry them
+        self.__dict__["_decode_step_implementation"] = implementation
         COMPILED_DECODE_STEPS.pop(self, None)
+        CPU_DECODE_STEPS.pop(self, None)
         return self
+
+    def _cpu_kernel_logits(self, input_ids: torch.Tensor, cache) -> torch.Tensor | None:
+        """The logits of this step from the C kernel of :mod:`hf_densessm.ops.densemamba_step` (the cache advanced),
+        or ``None`` (nothing done) where it does not cover this model as it is now."""
+        if self.__dict__.get("_decode_step_implementation", "auto") != "auto":
+            return None
+        step = CPU_DECODE_STEPS.get(self)
+        if step is None or isinstance(step, tuple):
+            key = (densemamba_step.registration_count(), self.lm_head.weight.dtype)
+            if isinstance(step, tuple) and step[1] == key:
+                return None
+            step = densemamba_step.DenseMambaCPUStep.for_model(self)
+            CPU_DECODE_STEPS[self] = (None, key) if step is None else step
+            if step is None:
+                return None
+        return step(input_ids, cache)
 
     def _compiled_decode_fn(self):
         """This model's compiled step, built on first use: ``torch.compile`` of a copy of :meth:`_decode_logits`'s code,
@@ -497,6 +536,10 @@ class DenseSSMCausalLMMixin:
                 return None
         if prepare_attention_mask(attention_mask, batch, 1) is not None:
             return None
+        logits = self._cpu_kernel_logits(input_ids, cache)
+        if logits is not None:
+            record_tokens(cache, 1)
+            return self._lm_return(None, logits, cache, None, return_dict, output_class)
         try:
             logits = self._compiled_decode_fn()(self, input_ids, cache)
         except torch._dynamo.exc.BackendCompilerFailed as error:  # e.g. no C++ compiler (raised before running)
