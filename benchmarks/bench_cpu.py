@@ -44,8 +44,10 @@ data sheet. Each part can be run alone (``--parts``):
     same probe over a buffer as large as the largest model's weights in that dtype, gives the rate such a buffer
     is read at wherever it lives (``ideal_tokens_per_s_weight_sized_buffer`` and its fraction). Each DenseSSM
     model is also timed as ``"<name> compiled"``: a copy with ``compile_decode_step()`` on (the one-token step as one
-    ``torch.compile``-d function), compiled in the untimed first call (``first_call_seconds`` records it), its
-    tokens compared with the eager model's (``same_tokens_as_eager``); ``--no-compiled`` skips these rows.
+    compiled function: DenseMamba's C kernel step in float32, else ``torch.compile``), compiled in the untimed first
+    call (``first_call_seconds`` records it), its tokens compared with the eager model's (``same_tokens_as_eager``);
+    where that is the C kernel, also as ``"<name> torch.compile"`` (``implementation="torch_compile"``), and the
+    paired ratio of the two is ``speedup_vs_torch_compile_step``; ``--no-compiled`` skips these rows.
 
 ``batched``
     Greedy generation for a batch of ``--batched-size`` left-padded prompts of different lengths (from
@@ -91,6 +93,7 @@ from transformers import MambaConfig, MambaForCausalLM
 
 import hf_densessm
 from hf_densessm import DenseMambaConfig, DenseMambaForCausalLM, DenseRetNetConfig, DenseRetNetForCausalLM
+from hf_densessm.ops import densemamba_step
 
 VOCAB_SIZE = 32000
 PARTS = ("forward", "training", "generation", "batched")
@@ -529,18 +532,29 @@ def run_training(args, models, generator, figures) -> dict:
 
 
 COMPILED = " compiled"
+#: Where ``compile_decode_step()`` runs DenseMamba's C kernel step (float32 / float64,
+#: :func:`hf_densessm.ops.densemamba_step.unsupported_reason`), the same model with the ``torch.compile`` step as
+#: well, ``"<name> torch.compile"``, for the paired ratio between the two.
+TORCH_COMPILE = " torch.compile"
 
 
 def with_compiled(args, models: dict) -> dict:
     """``models`` plus, unless ``--no-compiled``, a copy of each DenseSSM model with
     ``compile_decode_step()`` on, named ``"<name> compiled"`` (it compiles on its first one-token step, in the
-    untimed check call)."""
+    untimed check call), and ``"<name> torch.compile"`` (``implementation="torch_compile"``) where the first runs
+    DenseMamba's C kernel step."""
     out = dict(models)
     if args.compiled:
         for name, model in models.items():
             if name != MAMBA:
                 out[name + COMPILED] = copy.deepcopy(model).compile_decode_step()
+                if densemamba_step.unsupported_reason(model) is None:
+                    out[name + TORCH_COMPILE] = copy.deepcopy(model).compile_decode_step(implementation="torch_compile")
     return out
+
+
+def _eager_name(name: str) -> str:
+    return name.removesuffix(COMPILED).removesuffix(TORCH_COMPILE)
 
 
 def run_generation(args, models, generator, figures) -> dict:
@@ -600,19 +614,28 @@ def run_generation(args, models, generator, figures) -> dict:
                     bool(torch.equal(outputs[name], outputs[MAMBA])) if name.startswith("DenseMamba m=0") else None),
                 # the compiled step against the same model's eager step
                 "same_tokens_as_eager": (
-                    bool(torch.equal(outputs[name], outputs[name.removesuffix(COMPILED)])) if name.endswith(COMPILED)
+                    bool(torch.equal(outputs[name], outputs[_eager_name(name)])) if _eager_name(name) != name
                     else None),
+                # DenseMamba's kernel step against the torch.compile step of the same model, paired
+                "speedup_vs_torch_compile_step": (
+                    paired_ratio(times, _eager_name(name) + TORCH_COMPILE, name)
+                    if name.endswith(COMPILED) and _eager_name(name) + TORCH_COMPILE in times else None),
                 "first_call_seconds": first_call[name],
                 "all_seconds": times[name],
             }
             rows.append([name, weight_bytes / 1e6, tps, speedup, ideal, tps / ideal, sized_bw / weight_bytes,
                          tps * weight_bytes / sized_bw])
-            target = TARGETS["generation_speedup"] if name.startswith("DenseMamba") else None
+            target = (TARGETS["generation_speedup"] if name.startswith("DenseMamba") and not name.endswith(TORCH_COMPILE)
+                      else None)
             if name != MAMBA:
                 figures.append(figure(
                     f"generation speed-up, {name} vs transformers Mamba, {dtype_name}, batch 1", speedup, "x",
                     anchor=f"transformers Mamba {produced[MAMBA] / statistics.median(times[MAMBA]):.1f} tokens/s",
                     target=target, target_on="value"))
+            if entry[name]["speedup_vs_torch_compile_step"] is not None:
+                figures.append(figure(
+                    f"generation speed-up, {name} (C kernel step) vs its torch.compile step, {dtype_name}, batch 1",
+                    entry[name]["speedup_vs_torch_compile_step"], "x", anchor=_eager_name(name) + TORCH_COMPILE))
             figures.append(figure(
                 f"generation {name}, {dtype_name}, batch 1: tokens/s", tps, "tokens/s",
                 anchor=f"weights read per token {weight_bytes / 1e6:.1f} MB",

@@ -7,8 +7,10 @@ judged by the part it removes and the distance to the floor is known::
 
     python benchmarks/profile_cpu_decode.py --out benchmarks/results/cpu_decode_profile.json
 
-Per model (``bench_cpu.build_models()``: 30M presets, vocabulary 32000, one seed; ``compile_decode_step()`` on for
-the DenseSSM models), after a ``--prompt-len`` prefill, medians over ``--repeats`` rounds in which the models take
+Per model (``bench_cpu.build_models()``: 30M presets, vocabulary 32000, one seed; the ``torch.compile`` step,
+``compile_decode_step(implementation="torch_compile")``, on for the DenseSSM models: this script splits that step,
+whose parts are PyTorch's; DenseMamba's C kernel step, the float32 default since run Y, is timed by
+``bench_cpu.py``), after a ``--prompt-len`` prefill, medians over ``--repeats`` rounds in which the models take
 turns (each measured in a block of steps, so its weights are as warm in the cache as in ``generate()``):
 
 - ``generate_ms``: one token of ``generate()``: (time of 1 + ``--new-tokens`` new tokens - time of 1 new token)
@@ -129,7 +131,7 @@ def kernel_profile(model, prompt, steps: int) -> dict:
     compiled with Inductor's per-kernel profiler records."""
     from torch.profiler import profile
 
-    profiled = copy.deepcopy(model).compile_decode_step()
+    profiled = copy.deepcopy(model).compile_decode_step(implementation="torch_compile")
     with torch._inductor.config.patch({"cpp.enable_kernel_profile": True}):
         stepper = Stepper(profiled, prompt)
         block_ms(stepper.call, 3)  # compiles, with the records
@@ -180,7 +182,7 @@ def main(argv=None) -> dict:
         raise SystemExit(f"--models: unknown {unknown}; choose from {[n for n in built if n != MAMBA]}")
     models = {MAMBA: built[MAMBA].to(dtype)}  # the anchor: transformers' Mamba with DenseMamba m=0's weights
     for name in args.models:
-        models[name] = built[name].to(dtype).compile_decode_step()
+        models[name] = built[name].to(dtype).compile_decode_step(implementation="torch_compile")
     prompt = torch.randint(3, models[MAMBA].config.vocab_size, (1, args.prompt_len),
                            generator=torch.Generator().manual_seed(1))
     steppers = {name: Stepper(model, prompt) for name, model in models.items()}

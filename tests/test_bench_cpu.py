@@ -119,10 +119,17 @@ def test_generation_with_compiled_rows(tmp_path):
         torch._dynamo.reset()
     entries = report["generation"]["dtypes"]["float32"]
     compiled = {name for name in entries if name.endswith(" compiled")}
-    assert compiled == {f"{name} compiled" for name in entries if name != "transformers Mamba" and name not in compiled}
-    for name in compiled:
+    torch_compiled = {name for name in entries if name.endswith(" torch.compile")}
+    eager = set(entries) - compiled - torch_compiled - {"transformers Mamba"}
+    assert compiled == {f"{name} compiled" for name in eager}
+    # DenseMamba's float32 compiled rows run the C kernel step, timed against its torch.compile step as well
+    assert torch_compiled == {f"{name} torch.compile" for name in eager if name.startswith("DenseMamba")}
+    for name in compiled | torch_compiled:
         assert entries[name]["same_tokens_as_eager"] is True, name  # float32: the eager model's greedy tokens
         assert positive(entries[name]["speedup_vs_transformers_mamba"]) and positive(entries[name]["first_call_seconds"])
+    for name in compiled:
+        ratio = entries[name]["speedup_vs_torch_compile_step"]
+        assert positive(ratio) if name.startswith("DenseMamba") else ratio is None, name
 
 
 def test_environment_records_the_allocator_and_thread_runtime_settings(monkeypatch):
