@@ -142,6 +142,23 @@ def test_cpu_decode_steps_match_scan(full, state):
     assert_close(h, last_scan, 1e-10, "state")
 
 
+@pytest.mark.parametrize("dtype,rtol", [(torch.float64, 1e-14), (torch.float32, 4e-7)])
+def test_cpu_decode_step_softplus_across_its_range(dtype, rtol):
+    """The step's vectorized softplus (``vsoftplus``: ``max(x, 0) + 2 atanh(t / (2 + t))``, threshold 20) against
+    PyTorch's: with ``A = 0``, ``B = C = x = 1`` and one state, ``y`` is ``softplus(dt)`` itself."""
+    dt = torch.cat([torch.linspace(-60, 60, 4001, dtype=torch.float64),
+                    torch.tensor([20.0, 20.0 + 1e-6, 20.0 - 1e-6, -20.0, 0.0, 1e-8, -1e-8], dtype=torch.float64)])
+    dt = dt.to(dtype)[None]
+    dim = dt.shape[1]
+    state = torch.zeros(1, dim, 1, dtype=dtype)
+    ones = torch.ones(1, dim, dtype=dtype)
+    y = cpu_scan.selective_state_update_cpu(state, ones, dt, torch.zeros(dim, 1, dtype=dtype),
+                                            torch.ones(1, 1, dtype=dtype), torch.ones(1, 1, dtype=dtype),
+                                            dt_softplus=True)
+    want = torch.nn.functional.softplus(dt.double())
+    assert ((y.double() - want).abs() / want).max().item() <= rtol
+
+
 def test_cpu_decode_step_float32_state_bfloat16_inputs():
     g = torch.Generator().manual_seed(0)
     h = torch.randn(2, 8, 16, generator=g)

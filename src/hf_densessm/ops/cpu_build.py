@@ -329,6 +329,20 @@ static inline vec$sfx vexp$sfx(vec$sfx x) {
 
 static inline vec$sfx vsigmoid$sfx(vec$sfx x) { return ($real)1 / (($real)1 + vexp$sfx(-x)); }
 
+/* PyTorch's softplus (threshold 20: x itself above it), log(1 + e^x) = max(x, 0) + log1p(t), t = e^{-|x|} in (0, 1],
+   log1p(t) = 2 atanh(s), s = t / (2 + t) in (0, 1/3]: an odd series in s, no rounding of 1 + t. */
+static inline vec$sfx vsoftplus$sfx(vec$sfx x) {
+    const vec$sfx zero = ZERO$sfx;
+    ivec$sfx neg = x < zero;
+    const vec$sfx ax = (vec$sfx)((neg & (ivec$sfx)(-x)) | (~neg & (ivec$sfx)x));
+    const vec$sfx t = vexp$sfx(-ax), s = t / (($real)2 + t), r = s * s;
+    const vec$sfx l1p = ($real)2 * s * $ATANH;
+    const vec$sfx pos = (vec$sfx)(~neg & (ivec$sfx)x);   /* max(x, 0) */
+    ivec$sfx big = x > ZERO$sfx + ($real)20;
+    const vec$sfx sp = pos + l1p;
+    return (vec$sfx)((big & (ivec$sfx)x) | (~big & (ivec$sfx)sp));
+}
+
 static inline vec$sfx vld$sfx(const $real *p, int64_t nl) {
     vec$sfx v = ZERO$sfx;
     if (nl == $W) memcpy(&v, p, sizeof v); else for (int64_t l = 0; l < nl; l++) v[l] = p[l];
@@ -376,7 +390,8 @@ def vector_source(header: str, body: Template) -> str:
     maps it to AVX-512, AVX2 or NEON registers), ``ZERO$sfx``, ``vexp$sfx`` (Cody-Waite range reduction and a Taylor
     polynomial: degree 7 in float32, relative error below 2e-7; degree 13 in float64, below 1e-15; arguments
     clamped to the normal range, so no overflow and no denormals; compilers vectorize ``exp`` only under
-    ``-ffast-math``, which this package never uses), ``vsigmoid$sfx``, loads/stores of ``nl <= W`` lanes
+    ``-ffast-math``, which this package never uses), ``vsigmoid$sfx``, ``vsoftplus$sfx`` (PyTorch's softplus,
+    threshold 20, as ``max(x, 0) + 2 atanh(t / (2 + t))``, ``t = exp(-|x|)``), loads/stores of ``nl <= W`` lanes
     (``vld``, ``vst``; strided ``vlds``, ``vsts``) and ``hsum$sfx``.
 
     Args:
@@ -386,7 +401,9 @@ def vector_source(header: str, body: Template) -> str:
     parts = ["#include <stdint.h>\n#include <string.h>\n#include <math.h>\n", header]
     for real, ireal, lanes, sfx, lo, hi, magic, ln2_hi, ln2_lo, degree, bias, mant in _TYPES:
         poly = _horner([f"({real}){1.0 / factorial(k)!r}" for k in range(degree + 1)])
+        # atanh(s) / s = sum_k r^k / (2k + 1), r = s^2 <= 1/9: 8 terms in float32, 17 in float64 (below the rounding)
+        atanh = _horner([f"({real}){1.0 / (2 * k + 1)!r}" for k in range(8 if real == "float" else 17)])
         fields = dict(real=real, ireal=ireal, W=lanes, sfx=sfx, EXP_LO=lo, EXP_HI=hi, MAGIC=magic, LN2_HI=ln2_hi,
-                      LN2_LO=ln2_lo, POLY=poly, EXP_BIAS=bias, MANT_BITS=mant)
+                      LN2_LO=ln2_lo, POLY=poly, EXP_BIAS=bias, MANT_BITS=mant, ATANH=atanh)
         parts += [_PRELUDE.substitute(fields), body.substitute(fields)]
     return "".join(parts)

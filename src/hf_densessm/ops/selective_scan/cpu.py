@@ -276,27 +276,36 @@ void scan_bwd_job$sfx(int64_t w, int64_t g0, int64_t g1, const int64_t *args) {
                  (vec$sfx *)((char *)(intptr_t)args[5] + w * args[6]));
 }
 
-/* One decoding step: state (batch, dim, N), x/dt/z/y (batch, dim), B/C (batch, N), A (dim, N), all contiguous. */
+/* One decoding step: state (batch, dim, N), x/dt/z/y (batch, dim), B/C (batch, N), A (dim, N), all contiguous.
+   W channels at a time: their dt (softplus), D x and SiLU(z) as vectors, each channel's N states as vectors. */
 void state_update$sfx(int64_t batch, int64_t dim, int64_t N, $real *state, const $real *x, const $real *dt,
                       const $real *A, const $real *B, const $real *C, const $real *D, const $real *z,
                       const $real *dt_bias, int64_t softplus, $real *y) {
     for (int64_t b = 0; b < batch; b++)
-        for (int64_t d = 0; d < dim; d++) {
-            $real dtv = dt[b * dim + d] + (dt_bias ? dt_bias[d] : ($real)0);
-            if (softplus && dtv <= ($real)20) dtv = log1p(exp(dtv));  /* torch's softplus, threshold 20 */
-            const $real xv = x[b * dim + d];
-            $real *h = state + (b * dim + d) * N;
-            vec$sfx acc = ZERO$sfx;
-            for (int64_t n0 = 0; n0 < N; n0 += $W) {
-                const int64_t nl = N - n0 < $W ? N - n0 : $W;
-                const vec$sfx av = vexp$sfx(dtv * vld$sfx(A + d * N + n0, nl));
-                const vec$sfx hv = av * vld$sfx(h + n0, nl) + (dtv * xv) * vld$sfx(B + b * N + n0, nl);
-                vst$sfx(h + n0, hv, nl);
-                acc += vld$sfx(C + b * N + n0, nl) * hv;
+        for (int64_t d0 = 0; d0 < dim; d0 += $W) {
+            const int64_t cl = dim - d0 < $W ? dim - d0 : $W;
+            vec$sfx dtv = vld$sfx(dt + b * dim + d0, cl);
+            if (dt_bias) dtv += vld$sfx(dt_bias + d0, cl);
+            if (softplus) dtv = vsoftplus$sfx(dtv);  /* torch's softplus, threshold 20 */
+            const vec$sfx xv = vld$sfx(x + b * dim + d0, cl);
+            vec$sfx yv = ZERO$sfx;
+            for (int64_t l = 0; l < cl; l++) {
+                const int64_t d = d0 + l;
+                const $real dtl = dtv[l], xl = xv[l];
+                $real *h = state + (b * dim + d) * N;
+                vec$sfx acc = ZERO$sfx;
+                for (int64_t n0 = 0; n0 < N; n0 += $W) {
+                    const int64_t nl = N - n0 < $W ? N - n0 : $W;
+                    const vec$sfx av = vexp$sfx(dtl * vld$sfx(A + d * N + n0, nl));
+                    const vec$sfx hv = av * vld$sfx(h + n0, nl) + (dtl * xl) * vld$sfx(B + b * N + n0, nl);
+                    vst$sfx(h + n0, hv, nl);
+                    acc += vld$sfx(C + b * N + n0, nl) * hv;
+                }
+                yv[l] = hsum$sfx(acc);
             }
-            $real yv = hsum$sfx(acc) + (D ? D[d] * xv : ($real)0);
-            if (z) { const $real zv = z[b * dim + d]; yv *= zv / (($real)1 + exp(-zv)); }
-            y[b * dim + d] = yv;
+            if (D) yv += vld$sfx(D + d0, cl) * xv;
+            if (z) { const vec$sfx zv = vld$sfx(z + b * dim + d0, cl); yv *= zv * vsigmoid$sfx(zv); }
+            vst$sfx(y + b * dim + d0, yv, cl);
         }
 }
 """)
