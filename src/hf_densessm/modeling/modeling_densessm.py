@@ -410,22 +410,25 @@ class DenseSSMCausalLMMixin:
 
     def compile_decode_step(self, enable: bool = True, implementation: str = "auto"):
         """Run every later one-token decoding step (``generate()``'s loop, or a manual loop over a cache) on the CPU
-        as one ``torch.compile``-d function: the embedding, the densely connected blocks' one-token paths, the final
-        norm and the LM head, with the cache's states updated in place. Opt-in, per model instance, not saved.
+        as one compiled function (``implementation``, below): the embedding, the densely connected blocks' one-token
+        paths, the final norm and the LM head, with the cache's states updated in place. Opt-in, per model instance,
+        not saved.
 
         Why: a batch-1 step of a small model is mostly per-operation overhead (about 25 small PyTorch ops and a
-        Python frame per block); the compiler fuses the pointwise work into a few C++ loops and leaves the one-row
-        matrix products to PyTorch. Measured in ``benchmarks/bench_cpu.py`` (docs/benchmarks.md). The cost: the
-        first step of each new batch size or dtype compiles (tens of seconds on a 2-core CPU; PyTorch keeps the
-        compiled code on disk for later processes), and a C++ compiler is needed (``torch.compile``'s CPU backend).
+        Python frame per block) around reading every weight once. ``torch.compile`` fuses the pointwise work into a
+        few C++ loops and leaves the one-row matrix products to PyTorch; DenseMamba's C kernel does the whole step in
+        one parallel region. Measured in ``benchmarks/bench_cpu.py`` (docs/benchmarks.md, runs D-Y). The cost of
+        ``torch.compile``: the first step of each new batch size or dtype compiles (tens of seconds on a 2-core CPU;
+        PyTorch keeps the compiled code on disk for later processes), and a C++ compiler is needed (its CPU
+        backend); the C kernel is built once per machine (a few seconds).
 
         The compiled step runs only where the eager one-token paths would (CPU, no gradients, ``eval()`` mode, one
         token per row given as ``input_ids``, no padding in this step, a cache whose states are all filled, no
         ``labels`` and no ``output_hidden_states``); every other call, and every call after a compilation failure
         (one warning, e.g. no C++ compiler; any other error is raised as the eager model would), runs the eager
-        model. The compiled kernels of this package are not
-        used inside it (:func:`hf_densessm.ops.backend.resolve_backend`): the step runs their PyTorch references,
-        which the tests check against the full forward.
+        model. The compiled kernels of this package are not used inside the ``torch.compile`` step
+        (:func:`hf_densessm.ops.backend.resolve_backend`): it runs their PyTorch references, which the tests check
+        against the full forward.
 
         Which compiled function (``implementation``):
 

@@ -133,12 +133,11 @@ static void dms_gemv$sfx(const $real *W, const $real *bias, int64_t K, const $re
 
 /* The gated sum of the dense connection for feature j of batch row b: SiLU(g . gate) with gate = SiLU(fc1 x^l)
    (already applied), times the predecessors' sum, nearest first (as ops/gated_add.py). */
-static inline $real dms_dense$sfx(const $real *fc2_row, const $real *gate, int64_t G, const $real *feat, int64_t l,
+static inline $real dms_dense$sfx(const $real *fc2_row, const $real *gate, int64_t G, const $real *feat,
                                   const dms_layer *L, int64_t stride, int64_t j) {
     $real a = 0, total = 0;
     for (int64_t c = 0; c < G; c++) a += fc2_row[c] * gate[c];
     for (int64_t q = 0; q < L->npred; q++) total += feat[L->pred[q] * stride + j];
-    (void)l;
     return total * (a / (($real)1 + exp(-a)));
 }
 
@@ -223,16 +222,32 @@ void dms_step$sfx(const dms_model *M, const dms_layer *Ls) {
                 vst$sfx(A + i, -vexp$sfx(vld$sfx(DMS_P(const $real, L->A_log) + i, nl)), nl);
             }
             for (int64_t b = 0; b < Bt; b++)
-                for (int64_t d = r0; d < r1; d++)
-                    uf[b * D + d] = u[b * D + d] + (L->npred ? dms_dense$sfx(DMS_P(const $real, L->gu2) + d * G,
-                                                                            g1u + b * G, G, ufeat, l, L, Bt * D,
-                                                                            b * D + d) : ($real)0);
+                for (int64_t d0 = r0; d0 < r1; d0 += $W) {
+                    const int64_t nl = r1 - d0 < $W ? r1 - d0 : $W;
+                    vec$sfx out = vld$sfx(u + b * D + d0, nl);
+                    if (L->npred) {  /* W channels' gate pre-activations and predecessor sums, then their SiLU */
+                        vec$sfx av = ZERO$sfx, tv = ZERO$sfx;
+                        const $real *fc2 = DMS_P(const $real, L->gu2), *gate = g1u + b * G;
+                        for (int64_t i = 0; i < nl; i++) {
+                            vec$sfx acc = ZERO$sfx;
+                            for (int64_t c = 0; c < G; c += $W) {
+                                const int64_t cl = G - c < $W ? G - c : $W;
+                                acc += vld$sfx(fc2 + (d0 + i) * G + c, cl) * vld$sfx(gate + c, cl);
+                            }
+                            av[i] = dms_hsum$sfx(acc);
+                        }
+                        for (int64_t q = 0; q < L->npred; q++)  /* nearest first, as ops/gated_add.py */
+                            tv += vld$sfx(ufeat + L->pred[q] * Bt * D + b * D + d0, nl);
+                        out += tv * (av * vsigmoid$sfx(av));
+                    }
+                    vst$sfx(uf + b * D + d0, out, nl);
+                }
             if (t == 0)
                 for (int64_t b = 0; b < Bt; b++)
                     for (int64_t n = 0; n < N; n++) {
                         Bpre[b * N + n] = xdbl[b * XD + R + n];
                         Bf[b * N + n] = Bpre[b * N + n] + (L->npred ? dms_dense$sfx(DMS_P(const $real, L->gb2) + n * G,
-                                                                                    g1b + b * G, G, bfeat, l, L,
+                                                                                    g1b + b * G, G, bfeat, L,
                                                                                     Bt * N, b * N + n) : ($real)0);
                     }
             DMS_BARRIER
@@ -362,11 +377,17 @@ class _Binding:
         backbone = model.backbone
         self.generation = _GENERATION[0]
         self.dtype = model.lm_head.weight.dtype
-        from ..modeling.modeling_densemamba import DenseMambaBlock, DenseMambaMixer, DenseMambaModel
-        from ..modeling.norm import DenseSSMRMSNorm
         from ..modeling.dense_connection import DenseGate, DenseHiddenConnection
+        from ..modeling.modeling_densemamba import (
+            DenseMambaBlock,
+            DenseMambaForCausalLM,
+            DenseMambaMixer,
+            DenseMambaModel,
+        )
+        from ..modeling.norm import DenseSSMRMSNorm
 
-        checked: list[tuple[nn.Module, type]] = [(model, type(model)), (backbone, DenseMambaModel),
+        # the head's class exactly: a subclass may compute its logits otherwise
+        checked: list[tuple[nn.Module, type]] = [(model, DenseMambaForCausalLM), (backbone, DenseMambaModel),
                                                  (backbone.embeddings, nn.Embedding),
                                                  (backbone.norm_f, DenseSSMRMSNorm), (model.lm_head, nn.Linear)]
         params: list[torch.Tensor] = []
@@ -398,8 +419,13 @@ class _Binding:
             conv = mixer.conv1d
             if tuple(conv.weight.shape) != (D, 1, K):
                 raise _Unsupported(f"conv1d weight of shape {tuple(conv.weight.shape)}")
-            params += [block.norm.weight, conv.weight, mixer.A_log, mixer.D]
-            params += [] if conv.bias is None else [conv.bias]
+            shapes = [(block.norm.weight, (H,)), (mixer.A_log, (D, N)), (mixer.D, (D,))]
+            shapes += [] if conv.bias is None else [(conv.bias, (D,))]
+            for tensor, shape in shapes:
+                if tuple(tensor.shape) != shape or block.norm.num_groups != 1:
+                    raise _Unsupported(f"a block parameter of shape {tuple(tensor.shape)} where {shape} is expected")
+                params.append(tensor)
+            params.append(conv.weight)
             gates = []
             for name in ("dense_u", "dense_B"):
                 connection = getattr(mixer, name)
@@ -424,8 +450,10 @@ class _Binding:
             ))
         head_w, head_b = linear(model.lm_head, config.vocab_size, H)
         embed = backbone.embeddings.weight
-        if tuple(embed.shape) != (config.vocab_size, H):
-            raise _Unsupported(f"embedding of shape {tuple(embed.shape)}")
+        if tuple(embed.shape) != (config.vocab_size, H) or backbone.embeddings.max_norm is not None:
+            raise _Unsupported(f"embedding of shape {tuple(embed.shape)}, max_norm {backbone.embeddings.max_norm}")
+        if tuple(backbone.norm_f.weight.shape) != (H,) or backbone.norm_f.num_groups != 1:
+            raise _Unsupported("a final norm of another shape")
         params += [embed, backbone.norm_f.weight]
         for p in params:
             if p.dtype != self.dtype or p.device.type != "cpu" or not p.is_contiguous():
