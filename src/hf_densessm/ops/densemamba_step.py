@@ -27,6 +27,8 @@ the dense connection; Mamba paper Eq. 2a/2b and Algorithm 2 for the block)::
 from __future__ import annotations
 
 import ctypes
+import itertools
+import operator
 import struct
 import threading
 import weakref
@@ -290,6 +292,8 @@ def _library():
 
 
 _SUFFIX = {torch.float32: "_f32", torch.float64: "_f64"}
+_DTYPE = operator.attrgetter("dtype")
+_SHAPE = operator.attrgetter("shape")
 _MODEL_FIELDS = 18
 _LAYER_FIELDS = 21 + MAX_PREDECESSORS
 #: Bumped by PyTorch's global module, parameter and buffer registration hooks (any assignment of a submodule,
@@ -464,6 +468,8 @@ class _Binding:
                                    "replaced forward)")
         self.modules = [m for m, _ in checked]
         self.classes = [c for _, c in checked]
+        self.hook_dicts = [m._forward_hooks for m in self.modules] + [m._forward_pre_hooks for m in self.modules]
+        self.module_dicts = [m.__dict__ for m in self.modules]
         self.params = params
         self.norms = norms
         self.key = self._key()
@@ -487,23 +493,35 @@ class _Binding:
                          ptr(gu[0]), ptr(gu[1]), ptr(gb[0]), ptr(gb[1])]
             row[21:21 + layer["npred"]] = layer["pred"]
             self.layer_args.append(row)
+        self.step_fn = getattr(_library(), "dms_step" + _SUFFIX[self.dtype])
+        self.arrays = self.new_arrays()
+
+    def new_arrays(self):
+        """The C arguments (the model's fields, every layer's row), with this binding's weight addresses."""
+        flat = [value for row in self.layer_args for value in row]
+        return (ctypes.c_int64 * _MODEL_FIELDS)(*self.model_args), (ctypes.c_int64 * len(flat))(*flat)
 
     def _key(self):
+        params = self.params
         return (
-            [p.data_ptr() for p in self.params],
-            [(p.dtype, p.shape) for p in self.params],
+            list(map(torch.Tensor.data_ptr, params)),
+            list(map(_DTYPE, params)),
+            list(map(_SHAPE, params)),
             [n.variance_epsilon for n in self.norms],
         )
 
     def current(self) -> bool:
-        """Whether the bound modules and weights are still the model's, unchanged in what the kernel assumes."""
-        if self.generation != _GENERATION[0] or _module._global_forward_hooks or _module._global_forward_pre_hooks:
-            return False
-        for module, cls in zip(self.modules, self.classes):
-            if (type(module) is not cls or module._forward_hooks or module._forward_pre_hooks
-                    or "forward" in module.__dict__):
-                return False
-        return self._key() == self.key
+        """Whether the bound modules and weights are still the model's, unchanged in what the kernel assumes (about
+        35 us for DenseMamba-30M: the checks run over lists kept at binding, in C loops)."""
+        return (
+            self.generation == _GENERATION[0]
+            and not _module._global_forward_hooks
+            and not _module._global_forward_pre_hooks
+            and not any(self.hook_dicts)  # PyTorch's register_forward_(pre_)hook fill these dicts in place
+            and list(map(type, self.modules)) == self.classes
+            and not any(map(operator.contains, self.module_dicts, itertools.repeat("forward")))
+            and self._key() == self.key
+        )
 
 
 class DenseMambaCPUStep:
@@ -522,7 +540,6 @@ class DenseMambaCPUStep:
     def __init__(self, model):
         self._model = weakref.ref(model)
         self._binding = _Binding(model)
-        self._library = _library()
         self._work: torch.Tensor | None = None
         self._lock = threading.Lock()
 
@@ -556,42 +573,33 @@ class DenseMambaCPUStep:
         states = []
         for layer in cache.layers:
             conv, ssm = layer.conv_states[0], layer.recurrent_states[0]
-            if not (conv.dtype == dtype and ssm.dtype == dtype and conv.is_contiguous() and ssm.is_contiguous()
-                    and conv.device.type == "cpu" and ssm.device.type == "cpu"):
+            if not (conv.dtype == dtype == ssm.dtype and conv.is_contiguous() and ssm.is_contiguous()
+                    and conv.is_cpu and ssm.is_cpu):
                 return None
-            states.append((conv.data_ptr(), ssm.data_ptr()))
+            states += (conv.data_ptr(), ssm.data_ptr())
         layers = len(binding.layer_args)
         size = batch * (2 * H + 2 * D + (R + 2 * N) + 2 * G + D + N + D + D + 1 + layers * (D + N)) + D * N
-        # the scratch is kept between steps; a call that overlaps another (two threads on one model) takes its own
+        ids = input_ids if input_ids.is_contiguous() else input_ids.contiguous()
+        logits = torch.empty(batch, 1, V, dtype=dtype)
+        # the scratch and the argument arrays are kept between steps; a call that overlaps another (two threads on
+        # one model) takes its own
         owned = self._lock.acquire(blocking=False)
         try:
-            work = self._work if owned else None
+            work, arrays = (self._work, binding.arrays) if owned else (None, binding.new_arrays())
             if work is None or work.numel() < size or work.dtype != dtype:
                 work = torch.empty(size, dtype=dtype)
                 if owned:
                     self._work = work
-            return self._run(binding, dtype, batch, V, work, input_ids, states)
+            margs, largs = arrays
+            margs[0], margs[9], margs[10], margs[16], margs[17] = (
+                batch, torch.get_num_threads(), ids.data_ptr(), logits.data_ptr(), work.data_ptr())
+            for i in range(layers):  # the state slots (14, 15) of each layer's row
+                largs[i * _LAYER_FIELDS + 14] = states[2 * i]
+                largs[i * _LAYER_FIELDS + 15] = states[2 * i + 1]
+            binding.step_fn(margs, largs)
         finally:
             if owned:
                 self._lock.release()
-
-    def _run(self, binding, dtype, batch, V, work, input_ids, states):
-        ids = input_ids if input_ids.is_contiguous() else input_ids.contiguous()
-        logits = torch.empty(batch, 1, V, dtype=dtype)
-        model_args = list(binding.model_args)
-        model_args[0] = batch
-        model_args[9] = torch.get_num_threads()
-        model_args[10] = ids.data_ptr()
-        model_args[16] = logits.data_ptr()
-        model_args[17] = work.data_ptr()
-        flat = []
-        for row, (conv, ssm) in zip(binding.layer_args, states):
-            flat += row[:14]
-            flat += (conv, ssm)
-            flat += row[16:]
-        margs = (ctypes.c_int64 * _MODEL_FIELDS)(*model_args)
-        largs = (ctypes.c_int64 * len(flat))(*flat)
-        getattr(self._library, "dms_step" + _SUFFIX[dtype])(margs, largs)
         return logits
 
 
