@@ -17,7 +17,7 @@ from torch import nn
 from helpers import decode_step_by_step, micro_model, random_ids
 from hf_densessm import DenseMambaConfig, DenseMambaForCausalLM
 from hf_densessm.modeling import modeling_densessm
-from hf_densessm.ops import densemamba_step
+from hf_densessm.ops import cpu_build, densemamba_step
 
 pytestmark = pytest.mark.skipif(
     densemamba_step.unsupported_reason(micro_model("densemamba")) is not None,
@@ -184,3 +184,18 @@ def test_other_dtypes_and_families_are_named():
     model = micro_model("densemamba")
     model.backbone.layers[0].mixer.in_proj.register_forward_pre_hook(lambda m, i: None)
     assert "hooks" in densemamba_step.unsupported_reason(model)
+
+
+def test_a_forked_process_runs_another_step(count_calls, monkeypatch):
+    """libgomp's threads do not survive a fork: there the kernel steps aside (as cpu_build.run_job does)."""
+    model = micro_model("densemamba", dense_layers=2)
+    calls = count_calls(model)
+    ids = random_ids(1, 8)
+    with torch.no_grad():
+        expected = model(ids).logits
+    decode_step_by_step(model, ids, None, prefill=5)
+    assert len(calls) == 3
+    monkeypatch.setattr(cpu_build, "_FORKED", True)
+    modeling_densessm.COMPILED_DECODE_STEPS[model] = lambda m, i, c: m._decode_logits(i, c)  # eager, no Inductor
+    torch.testing.assert_close(decode_step_by_step(model, ids, None, prefill=5), expected, rtol=2e-5, atol=2e-5)
+    assert len(calls) == 3
