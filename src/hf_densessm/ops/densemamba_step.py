@@ -2,8 +2,9 @@
 :mod:`hf_densessm.ops.cpu_build`): the embedding row, every block (RMSNorm, ``in_proj``, the convolution window,
 ``x_proj``, ``dt_proj``, the dense connection of the inputs ``u`` and ``B``, the SSM step, ``out_proj``, the
 residual), the final norm and the LM head, in one OpenMP parallel region on PyTorch's threads, with the cache's
-states updated in place. Used by :meth:`~hf_densessm.modeling.modeling_densessm.DenseSSMCausalLMMixin.compile_decode_step`
-for float32 and float64 DenseMamba models whose configuration and modules it covers (:func:`unsupported_reason`).
+states updated in place. Used by ``compile_decode_step()``
+(:meth:`~hf_densessm.modeling.modeling_densessm.DenseSSMCausalLMMixin.compile_decode_step`) for float32 and
+float64 DenseMamba models whose configuration and modules it covers (:func:`unsupported_reason`).
 
 Why: a batch-1 step reads every weight once (about 120 MB for DenseMamba-30M in float32), and its other work is
 small; what the ``torch.compile`` graph adds around its matrix products (about 30 kernels, each a parallel region
