@@ -28,12 +28,14 @@ from transformers.utils import ModelOutput
 
 from ..configuration.configuration_densemamba import DenseMambaConfig
 from ..ops.causal_conv1d import causal_conv1d
+from ..ops.densemamba_step import DenseMambaCPUStep, registration_count
 from ..ops.selective_scan import selective_scan, selective_state_update
 from .cache import conv_state, recurrent_state
 from .decode import cached_from_parameters, decode_linear
 from .dense_connection import build_dense_connection, init_dense_linear, split_dense_inputs
 from .norm import DenseSSMRMSNorm
 from .modeling_densessm import (
+    CPU_DECODE_STEPS,
     DenseSSMCausalLMMixin,
     DenseSSMForSequenceClassificationMixin,
     backbone_output,
@@ -473,6 +475,25 @@ class DenseMambaForCausalLM(DenseSSMCausalLMMixin, DenseMambaPreTrainedModel, Ge
 
     def set_input_embeddings(self, new_embeddings):
         return self.backbone.set_input_embeddings(new_embeddings)
+
+    def _cpu_kernel_logits(self, input_ids: torch.Tensor, cache) -> torch.Tensor | None:
+        """The logits ``(batch, 1, vocab_size)`` of this one-token step from DenseMamba's C kernel of the whole step
+        (:mod:`hf_densessm.ops.densemamba_step`), the cache's states advanced in place; ``None`` (nothing done) with
+        ``implementation="torch_compile"``, or where the kernel does not cover this model as it is now
+        (:func:`~hf_densessm.ops.densemamba_step.unsupported_reason`). The step is kept in
+        :data:`~hf_densessm.modeling.modeling_densessm.CPU_DECODE_STEPS`."""
+        if self.__dict__.get("_decode_step_implementation", "auto") != "auto":
+            return None
+        step = CPU_DECODE_STEPS.get(self)
+        if step is None or isinstance(step, tuple):
+            key = (registration_count(), self.lm_head.weight.dtype)
+            if isinstance(step, tuple) and step[1] == key:
+                return None
+            step = DenseMambaCPUStep.for_model(self)
+            CPU_DECODE_STEPS[self] = (None, key) if step is None else step
+            if step is None:
+                return None
+        return step(input_ids, cache)
 
     def forward(
         self,

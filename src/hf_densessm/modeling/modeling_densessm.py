@@ -18,7 +18,6 @@ from torch import nn
 from transformers.modeling_layers import GenericForSequenceClassification
 from transformers.utils import logging
 
-from ..ops import densemamba_step
 from ..ops.workspace import Workspace, linear_into
 from .cache import CACHE_SLOTS, check_cache, new_cache, record_tokens
 from .decode import _plain_linear, decode_linear
@@ -331,8 +330,8 @@ def _caller_stacklevel() -> int:
 #: The compiled decoding step of each model with ``compile_decode_step()`` on, by model (weak keys). Kept outside the
 #: model, so that ``copy.deepcopy``, pickling and saving never carry a compiled function bound to another model.
 COMPILED_DECODE_STEPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-#: The compiled C decoding step of each DenseMamba model it covers (:mod:`hf_densessm.ops.densemamba_step`), or
-#: ``(None, key)`` where it does not (tried again when the key, the registration count and the head's dtype, changes).
+#: The C kernel step of each DenseMamba model it covers (``hf_densessm.ops.densemamba_step``), or ``(None, key)``
+#: where it does not (tried again when the key, the registration count and the head's dtype, changes).
 CPU_DECODE_STEPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 #: ``compile_decode_step(implementation=...)`` values.
 DECODE_STEP_IMPLEMENTATIONS = ("auto", "torch_compile")
@@ -463,20 +462,10 @@ class DenseSSMCausalLMMixin:
         return self
 
     def _cpu_kernel_logits(self, input_ids: torch.Tensor, cache) -> torch.Tensor | None:
-        """The logits of this step from the C kernel of :mod:`hf_densessm.ops.densemamba_step` (the cache advanced),
-        or ``None`` (nothing done) where it does not cover this model as it is now."""
-        if self.__dict__.get("_decode_step_implementation", "auto") != "auto":
-            return None
-        step = CPU_DECODE_STEPS.get(self)
-        if step is None or isinstance(step, tuple):
-            key = (densemamba_step.registration_count(), self.lm_head.weight.dtype)
-            if isinstance(step, tuple) and step[1] == key:
-                return None
-            step = densemamba_step.DenseMambaCPUStep.for_model(self)
-            CPU_DECODE_STEPS[self] = (None, key) if step is None else step
-            if step is None:
-                return None
-        return step(input_ids, cache)
+        """The logits of this step from the family's kernel of the whole step, the cache advanced, or ``None``
+        (nothing done) where the family has none or it does not cover this model as it is now. DenseMamba's:
+        :meth:`hf_densessm.modeling.modeling_densemamba.DenseMambaForCausalLM._cpu_kernel_logits`."""
+        return None
 
     def _compiled_decode_fn(self):
         """This model's compiled step, built on first use: ``torch.compile`` of a copy of :meth:`_decode_logits`'s code,

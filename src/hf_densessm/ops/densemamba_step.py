@@ -42,9 +42,10 @@ import torch
 from torch import nn
 from torch.nn.modules import module as _module
 
-from . import rms_norm as _rms_norm
 from .cpu_build import load_error, load_library, openmp_ready, vector_source
-from .selective_scan import cpu as _scan_cpu
+from .rms_norm import _BODY as _RMS_BODY
+from .selective_scan.cpu import _BODY as _SCAN_BODY
+from .selective_scan.cpu import _HEADER as _SCAN_HEADER
 
 __all__ = ["DenseMambaCPUStep", "MAX_PREDECESSORS", "registration_count", "unsupported_reason"]
 
@@ -286,8 +287,8 @@ void dms_step$sfx(const dms_model *M, const dms_layer *Ls) {
 
 def _source() -> str:
     # fused multiply-adds in this library's loops (the BLAS uses them too; -std=c11 turns contraction off)
-    header = '#pragma GCC optimize ("fp-contract=fast")\n' + _scan_cpu._HEADER + _HEADER
-    body = Template(_rms_norm._BODY.template + _scan_cpu._BODY.template + _BODY.template)
+    header = '#pragma GCC optimize ("fp-contract=fast")\n' + _SCAN_HEADER + _HEADER
+    body = Template(_RMS_BODY.template + _SCAN_BODY.template + _BODY.template)
     return vector_source(header, body)
 
 
