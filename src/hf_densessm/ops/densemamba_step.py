@@ -91,6 +91,16 @@ static inline $real dms_hsum$sfx(vec$sfx v) {
     return t[0];
 }
 
+/* w . x over K elements (any K: the last vector partial), lanes summed as a tree. */
+static inline $real dms_dot$sfx(const $real *w, const $real *x, int64_t K) {
+    vec$sfx a = ZERO$sfx;
+    for (int64_t k = 0; k < K; k += $W) {
+        const int64_t nl = K - k < $W ? K - k : $W;
+        a += vld$sfx(w + k, nl) * vld$sfx(x + k, nl);
+    }
+    return dms_hsum$sfx(a);
+}
+
 /* y[b sy + r] = act(W[r, :] . x[b sx + :] + bias[r]) (accumulate: added to y) for rows [r0, r1) and every batch
    row: four weight rows at a time, read once for all batch rows (they stay in L1 between rows). */
 static void dms_gemv$sfx(const $real *W, const $real *bias, int64_t K, const $real *x, int64_t sx, int64_t batch,
@@ -119,14 +129,7 @@ static void dms_gemv$sfx(const $real *W, const $real *bias, int64_t K, const $re
                 out[0] = dms_hsum$sfx(a0); out[1] = dms_hsum$sfx(a1); out[2] = dms_hsum$sfx(a2);
                 out[3] = dms_hsum$sfx(a3);
             } else {
-                for (int64_t i = 0; i < nr; i++) {
-                    vec$sfx a = ZERO$sfx;
-                    for (int64_t k = 0; k < K; k += $W) {
-                        const int64_t nl = K - k < $W ? K - k : $W;
-                        a += vld$sfx(W + (r + i) * K + k, nl) * vld$sfx(xb + k, nl);
-                    }
-                    out[i] = dms_hsum$sfx(a);
-                }
+                for (int64_t i = 0; i < nr; i++) out[i] = dms_dot$sfx(W + (r + i) * K, xb, K);
             }
             for (int64_t i = 0; i < nr; i++) {
                 $real v = out[i] + (bias ? bias[r + i] : ($real)0);
@@ -142,8 +145,8 @@ static void dms_gemv$sfx(const $real *W, const $real *bias, int64_t K, const $re
    (already applied), times the predecessors' sum, nearest first (as ops/gated_add.py). */
 static inline $real dms_dense$sfx(const $real *fc2_row, const $real *gate, int64_t G, const $real *feat,
                                   const dms_layer *L, int64_t stride, int64_t j) {
-    $real a = 0, total = 0;
-    for (int64_t c = 0; c < G; c++) a += fc2_row[c] * gate[c];
+    const $real a = dms_dot$sfx(fc2_row, gate, G);
+    $real total = 0;
     for (int64_t q = 0; q < L->npred; q++) total += feat[L->pred[q] * stride + j];
     return total * (a / (($real)1 + exp(-a)));
 }
@@ -235,14 +238,7 @@ void dms_step$sfx(const dms_model *M, const dms_layer *Ls) {
                     if (L->npred) {  /* W channels' gate pre-activations and predecessor sums, then their SiLU */
                         vec$sfx av = ZERO$sfx, tv = ZERO$sfx;
                         const $real *fc2 = DMS_P(const $real, L->gu2), *gate = g1u + b * G;
-                        for (int64_t i = 0; i < nl; i++) {
-                            vec$sfx acc = ZERO$sfx;
-                            for (int64_t c = 0; c < G; c += $W) {
-                                const int64_t cl = G - c < $W ? G - c : $W;
-                                acc += vld$sfx(fc2 + (d0 + i) * G + c, cl) * vld$sfx(gate + c, cl);
-                            }
-                            av[i] = dms_hsum$sfx(acc);
-                        }
+                        for (int64_t i = 0; i < nl; i++) av[i] = dms_dot$sfx(fc2 + (d0 + i) * G, gate, G);
                         for (int64_t q = 0; q < L->npred; q++)  /* nearest first, as ops/gated_add.py */
                             tv += vld$sfx(ufeat + L->pred[q] * Bt * D + b * D + d0, nl);
                         out += tv * (av * vsigmoid$sfx(av));
