@@ -172,6 +172,7 @@ def test_hooks_and_adapters_take_effect_elsewhere(count_calls):
         (dict(dense_shared_gate=False), "dense_shared_gate"),
         (dict(dense_projection="linear"), "dense_projection"),
         (dict(dense_selection="linear"), "dense_selection"),
+        (dict(dense_layers=densemamba_step.MAX_PREDECESSORS + 1, num_hidden_layers=18), "dense_layers=17 > 16"),
     ],
 )
 def test_configurations_it_does_not_cover_are_named(overrides, reason):

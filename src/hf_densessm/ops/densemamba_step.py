@@ -59,7 +59,7 @@ _HEADER = r"""
 #else
 #define DMS_BARRIER
 #endif
-#define DMS_MAX_PRED 16
+#define DMS_MAX_PRED @MAX_PREDECESSORS@
 /* Every field a 64-bit integer (addresses as integers, eps as the bits of a double): no padding, filled from
    Python as one int64 array. */
 typedef struct {
@@ -283,7 +283,8 @@ void dms_step$sfx(const dms_model *M, const dms_layer *Ls) {
 
 def _source() -> str:
     # fused multiply-adds in this library's loops (the BLAS uses them too; -std=c11 turns contraction off)
-    header = '#pragma GCC optimize ("fp-contract=fast")\n' + _SCAN_HEADER + _HEADER
+    header = ('#pragma GCC optimize ("fp-contract=fast")\n' + _SCAN_HEADER
+              + _HEADER.replace("@MAX_PREDECESSORS@", str(MAX_PREDECESSORS)))
     body = Template(_RMS_BODY.template + _SCAN_BODY.template + _BODY.template)
     return vector_source(header, body)
 
