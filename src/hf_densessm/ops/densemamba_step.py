@@ -341,32 +341,39 @@ def unsupported_reason(model) -> str | None:
     model's own classes with no hooks, adapters or replaced ``forward`` (a LoRA layer or a hook makes the step run
     elsewhere, so that it takes effect). A C compiler and PyTorch's OpenMP threads (:func:`cpu_build.openmp_ready`).
     """
+    return _bind(model)[1]
+
+
+def _bind(model):
+    """``(binding, None)`` where the kernel can run ``model`` now, else ``(None, reason)``
+    (:func:`unsupported_reason`): the checks and the binding are one pass."""
     config = getattr(model, "config", None)
     if getattr(config, "model_type", None) != "densemamba":
-        return "not a DenseMamba model"
+        return None, "not a DenseMamba model"
     for key, value in (("hidden_act", "silu"), ("dense_target", "input"), ("dense_selection", "mlp"),
                        ("dense_shared_gate", True), ("dense_projection", "identity"), ("dense_fusion", "add")):
         if getattr(config, key) != value:
-            return f"config.{key}={getattr(config, key)!r} (the kernel covers {value!r})"
+            return None, f"config.{key}={getattr(config, key)!r} (the kernel covers {value!r})"
     if config.dense_layers > MAX_PREDECESSORS:
-        return f"config.dense_layers={config.dense_layers} > {MAX_PREDECESSORS}"
+        return None, f"config.dense_layers={config.dense_layers} > {MAX_PREDECESSORS}"
     dtypes = {p.dtype for p in model.parameters()}
     if len(dtypes) != 1 or next(iter(dtypes)) not in _SUFFIX:
-        return f"parameter dtypes {sorted(str(d) for d in dtypes)} (the kernel takes all float32 or all float64)"
+        return None, (f"parameter dtypes {sorted(str(d) for d in dtypes)} (the kernel takes all float32 or all "
+                      "float64)")
     if any(p.device.type != "cpu" for p in model.parameters()):
-        return "parameters not on the CPU"
+        return None, "parameters not on the CPU"
     library = _library()
     if library is None:
-        return f"the kernel could not be built: {load_error('densemamba_step')}"
+        return None, f"the kernel could not be built: {load_error('densemamba_step')}"
     if not openmp_ready(library):
-        return "PyTorch's OpenMP threads are not available to the kernel here (a forked process, or another runtime)"
+        return None, ("PyTorch's OpenMP threads are not available to the kernel here (a forked process, or another "
+                      "runtime)")
     if _module._global_forward_hooks or _module._global_forward_pre_hooks:
-        return "global module forward hooks are registered"
+        return None, "global module forward hooks are registered"
     try:
-        _Binding(model)
+        return _Binding(model), None
     except _Unsupported as error:
-        return str(error)
-    return None
+        return None, str(error)
 
 
 class _Unsupported(Exception):
@@ -398,7 +405,7 @@ class _Binding:
                                                  (backbone.norm_f, DenseSSMRMSNorm), (model.lm_head, nn.Linear)]
         params: list[torch.Tensor] = []
         norms: list[DenseSSMRMSNorm] = [backbone.norm_f]
-        self.layers = []
+        layer_parts = []
         layers = backbone.layers
         if type(layers) is not nn.ModuleList or len(layers) != config.num_hidden_layers:
             raise _Unsupported("backbone.layers is not the model's own list of blocks")
@@ -449,7 +456,7 @@ class _Binding:
                 npred = 0
             else:
                 npred = gates[0][2]
-            self.layers.append(dict(
+            layer_parts.append(dict(
                 norm=block.norm, in_w=in_w, in_b=in_b, conv_w=conv.weight, conv_b=conv.bias, xp_w=xp_w, xp_b=xp_b,
                 dt_w=dt_w, dt_b=dt_b, A_log=mixer.A_log, Dskip=mixer.D, out_w=out_w, out_b=out_b, npred=npred,
                 gates=gates, pred=[idx - j for j in range(1, npred + 1)],
@@ -478,12 +485,12 @@ class _Binding:
         self.sizes = (H, D, N, R, K, G, config.vocab_size)
         # the fixed part of the argument arrays: every weight's address
         fixed = [0] * _MODEL_FIELDS
-        fixed[1:10] = [H, D, N, R, K, G, config.vocab_size, len(self.layers), 0]
+        fixed[1:10] = [H, D, N, R, K, G, config.vocab_size, len(layer_parts), 0]
         fixed[11:16] = [embed.data_ptr(), backbone.norm_f.weight.data_ptr(), _bits(backbone.norm_f.variance_epsilon),
                         head_w.data_ptr(), 0 if head_b is None else head_b.data_ptr()]
         self.model_args = fixed
         self.layer_args = []
-        for layer in self.layers:
+        for layer in layer_parts:
             row = [0] * _LAYER_FIELDS
             ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
             gu = layer["gates"][0] or (None, None, 0)
@@ -540,25 +547,26 @@ class DenseMambaCPUStep:
     Built with :meth:`for_model`, which returns ``None`` where :func:`unsupported_reason` gives a reason.
     """
 
-    def __init__(self, model):
+    def __init__(self, model, binding: _Binding):
         self._model = weakref.ref(model)
-        self._binding = _Binding(model)
+        self._binding = binding
         self._work: torch.Tensor | None = None
         self._lock = threading.Lock()
 
     @classmethod
     def for_model(cls, model) -> DenseMambaCPUStep | None:
         """The step of ``model``, or ``None`` where the kernel cannot run it (:func:`unsupported_reason`)."""
-        if unsupported_reason(model) is not None:
+        binding, _ = _bind(model)
+        if binding is None:
             return None
         _install_hooks()
-        return cls(model)
+        return cls(model, binding)
 
     def _rebind(self, model) -> bool:
-        if unsupported_reason(model) is not None:
-            return False
-        self._binding = _Binding(model)
-        return True
+        binding, _ = _bind(model)
+        if binding is not None:
+            self._binding = binding
+        return binding is not None
 
     def __call__(self, input_ids: torch.Tensor, cache) -> torch.Tensor | None:
         model = self._model()
