@@ -48,6 +48,8 @@ from pathlib import Path
 
 import torch
 
+from hf_densessm.modeling.cache import cache_field, output_cache
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_cpu import DTYPES, MAMBA, Bandwidth, build_models, environment, weight_bytes_per_token  # noqa: E402
 
@@ -76,10 +78,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def _cache_keyword(model) -> str:
-    return "cache_params" if "Mamba" in type(model).__name__ else "past_key_values"
-
-
 class Stepper:
     """One model after a prefill: its decoding step through ``model(...)`` and (compiled models) through the
     compiled function alone, each on the same cache, whose states keep advancing (the step's cost does not depend
@@ -89,8 +87,9 @@ class Stepper:
         self.model = model
         with torch.inference_mode():
             outputs = model(prompt, use_cache=True)
-        self.keyword = _cache_keyword(model)  # transformers' Mamba: cache_params only
-        self.cache = getattr(outputs, self.keyword)
+        # the output's cache field is also the keyword the model takes it under, in every transformers release
+        self.keyword = cache_field(type(outputs))
+        self.cache = output_cache(outputs)
         self.token = outputs.logits[:, -1:].argmax(-1)
         self.compiled = model.__dict__.get("_compile_decode_step", False)
 

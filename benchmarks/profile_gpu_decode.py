@@ -23,12 +23,10 @@ from pathlib import Path
 
 import torch
 
+from hf_densessm.modeling.cache import output_cache
+
 COUNTED = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaStreamSynchronize", "cudaMemcpyAsync",
            "aten::item")
-
-
-def _cache_of(outputs):
-    return outputs.cache_params if hasattr(outputs, "cache_params") else outputs.past_key_values
 
 
 def profile_model(name, model, context, steps, device):
@@ -38,11 +36,11 @@ def profile_model(name, model, context, steps, device):
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     ids = torch.randint(0, model.config.vocab_size, (1, context), device=device)
     with torch.no_grad():
-        cache = _cache_of(model(ids, use_cache=True))
+        cache = output_cache(model(ids, use_cache=True))
         token = ids[:, -1:]
 
         def step():
-            return model(token, use_cache=True, past_key_values=cache)  # both families take it under this name
+            return model(token, use_cache=True, cache=cache)
 
         for _ in range(3):
             step()

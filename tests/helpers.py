@@ -3,6 +3,7 @@
 import torch
 
 from hf_densessm import DenseMambaConfig, DenseMambaForCausalLM, DenseRetNetConfig, DenseRetNetForCausalLM
+from hf_densessm.modeling.cache import output_cache
 
 FAMILIES = ("densemamba", "denseretnet")
 VOCAB = 97
@@ -29,15 +30,6 @@ def micro_model(family: str, seed: int = 0, **overrides):
     return cls(config).eval()
 
 
-def cache_kwarg(model) -> str:
-    """The keyword under which the model takes and returns its cache."""
-    return "cache_params" if isinstance(model, DenseMambaForCausalLM) else "past_key_values"
-
-
-def get_cache(outputs):
-    return outputs.cache_params if hasattr(outputs, "cache_params") else outputs.past_key_values
-
-
 def random_ids(batch: int, length: int, seed: int = 1, low: int = 3):
     g = torch.Generator().manual_seed(seed)
     return torch.randint(low, VOCAB, (batch, length), generator=g)
@@ -48,11 +40,11 @@ def decode_step_by_step(model, ids, mask, prefill):
     continuing the cache (``mask``: the 2-D padding mask or ``None``)."""
     with torch.no_grad():
         out = model(ids[:, :prefill], attention_mask=None if mask is None else mask[:, :prefill], use_cache=True)
-        logits, cache = [out.logits], get_cache(out)
+        logits, cache = [out.logits], output_cache(out)
         for t in range(prefill, ids.shape[1]):
             out = model(
                 ids[:, t : t + 1], attention_mask=None if mask is None else mask[:, : t + 1],
-                use_cache=True, **{cache_kwarg(model): cache},
+                use_cache=True, cache=cache,
             )
             logits.append(out.logits)
     return torch.cat(logits, dim=1)

@@ -15,7 +15,7 @@ import pickle
 import pytest
 import torch
 
-from helpers import cache_kwarg, decode_step_by_step, get_cache, micro_model, random_ids
+from helpers import decode_step_by_step, micro_model, output_cache, random_ids
 from hf_densessm.modeling import modeling_densessm
 
 # (family, overrides, dtype): the compiled variants (one compilation each)
@@ -80,23 +80,23 @@ def test_other_calls_run_the_eager_model():
     ids = random_ids(2, 8)
     with torch.no_grad():
         out = model(ids[:, :6], use_cache=True)
-        cache = get_cache(out)
+        cache = output_cache(out)
         # padding in this step (row 1's token is padding): the eager masked path
         mask = torch.ones(2, 7, dtype=torch.long)
         mask[1, -1] = 0
-        model(ids[:, 6:7], attention_mask=mask, use_cache=True, **{cache_kwarg(model): cache})
-        model(ids[:, 6:7], labels=ids[:, 6:7], use_cache=True, **{cache_kwarg(model): cache})  # labels
-        model(ids[:, 6:7], output_hidden_states=True, use_cache=True, **{cache_kwarg(model): cache})
-        model(ids[:, 5:7], use_cache=True, **{cache_kwarg(model): cache})  # two tokens
+        model(ids[:, 6:7], attention_mask=mask, use_cache=True, cache=cache)
+        model(ids[:, 6:7], labels=ids[:, 6:7], use_cache=True, cache=cache)  # labels
+        model(ids[:, 6:7], output_hidden_states=True, use_cache=True, cache=cache)
+        model(ids[:, 5:7], use_cache=True, cache=cache)  # two tokens
         model(ids[:, 6:7], use_cache=True)  # no cache given: a new one, not filled
         with pytest.raises(IndexError):  # a token id outside the vocabulary: the eager embedding's error
-            model(torch.full((2, 1), 10_000), use_cache=True, **{cache_kwarg(model): cache})
+            model(torch.full((2, 1), 10_000), use_cache=True, cache=cache)
         with pytest.raises(TypeError, match="input_ids"):
-            model(ids[:, 6:7].float(), use_cache=True, **{cache_kwarg(model): cache})
-    model(ids[:, 6:7], use_cache=True, **{cache_kwarg(model): cache})  # gradients on
+            model(ids[:, 6:7].float(), use_cache=True, cache=cache)
+    model(ids[:, 6:7], use_cache=True, cache=cache)  # gradients on
     model.train()
     with torch.no_grad():
-        model(ids[:, 6:7], use_cache=True, **{cache_kwarg(model): cache})
+        model(ids[:, 6:7], use_cache=True, cache=cache)
     assert calls == []
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from helpers import cache_kwarg, get_cache, micro_model, random_ids
+from helpers import micro_model, output_cache, random_ids
 from helpers import decode_step_by_step as _decode_logits
 from hf_densessm.modeling import decode
 from hf_densessm.modeling.modeling_densemamba import DenseMambaMixer
@@ -113,8 +113,8 @@ def test_decode_with_gradients_takes_the_general_path(family, monkeypatch):
     ids = random_ids(1, 6)
     calls = _count_fast_steps(monkeypatch)
     out = model(ids[:, :4], use_cache=True)
-    cache = get_cache(out)
-    step = model(ids[:, 4:5], use_cache=True, **{cache_kwarg(model): cache})
+    cache = output_cache(out)
+    step = model(ids[:, 4:5], use_cache=True, cache=cache)
     assert not calls and step.logits.requires_grad
     with torch.no_grad():
         full = model(ids[:, :5]).logits

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import micro_model, random_ids
+from helpers import micro_model, output_cache, random_ids
 
 KNOBS = [
     {},
@@ -91,10 +91,10 @@ def test_full_forward_equals_prefill_then_decode_and_chunked_prefill(knobs):
     ids = random_ids(2, 12)
     full = model(ids).logits
     out = model(ids[:, :5], use_cache=True)
-    cache = out.cache_params
-    pieces = [out.logits, model(ids[:, 5:9], cache_params=cache, use_cache=True).logits]
+    cache = output_cache(out)
+    pieces = [out.logits, model(ids[:, 5:9], cache=cache, use_cache=True).logits]
     for t in range(9, 12):
-        pieces.append(model(ids[:, t : t + 1], cache_params=cache, use_cache=True).logits)
+        pieces.append(model(ids[:, t : t + 1], cache=cache, use_cache=True).logits)
     torch.testing.assert_close(torch.cat(pieces, 1), full, atol=1e-10, rtol=1e-10)
 
 
@@ -145,8 +145,8 @@ def test_triton_path_equals_reference():
     for name in ref_grads:
         torch.testing.assert_close(grads[name], ref_grads[name], atol=1e-6, rtol=1e-5)
     model.eval()
-    cache = model(ids[:, :3], use_cache=True).cache_params
-    step = model(ids[:, 3:4], cache_params=cache, use_cache=True).logits
+    cache = output_cache(model(ids[:, :3], use_cache=True))
+    step = model(ids[:, 3:4], cache=cache, use_cache=True).logits
     model.config.kernel_backend = "torch"
     torch.testing.assert_close(step[:, -1], model(ids[:, :4]).logits[:, -1], atol=1e-6, rtol=1e-5)
 

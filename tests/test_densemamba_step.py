@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from helpers import decode_step_by_step, micro_model, random_ids
+from helpers import decode_step_by_step, micro_model, output_cache, random_ids
 from hf_densessm import DenseMambaConfig, DenseMambaForCausalLM
 from hf_densessm.modeling import modeling_densessm
 from hf_densessm.ops import cpu_build, densemamba_step
@@ -57,9 +57,9 @@ def _states(cache):
 def _decode_with_cache(model, ids, prefill):
     with torch.no_grad():
         out = model(ids[:, :prefill], use_cache=True)
-        logits, cache = [out.logits], out.cache_params
+        logits, cache = [out.logits], output_cache(out)
         for t in range(prefill, ids.shape[1]):
-            out = model(ids[:, t : t + 1], cache_params=cache, use_cache=True)
+            out = model(ids[:, t : t + 1], cache=cache, use_cache=True)
             logits.append(out.logits)
     return torch.cat(logits, dim=1), _states(cache)
 

@@ -4,7 +4,7 @@ equals the PyTorch reference path; and so do prefill + decode through the Triton
 import pytest
 import torch
 
-from helpers import FAMILIES, cache_kwarg, get_cache, micro_model, random_ids
+from helpers import FAMILIES, micro_model, output_cache, random_ids
 
 
 # float64 models; the kernels keep some cross-tile partial sums in float32, so agreement is to float32 rounding.
@@ -41,9 +41,9 @@ def test_prefill_and_decode_through_triton_equal_reference(family):
         model.config.kernel_backend = backend
         with torch.no_grad():
             out = model(ids[:, :6], use_cache=True)
-            logits, cache = [out.logits], get_cache(out)
+            logits, cache = [out.logits], output_cache(out)
             for t in range(6, 9):
-                out = model(ids[:, t : t + 1], **{cache_kwarg(model): cache}, use_cache=True)
+                out = model(ids[:, t : t + 1], cache=cache, use_cache=True)
                 logits.append(out.logits)
         results.append(torch.cat(logits, dim=1))
     torch.testing.assert_close(results[1], results[0], **TOL)

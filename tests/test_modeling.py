@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache, MambaConfig, MambaForCausalLM
 
 from hf_densessm import DenseMambaForCausalLM
-from helpers import FAMILIES, cache_kwarg, get_cache, micro_config, micro_model, random_ids
+from helpers import FAMILIES, micro_config, micro_model, output_cache, random_ids
 
 ATOL = 1e-4
 
@@ -93,8 +93,8 @@ def test_bad_inputs_raise_at_entry(family):
         model(ids, attention_mask=torch.ones(3, 5))
     with pytest.raises(ValueError, match="inputs_embeds"):
         model(inputs_embeds=torch.zeros(2, 5, 7))
-    with pytest.raises(TypeError, match=cache_kwarg(model)):
-        model(ids, **{cache_kwarg(model): "not a cache"}, use_cache=True)
+    with pytest.raises(TypeError, match="`cache`"):
+        model(ids, cache="not a cache", use_cache=True)
     with pytest.raises(ValueError, match="logits_to_keep"):
         model(ids, logits_to_keep=-1)
 
@@ -112,20 +112,19 @@ DENSE_SETTINGS = [
 def test_full_forward_prefill_decode_and_chunked_prefill_agree(family, settings):
     model = micro_model(family, **settings)
     ids = random_ids(2, 12)
-    name = cache_kwarg(model)
     with torch.no_grad():
         full = model(ids, use_cache=False).logits
         # prefill 5 tokens, then decode the rest one token at a time
         out = model(ids[:, :5], use_cache=True)
-        steps, cache = [out.logits], get_cache(out)
+        steps, cache = [out.logits], output_cache(out)
         for t in range(5, 12):
-            out = model(ids[:, t : t + 1], **{name: cache}, use_cache=True)
+            out = model(ids[:, t : t + 1], cache=cache, use_cache=True)
             steps.append(out.logits)
-            cache = get_cache(out)
+            cache = output_cache(out)
         torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=ATOL, rtol=1e-4)
         # prefill in two chunks (7 + 5)
         first = model(ids[:, :7], use_cache=True)
-        second = model(ids[:, 7:], **{name: get_cache(first)}, use_cache=True)
+        second = model(ids[:, 7:], cache=output_cache(first), use_cache=True)
         torch.testing.assert_close(torch.cat([first.logits, second.logits], dim=1), full, atol=ATOL, rtol=1e-4)
 
 
@@ -141,8 +140,8 @@ def _cache_numel(cache) -> int:
 def test_cache_size_does_not_grow_with_length(family):
     model = micro_model(family)
     with torch.no_grad():
-        short = get_cache(model(random_ids(1, 4), use_cache=True))
-        long = get_cache(model(random_ids(1, 64), use_cache=True))
+        short = output_cache(model(random_ids(1, 4), use_cache=True))
+        long = output_cache(model(random_ids(1, 64), use_cache=True))
     assert isinstance(long, DynamicCache)
     assert _cache_numel(short) == _cache_numel(long) > 0
 
@@ -159,22 +158,21 @@ def test_left_padding_gives_each_row_its_own_result(family):
         batch = model(padded, attention_mask=mask, use_cache=True)
         alone = model(ids[1:, 4:], use_cache=True)
         torch.testing.assert_close(batch.logits[1:, 4:], alone.logits, atol=ATOL, rtol=1e-4)
-        for layer_b, layer_a in zip(get_cache(batch).layers, get_cache(alone).layers):
+        for layer_b, layer_a in zip(output_cache(batch).layers, output_cache(alone).layers):
             torch.testing.assert_close(layer_b.recurrent_states[0][1:], layer_a.recurrent_states[0], atol=ATOL, rtol=1e-4)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_padded_step_leaves_every_state_unchanged(family):
     model = micro_model(family)
-    name = cache_kwarg(model)
     with torch.no_grad():
-        cache = get_cache(model(random_ids(2, 6), use_cache=True))
+        cache = output_cache(model(random_ids(2, 6), use_cache=True))
         before = [
             [t.clone() for t in list(layer.recurrent_states.values()) + list(layer.conv_states.values()) if t is not None]
             for layer in cache.layers
         ]
         mask = torch.tensor([[1, 1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 0]])
-        model(random_ids(2, 1, seed=5), attention_mask=mask, **{name: cache}, use_cache=True)
+        model(random_ids(2, 1, seed=5), attention_mask=mask, cache=cache, use_cache=True)
         for layer, old in zip(cache.layers, before):
             new = [t for t in list(layer.recurrent_states.values()) + list(layer.conv_states.values()) if t is not None]
             for a, b in zip(new, old):

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DataCollatorWithFlattening, Trainer, TrainingArguments
 
-from helpers import VOCAB, micro_model
+from helpers import VOCAB, micro_model, output_cache
 
 VARIANTS = [("densemamba", {}), ("densemamba", {"dense_target": "state"}), ("denseretnet", {})]
 IDS = ["densemamba-input", "densemamba-state", "denseretnet"]
@@ -98,7 +98,6 @@ def test_the_three_padding_free_inputs_agree(family, knobs):
 def test_packed_inputs_are_checked(family):
     model = micro_model(family)
     ids, _, cu, position_ids, seq_idx = packed_inputs(documents())
-    key = "cache_params" if family == "densemamba" else "past_key_values"
     cases = [
         (dict(cu_seq_lens_q=cu[:-1]), ValueError, "cu_seq_lens_q"),  # does not reach the length
         (dict(cu_seq_lens_q=torch.tensor([0, 3, 3, 94])), ValueError, "cu_seq_lens_q"),  # an empty document
@@ -117,9 +116,9 @@ def test_packed_inputs_are_checked(family):
             continue
         with pytest.raises(exc, match=match):
             model(ids, **kwargs)
-    cache = getattr(model(ids[:, :3], use_cache=True), key)
-    with pytest.raises(ValueError, match=key):
-        model(ids, position_ids=position_ids, **{key: cache})
+    cache = output_cache(model(ids[:, :3], use_cache=True))
+    with pytest.raises(ValueError, match="give no `cache`"):
+        model(ids, position_ids=position_ids, cache=cache)
 
 
 def topic_documents(count=12, max_len=200):

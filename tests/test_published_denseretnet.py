@@ -20,6 +20,7 @@ import torch
 
 from hf_densessm import DenseRetNetForCausalLM
 from hf_densessm.convert import denseretnet_from_official
+from hf_densessm.modeling.cache import output_cache
 from published_denseretnet import PUBLISHED_CONFIG, published_checkpoint, published_forward, relative_deviation
 
 TOLERANCE = 1e-5
@@ -120,10 +121,10 @@ def test_converted_checkpoint_prefill_then_decode(converted, input_ids, referenc
     with torch.no_grad():
         out = converted(input_ids[:, :first], use_cache=True)
         pieces = [out.logits]
-        out = converted(input_ids[:, first:second], past_key_values=out.past_key_values, use_cache=True)
+        out = converted(input_ids[:, first:second], cache=output_cache(out), use_cache=True)
         pieces.append(out.logits)
         for t in range(second, LENGTH):
-            out = converted(input_ids[:, t : t + 1], past_key_values=out.past_key_values, use_cache=True)
+            out = converted(input_ids[:, t : t + 1], cache=output_cache(out), use_cache=True)
             pieces.append(out.logits)
     ours = torch.cat(pieces, dim=1)
     assert ours.shape == reference.shape

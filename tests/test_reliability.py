@@ -13,7 +13,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
 from hf_densessm import DenseMambaConfig, DenseRetNetConfig
-from helpers import FAMILIES, cache_kwarg, micro_config, micro_model, random_ids
+from helpers import FAMILIES, micro_config, micro_model, random_ids
+from hf_densessm.modeling.cache import cache_field, output_cache
 
 NEW = dict(do_sample=False, max_new_tokens=8, min_new_tokens=8)
 CONFIGS = {"densemamba": DenseMambaConfig, "denseretnet": DenseRetNetConfig}
@@ -68,16 +69,14 @@ def test_item1_state_mode_gates_after_loading(tmp_path):
 
 # 2. ------------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("name", ["family", "past_key_values"])
-def test_item2_generation_continues_from_a_returned_cache(family, name):
+def test_item2_generation_continues_from_a_returned_cache(family):
     model = micro_model(family)
     ids = random_ids(2, 5)
     full = model.generate(ids, **NEW)
     first = model.generate(ids, do_sample=False, max_new_tokens=4, min_new_tokens=4, return_dict_in_generate=True)
-    assert first.past_key_values.get_seq_length() == 8
-    key = cache_kwarg(model) if name == "family" else "past_key_values"
+    assert output_cache(first).get_seq_length() == 8
     second = model.generate(first.sequences, do_sample=False, max_new_tokens=4, min_new_tokens=4,
-                            **{key: first.past_key_values})
+                            **{cache_field(type(first)): output_cache(first)})
     assert torch.equal(second, full)
 
 
@@ -92,9 +91,9 @@ def test_item3_generate_in_train_mode_with_checkpointing_equals_eval(family):
     model.config.dropout = 0.0
     assert torch.equal(model.generate(ids, **NEW), expected)
     out = model(ids, use_cache=True)  # a training forward with gradients: the cache is dropped (with a warning)
-    assert getattr(out, cache_kwarg(model)) is None
+    assert output_cache(out) is None
     with torch.no_grad():
-        assert getattr(model(ids, use_cache=True), cache_kwarg(model)) is not None
+        assert output_cache(model(ids, use_cache=True)) is not None
 
 
 # 4. ------------------------------------------------------------------------------------------------------------
@@ -180,26 +179,25 @@ def test_item6_dense_target_is_densemamba_only():
 @pytest.mark.parametrize("family", FAMILIES)
 def test_item7_cache_of_another_batch_size_is_refused(family):
     model = micro_model(family)
-    key = cache_kwarg(model)
-    cache = getattr(model(random_ids(2, 4), use_cache=True), key)
-    with pytest.raises(ValueError, match=key):
-        model(random_ids(3, 1), use_cache=True, **{key: cache})
+    cache = output_cache(model(random_ids(2, 4), use_cache=True))
+    with pytest.raises(ValueError, match="`cache`"):
+        model(random_ids(3, 1), use_cache=True, cache=cache)
     cache.reset()
-    with pytest.raises(ValueError, match=key):
-        model(random_ids(3, 1), use_cache=True, **{key: cache})
+    with pytest.raises(ValueError, match="`cache`"):
+        model(random_ids(3, 1), use_cache=True, cache=cache)
 
 
 def test_item7_cache_of_the_other_family_is_refused():
     mamba, retnet = micro_model("densemamba"), micro_model("denseretnet")
     ids = random_ids(2, 4)
-    mamba_cache = mamba(ids, use_cache=True).cache_params
-    retnet_cache = retnet(ids, use_cache=True).past_key_values
-    with pytest.raises(ValueError, match="past_key_values"):
-        retnet(ids[:, :1], past_key_values=mamba_cache, use_cache=True)
-    with pytest.raises(ValueError, match="cache_params"):
-        mamba(ids[:, :1], cache_params=retnet_cache, use_cache=True)
-    with pytest.raises(ValueError, match="past_key_values"):
-        retnet(ids[:, :1], past_key_values=DynamicCache(config=mamba.config), use_cache=True)
+    mamba_cache = output_cache(mamba(ids, use_cache=True))
+    retnet_cache = output_cache(retnet(ids, use_cache=True))
+    with pytest.raises(ValueError, match="`cache` was built for another model family"):
+        retnet(ids[:, :1], cache=mamba_cache, use_cache=True)
+    with pytest.raises(ValueError, match="`cache` was built for another model family"):
+        mamba(ids[:, :1], cache=retnet_cache, use_cache=True)
+    with pytest.raises(ValueError, match="`cache` was built for another model family"):
+        retnet(ids[:, :1], cache=DynamicCache(config=mamba.config), use_cache=True)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -8,7 +8,7 @@ import torch
 
 import hf_densessm.modeling.modeling_denseretnet as retnet_module
 from hf_densessm.ops.retention.naive import chunk_retention_naive as parallel_retention, retention_gamma
-from helpers import get_cache, micro_model, random_ids
+from helpers import micro_model, output_cache, random_ids
 
 
 def published_parallel_retention(q, k, v, scale=None, initial_state=None, output_final_state=False, backend=None,
@@ -44,9 +44,9 @@ def test_parallel_chunked_and_recurrent_forms_agree(monkeypatch, dense_layers):
         chunked = model(ids, use_cache=False).logits
         # recurrent: one token at a time through the decode step
         out = model(ids[:, :1], use_cache=True)
-        steps, cache = [out.logits], get_cache(out)
+        steps, cache = [out.logits], output_cache(out)
         for t in range(1, ids.shape[1]):
-            out = model(ids[:, t : t + 1], past_key_values=cache, use_cache=True)
+            out = model(ids[:, t : t + 1], cache=cache, use_cache=True)
             steps.append(out.logits)
         recurrent = torch.cat(steps, dim=1)
         monkeypatch.setattr(retnet_module, "chunk_retention", plain_parallel_retention)

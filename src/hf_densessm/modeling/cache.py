@@ -26,12 +26,106 @@ denseretnet    ``recurrent_states[1]``      real (non-padding) tokens seen per r
 **Tokens.** :attr:`DenseSSMCache.tokens_seen` counts every position given to the model (padding included), which is
 what ``generate()`` compares with the length of ``input_ids``; DenseRetNet's per-row slot counts real tokens only.
 Beam search reorders every slot with transformers' ``reorder_cache``.
+
+**Names.** Inside this package the cache is always ``cache``. Outside, the installed transformers names it
+(:func:`takes_cache`, :func:`cache_field`): from 5.24 on, ``cache`` everywhere (``forward`` keywords, model outputs,
+``generate()``), the old names accepted through transformers' own ``deprecate_kwarg``; before 5.24, DenseMamba's
+outputs hold it as ``cache_params`` (as ``transformers.MambaOutput``) and DenseRetNet's as ``past_key_values`` (as
+``CausalLMOutputWithPast``), the names these releases use.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
+
 import torch
 from transformers.cache_utils import Cache, DynamicCache, LinearAttentionCacheLayerMixin
+from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.utils.deprecation import deprecate_kwarg
+
+#: The names transformers has given the field of a model output that holds the cache: ``cache`` from 5.24 on; before,
+#: ``past_key_values``, and ``cache_params`` in Mamba's outputs (transformers 5.17-5.23's ``ALL_CACHE_NAMES``).
+CACHE_FIELDS = ("cache", "past_key_values", "cache_params")
+
+#: Whether the installed transformers calls the cache ``cache`` (5.24 and later), read off its own output class.
+CACHE_RENAMED = "cache" in CausalLMOutputWithPast.__dataclass_fields__
+
+#: The release in which transformers drops the old keywords (what its own models pass to ``deprecate_kwarg``).
+OLD_CACHE_NAMES_REMOVED_IN = "5.40.0"
+
+
+def takes_cache(*old_names: str):
+    """Decorate a ``forward`` (or ``prepare_inputs_for_generation``) written with a ``cache`` keyword so that it also
+    takes the cache under ``old_names`` (``"past_key_values"``, ``"cache_params"``), as the installed transformers
+    does:
+
+    - transformers 5.24 and later: its own ``deprecate_kwarg(old, "5.40.0", new_name="cache")``, one per old name,
+      as its Mamba and Llama models do (a ``FutureWarning`` for an old name; ``cache`` wins when both are given);
+    - earlier releases, where the old names are the current ones: each is passed on as ``cache``, silently, and the
+      signature lists them (``generate()`` checks its keywords against the signatures of ``forward`` and
+      ``prepare_inputs_for_generation``).
+
+    Raises:
+        ValueError: (when decorating) a name in ``old_names`` that is not one of transformers' old names; (when
+            called, releases before 5.24) two different objects given under two of the names, where 5.24 and later
+            warn and use ``cache``, as transformers does.
+    """
+    for name in old_names:
+        if name not in CACHE_FIELDS[1:]:
+            raise ValueError(f"`old_names` must be among {CACHE_FIELDS[1:]}, got {name!r}.")
+
+    def decorate(function):
+        if CACHE_RENAMED:
+            for name in old_names:
+                function = deprecate_kwarg(name, OLD_CACHE_NAMES_REMOVED_IN, new_name="cache")(function)
+            return function
+
+        @functools.wraps(function)
+        def with_old_names(*args, **kwargs):
+            for name in old_names:
+                if name not in kwargs:
+                    continue
+                value = kwargs.pop(name)
+                if value is not None and kwargs.get("cache") is not None and kwargs["cache"] is not value:
+                    raise ValueError(f"Give the cache once: `cache` and `{name}` are different objects.")
+                if kwargs.get("cache") is None:
+                    kwargs["cache"] = value
+            return function(*args, **kwargs)
+
+        signature = inspect.signature(function)
+        parameters = [p for p in signature.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+        parameters += [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None) for name in old_names]
+        parameters += [p for p in signature.parameters.values() if p.kind is inspect.Parameter.VAR_KEYWORD]
+        with_old_names.__signature__ = signature.replace(parameters=parameters)
+        return with_old_names
+
+    return decorate
+
+
+def cache_field(output_class: type) -> str:
+    """The field of ``output_class`` (a transformers ``ModelOutput`` dataclass) that holds the cache, as the installed
+    transformers names it: one of :data:`CACHE_FIELDS`.
+
+    Raises:
+        TypeError: ``output_class`` declares none of them.
+    """
+    declared = getattr(output_class, "__dataclass_fields__", {})
+    for name in CACHE_FIELDS:
+        if name in declared:
+            return name
+    raise TypeError(f"{output_class.__name__} has no cache field (one of {CACHE_FIELDS}).")
+
+
+def model_output(output_class: type, cache: Cache | None, **fields):
+    """``output_class(**fields)`` with ``cache`` in its cache field (:func:`cache_field`)."""
+    return output_class(**fields, **{cache_field(output_class): cache})
+
+
+def output_cache(outputs) -> Cache | None:
+    """The cache a model output holds (a transformers ``ModelOutput`` with a cache field, :func:`cache_field`)."""
+    return getattr(outputs, cache_field(type(outputs)))
+
 
 #: Which state slots each family uses, and what they hold (see the module docstring).
 CACHE_SLOTS = {
@@ -90,8 +184,8 @@ def _expected_shapes(config, batch: int) -> dict[tuple[str, int], tuple[int, ...
     }
 
 
-def check_cache(cache, config, arg_name: str, batch: int) -> None:
-    """Check that ``cache`` fits a model of ``config`` given ``batch`` rows.
+def check_cache(cache, config, batch: int) -> None:
+    """Check that ``cache`` (a model's ``cache`` argument) fits a model of ``config`` given ``batch`` rows.
 
     It must be a transformers ``Cache`` with one linear-attention layer per block, with the state slots of the
     config's family (:data:`CACHE_SLOTS`), and states (where already filled) of the shapes this model and batch need.
@@ -99,22 +193,22 @@ def check_cache(cache, config, arg_name: str, batch: int) -> None:
     Raises:
         TypeError: ``cache`` is not a ``Cache``, or its layers are not linear-attention layers.
         ValueError: wrong number of layers, slots of another family (e.g. a DenseMamba cache given to DenseRetNet),
-            or states of another batch size or width. Messages name ``arg_name`` and what was expected.
+            or states of another batch size or width. Messages name ``cache`` and what was expected.
     """
-    hint = f"build one with `transformers.DynamicCache(config=model.config)` or leave `{arg_name}` unset"
+    hint = "build one with `transformers.DynamicCache(config=model.config)` or leave `cache` unset"
     if not isinstance(cache, Cache):
-        raise TypeError(f"`{arg_name}` must be a transformers `Cache`, got {type(cache).__name__}; {hint}.")
+        raise TypeError(f"`cache` must be a transformers `Cache`, got {type(cache).__name__}; {hint}.")
     if len(cache.layers) != config.num_hidden_layers:
         raise ValueError(
-            f"`{arg_name}` has {len(cache.layers)} layers but the model has {config.num_hidden_layers}; {hint}."
+            f"`cache` has {len(cache.layers)} layers but the model has {config.num_hidden_layers}; {hint}."
         )
     if not all(isinstance(layer, LinearAttentionCacheLayerMixin) for layer in cache.layers):
-        raise TypeError(f"`{arg_name}` must hold linear-attention (recurrent state) layers; {hint}.")
+        raise TypeError(f"`cache` must hold linear-attention (recurrent state) layers; {hint}.")
     slots = CACHE_SLOTS[config.model_type]
     needed = max(slots["conv"] + slots["recurrent"]) + 1
     if any(layer.number_of_states != needed for layer in cache.layers):
         raise ValueError(
-            f"`{arg_name}` was built for another model family ({cache.layers[0].number_of_states} state slots per "
+            f"`cache` was built for another model family ({cache.layers[0].number_of_states} state slots per "
             f"layer, a {config.model_type} model needs {needed}); {hint}."
         )
     expected = _expected_shapes(config, batch)
@@ -126,7 +220,7 @@ def check_cache(cache, config, arg_name: str, batch: int) -> None:
             state = (layer.conv_states if kind == "conv" else layer.recurrent_states)[slot]
             if tuple(state.shape) != shape:
                 raise ValueError(
-                    f"`{arg_name}` holds a {kind} state of shape {tuple(state.shape)} in layer {layer_idx}, but this "
+                    f"`cache` holds a {kind} state of shape {tuple(state.shape)} in layer {layer_idx}, but this "
                     f"model with batch size {batch} needs {shape} (a cache serves one batch size); {hint}."
                 )
 

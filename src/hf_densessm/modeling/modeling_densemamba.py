@@ -24,13 +24,13 @@ from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.modeling_layers import GradientCheckpointingLayer
-from transformers.utils import ModelOutput
+from transformers.models.mamba.modeling_mamba import MambaCausalLMOutput, MambaOutput
 
 from ..configuration.configuration_densemamba import DenseMambaConfig
 from ..ops.causal_conv1d import causal_conv1d
 from ..ops.densemamba_step import DenseMambaCPUStep, registration_count
 from ..ops.selective_scan import selective_scan, selective_state_update
-from .cache import conv_state, recurrent_state
+from .cache import CACHE_RENAMED, conv_state, output_cache, recurrent_state, takes_cache
 from .decode import cached_from_parameters, decode_linear
 from .dense_connection import build_dense_connection, init_dense_linear, split_dense_inputs
 from .norm import DenseSSMRMSNorm
@@ -39,7 +39,6 @@ from .modeling_densessm import (
     DenseSSMCausalLMMixin,
     DenseSSMForSequenceClassificationMixin,
     backbone_output,
-    merge_cache_arguments,
     run_backbone,
 )
 
@@ -84,7 +83,7 @@ class DenseMambaMixer(nn.Module):
             self.dense_B = build_dense_connection(config, layer_idx, self.ssm_state_size)
             self.dense_h = None
 
-    def _read_lower_states(self, dense_inputs, C, cache_params, decode: bool, continuing: bool, reset=None):
+    def _read_lower_states(self, dense_inputs, C, cache, decode: bool, continuing: bool, reset=None):
         """``C^l_t . h^{l-i}_t`` for each predecessor ``i`` (nearest first), ``(batch, seq_len, D)`` each.
 
         Decoding reads the lower layers' states from the cache (updated for this token already: lower layers run
@@ -96,7 +95,7 @@ class DenseMambaMixer(nn.Module):
             n = len(dense_inputs) // 4
             C_t = C[:, 0, :, None].to(torch.promote_types(C.dtype, torch.float32))
             return [
-                torch.bmm(recurrent_state(cache_params, self.layer_idx - i).to(C_t.dtype), C_t).transpose(1, 2)
+                torch.bmm(recurrent_state(cache, self.layer_idx - i).to(C_t.dtype), C_t).transpose(1, 2)
                 for i in range(1, n + 1)
             ]
         us, dts, Bs, As, *initial = split_dense_inputs(dense_inputs, 5 if continuing else 4)
@@ -109,7 +108,7 @@ class DenseMambaMixer(nn.Module):
             for u, dt, B, A, h0 in zip(us, dts, Bs, As, initial)
         ]
 
-    def _decode_step(self, hidden_states, dense_inputs, cache_params, state):
+    def _decode_step(self, hidden_states, dense_inputs, cache, state):
         """One decoding step (one token per row, no padding, no gradients): the function of :meth:`forward`, in
         fewer and cheaper operations, on ``(batch, channels)`` rows.
 
@@ -127,7 +126,7 @@ class DenseMambaMixer(nn.Module):
         Args:
             hidden_states: ``(batch, 1, hidden_size)``, the block's normalized input.
             dense_inputs: as in :meth:`forward` (the predecessors' ``(batch, 1, .)`` features of this step).
-            cache_params: the cache, its conv and SSM states of this layer filled (by a prefill).
+            cache: the cache, its conv and SSM states of this layer filled (by a prefill).
             state: ``(batch, D, N)`` float32 (float64 in float64 models), this layer's SSM state, updated in place.
 
         Returns:
@@ -140,7 +139,7 @@ class DenseMambaMixer(nn.Module):
         xz = decode_linear(self.in_proj, hidden_states[:, 0])  # (batch, 2 D)
         x, z = xz[:, :size], xz[:, size:]
         # conv step: the window of the last `conv_kernel` inputs, this token last, dotted with each channel's taps
-        window = cache_params.update_conv_state(x[:, :, None], self.layer_idx, conv_kernel_size=self.conv_kernel_size)
+        window = cache.update_conv_state(x[:, :, None], self.layer_idx, conv_kernel_size=self.conv_kernel_size)
         u = (window[..., -self.conv_kernel_size :] * self.conv1d.weight[:, 0]).sum(-1)
         if self.conv1d.bias is not None:
             u = u.add_(self.conv1d.bias)
@@ -156,7 +155,7 @@ class DenseMambaMixer(nn.Module):
                 y = selective_state_update(state, u, dt, A, B, C, D, z=z, dt_softplus=False, backend=backend)
             else:  # Eq. 14: the lower layers' states (in the cache) read out with this C
                 y = selective_state_update(state, u, dt, A, B, C, None, z=None, dt_softplus=False, backend=backend)
-                readouts = self._read_lower_states(dense_inputs, C[:, None], cache_params, True, True)
+                readouts = self._read_lower_states(dense_inputs, C[:, None], cache, True, True)
                 y = self.dense_h(hidden_states, y[:, None], readouts)[:, 0]
                 y = (y + D * u) * F.silu(z.to(y.dtype))
         else:
@@ -172,7 +171,7 @@ class DenseMambaMixer(nn.Module):
         self,
         hidden_states: torch.Tensor,
         dense_inputs: tuple[torch.Tensor, ...],
-        cache_params=None,
+        cache=None,
         attention_mask: torch.Tensor | None = None,
         reset: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
@@ -184,7 +183,7 @@ class DenseMambaMixer(nn.Module):
             dense_inputs: the predecessors' pre-fusion ``u`` tensors then their ``B`` tensors, nearest first (see
                 :mod:`hf_densessm.modeling.dense_connection`); ``u`` ``(batch, seq_len, D)``,
                 ``B`` ``(batch, seq_len, N)``.
-            cache_params: a transformers ``Cache`` (see ``hf_densessm.modeling.cache``) or ``None``.
+            cache: a transformers ``Cache`` (see ``hf_densessm.modeling.cache``) or ``None``.
             attention_mask: ``(batch, seq_len)`` 0/1 or ``None``; padded positions get ``u = 0`` and ``dt = 0``, so
                 they never change the SSM state.
             reset: ``(batch, seq_len)`` bool or ``None``: True at the first token of each packed document; the
@@ -197,9 +196,9 @@ class DenseMambaMixer(nn.Module):
         """
         batch, seq_len, _ = hidden_states.shape
         if seq_len == 1 and attention_mask is None and reset is None and not torch.is_grad_enabled():
-            state = recurrent_state(cache_params, self.layer_idx)
-            if state is not None and conv_state(cache_params, self.layer_idx) is not None:
-                return self._decode_step(hidden_states, dense_inputs, cache_params, state)
+            state = recurrent_state(cache, self.layer_idx)
+            if state is not None and conv_state(cache, self.layer_idx) is not None:
+                return self._decode_step(hidden_states, dense_inputs, cache, state)
         dtype = hidden_states.dtype
         backend = self.config.kernel_backend
         mask = attention_mask[:, None, :].to(dtype) if attention_mask is not None else None
@@ -213,17 +212,17 @@ class DenseMambaMixer(nn.Module):
         z = z.transpose(1, 2)  # (batch, D, seq_len) view, the scan's layout
 
         # 2. causal depthwise convolution, continuing from the cached window of the last `conv_kernel` inputs
-        window = conv_state(cache_params, self.layer_idx)
+        window = conv_state(cache, self.layer_idx)
         previous_window = window.clone() if window is not None and mask is not None else None
         # (packed documents: no tap reaches into the previous document); SiLU fused
         u = causal_conv1d(
             x, self.conv1d.weight, self.conv1d.bias, window, reset=reset, activation="silu", backend=backend
         )  # (batch, seq_len, D)
-        if cache_params is not None:
-            cache_params.update_conv_state(x.transpose(1, 2), self.layer_idx, conv_kernel_size=self.conv_kernel_size)
+        if cache is not None:
+            cache.update_conv_state(x.transpose(1, 2), self.layer_idx, conv_kernel_size=self.conv_kernel_size)
             if previous_window is not None:  # rows given only padding keep their window
                 padded_rows = ~attention_mask.bool().any(dim=-1)
-                updated = conv_state(cache_params, self.layer_idx)
+                updated = conv_state(cache, self.layer_idx)
                 updated.copy_(torch.where(padded_rows[:, None, None], previous_window, updated))
         if mask is not None:
             u = u * attention_mask[:, :, None].to(dtype)
@@ -240,7 +239,7 @@ class DenseMambaMixer(nn.Module):
             softplus = False
 
         A = -torch.exp(self.A_log.to(acc))
-        state = recurrent_state(cache_params, self.layer_idx)
+        state = recurrent_state(cache, self.layer_idx)
         decode = state is not None and seq_len == 1
         fuse_states = self.dense_h is not None
 
@@ -271,15 +270,15 @@ class DenseMambaMixer(nn.Module):
             result = selective_scan(
                 u.transpose(1, 2), dt, A, B.transpose(1, 2), C.transpose(1, 2),
                 D=D, z=z_scan, delta_softplus=softplus,
-                initial_state=state, return_last_state=cache_params is not None, backend=backend, reset=reset,
+                initial_state=state, return_last_state=cache is not None, backend=backend, reset=reset,
             )
-            if cache_params is not None:
+            if cache is not None:
                 y, last_state = result
-                cache_params.update_recurrent_state(last_state, self.layer_idx)
+                cache.update_recurrent_state(last_state, self.layer_idx)
             else:
                 y = result
         if fuse_states:
-            readouts = self._read_lower_states(dense_inputs, C, cache_params, decode, state is not None, reset)
+            readouts = self._read_lower_states(dense_inputs, C, cache, decode, state is not None, reset)
             y = self.dense_h(hidden_states, y.transpose(1, 2), readouts).transpose(1, 2)  # Eq. 14
             y = (y + self.D.to(acc)[:, None] * u.transpose(1, 2)) * F.silu(z.to(y.dtype))
         return self.out_proj(y.transpose(1, 2).to(dtype)), features
@@ -288,7 +287,7 @@ class DenseMambaMixer(nn.Module):
 class DenseMambaBlock(GradientCheckpointingLayer):
     """Pre-norm residual block ``x + mixer(RMSNorm(x))`` (``norm``, ``mixer`` as in ``transformers.MambaBlock``).
 
-    ``forward(hidden_states, *dense_inputs, cache_params=None, attention_mask=None)``: ``dense_inputs`` are the
+    ``forward(hidden_states, *dense_inputs, cache=None, attention_mask=None)``: ``dense_inputs`` are the
     predecessors' ``u`` then ``B`` tensors, nearest first. Returns the flat ``(hidden_states, u, B)``; the residual
     stream is float32 when ``config.residual_in_fp32``.
     """
@@ -300,13 +299,13 @@ class DenseMambaBlock(GradientCheckpointingLayer):
         self.norm = DenseSSMRMSNorm(config.hidden_size, eps=config.layer_norm_epsilon, config=config)
         self.mixer = DenseMambaMixer(config, layer_idx=layer_idx)
 
-    def forward(self, hidden_states, *dense_inputs, cache_params=None, attention_mask=None, reset=None):
+    def forward(self, hidden_states, *dense_inputs, cache=None, attention_mask=None, reset=None):
         residual = hidden_states
         hidden_states = self.norm(hidden_states.to(dtype=self.norm.weight.dtype))
         if self.residual_in_fp32:
             residual = residual.to(torch.promote_types(residual.dtype, torch.float32))
         out, features = self.mixer(
-            hidden_states, dense_inputs, cache_params=cache_params, attention_mask=attention_mask, reset=reset
+            hidden_states, dense_inputs, cache=cache, attention_mask=attention_mask, reset=reset
         )
         return (residual + out, *features)
 
@@ -366,42 +365,36 @@ class DenseMambaPreTrainedModel(PreTrainedModel):
 
 
 @dataclass
-class DenseMambaOutput(ModelOutput):
-    """Output of :class:`DenseMambaModel`.
+class DenseMambaOutput(MambaOutput):
+    """Output of :class:`DenseMambaModel`: transformers' ``MambaOutput``, whose cache field is named as the installed
+    release names it (``cache`` from 5.24, ``cache_params`` before; :mod:`hf_densessm.modeling.cache`), plus
+    ``attentions`` for transformers' generic heads.
 
     Args:
         last_hidden_state: ``(batch, seq_len, hidden_size)``, after the final norm.
-        cache_params: the recurrent-state cache (a transformers ``DynamicCache``) when ``use_cache``.
+        cache: the recurrent-state cache (a :class:`~hf_densessm.modeling.cache.DenseSSMCache`) when ``use_cache``.
         hidden_states: ``num_hidden_layers + 1`` tensors ``(batch, seq_len, hidden_size)``: the embeddings, the
             input of every later block, and the final normed output; when ``output_hidden_states``.
         attentions: always ``None`` (there is no attention), present for transformers' generic heads.
     """
 
-    last_hidden_state: torch.Tensor | None = None
-    cache_params: object | None = None
-    hidden_states: tuple[torch.Tensor, ...] | None = None
     attentions: tuple[torch.Tensor, ...] | None = None  # always None (no attention); read by generic heads
 
-    @property
-    def past_key_values(self):
-        """``cache_params`` under the name transformers' generic heads read."""
-        return self.cache_params
+
+if not CACHE_RENAMED:  # transformers < 5.24: its generic heads read every backbone's cache as `past_key_values`
+    DenseMambaOutput.past_key_values = property(output_cache, doc="The cache, under the name generic heads read.")
 
 
 @dataclass
-class DenseMambaCausalLMOutput(ModelOutput):
-    """Output of :class:`DenseMambaForCausalLM`.
+class DenseMambaCausalLMOutput(MambaCausalLMOutput):
+    """Output of :class:`DenseMambaForCausalLM`: transformers' ``MambaCausalLMOutput`` (cache field named as in
+    :class:`DenseMambaOutput`).
 
     Args:
         loss: scalar next-token cross-entropy when ``labels`` are given.
         logits: ``(batch, kept_positions, vocab_size)`` float32.
-        cache_params, hidden_states: as in :class:`DenseMambaOutput`.
+        cache, hidden_states: as in :class:`DenseMambaOutput`.
     """
-
-    loss: torch.Tensor | None = None
-    logits: torch.Tensor | None = None
-    cache_params: object | None = None
-    hidden_states: tuple[torch.Tensor, ...] | None = None
 
 
 class DenseMambaModel(DenseMambaPreTrainedModel):
@@ -424,24 +417,25 @@ class DenseMambaModel(DenseMambaPreTrainedModel):
     def set_input_embeddings(self, new_embeddings):
         self.embeddings = new_embeddings
 
+    @takes_cache("cache_params", "past_key_values")
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
         inputs_embeds: torch.Tensor | None = None,
-        cache_params=None,
+        cache=None,
         use_cache: bool | None = None,
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
         attention_mask: torch.Tensor | None = None,
-        past_key_values=None,
         **kwargs,
     ) -> tuple | DenseMambaOutput:
         r"""
         Args:
             input_ids: ``(batch, seq_len)`` token ids; or ``inputs_embeds`` ``(batch, seq_len, hidden_size)`` (exactly one).
-            cache_params: a cache from a previous call (or ``DynamicCache(config=model.config)``); the tokens given
-                continue the cached sequence, whatever their number (prefill in chunks works). ``past_key_values``
-                is accepted as another name for it (give one of the two).
+            cache: a cache from a previous call (or ``DynamicCache(config=model.config)``); the tokens given
+                continue the cached sequence, whatever their number (prefill in chunks works). Also taken as
+                ``cache_params`` (``transformers.MambaModel``'s name before 5.24) or ``past_key_values``
+                (:func:`~hf_densessm.modeling.cache.takes_cache`).
             use_cache: return the cache (default ``config.use_cache``, off in training).
             attention_mask: ``(batch, seq_len)`` or ``(batch, cached + seq_len)``, 1 for tokens and 0 for padding
                 (pad on the left for batched generation).
@@ -449,12 +443,11 @@ class DenseMambaModel(DenseMambaPreTrainedModel):
         Raises:
             ValueError, TypeError: bad inputs (see :func:`hf_densessm.modeling.modeling_densessm.run_backbone`).
         """
-        cache = merge_cache_arguments(cache_params, past_key_values)
         hidden_states, cache, all_hidden_states = run_backbone(
-            self, self.embeddings, self.norm_f, "cache_params", input_ids, inputs_embeds, cache, use_cache,
-            output_hidden_states, attention_mask, **kwargs,
+            self, self.embeddings, self.norm_f, input_ids, inputs_embeds, cache, use_cache, output_hidden_states,
+            attention_mask, **kwargs,
         )
-        return backbone_output(self, DenseMambaOutput, "cache_params", return_dict, hidden_states, cache, all_hidden_states)
+        return backbone_output(self, DenseMambaOutput, return_dict, hidden_states, cache, all_hidden_states)
 
 
 class DenseMambaForCausalLM(DenseSSMCausalLMMixin, DenseMambaPreTrainedModel, GenerationMixin):
@@ -462,7 +455,6 @@ class DenseMambaForCausalLM(DenseSSMCausalLMMixin, DenseMambaPreTrainedModel, Ge
     ``transformers.MambaForCausalLM``)."""
 
     _tied_weights_keys = {"lm_head.weight": "backbone.embeddings.weight"}
-    _cache_arg_name = "cache_params"
 
     def __init__(self, config: DenseMambaConfig):
         super().__init__(config)
@@ -495,18 +487,18 @@ class DenseMambaForCausalLM(DenseSSMCausalLMMixin, DenseMambaPreTrainedModel, Ge
                 return None
         return step(input_ids, cache)
 
+    @takes_cache("cache_params", "past_key_values")
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         inputs_embeds: torch.Tensor | None = None,
-        cache_params=None,
+        cache=None,
         labels: torch.LongTensor | None = None,
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
         use_cache: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
-        past_key_values=None,
         **kwargs,
     ) -> tuple | DenseMambaCausalLMOutput:
         r"""
@@ -516,14 +508,13 @@ class DenseMambaForCausalLM(DenseSSMCausalLMMixin, DenseMambaPreTrainedModel, Ge
                 those positions.
             others: see :meth:`DenseMambaModel.forward`.
         """
-        cache = merge_cache_arguments(cache_params, past_key_values)
         step = self._compiled_step(input_ids, inputs_embeds, cache, attention_mask, labels, output_hidden_states,
                                    logits_to_keep, return_dict, DenseMambaCausalLMOutput, kwargs)
         if step is not None:
             return step
         outputs = self.backbone(
             input_ids,
-            cache_params=cache,
+            cache=cache,
             inputs_embeds=inputs_embeds,
             output_hidden_states=output_hidden_states,
             return_dict=True,

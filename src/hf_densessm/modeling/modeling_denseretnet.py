@@ -31,7 +31,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 from ..configuration.configuration_denseretnet import DenseRetNetConfig
 from ..ops.packing import document_positions
 from ..ops.retention import chunk_retention, retention_state_update
-from .cache import recurrent_state
+from .cache import recurrent_state, takes_cache
 from .decode import decode_linear
 from .dense_connection import build_dense_connection, init_dense_linear, split_dense_inputs
 from .norm import DenseSSMRMSNorm
@@ -157,7 +157,7 @@ class DenseRetNetRetention(nn.Module):
             self.v_norm = DenseSSMRMSNorm(self.value_dim, eps=config.rms_norm_eps, config=config)
         self.dropout = nn.Dropout(config.dropout)
 
-    def _step_positions(self, cache_params, seen: torch.Tensor, dtype: torch.dtype):
+    def _step_positions(self, cache, seen: torch.Tensor, dtype: torch.dtype):
         """The rotation ``(batch, 1, head_dim / 2)`` complex (:meth:`DenseRetNetThetaShift.rotation`) and the
         retention row sums ``(batch, H, 1)`` (:func:`retention_row_sums`) of a decoding step at positions ``seen``.
         While ``torch.compile`` traces the step, the rotation is ``None`` and nothing is kept on the cache.
@@ -171,15 +171,15 @@ class DenseRetNetRetention(nn.Module):
             # no rotation: the caller takes the real-valued theta shift (the compiler generates no complex code)
             return None, retention_row_sums(seen, self.num_heads, torch.promote_types(dtype, torch.float32))
         key = (dtype, self.num_heads, self.head_dim, self.config.rope_theta, seen.shape, seen.device)
-        memo = getattr(cache_params, "_denseretnet_step_positions", None)
+        memo = getattr(cache, "_denseretnet_step_positions", None)
         if memo is not None and memo[0] == key and torch.equal(memo[1], seen):
             return memo[2], memo[3]
         rotation = self.theta_shift.rotation(seen, dtype)[:, None]  # position t = seen
         row_sums = retention_row_sums(seen, self.num_heads, torch.promote_types(dtype, torch.float32))
-        cache_params._denseretnet_step_positions = (key, seen.clone(), rotation, row_sums)
+        cache._denseretnet_step_positions = (key, seen.clone(), rotation, row_sums)
         return rotation, row_sums
 
-    def _decode_step(self, hidden_states, dense_inputs, cache_params, state, seen):
+    def _decode_step(self, hidden_states, dense_inputs, cache, state, seen):
         """One decoding step (one token per row, no padding, no gradients): the function of :meth:`forward`, in
         fewer operations, on ``(batch, channels)`` rows: the one-row products through
         :func:`~hf_densessm.modeling.decode.decode_linear`, the theta shift as one complex product
@@ -189,7 +189,7 @@ class DenseRetNetRetention(nn.Module):
         Args:
             hidden_states: ``(batch, 1, hidden_size)``, the block's normalized input.
             dense_inputs: as in :meth:`forward` (the predecessors' ``(batch, 1, .)`` features of this step).
-            cache_params: the cache (holds the step's positions for the next layers, :meth:`_step_positions`).
+            cache: the cache (holds the step's positions for the next layers, :meth:`_step_positions`).
             state: ``(batch, heads, d_qk / heads, d_v / heads)`` float32 (float64 in float64 models), this layer's
                 retention state (cache slot 0), updated in place.
             seen: ``(batch,)`` int64, the real tokens seen per row (cache slot 1), advanced by 1 in place.
@@ -209,7 +209,7 @@ class DenseRetNetRetention(nn.Module):
             # under autocast the norms' float32 weights promote their outputs: back to q's compute dtype
             k = self.k_norm(self.dense_k(hidden_states, features[0], dense_k))[:, 0].to(q.dtype)
             v = self.v_norm(self.dense_v(hidden_states, features[1], dense_v))[:, 0].to(q.dtype)
-        rotation, row_sums = self._step_positions(cache_params, seen, q.dtype)
+        rotation, row_sums = self._step_positions(cache, seen, q.dtype)
         if rotation is None:  # inside torch.compile: the full forward's real-valued theta shift at position `seen`
             q = self.theta_shift(q.view(batch, 1, heads, head_dim), seen[:, None])[:, 0]
             k = self.theta_shift(k.view(batch, 1, heads, head_dim), seen[:, None])[:, 0]
@@ -227,7 +227,7 @@ class DenseRetNetRetention(nn.Module):
         self,
         hidden_states: torch.Tensor,
         dense_inputs: tuple[torch.Tensor, ...],
-        cache_params=None,
+        cache=None,
         attention_mask: torch.Tensor | None = None,
         reset: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
@@ -239,8 +239,7 @@ class DenseRetNetRetention(nn.Module):
             dense_inputs: the predecessors' pre-fusion ``k`` tensors then their ``v`` tensors, nearest first (see
                 :mod:`hf_densessm.modeling.dense_connection`): ``(batch, seq_len, d_qk)``,
                 ``(batch, seq_len, d_v)``.
-            cache_params: a transformers ``Cache`` (see :mod:`hf_densessm.modeling.cache`) or ``None`` (blocks of both
-                families take it under this name: transformers' checkpointing wrapper drops a ``past_key_values``).
+            cache: a transformers ``Cache`` (see :mod:`hf_densessm.modeling.cache`) or ``None``.
             attention_mask: ``(batch, seq_len)`` 0/1 or ``None``. Padded positions get ``k = v = 0``, so they add
                 nothing to the state; in a one-token step a padded row's state is left as it was.
             reset: ``(batch, seq_len)`` bool or ``None``: True at the first token of each packed document; the
@@ -251,10 +250,10 @@ class DenseRetNetRetention(nn.Module):
         """
         batch, seq_len, _ = hidden_states.shape
         if seq_len == 1 and attention_mask is None and reset is None and not torch.is_grad_enabled():
-            state = recurrent_state(cache_params, self.layer_idx, 0)
-            seen = recurrent_state(cache_params, self.layer_idx, 1)
+            state = recurrent_state(cache, self.layer_idx, 0)
+            seen = recurrent_state(cache, self.layer_idx, 1)
             if state is not None and seen is not None:
-                return self._decode_step(hidden_states, dense_inputs, cache_params, state, seen)
+                return self._decode_step(hidden_states, dense_inputs, cache, state, seen)
         backend = self.config.kernel_backend
         q = F.silu(self.q_proj(hidden_states))
         k = F.silu(self.k_proj(hidden_states)) * self.key_scale
@@ -270,8 +269,8 @@ class DenseRetNetRetention(nn.Module):
             k = self.k_norm(self.dense_k(hidden_states, k, dense_k)).to(q.dtype)
             v = self.v_norm(self.dense_v(hidden_states, v, dense_v)).to(q.dtype)
 
-        state = recurrent_state(cache_params, self.layer_idx, 0)
-        seen = recurrent_state(cache_params, self.layer_idx, 1)
+        state = recurrent_state(cache, self.layer_idx, 0)
+        seen = recurrent_state(cache, self.layer_idx, 1)
         offset = seen if seen is not None else torch.zeros(batch, dtype=torch.long, device=q.device)
         if reset is not None:  # packed documents (no cache, no padding): positions restart at each document
             positions = document_positions(reset)
@@ -295,12 +294,12 @@ class DenseRetNetRetention(nn.Module):
         else:  # training / prefill: chunkwise form of Eq. 24, continuing from the cached state
             o, final_state = chunk_retention(
                 q, k, v, scale=1.0, initial_state=state,
-                output_final_state=cache_params is not None, backend=backend, reset=reset,
+                output_final_state=cache is not None, backend=backend, reset=reset,
             )
-            if cache_params is not None:
-                cache_params.update_recurrent_state(final_state, self.layer_idx, state_idx=0)
-        if cache_params is not None:
-            cache_params.update_recurrent_state(new_offset, self.layer_idx, state_idx=1)
+            if cache is not None:
+                cache.update_recurrent_state(final_state, self.layer_idx, state_idx=0)
+        if cache is not None:
+            cache.update_recurrent_state(new_offset, self.layer_idx, state_idx=1)
 
         # The published o_t / sqrt(s_t), folded exactly into the per-head RMSNorm that follows:
         # RMSNorm(o / sqrt(s)) = o / sqrt(mean(o^2) + eps * s), so no pass over o is added.
@@ -312,7 +311,7 @@ class DenseRetNetRetention(nn.Module):
 class DenseRetNetBlock(GradientCheckpointingLayer):
     """Pre-norm residual block ``x + self_attn(input_layernorm(x))`` (GAU-style: no separate FFN).
 
-    ``forward(hidden_states, *dense_inputs, cache_params=None, attention_mask=None)``: ``dense_inputs`` are the
+    ``forward(hidden_states, *dense_inputs, cache=None, attention_mask=None)``: ``dense_inputs`` are the
     predecessors' ``k`` then ``v`` tensors, nearest first. Returns the flat ``(hidden_states, k, v)``.
     """
 
@@ -321,11 +320,11 @@ class DenseRetNetBlock(GradientCheckpointingLayer):
         self.input_layernorm = DenseSSMRMSNorm(config.hidden_size, eps=config.rms_norm_eps, config=config)
         self.self_attn = DenseRetNetRetention(config, layer_idx)
 
-    def forward(self, hidden_states, *dense_inputs, cache_params=None, attention_mask=None, reset=None):
+    def forward(self, hidden_states, *dense_inputs, cache=None, attention_mask=None, reset=None):
         out, features = self.self_attn(
             self.input_layernorm(hidden_states),
             dense_inputs,
-            cache_params=cache_params,
+            cache=cache,
             attention_mask=attention_mask,
             reset=reset,
         )
@@ -382,11 +381,12 @@ class DenseRetNetModel(DenseRetNetPreTrainedModel):
     def set_input_embeddings(self, new_embeddings):
         self.embed_tokens = new_embeddings
 
+    @takes_cache("past_key_values")
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
-        past_key_values=None,
+        cache=None,
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
         output_hidden_states: bool | None = None,
@@ -396,25 +396,25 @@ class DenseRetNetModel(DenseRetNetPreTrainedModel):
         r"""
         Args:
             input_ids: ``(batch, seq_len)`` token ids; or ``inputs_embeds`` ``(batch, seq_len, hidden_size)`` (exactly one).
-            past_key_values: a cache from a previous call (or ``DynamicCache(config=model.config)``); the tokens
-                given continue the cached sequence, whatever their number (prefill in chunks works).
+            cache: a cache from a previous call (or ``DynamicCache(config=model.config)``); the tokens given
+                continue the cached sequence, whatever their number (prefill in chunks works). Also taken as
+                ``past_key_values`` (its name before transformers 5.24; :func:`~hf_densessm.modeling.cache.takes_cache`).
             use_cache: return the cache (default ``config.use_cache``, off in training).
             attention_mask: ``(batch, seq_len)`` or ``(batch, cached + seq_len)``, 1 for tokens and 0 for padding
                 (pad on the left for batched generation).
 
         Returns:
-            ``BaseModelOutputWithPast`` with ``hidden_states`` of ``num_hidden_layers + 1`` entries when asked.
+            ``BaseModelOutputWithPast`` (its cache field ``cache`` from transformers 5.24, ``past_key_values``
+            before) with ``hidden_states`` of ``num_hidden_layers + 1`` entries when asked.
 
         Raises:
             ValueError, TypeError: bad inputs (see :func:`hf_densessm.modeling.modeling_densessm.run_backbone`).
         """
         hidden_states, cache, all_hidden_states = run_backbone(
-            self, self.embed_tokens, self.norm, "past_key_values", input_ids, inputs_embeds, past_key_values, use_cache,
-            output_hidden_states, attention_mask, **kwargs,
+            self, self.embed_tokens, self.norm, input_ids, inputs_embeds, cache, use_cache, output_hidden_states,
+            attention_mask, **kwargs,
         )
-        return backbone_output(
-            self, BaseModelOutputWithPast, "past_key_values", return_dict, hidden_states, cache, all_hidden_states
-        )
+        return backbone_output(self, BaseModelOutputWithPast, return_dict, hidden_states, cache, all_hidden_states)
 
 
 class DenseRetNetForCausalLM(DenseSSMCausalLMMixin, DenseRetNetPreTrainedModel, GenerationMixin):
@@ -434,11 +434,12 @@ class DenseRetNetForCausalLM(DenseSSMCausalLMMixin, DenseRetNetPreTrainedModel, 
     def set_input_embeddings(self, new_embeddings):
         return self.model.set_input_embeddings(new_embeddings)
 
+    @takes_cache("past_key_values")
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
-        past_key_values=None,
+        cache=None,
         inputs_embeds: torch.Tensor | None = None,
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
@@ -454,14 +455,14 @@ class DenseRetNetForCausalLM(DenseSSMCausalLMMixin, DenseRetNetPreTrainedModel, 
                 those positions.
             others: see :meth:`DenseRetNetModel.forward`.
         """
-        step = self._compiled_step(input_ids, inputs_embeds, past_key_values, attention_mask, labels,
+        step = self._compiled_step(input_ids, inputs_embeds, cache, attention_mask, labels,
                                    output_hidden_states, logits_to_keep, return_dict, CausalLMOutputWithPast, kwargs)
         if step is not None:
             return step
         outputs = self.model(
             input_ids,
             attention_mask=attention_mask,
-            past_key_values=past_key_values,
+            cache=cache,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             output_hidden_states=output_hidden_states,

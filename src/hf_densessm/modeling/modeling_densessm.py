@@ -19,7 +19,7 @@ from transformers.modeling_layers import GenericForSequenceClassification
 from transformers.utils import logging
 
 from ..ops.workspace import Workspace, linear_into
-from .cache import CACHE_SLOTS, check_cache, new_cache, record_tokens
+from .cache import CACHE_SLOTS, check_cache, model_output, new_cache, output_cache, record_tokens, takes_cache
 from .decode import _plain_linear, decode_linear
 from .dense_connection import run_dense_layers
 from .loss import causal_lm_loss
@@ -183,7 +183,6 @@ def run_backbone(
     model,
     embeddings: nn.Embedding,
     final_norm: nn.Module,
-    cache_arg_name: str,
     input_ids: torch.Tensor | None,
     inputs_embeds: torch.Tensor | None,
     cache,
@@ -196,8 +195,7 @@ def run_backbone(
     the cache (a new :class:`~hf_densessm.modeling.cache.DenseSSMCache` when ``use_cache`` and none is given),
     run the densely connected blocks (``model.layers``), count the tokens on the cache, apply the final norm.
 
-    Every block takes the cache as ``cache_params``; ``cache_arg_name`` is the name the model's ``forward`` takes it
-    under (``"cache_params"`` or ``"past_key_values"``), used in error messages.
+    Every block takes the cache as ``cache`` (:mod:`.cache`, "Names").
 
     Gradient checkpointing in training drops the cache only while gradients are computed (a training forward; one
     warning, as transformers' models give); ``generate()`` runs without gradients and keeps it, so a model in
@@ -230,7 +228,7 @@ def run_backbone(
     if reset is not None and (cache is not None or use_cache):
         raise ValueError(
             "Packed documents (`cu_seq_lens_q`, `seq_idx` or restarting `position_ids`) are for training and scoring, "
-            f"not for decoding: give no `{cache_arg_name}` and leave `use_cache` unset or False."
+            "not for decoding: give no `cache` and leave `use_cache` unset or False."
         )
     if use_cache is None:
         use_cache = config.use_cache and not model.training and reset is None
@@ -238,7 +236,7 @@ def run_backbone(
         logger.warning_once("`use_cache=True` is incompatible with gradient checkpointing; setting `use_cache=False`.")
         use_cache = False
     if cache is not None and use_cache:
-        check_cache(cache, config, cache_arg_name, batch)
+        check_cache(cache, config, batch)
     elif use_cache:
         cache = new_cache(config)
     if not use_cache:
@@ -251,7 +249,7 @@ def run_backbone(
         inputs_embeds,
         config,
         output_hidden_states,
-        cache_params=cache,
+        cache=cache,
         attention_mask=attention_mask,
         reset=reset,
     )
@@ -262,25 +260,14 @@ def run_backbone(
     return hidden_states, cache, all_hidden_states
 
 
-def backbone_output(model, output_class, cache_arg_name: str, return_dict, hidden_states, cache, all_hidden_states):
-    """A backbone's return value: ``output_class(last_hidden_state, <cache_arg_name>=cache, hidden_states)``, or the
-    tuple of the ones that are not ``None`` when ``return_dict`` is False (default ``config.return_dict``)."""
+def backbone_output(model, output_class, return_dict, hidden_states, cache, all_hidden_states):
+    """A backbone's return value: ``output_class(last_hidden_state, hidden_states)`` with the cache in its cache field
+    (:func:`~hf_densessm.modeling.cache.model_output`), or the tuple of the ones that are not ``None`` when
+    ``return_dict`` is False (default ``config.return_dict``)."""
     return_dict = return_dict if return_dict is not None else model.config.return_dict
     if not return_dict:
         return tuple(v for v in (hidden_states, cache, all_hidden_states) if v is not None)
-    return output_class(last_hidden_state=hidden_states, hidden_states=all_hidden_states, **{cache_arg_name: cache})
-
-
-def merge_cache_arguments(cache_params, past_key_values):
-    """DenseMamba takes its cache as ``cache_params`` (``transformers.MambaForCausalLM``'s name) or, as every other
-    causal LM, ``past_key_values``: return the one given.
-
-    Raises:
-        ValueError: both are given and are different objects.
-    """
-    if cache_params is not None and past_key_values is not None and cache_params is not past_key_values:
-        raise ValueError("Give the cache as `cache_params` or as `past_key_values`, not both.")
-    return cache_params if cache_params is not None else past_key_values
+    return model_output(output_class, cache, last_hidden_state=hidden_states, hidden_states=all_hidden_states)
 
 
 def check_logits_to_keep(logits_to_keep, seq_len: int):
@@ -340,13 +327,10 @@ DECODE_STEP_IMPLEMENTATIONS = ("auto", "torch_compile")
 class DenseSSMCausalLMMixin:
     """The causal-LM head's forward logic and the generation glue shared by both families.
 
-    A subclass has ``self.lm_head`` and ``self.config``, and sets ``_cache_arg_name`` to the keyword under which its
-    ``forward`` takes and returns the cache (``"cache_params"`` for the Mamba-named family, as
-    ``transformers.MambaForCausalLM``; ``"past_key_values"`` otherwise). Both families build their cache the same way
-    (see :mod:`.cache`) and continue generation from a returned cache.
+    A subclass has ``self.lm_head`` and ``self.config``. Both families take the cache as ``cache`` and return it in
+    their output class's cache field (named by the installed transformers: :mod:`.cache`, "Names"), build it the same
+    way and continue generation from a returned cache.
     """
-
-    _cache_arg_name = "past_key_values"
 
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:
@@ -488,7 +472,7 @@ class DenseSSMCausalLMMixin:
         backbone = getattr(self, self.base_model_prefix)
         hidden_states = backbone.get_input_embeddings()(input_ids)
         hidden_states, _ = run_dense_layers(
-            backbone.layers, hidden_states, self.config, False, cache_params=cache, attention_mask=None, reset=None
+            backbone.layers, hidden_states, self.config, False, cache=cache, attention_mask=None, reset=None
         )
         hidden_states = getattr(backbone, backbone.final_norm_name)(hidden_states)
         return self._logits_and_loss(hidden_states, None, 0)[1]
@@ -520,7 +504,7 @@ class DenseSSMCausalLMMixin:
         if low.item() < 0 or high.item() >= self.config.vocab_size:
             return None  # the eager embedding raises its IndexError
         batch = input_ids.shape[0]
-        check_cache(cache, self.config, self._cache_arg_name, batch)
+        check_cache(cache, self.config, batch)
         slots = CACHE_SLOTS[self.config.model_type]
         for layer in cache.layers:
             if not (all(layer.is_conv_states_initialized[i] for i in slots["conv"])
@@ -549,42 +533,42 @@ class DenseSSMCausalLMMixin:
         return self._lm_return(None, logits, cache, None, return_dict, output_class)
 
     def _lm_return(self, loss, logits, cache, hidden_states, return_dict, output_class):
-        """The head's return value: ``output_class(loss, logits, hidden_states, <_cache_arg_name>=cache)``, or the
-        tuple of the ones that are not ``None`` when ``return_dict`` is False (default ``config.return_dict``)."""
+        """The head's return value: ``output_class(loss, logits, hidden_states)`` with the cache in its cache field
+        (:func:`~hf_densessm.modeling.cache.model_output`), or the tuple of the ones that are not ``None`` when
+        ``return_dict`` is False (default ``config.return_dict``)."""
         return_dict = return_dict if return_dict is not None else self.config.return_dict
         if not return_dict:
             return tuple(v for v in (loss, logits, cache, hidden_states) if v is not None)
-        return output_class(loss=loss, logits=logits, hidden_states=hidden_states, **{self._cache_arg_name: cache})
+        return model_output(output_class, cache, loss=loss, logits=logits, hidden_states=hidden_states)
 
     def _causal_lm_output(self, outputs, labels, logits_to_keep, return_dict, output_class, **kwargs):
         """The head's return value from the backbone's ``outputs``: logits and loss (:meth:`_logits_and_loss`), the
-        cache under ``_cache_arg_name``, the hidden states (:meth:`_lm_return`)."""
+        cache, the hidden states (:meth:`_lm_return`)."""
         loss, logits = self._logits_and_loss(outputs.last_hidden_state, labels, logits_to_keep, **kwargs)
-        cache = getattr(outputs, self._cache_arg_name)
-        return self._lm_return(loss, logits, cache, outputs.hidden_states, return_dict, output_class)
+        return self._lm_return(loss, logits, output_cache(outputs), outputs.hidden_states, return_dict, output_class)
 
+    @takes_cache("past_key_values", "cache_params")
     def prepare_inputs_for_generation(
         self,
         input_ids,
         attention_mask=None,
         inputs_embeds=None,
+        cache=None,
         next_sequence_length=None,
         is_first_iteration=False,
         **kwargs,
     ):
-        """As transformers' default, with two differences for recurrent models:
+        """As transformers' default, with three differences for recurrent models:
 
         - the 2-D padding mask is passed through as is: the blocks read it directly (its last ``sequence_length``
-          columns) and never need a 4-D attention mask;
+          columns) and never need a 4-D attention mask (so the cache is not shown to transformers' mask builder);
         - ``inputs_embeds`` are used for the first step, as transformers' decoder-only models do;
-        - a cache passed in (under ``past_key_values`` or ``cache_params``) that already holds ``p`` positions while
-          ``input_ids`` holds more is continued: only ``input_ids[:, p:]`` is fed (the sequence a previous
-          ``generate()`` returned, given back with its cache).
+        - a ``cache`` passed in that already holds ``p`` positions while ``input_ids`` holds more is continued: only
+          ``input_ids[:, p:]`` is fed (the sequence a previous ``generate()`` returned, given back with its cache).
+
+        The cache goes to ``forward`` as ``cache``; ``generate()`` hands it in under the installed transformers' name
+        (:func:`~hf_densessm.modeling.cache.takes_cache`).
         """
-        cache = kwargs.pop("past_key_values", None)  # keeps transformers from building 4-D masks for it
-        if cache is None:
-            cache = kwargs.pop("cache_params", None)
-        kwargs.pop("cache_params", None)
         if is_first_iteration and next_sequence_length is None and cache is not None:
             seen = cache.get_seq_length()
             length = (inputs_embeds if inputs_embeds is not None else input_ids).shape[1]
@@ -599,7 +583,7 @@ class DenseSSMCausalLMMixin:
             **kwargs,
         )
         if cache is not None:
-            model_inputs[self._cache_arg_name] = cache
+            model_inputs["cache"] = cache
         model_inputs["attention_mask"] = attention_mask
         return model_inputs
 
