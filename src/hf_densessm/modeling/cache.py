@@ -86,11 +86,11 @@ def takes_cache(*old_names: str):
             for name in old_names:
                 if name not in kwargs:
                     continue
-                value = kwargs.pop(name)
-                if value is not None and kwargs.get("cache") is not None and kwargs["cache"] is not value:
-                    raise ValueError(f"Give the cache once: `cache` and `{name}` are different objects.")
-                if kwargs.get("cache") is None:
+                value, current = kwargs.pop(name), kwargs.get("cache")
+                if current is None:
                     kwargs["cache"] = value
+                elif value is not None and value is not current:
+                    raise ValueError(f"Give the cache once: `cache` and `{name}` are different objects.")
             return function(*args, **kwargs)
 
         signature = inspect.signature(function)
