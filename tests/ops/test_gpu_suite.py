@@ -71,3 +71,26 @@ def test_decode_profile_dry_run(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert [r["model"] for r in rows] == ["DenseMamba-TINY", "DenseRetNet-TINY"]
     assert all(r["ms_per_step"] > 0 and r["host_ms"] > 0 and "cudaStreamSynchronize" in r for r in rows)
+
+
+def test_training_profile_dry_run(tmp_path):
+    """``benchmarks/profile_gpu_training.py --dry-run``: both families' tiny presets take profiled training steps
+    on the CPU, and the kernel families are told apart by name (real kernel names of the H100 run)."""
+    sys.path.insert(0, str(SUITE.parent))
+    try:
+        from profile_gpu_training import family_of
+    finally:
+        sys.path.remove(str(SUITE.parent))
+    assert family_of("_selective_scan_bwd_kernel") == "selective_scan"
+    assert family_of("_retention_bwd_dkv_kernel") == "retention"
+    assert family_of("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT") == "matmul"
+    assert family_of("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedOptimizer>") \
+        == "optimizer"
+    assert family_of("void at::native::vectorized_elementwise_kernel<8, at::native::CUDAFunctor_add>") == "other"
+    out = tmp_path / "profile.json"
+    result = subprocess.run([sys.executable, str(SUITE.parent / "profile_gpu_training.py"), "--dry-run", "--out",
+                             str(out)], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["model"] for r in rows] == ["DenseMamba-TINY", "DenseRetNet-TINY"]
+    assert all(r["step_ms"] > 0 for r in rows)
