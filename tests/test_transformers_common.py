@@ -24,7 +24,7 @@ Setting ``HF_DENSESSM_TRANSFORMERS_SOURCE`` to a transformers source tree of the
 its tag) runs the complete suites from it.
 
 **Offline.** When the sdist cannot be downloaded (no network), this module skips with the reason. With
-``HF_DENSESSM_REQUIRE_TRANSFORMERS_TESTS=1`` (CI sets it) it fails instead. See docs/testing.md.
+``HF_DENSESSM_REQUIRE_TRANSFORMERS_TESTS=1`` (meant for CI) it fails instead. See docs/testing.md.
 """
 
 import unittest

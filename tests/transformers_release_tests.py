@@ -21,7 +21,7 @@ nothing is replaced.
 
 **When the sdist cannot be had** (no network, no ``pip``), :func:`load` raises :class:`Unavailable`, and
 :func:`load_or_skip` skips the calling test module with its message, unless ``HF_DENSESSM_REQUIRE_TRANSFORMERS_TESTS=1``
-is set (CI sets it), where it raises instead, so that the run fails.
+is set (meant for CI), where it raises instead, so that the run fails.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from pathlib import Path
 import pytest
 import transformers
 
-#: Set to ``1`` to turn "transformers' tests could not be fetched" from a skip into a failure (CI sets it).
+#: Set to ``1`` to turn "transformers' tests could not be fetched" from a skip into a failure (meant for CI).
 REQUIRE_ENV = "HF_DENSESSM_REQUIRE_TRANSFORMERS_TESTS"
 
 #: A transformers source tree of the installed release whose ``tests/`` folder is used instead of the sdist's.
