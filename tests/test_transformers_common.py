@@ -55,7 +55,9 @@ ids_tensor = COMMON.ids_tensor
 #: skips base models, which have no loss; ``_prepare_for_class`` makes labels for the heads).
 NAME_MAPPINGS = {
     "MODEL_MAPPING_NAMES": {"densemamba": "DenseMambaModel", "denseretnet": "DenseRetNetModel"},
-    "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES": {"densemamba": "DenseMambaForCausalLM", "denseretnet": "DenseRetNetForCausalLM"},
+    "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES": {
+        "densemamba": "DenseMambaForCausalLM", "denseretnet": "DenseRetNetForCausalLM"
+    },
     "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES": {
         "densemamba": "DenseMambaForSequenceClassification",
         "denseretnet": "DenseRetNetForSequenceClassification",
@@ -101,7 +103,9 @@ class DenseSSMModelTester:
         self.eos_token_id = vocab_size - 1
         self.pad_token_id = vocab_size - 1
         classes = {
-            "densemamba": (DenseMambaConfig, DenseMambaModel, DenseMambaForCausalLM, DenseMambaForSequenceClassification),
+            "densemamba": (
+                DenseMambaConfig, DenseMambaModel, DenseMambaForCausalLM, DenseMambaForSequenceClassification
+            ),
             "denseretnet": (
                 DenseRetNetConfig, DenseRetNetModel, DenseRetNetForCausalLM, DenseRetNetForSequenceClassification
             ),
