@@ -23,6 +23,16 @@ denseretnet    ``recurrent_states[1]``      real (non-padding) tokens seen per r
                                             rotary angles and the retention normalization of later tokens
 =============  ===========================  ===================================================================
 
+**Autograd.** The cache holds values, never autograd history: a forward that continues a cache starts from its
+states as constants, so its gradients reach back to the first of its own tokens (truncated backpropagation through
+time: training chunk by chunk over a long text, or fine-tuning over a cached prefix, each chunk with its own
+``backward()``), and a cache never keeps a graph alive. The forwards store their new states with
+:func:`store_recurrent_state` and :func:`store_conv_inputs`: with gradients off (generation, decoding, scoring) in
+place, as transformers' own ``update_recurrent_state`` / ``update_conv_state`` do, so that every slot keeps its address
+(CUDA graphs, ``torch.compile``); with gradients on, into a new tensor that the slot is rebound to, because the states
+a forward started from are saved for its backward pass (the selective scan and the chunked retention keep their
+``initial_state``, the convolution its window), and writing into them would break that backward.
+
 **Tokens.** :attr:`DenseSSMCache.tokens_seen` counts every position given to the model (padding included), which is
 what ``generate()`` compares with the length of ``input_ids``; DenseRetNet's per-row slot counts real tokens only.
 Beam search reorders every slot with transformers' ``reorder_cache``.
@@ -223,6 +233,48 @@ def check_cache(cache, config, batch: int) -> None:
                     f"`cache` holds a {kind} state of shape {tuple(state.shape)} in layer {layer_idx}, but this "
                     f"model with batch size {batch} needs {shape} (a cache serves one batch size); {hint}."
                 )
+
+
+def store_recurrent_state(cache: Cache, layer_idx: int, state: torch.Tensor, slot: int = 0) -> None:
+    """Store ``state``, a block's recurrent state after a forward, in recurrent slot ``slot`` of block ``layer_idx``
+    (see :data:`CACHE_SLOTS`), without its autograd history (module docstring, "Autograd").
+
+    With gradients off it is copied into the slot (transformers' ``update_recurrent_state``: the slot is allocated on
+    first use and keeps its address). With gradients on, a filled slot is rebound to ``state`` detached: the state
+    the forward started from may be saved for its backward pass and is left untouched.
+
+    Args:
+        cache: a transformers ``Cache`` of linear-attention layers.
+        layer_idx: the block. slot: the recurrent slot.
+        state: the slot's new content, of the slot's shape and dtype (e.g. ``(batch, intermediate_size, state_size)``
+            float32 for DenseMamba).
+    """
+    layer = cache.layers[layer_idx]
+    if torch.is_grad_enabled() and layer.is_recurrent_states_initialized[slot]:
+        layer.recurrent_states[slot] = state.detach()
+    else:  # gradients off, or an empty slot (nothing saved it): transformers' in-place copy
+        cache.update_recurrent_state(state.detach(), layer_idx, state_idx=slot)
+
+
+def store_conv_inputs(cache: Cache, layer_idx: int, inputs: torch.Tensor, conv_kernel_size: int) -> None:
+    """Append a forward's convolution inputs to the window of block ``layer_idx`` (conv slot 0), without their autograd
+    history (module docstring, "Autograd"): transformers' ``update_conv_state``, which keeps the last
+    ``conv_kernel_size`` inputs (padding with zeros on the left after a shorter first call).
+
+    With gradients off the window is updated in place (it keeps its address). With gradients on, the slot is first
+    rebound to a copy of the window, which the update then writes: the window the forward read may be saved for its
+    backward pass and is left untouched.
+
+    Args:
+        cache: a transformers ``Cache`` of linear-attention layers.
+        layer_idx: the block.
+        inputs: ``(batch, channels, seq_len)``, this call's inputs of the convolution, in the window's dtype.
+        conv_kernel_size: the window's length.
+    """
+    layer = cache.layers[layer_idx]
+    if torch.is_grad_enabled() and layer.is_conv_states_initialized[0]:
+        layer.conv_states[0] = layer.conv_states[0].clone()
+    cache.update_conv_state(inputs.detach(), layer_idx, conv_kernel_size=conv_kernel_size)
 
 
 def recurrent_state(cache: Cache | None, layer_idx: int, slot: int = 0) -> torch.Tensor | None:

@@ -30,7 +30,15 @@ from ..configuration.configuration_densemamba import DenseMambaConfig
 from ..ops.causal_conv1d import causal_conv1d
 from ..ops.densemamba_step import DenseMambaCPUStep, registration_count
 from ..ops.selective_scan import selective_scan, selective_state_update
-from .cache import CACHE_RENAMED, conv_state, output_cache, recurrent_state, takes_cache
+from .cache import (
+    CACHE_RENAMED,
+    conv_state,
+    output_cache,
+    recurrent_state,
+    store_conv_inputs,
+    store_recurrent_state,
+    takes_cache,
+)
 from .decode import cached_from_parameters, decode_linear
 from .dense_connection import build_dense_connection, init_dense_linear, split_dense_inputs
 from .norm import DenseSSMRMSNorm
@@ -176,7 +184,9 @@ class DenseMambaMixer(nn.Module):
         reset: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
         """One decoding step without padding and gradients takes :meth:`_decode_step` (the same function in fewer
-        operations).
+        operations). With gradients on, every call (one token included) runs the selective scan, differentiable on
+        every backend; a call that continues a cache starts from its states as constants (truncated
+        backpropagation, :mod:`hf_densessm.modeling.cache`, "Autograd").
 
         Args:
             hidden_states: ``(batch, seq_len, hidden_size)``, the block's normalized input ``x^l``.
@@ -191,8 +201,9 @@ class DenseMambaMixer(nn.Module):
 
         Returns:
             ``(output (batch, seq_len, hidden_size), features)``: this layer's pre-fusion ``(u, B)`` with
-            ``dense_target="input"``; with ``"state"`` its ``(u, dt, B, A)`` (and its state before this call when a
-            multi-token call continues a cache), from which a higher layer recomputes this layer's states.
+            ``dense_target="input"``; with ``"state"`` its ``(u, dt, B, A)`` (and its state before this call when it
+            continues a cache other than as a gradient-free one-token step), from which a higher layer recomputes
+            this layer's states.
         """
         batch, seq_len, _ = hidden_states.shape
         if seq_len == 1 and attention_mask is None and reset is None and not torch.is_grad_enabled():
@@ -219,7 +230,7 @@ class DenseMambaMixer(nn.Module):
             x, self.conv1d.weight, self.conv1d.bias, window, reset=reset, activation="silu", backend=backend
         )  # (batch, seq_len, D)
         if cache is not None:
-            cache.update_conv_state(x.transpose(1, 2), self.layer_idx, conv_kernel_size=self.conv_kernel_size)
+            store_conv_inputs(cache, self.layer_idx, x.transpose(1, 2), self.conv_kernel_size)
             if previous_window is not None:  # rows given only padding keep their window
                 padded_rows = ~attention_mask.bool().any(dim=-1)
                 updated = conv_state(cache, self.layer_idx)
@@ -240,7 +251,9 @@ class DenseMambaMixer(nn.Module):
 
         A = -torch.exp(self.A_log.to(acc))
         state = recurrent_state(cache, self.layer_idx)
-        decode = state is not None and seq_len == 1
+        # one token over a cache: the recurrent step, which updates the state in place; with gradients on, the scan
+        # (differentiable on every backend, and it leaves the cached state it starts from as it was)
+        decode = state is not None and seq_len == 1 and not torch.is_grad_enabled()
         fuse_states = self.dense_h is not None
 
         # 4. dense connection (Eq. 10-17). "input": on the state inputs u and B. "state": the features handed up are
@@ -274,7 +287,7 @@ class DenseMambaMixer(nn.Module):
             )
             if cache is not None:
                 y, last_state = result
-                cache.update_recurrent_state(last_state, self.layer_idx)
+                store_recurrent_state(cache, self.layer_idx, last_state)
             else:
                 y = result
         if fuse_states:

@@ -31,7 +31,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 from ..configuration.configuration_denseretnet import DenseRetNetConfig
 from ..ops.packing import document_positions
 from ..ops.retention import chunk_retention, retention_state_update
-from .cache import recurrent_state, takes_cache
+from .cache import recurrent_state, store_recurrent_state, takes_cache
 from .decode import decode_linear
 from .dense_connection import build_dense_connection, init_dense_linear, split_dense_inputs
 from .norm import DenseSSMRMSNorm
@@ -232,7 +232,9 @@ class DenseRetNetRetention(nn.Module):
         reset: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """One decoding step without padding and gradients takes :meth:`_decode_step` (the same function in fewer
-        operations).
+        operations). With gradients on, every call (one token included) runs the chunked retention, differentiable
+        on every backend; a call that continues a cache starts from its state as a constant (truncated
+        backpropagation, :mod:`hf_densessm.modeling.cache`, "Autograd").
 
         Args:
             hidden_states: ``(batch, seq_len, hidden_size)``, the block's normalized input ``x^l``.
@@ -286,20 +288,25 @@ class DenseRetNetRetention(nn.Module):
         k = self.theta_shift(k.view(batch, seq_len, self.num_heads, self.head_dim), positions)
         v = v.reshape(batch, seq_len, self.num_heads, -1)
 
-        if state is not None and seq_len == 1:  # decode: S = gamma S + k^T v; o = q S (Eq. 18, 19)
+        if state is not None and seq_len == 1 and not torch.is_grad_enabled():
+            # decode: S = gamma S + k^T v; o = q S (Eq. 18, 19), the state updated in place
             previous = state.clone() if attention_mask is not None else None
             o = retention_state_update(state, q[:, 0], k[:, 0], v[:, 0], scale=1.0, backend=backend)[:, None]
             if previous is not None:  # a padded row keeps its state
                 state.copy_(torch.where(attention_mask[:, 0, None, None, None].bool(), state, previous))
-        else:  # training / prefill: chunkwise form of Eq. 24, continuing from the cached state
+        else:  # training / prefill, and any call with gradients on (differentiable on every backend, the cached
+            # state left as it was): chunkwise form of Eq. 24, continuing from the cached state
             o, final_state = chunk_retention(
                 q, k, v, scale=1.0, initial_state=state,
                 output_final_state=cache is not None, backend=backend, reset=reset,
             )
             if cache is not None:
-                cache.update_recurrent_state(final_state, self.layer_idx, state_idx=0)
+                if state is not None and seq_len == 1 and attention_mask is not None:  # as in the step above, a
+                    # padded row keeps its state
+                    final_state = torch.where(attention_mask[:, 0, None, None, None].bool(), final_state, state)
+                store_recurrent_state(cache, self.layer_idx, final_state, slot=0)
         if cache is not None:
-            cache.update_recurrent_state(new_offset, self.layer_idx, state_idx=1)
+            store_recurrent_state(cache, self.layer_idx, new_offset, slot=1)
 
         # The published o_t / sqrt(s_t), folded exactly into the per-head RMSNorm that follows:
         # RMSNorm(o / sqrt(s)) = o / sqrt(mean(o^2) + eps * s), so no pass over o is added.
