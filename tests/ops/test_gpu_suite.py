@@ -61,15 +61,21 @@ def test_tile_sweep_dry_run(tmp_path, mode):
         assert all(r["max_rel_dev"] < 1e-5 and r["fwd_bwd_ms"] > 0 for r in rows)
 
 
-def test_decode_profile_dry_run(tmp_path):
-    """``benchmarks/profile_gpu_decode.py --dry-run``: both families' tiny presets prefill, step through the cache
-    and are profiled on the CPU; the JSON holds a row per family with the counters (zero without CUDA)."""
+def _profile_dry_run(script, tmp_path):
+    """Run ``benchmarks/<script> --dry-run``; its rows, checked to be one per family's tiny preset."""
     out = tmp_path / "profile.json"
-    result = subprocess.run([sys.executable, str(SUITE.parent / "profile_gpu_decode.py"), "--dry-run", "--out",
-                             str(out)], capture_output=True, text=True, timeout=600)
+    result = subprocess.run([sys.executable, str(SUITE.parent / script), "--dry-run", "--out", str(out)],
+                            capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     assert [r["model"] for r in rows] == ["DenseMamba-TINY", "DenseRetNet-TINY"]
+    return rows
+
+
+def test_decode_profile_dry_run(tmp_path):
+    """``benchmarks/profile_gpu_decode.py --dry-run``: both families' tiny presets prefill, step through the cache
+    and are profiled on the CPU; the JSON holds a row per family with the counters (zero without CUDA)."""
+    rows = _profile_dry_run("profile_gpu_decode.py", tmp_path)
     assert all(r["ms_per_step"] > 0 and r["host_ms"] > 0 and "cudaStreamSynchronize" in r for r in rows)
 
 
@@ -87,10 +93,5 @@ def test_training_profile_dry_run(tmp_path):
     assert family_of("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedOptimizer>") \
         == "optimizer"
     assert family_of("void at::native::vectorized_elementwise_kernel<8, at::native::CUDAFunctor_add>") == "other"
-    out = tmp_path / "profile.json"
-    result = subprocess.run([sys.executable, str(SUITE.parent / "profile_gpu_training.py"), "--dry-run", "--out",
-                             str(out)], capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    rows = json.loads(out.read_text())["rows"]
-    assert [r["model"] for r in rows] == ["DenseMamba-TINY", "DenseRetNet-TINY"]
+    rows = _profile_dry_run("profile_gpu_training.py", tmp_path)
     assert all(r["step_ms"] > 0 for r in rows)
