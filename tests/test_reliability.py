@@ -14,7 +14,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
 from hf_densessm import DenseMambaConfig, DenseRetNetConfig
 from helpers import FAMILIES, micro_config, micro_model, random_ids
-from hf_densessm.modeling.cache import cache_field, output_cache
+from hf_densessm.modeling.cache import DenseSSMCache, cache_field, output_cache
 
 NEW = dict(do_sample=False, max_new_tokens=8, min_new_tokens=8)
 CONFIGS = {"densemamba": DenseMambaConfig, "denseretnet": DenseRetNetConfig}
@@ -196,8 +196,20 @@ def test_item7_cache_of_the_other_family_is_refused():
         retnet(ids[:, :1], cache=mamba_cache, use_cache=True)
     with pytest.raises(ValueError, match="`cache` was built for another model family"):
         mamba(ids[:, :1], cache=retnet_cache, use_cache=True)
+    # empty ones too: a DenseSSMCache knows the family it was built for
     with pytest.raises(ValueError, match="`cache` was built for another model family"):
-        retnet(ids[:, :1], cache=DynamicCache(config=mamba.config), use_cache=True)
+        retnet(ids[:, :1], cache=DenseSSMCache(config=mamba.config), use_cache=True)
+    with pytest.raises(ValueError, match="`cache` was built for another model family"):
+        mamba(ids[:, :1], cache=DenseSSMCache(config=retnet.config), use_cache=True)
+    # a plain DynamicCache: a filled DenseMamba one holds a conv state, which DenseRetNet never fills; and DenseRetNet
+    # needs the per-row token count of a DenseSSMCache
+    plain = DynamicCache(config=mamba.config)
+    mamba(ids, cache=plain, use_cache=True)
+    with pytest.raises(ValueError, match="`cache` was built for another model family"):
+        retnet(ids[:, :1], cache=plain, use_cache=True)
+    for config in (mamba.config, retnet.config):
+        with pytest.raises(TypeError, match="`cache` must be a `DenseSSMCache` for a denseretnet model"):
+            retnet(ids[:, :1], cache=DynamicCache(config=config), use_cache=True)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -129,10 +129,10 @@ class DenseRetNetConfig(DenseSSMConfig):
         self.rope_theta = check_positive_float("rope_theta", rope_theta)
         self.initializer_range = check_positive_float("initializer_range", initializer_range)
         self.use_cache = check_bool("use_cache", use_cache)
-        # transformers' linear-attention cache layer keeps two recurrent slots per block: the retention state
-        # (slot 0) and the number of tokens seen, which places the rotary angles of later tokens (slot 1).
+        # transformers' linear-attention cache layer keeps one state slot per block (its default): the retention
+        # state; each row's token count lives on the cache itself (hf_densessm.modeling.cache). Configs saved before
+        # carry `number_of_conv_states: 2` (the count was a second slot): dropped, so that they load as before.
         kwargs.pop("number_of_conv_states", None)
-        self.number_of_conv_states = 2
         super().__init__(
             pad_token_id=pad_token_id,
             bos_token_id=bos_token_id,

@@ -3,13 +3,15 @@
 **Built.** The cache is transformers' own ``DynamicCache(config=model.config)``: the configs declare every block a
 ``"linear_attention"`` layer (``config.layer_types``), so the cache holds one ``LinearAttentionLayer`` per block whose
 conv and recurrent state slots have a fixed size, independent of the sequence length. The one addition is
-:class:`DenseSSMCache`, a ``DynamicCache`` that also counts the positions processed, because ``generate()`` asks a
-cache for ``get_seq_length()`` and linear-attention layers keep none. Both families build it the same way: the first
+:class:`DenseSSMCache`, a ``DynamicCache`` that also counts the tokens processed (:attr:`DenseSSMCache.tokens_seen`,
+because ``generate()`` asks a cache for ``get_seq_length()`` and linear-attention layers keep none; and, for
+DenseRetNet, :attr:`DenseSSMCache.real_tokens_seen`, see "Tokens"). Both families build it the same way: the first
 forward with ``use_cache`` and no cache creates one (:func:`new_cache`); ``generate()`` leaves the creation to that
 forward (``_supports_default_dynamic_cache()`` is ``False``, as for transformers' own stateful models), and a cache
 returned by one ``generate()`` call continues in the next (:mod:`.modeling_densessm`).
 
-**Slots** (:data:`CACHE_SLOTS`), per block:
+**Slots** (:data:`CACHE_SLOTS`), one of each kind per block, each holding what its name says, one block state with the
+batch first (as transformers' generic cache checks and tools read every filled slot):
 
 =============  ===========================  ===================================================================
 family         slot                         content
@@ -19,9 +21,9 @@ densemamba     ``conv_states[0]``           the last ``conv_kernel`` inputs of t
 densemamba     ``recurrent_states[0]``      the SSM state ``h``, ``(batch, intermediate_size, state_size)`` float32
 denseretnet    ``recurrent_states[0]``      the retention state ``S``, ``(batch, heads, key_dim / heads,
                                             value_dim / heads)`` float32
-denseretnet    ``recurrent_states[1]``      real (non-padding) tokens seen per row, ``(batch,)`` int64: places the
-                                            rotary angles and the retention normalization of later tokens
 =============  ===========================  ===================================================================
+
+DenseRetNet has no convolution: its ``conv_states[0]`` stays empty.
 
 **Autograd.** The cache holds values, never autograd history: a forward that continues a cache starts from its
 states as constants, so its gradients reach back to the first of its own tokens (truncated backpropagation through
@@ -31,11 +33,16 @@ time: training chunk by chunk over a long text, or fine-tuning over a cached pre
 place, as transformers' own ``update_recurrent_state`` / ``update_conv_state`` do, so that every slot keeps its address
 (CUDA graphs, ``torch.compile``); with gradients on, into a new tensor that the slot is rebound to, because the states
 a forward started from are saved for its backward pass (the selective scan and the chunked retention keep their
-``initial_state``, the convolution its window), and writing into them would break that backward.
+``initial_state``), and writing into them would break that backward.
 
 **Tokens.** :attr:`DenseSSMCache.tokens_seen` counts every position given to the model (padding included), which is
-what ``generate()`` compares with the length of ``input_ids``; DenseRetNet's per-row slot counts real tokens only.
-Beam search reorders every slot with transformers' ``reorder_cache``.
+what ``generate()`` compares with the length of ``input_ids``. For the families in :data:`COUNTS_ROW_TOKENS`
+(DenseRetNet), :attr:`DenseSSMCache.real_tokens_seen` also counts the real (non-padding) tokens of each row,
+``(batch,)`` int64: they place the rotary angles and the retention normalization of later tokens, so a left-padded row
+continues from its own position. These families need a :class:`DenseSSMCache` (:func:`check_cache`). The backbone
+counts once per forward, after its blocks (:func:`record_tokens`; the count is advanced in place, so that it keeps its
+address as the slots do). Beam search reorders the slots (transformers' ``reorder_cache``) and the per-row count
+(:meth:`DenseSSMCache.reorder_cache`); ``reset()`` zeroes both counts.
 
 **Names.** Inside this package the cache is always ``cache``. Outside, the installed transformers names it
 (:func:`takes_cache`, :func:`cache_field`): from 5.24 on, ``cache`` everywhere (``forward`` keywords, model outputs,
@@ -140,33 +147,71 @@ def output_cache(outputs) -> Cache | None:
 #: Which state slots each family uses, and what they hold (see the module docstring).
 CACHE_SLOTS = {
     "densemamba": {"conv": (0,), "recurrent": (0,)},
-    "denseretnet": {"conv": (), "recurrent": (0, 1)},
+    "denseretnet": {"conv": (), "recurrent": (0,)},
 }
+
+#: The families whose blocks read the real tokens each row has seen, kept on the cache
+#: (:attr:`DenseSSMCache.real_tokens_seen`; module docstring, "Tokens").
+COUNTS_ROW_TOKENS = frozenset({"denseretnet"})
 
 
 class DenseSSMCache(DynamicCache):
-    """transformers' ``DynamicCache`` (one ``LinearAttentionLayer`` per block), plus a count of the positions seen.
+    """transformers' ``DynamicCache`` (one ``LinearAttentionLayer`` per block), plus counts of the tokens seen.
 
-    The count is the one addition: ``generate()`` asks a cache for ``get_seq_length()`` (to slice a prompt that
-    continues a cache), and transformers' linear-attention layers keep no sequence length. Every state, its
-    reordering for beam search and its reset stay transformers' own. The models update the count.
+    Attributes:
+        model_type: the ``model_type`` of the config it was built for (``None`` without one); a model of another
+            family refuses it (:func:`check_cache`).
+        tokens_seen: positions processed so far, padding included (``int``): ``generate()`` asks a cache for
+            ``get_seq_length()`` (to slice a prompt that continues a cache), and transformers' linear-attention
+            layers keep no sequence length.
+        real_tokens_seen: for a family in :data:`COUNTS_ROW_TOKENS`, the real (non-padding) tokens each row has seen,
+            ``(batch,)`` int64 on the model's device, ``None`` before the first forward (and for other families).
+
+    Every state, its reordering for beam search and its reset stay transformers' own; :meth:`reorder_cache` and
+    :meth:`reset` also reorder and zero the counts. The models update the counts (:func:`record_tokens`).
     """
 
     def __init__(self, config=None, **kwargs):
         super().__init__(config=config, **kwargs)
+        self.model_type = getattr(config, "model_type", None)
         self.tokens_seen = 0
+        self.real_tokens_seen: torch.Tensor | None = None
 
-    def record_tokens(self, count: int) -> None:
-        """Add ``count`` processed positions (padding included) to the sequence length."""
+    def record_tokens(self, inputs: torch.Tensor, attention_mask: torch.Tensor | None = None) -> None:
+        """Count a forward's tokens: its ``seq_len`` positions (padding included) in :attr:`tokens_seen` and, for a
+        family in :data:`COUNTS_ROW_TOKENS`, each row's real tokens in :attr:`real_tokens_seen` (made on the first
+        call; then advanced in place).
+
+        Args:
+            inputs: the forward's ``input_ids`` ``(batch, seq_len)`` or ``inputs_embeds`` ``(batch, seq_len, hidden)``
+                (only their shape and device are read).
+            attention_mask: ``(batch, seq_len)`` 0/1 over these positions, or ``None`` when none is padding.
+        """
+        batch, count = inputs.shape[:2]
         self.tokens_seen += count
+        if self.model_type not in COUNTS_ROW_TOKENS:
+            return
+        if self.real_tokens_seen is None:
+            self.real_tokens_seen = torch.zeros(batch, dtype=torch.long, device=inputs.device)
+        self.real_tokens_seen.add_(count if attention_mask is None else attention_mask.long().sum(-1))
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Number of positions processed so far (the recurrent states do not grow with it)."""
         return self.tokens_seen
 
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """transformers' reordering of every state for beam search (row ``i`` becomes row ``beam_idx[i]``), and of
+        :attr:`real_tokens_seen`."""
+        super().reorder_cache(beam_idx)
+        if self.real_tokens_seen is not None:
+            self.real_tokens_seen = self.real_tokens_seen.index_select(0, beam_idx.to(self.real_tokens_seen.device))
+
     def reset(self) -> None:
+        """transformers' reset (every state zeroed in place, the objects kept), and both counts back to zero."""
         super().reset()
         self.tokens_seen = 0
+        if self.real_tokens_seen is not None:
+            self.real_tokens_seen.zero_()
 
 
 def new_cache(config) -> DenseSSMCache:
@@ -174,10 +219,11 @@ def new_cache(config) -> DenseSSMCache:
     return DenseSSMCache(config=config)
 
 
-def record_tokens(cache: Cache | None, count: int) -> None:
-    """Count ``count`` processed positions on ``cache`` if it keeps a count (a :class:`DenseSSMCache`)."""
+def record_tokens(cache: Cache | None, inputs: torch.Tensor, attention_mask: torch.Tensor | None = None) -> None:
+    """Count a forward's tokens on ``cache`` if it keeps counts (a :class:`DenseSSMCache`:
+    :meth:`DenseSSMCache.record_tokens`, same arguments)."""
     if isinstance(cache, DenseSSMCache):
-        cache.record_tokens(count)
+        cache.record_tokens(inputs, attention_mask)
 
 
 def _expected_shapes(config, batch: int) -> dict[tuple[str, int], tuple[int, ...]]:
@@ -188,24 +234,30 @@ def _expected_shapes(config, batch: int) -> dict[tuple[str, int], tuple[int, ...
             ("recurrent", 0): (batch, config.intermediate_size, config.state_size),
         }
     heads = config.num_attention_heads
-    return {
-        ("recurrent", 0): (batch, heads, config.query_key_dim // heads, config.value_dim // heads),
-        ("recurrent", 1): (batch,),
-    }
+    return {("recurrent", 0): (batch, heads, config.query_key_dim // heads, config.value_dim // heads)}
 
 
 def check_cache(cache, config, batch: int) -> None:
     """Check that ``cache`` (a model's ``cache`` argument) fits a model of ``config`` given ``batch`` rows.
 
     It must be a transformers ``Cache`` with one linear-attention layer per block, with the state slots of the
-    config's family (:data:`CACHE_SLOTS`), and states (where already filled) of the shapes this model and batch need.
+    config's family (:data:`CACHE_SLOTS`), no other slot filled, and states (where already filled) of the shapes this
+    model and batch need. A :class:`DenseSSMCache` must have been built for the config's family; a family that counts
+    each row's tokens (:data:`COUNTS_ROW_TOKENS`) needs a :class:`DenseSSMCache`, whose count (once made) has one entry
+    per row.
 
     Raises:
-        TypeError: ``cache`` is not a ``Cache``, or its layers are not linear-attention layers.
-        ValueError: wrong number of layers, slots of another family (e.g. a DenseMamba cache given to DenseRetNet),
-            or states of another batch size or width. Messages name ``cache`` and what was expected.
+        TypeError: ``cache`` is not a ``Cache``, its layers are not linear-attention layers, or it is not a
+            :class:`DenseSSMCache` where the family needs one (e.g. a plain ``DynamicCache`` given to DenseRetNet).
+        ValueError: wrong number of layers; slots or a :attr:`DenseSSMCache.model_type` of another family (e.g. a
+            DenseMamba cache given to DenseRetNet); states or counts of another batch size or width. Messages name
+            ``cache`` and what was expected.
     """
-    hint = "build one with `transformers.DynamicCache(config=model.config)` or leave `cache` unset"
+    hint = (
+        "leave `cache` unset (the model builds one), pass the cache a previous call returned, or build an empty one "
+        "with `hf_densessm.modeling.cache.DenseSSMCache(config=model.config)`"
+    )
+    family = config.model_type
     if not isinstance(cache, Cache):
         raise TypeError(f"`cache` must be a transformers `Cache`, got {type(cache).__name__}; {hint}.")
     if len(cache.layers) != config.num_hidden_layers:
@@ -214,12 +266,29 @@ def check_cache(cache, config, batch: int) -> None:
         )
     if not all(isinstance(layer, LinearAttentionCacheLayerMixin) for layer in cache.layers):
         raise TypeError(f"`cache` must hold linear-attention (recurrent state) layers; {hint}.")
-    slots = CACHE_SLOTS[config.model_type]
+    slots = CACHE_SLOTS[family]
     needed = max(slots["conv"] + slots["recurrent"]) + 1
     if any(layer.number_of_states != needed for layer in cache.layers):
         raise ValueError(
             f"`cache` was built for another model family ({cache.layers[0].number_of_states} state slots per "
-            f"layer, a {config.model_type} model needs {needed}); {hint}."
+            f"layer, a {family} model needs {needed}); {hint}."
+        )
+    built_for = cache.model_type if isinstance(cache, DenseSSMCache) else None
+    if built_for is not None and built_for != family:
+        raise ValueError(f"`cache` was built for another model family (a {built_for} model, not {family}); {hint}.")
+    for layer_idx, layer in enumerate(cache.layers):
+        for kind in ("conv", "recurrent"):
+            filled = layer.is_conv_states_initialized if kind == "conv" else layer.is_recurrent_states_initialized
+            stray = [slot for slot, is_filled in filled.items() if is_filled and slot not in slots[kind]]
+            if stray:
+                raise ValueError(
+                    f"`cache` was built for another model family (layer {layer_idx} holds {kind} state slot "
+                    f"{stray[0]}, which a {family} model never fills); {hint}."
+                )
+    if family in COUNTS_ROW_TOKENS and not isinstance(cache, DenseSSMCache):
+        raise TypeError(
+            f"`cache` must be a `DenseSSMCache` for a {family} model (it counts the real tokens of each row, which "
+            f"place the rotary angles), got {type(cache).__name__}; {hint}."
         )
     expected = _expected_shapes(config, batch)
     for layer_idx, layer in enumerate(cache.layers):
@@ -233,6 +302,26 @@ def check_cache(cache, config, batch: int) -> None:
                     f"`cache` holds a {kind} state of shape {tuple(state.shape)} in layer {layer_idx}, but this "
                     f"model with batch size {batch} needs {shape} (a cache serves one batch size); {hint}."
                 )
+    counts = cache.real_tokens_seen if isinstance(cache, DenseSSMCache) else None
+    if counts is not None and tuple(counts.shape) != (batch,):
+        raise ValueError(
+            f"`cache` counts the tokens of {counts.shape[0]} rows, but this call has batch size {batch} (a cache "
+            f"serves one batch size); {hint}."
+        )
+
+
+def is_filled(cache: Cache, model_type: str) -> bool:
+    """Whether every state slot of :data:`CACHE_SLOTS` is filled in every layer of ``cache`` (a cache that passed
+    :func:`check_cache`), and, for a family in :data:`COUNTS_ROW_TOKENS`, the per-row count made: what a one-token
+    step that updates the cache in place needs."""
+    slots = CACHE_SLOTS[model_type]
+    if model_type in COUNTS_ROW_TOKENS and getattr(cache, "real_tokens_seen", None) is None:
+        return False
+    return all(
+        all(layer.is_conv_states_initialized[i] for i in slots["conv"])
+        and all(layer.is_recurrent_states_initialized[i] for i in slots["recurrent"])
+        for layer in cache.layers
+    )
 
 
 def store_recurrent_state(cache: Cache, layer_idx: int, state: torch.Tensor, slot: int = 0) -> None:
@@ -262,8 +351,8 @@ def store_conv_inputs(cache: Cache, layer_idx: int, inputs: torch.Tensor, conv_k
     ``conv_kernel_size`` inputs (padding with zeros on the left after a shorter first call).
 
     With gradients off the window is updated in place (it keeps its address). With gradients on, the slot is first
-    rebound to a copy of the window, which the update then writes: the window the forward read may be saved for its
-    backward pass and is left untouched.
+    rebound to a copy of the window, which the update then writes: the window the forward read is left untouched,
+    should its backward pass need it (this package's convolutions copy it, but a kernel need not).
 
     Args:
         cache: a transformers ``Cache`` of linear-attention layers.

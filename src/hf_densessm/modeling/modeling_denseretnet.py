@@ -162,9 +162,9 @@ class DenseRetNetRetention(nn.Module):
         retention row sums ``(batch, H, 1)`` (:func:`retention_row_sums`) of a decoding step at positions ``seen``.
         While ``torch.compile`` traces the step, the rotation is ``None`` and nothing is kept on the cache.
 
-        Every layer of a step has the same positions (each layer's count, cache slot 1, advances alike), so the
-        first layer computes them and leaves them on the cache with a copy of its count; a later layer reuses them
-        when its own count equals that copy (one comparison instead of about a dozen operations). The key also holds
+        Every layer of a step has the same positions (the cache's per-row count, advanced after the step), so the
+        first layer computes them and leaves them on the cache with a copy of the count; a later layer reuses them
+        when the count still equals that copy (one comparison instead of about a dozen operations). The key also holds
         the dtype and everything the values depend on (heads, head size, ``rope_theta``), so a mismatch recomputes.
         """
         if torch.compiler.is_compiling():  # traced (compile_decode_step): the row sums in the graph, nothing kept;
@@ -184,7 +184,7 @@ class DenseRetNetRetention(nn.Module):
         fewer operations, on ``(batch, channels)`` rows: the one-row products through
         :func:`~hf_densessm.modeling.decode.decode_linear`, the theta shift as one complex product
         (:meth:`DenseRetNetThetaShift.rotate`, the rotation computed once per step for ``q`` and ``k`` of every
-        layer, as the row sums: :meth:`_step_positions`), the position count advanced in place, no masks or clones.
+        layer, as the row sums: :meth:`_step_positions`), no masks or clones.
 
         Args:
             hidden_states: ``(batch, 1, hidden_size)``, the block's normalized input.
@@ -192,7 +192,8 @@ class DenseRetNetRetention(nn.Module):
             cache: the cache (holds the step's positions for the next layers, :meth:`_step_positions`).
             state: ``(batch, heads, d_qk / heads, d_v / heads)`` float32 (float64 in float64 models), this layer's
                 retention state (cache slot 0), updated in place.
-            seen: ``(batch,)`` int64, the real tokens seen per row (cache slot 1), advanced by 1 in place.
+            seen: ``(batch,)`` int64, the real tokens seen per row before this step (the cache's
+                ``real_tokens_seen``, which the backbone advances after the step).
 
         Returns:
             As :meth:`forward`: ``(output (batch, 1, hidden_size), (k, v))``, ``(batch, 1, .)`` features.
@@ -219,7 +220,6 @@ class DenseRetNetRetention(nn.Module):
         o = retention_state_update(
             state, q, k, v.reshape(batch, heads, -1), scale=1.0, backend=self.config.kernel_backend
         )  # Eq. 18, 19
-        seen.add_(1)
         o = self.group_norm(o.reshape(batch, self.value_dim), eps_scale=row_sums)
         return self.dropout(decode_linear(self.o_proj, o * g)[:, None]), features
 
@@ -252,8 +252,8 @@ class DenseRetNetRetention(nn.Module):
         """
         batch, seq_len, _ = hidden_states.shape
         if seq_len == 1 and attention_mask is None and reset is None and not torch.is_grad_enabled():
-            state = recurrent_state(cache, self.layer_idx, 0)
-            seen = recurrent_state(cache, self.layer_idx, 1)
+            state = recurrent_state(cache, self.layer_idx)
+            seen = getattr(cache, "real_tokens_seen", None)
             if state is not None and seen is not None:
                 return self._decode_step(hidden_states, dense_inputs, cache, state, seen)
         backend = self.config.kernel_backend
@@ -271,19 +271,15 @@ class DenseRetNetRetention(nn.Module):
             k = self.k_norm(self.dense_k(hidden_states, k, dense_k)).to(q.dtype)
             v = self.v_norm(self.dense_v(hidden_states, v, dense_v)).to(q.dtype)
 
-        state = recurrent_state(cache, self.layer_idx, 0)
-        seen = recurrent_state(cache, self.layer_idx, 1)
+        state = recurrent_state(cache, self.layer_idx)
+        seen = getattr(cache, "real_tokens_seen", None)  # real tokens per row before this call; counted after it
         offset = seen if seen is not None else torch.zeros(batch, dtype=torch.long, device=q.device)
         if reset is not None:  # packed documents (no cache, no padding): positions restart at each document
             positions = document_positions(reset)
-            new_offset = offset + seq_len
         elif attention_mask is None:
             positions = offset[:, None] + torch.arange(seq_len, device=q.device)
-            new_offset = offset + seq_len
         else:  # count real tokens only, so padding never moves a row's position
-            counted = attention_mask.long().cumsum(-1)
-            positions = offset[:, None] + counted - 1
-            new_offset = offset + counted[:, -1]
+            positions = offset[:, None] + attention_mask.long().cumsum(-1) - 1
         q = self.theta_shift(q.view(batch, seq_len, self.num_heads, self.head_dim), positions)
         k = self.theta_shift(k.view(batch, seq_len, self.num_heads, self.head_dim), positions)
         v = v.reshape(batch, seq_len, self.num_heads, -1)
@@ -304,9 +300,7 @@ class DenseRetNetRetention(nn.Module):
                 if state is not None and seq_len == 1 and attention_mask is not None:  # as in the step above, a
                     # padded row keeps its state
                     final_state = torch.where(attention_mask[:, 0, None, None, None].bool(), final_state, state)
-                store_recurrent_state(cache, self.layer_idx, final_state, slot=0)
-        if cache is not None:
-            store_recurrent_state(cache, self.layer_idx, new_offset, slot=1)
+                store_recurrent_state(cache, self.layer_idx, final_state)
 
         # The published o_t / sqrt(s_t), folded exactly into the per-head RMSNorm that follows:
         # RMSNorm(o / sqrt(s)) = o / sqrt(mean(o^2) + eps * s), so no pass over o is added.
@@ -403,9 +397,11 @@ class DenseRetNetModel(DenseRetNetPreTrainedModel):
         r"""
         Args:
             input_ids: ``(batch, seq_len)`` token ids; or ``inputs_embeds`` ``(batch, seq_len, hidden_size)`` (exactly one).
-            cache: a cache from a previous call (or ``DynamicCache(config=model.config)``); the tokens given
-                continue the cached sequence, whatever their number (prefill in chunks works). Also taken as
-                ``past_key_values`` (its name before transformers 5.24; :func:`~hf_densessm.modeling.cache.takes_cache`).
+            cache: a cache from a previous call (or an empty
+                ``hf_densessm.modeling.cache.DenseSSMCache(config=model.config)``; a plain ``DynamicCache`` has nowhere
+                to count each row's tokens and is refused); the tokens given continue the cached sequence, whatever
+                their number (prefill in chunks works). Also taken as ``past_key_values`` (its name before
+                transformers 5.24; :func:`~hf_densessm.modeling.cache.takes_cache`).
             use_cache: return the cache (default ``config.use_cache``, off in training).
             attention_mask: ``(batch, seq_len)`` or ``(batch, cached + seq_len)``, 1 for tokens and 0 for padding
                 (pad on the left for batched generation).

@@ -19,7 +19,7 @@ from transformers.modeling_layers import GenericForSequenceClassification
 from transformers.utils import logging
 
 from ..ops.workspace import Workspace, linear_into
-from .cache import CACHE_SLOTS, check_cache, model_output, new_cache, output_cache, record_tokens, takes_cache
+from .cache import check_cache, is_filled, model_output, new_cache, output_cache, record_tokens, takes_cache
 from .decode import _plain_linear, decode_linear
 from .dense_connection import run_dense_layers
 from .loss import causal_lm_loss
@@ -253,7 +253,7 @@ def run_backbone(
         attention_mask=attention_mask,
         reset=reset,
     )
-    record_tokens(cache, seq_len)
+    record_tokens(cache, inputs_embeds, attention_mask)
     hidden_states = final_norm(hidden_states)
     if output_hidden_states:
         all_hidden_states += (hidden_states,)
@@ -505,16 +505,13 @@ class DenseSSMCausalLMMixin:
             return None  # the eager embedding raises its IndexError
         batch = input_ids.shape[0]
         check_cache(cache, self.config, batch)
-        slots = CACHE_SLOTS[self.config.model_type]
-        for layer in cache.layers:
-            if not (all(layer.is_conv_states_initialized[i] for i in slots["conv"])
-                    and all(layer.is_recurrent_states_initialized[i] for i in slots["recurrent"])):
-                return None
+        if not is_filled(cache, self.config.model_type):
+            return None
         if prepare_attention_mask(attention_mask, batch, 1) is not None:
             return None
         logits = self._cpu_kernel_logits(input_ids, cache)
         if logits is not None:
-            record_tokens(cache, 1)
+            record_tokens(cache, input_ids)
             return self._lm_return(None, logits, cache, None, return_dict, output_class)
         try:
             logits = self._compiled_decode_fn()(self, input_ids, cache)
@@ -529,7 +526,7 @@ class DenseSSMCausalLMMixin:
                 stacklevel=_caller_stacklevel(),
             )
             return None
-        record_tokens(cache, 1)
+        record_tokens(cache, input_ids)
         return self._lm_return(None, logits, cache, None, return_dict, output_class)
 
     def _lm_return(self, loss, logits, cache, hidden_states, return_dict, output_class):
