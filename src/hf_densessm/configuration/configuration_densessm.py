@@ -1,4 +1,5 @@
-"""The config base shared by every DenseSSM family: the dense-connection knobs and ``kernel_backend``, declared once.
+"""The config base shared by every DenseSSM family: the dense-connection knobs, declared once, and the runtime
+setting ``kernel_backend``.
 
 Source: DenseSSM paper (He et al. 2024, arXiv 2403.00818) §3.3, Eq. 10-17, and its ablations, Tables 5, 7, 8, 9;
 ``docs/design.md`` §2 gives the meaning of each knob and the choices the paper leaves open.
@@ -89,7 +90,7 @@ def check_choice(name: str, value, allowed: tuple[str, ...]) -> str:
 
 @dataclass(frozen=True)
 class Knob:
-    """One config field of the dense connection (or the kernel backend).
+    """One config field of the dense connection.
 
     Attributes:
         name: the config field, e.g. ``"dense_layers"``.
@@ -127,7 +128,7 @@ class Knob:
         return self.families is None or model_type in self.families
 
 
-#: Every dense-connection knob and ``kernel_backend``, in the order the docs list them.
+#: Every dense-connection knob, in the order the docs list them.
 DENSE_KNOBS: tuple[Knob, ...] = (
     Knob("dense_layers", int, None, "m, how many preceding layers feed each layer (Eq. 10; Table 7); 0 = the base "
          "model; the default is the family's (4 DenseMamba, 2 DenseRetNet)", minimum=0),
@@ -145,10 +146,11 @@ DENSE_KNOBS: tuple[Knob, ...] = (
     Knob("dense_target", str, "input", "DenseMamba only: fuse the scan inputs u and B ('input', docs/design.md §4) "
          "or the lower layers' states, read out with this layer's C ('state', Eq. 14)", choices=("input", "state"),
          families=("densemamba",)),
-    Knob("kernel_backend", str, "auto", "'auto' (Triton on CUDA, the compiled CPU kernels on the CPU where a C compiler "
-         "exists, PyTorch otherwise), 'triton', 'cpu' or 'torch'",
-         choices=("auto", "triton", "cpu", "torch")),
 )
+
+#: The values of ``kernel_backend``, a runtime setting (never saved): ``"auto"`` (Triton on CUDA, PyTorch
+#: elsewhere), ``"triton"``, ``"torch"`` (:mod:`hf_densessm.ops.backend`).
+KERNEL_BACKENDS = ("auto", "triton", "torch")
 
 DENSE_KNOB_NAMES: tuple[str, ...] = tuple(knob.name for knob in DENSE_KNOBS)
 
@@ -198,8 +200,11 @@ class DenseSSMConfig(PretrainedConfig):
     #: The family's named sizes, for :meth:`from_preset`.
     presets: ClassVar[dict] = {}
 
-    def __init__(self, pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=True, **kwargs):
+    def __init__(
+        self, pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=True, kernel_backend="auto", **kwargs
+    ):
         check_token_ids(pad_token_id=pad_token_id, bos_token_id=bos_token_id, eos_token_id=eos_token_id)
+        self.kernel_backend = kernel_backend
         self.set_dense_knobs(kwargs)
         super().__init__(
             pad_token_id=pad_token_id,
@@ -208,6 +213,29 @@ class DenseSSMConfig(PretrainedConfig):
             tie_word_embeddings=check_bool("tie_word_embeddings", tie_word_embeddings),
             **kwargs,
         )
+
+    @property
+    def kernel_backend(self) -> str:
+        """Which implementation of the ops runs (:data:`KERNEL_BACKENDS`): a runtime setting, as transformers'
+        ``attn_implementation``. Set it with ``Model.from_pretrained(..., kernel_backend="torch")``, the config's
+        constructor, or ``model.config.kernel_backend = "torch"`` (read at every call). It is never written into
+        ``config.json``, and a value an old ``config.json`` carries is ignored on load.
+
+        Raises:
+            ValueError, TypeError: (on setting) a value not in :data:`KERNEL_BACKENDS`.
+        """
+        return self._kernel_backend
+
+    @kernel_backend.setter
+    def kernel_backend(self, value: str) -> None:
+        self._kernel_backend = check_choice("kernel_backend", value, KERNEL_BACKENDS)
+
+    def to_dict(self) -> dict:
+        """transformers' ``to_dict``, without the runtime setting ``kernel_backend``."""
+        output = super().to_dict()
+        output.pop("_kernel_backend", None)
+        output.pop("kernel_backend", None)
+        return output
 
     @property
     def layer_types(self) -> list[str]:
@@ -251,9 +279,13 @@ class DenseSSMConfig(PretrainedConfig):
         4: every weight loads, the logits differ). Knobs given as ``kwargs`` (``from_pretrained(..., dense_layers=2)``)
         count as present.
 
+        A ``kernel_backend`` in ``config_dict`` (written by versions that saved it) is dropped: it was the runtime
+        choice of whoever saved the model. One given as a keyword is applied.
+
         Raises:
             ValueError: a knob is missing; the message names it and how to fix the file.
         """
+        config_dict = {key: value for key, value in config_dict.items() if key != "kernel_backend"}
         missing = [
             knob.name for knob in knobs_for(cls.model_type) if knob.name not in config_dict and knob.name not in kwargs
         ]

@@ -161,24 +161,34 @@ class DenseSSMCache(DynamicCache):
     Attributes:
         model_type: the ``model_type`` of the config it was built for (``None`` without one); a model of another
             family refuses it (:func:`check_cache`).
-        tokens_seen: positions processed so far, padding included (``int``): ``generate()`` asks a cache for
-            ``get_seq_length()`` (to slice a prompt that continues a cache), and transformers' linear-attention
-            layers keep no sequence length.
+        positions_seen: positions processed so far, padding included, a 0-dim int64 tensor on the model's device
+            (``None`` before the first forward): ``generate()`` asks a cache for ``get_seq_length()`` (to slice a
+            prompt that continues a cache), and transformers' linear-attention layers keep no sequence length.
         real_tokens_seen: for a family in :data:`COUNTS_ROW_TOKENS`, the real (non-padding) tokens each row has seen,
             ``(batch,)`` int64 on the model's device, ``None`` before the first forward (and for other families).
 
-    Every state, its reordering for beam search and its reset stay transformers' own; :meth:`reorder_cache` and
-    :meth:`reset` also reorder and zero the counts. The models update the counts (:func:`record_tokens`).
+    The counts are tensors, made by the first forward and then advanced in place, so that a compiled decoding step
+    neither guards on their values (no recompilation from one token to the next) nor moves them (CUDA graphs; they
+    are marked as static addresses, as transformers marks the states). Every state, its reordering for beam search
+    and its reset stay transformers' own; :meth:`reorder_cache` and :meth:`reset` also reorder and zero the counts.
+    The models update the counts (:func:`record_tokens`).
     """
 
     def __init__(self, config=None, **kwargs):
         super().__init__(config=config, **kwargs)
         self.model_type = getattr(config, "model_type", None)
-        self.tokens_seen = 0
+        self.positions_seen: torch.Tensor | None = None
         self.real_tokens_seen: torch.Tensor | None = None
 
+    @staticmethod
+    def _new_count(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+        count = torch.zeros(shape, dtype=torch.long, device=device)
+        if not torch.compiler.is_compiling():
+            torch._dynamo.mark_static_address(count)
+        return count
+
     def record_tokens(self, inputs: torch.Tensor, attention_mask: torch.Tensor | None = None) -> None:
-        """Count a forward's tokens: its ``seq_len`` positions (padding included) in :attr:`tokens_seen` and, for a
+        """Count a forward's tokens: its ``seq_len`` positions (padding included) in :attr:`positions_seen` and, for a
         family in :data:`COUNTS_ROW_TOKENS`, each row's real tokens in :attr:`real_tokens_seen` (made on the first
         call; then advanced in place).
 
@@ -188,30 +198,33 @@ class DenseSSMCache(DynamicCache):
             attention_mask: ``(batch, seq_len)`` 0/1 over these positions, or ``None`` when none is padding.
         """
         batch, count = inputs.shape[:2]
-        self.tokens_seen += count
+        if self.positions_seen is None:
+            self.positions_seen = self._new_count((), inputs.device)
+        self.positions_seen.add_(count)
         if self.model_type not in COUNTS_ROW_TOKENS:
             return
         if self.real_tokens_seen is None:
-            self.real_tokens_seen = torch.zeros(batch, dtype=torch.long, device=inputs.device)
+            self.real_tokens_seen = self._new_count((batch,), inputs.device)
         self.real_tokens_seen.add_(count if attention_mask is None else attention_mask.long().sum(-1))
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        """Number of positions processed so far (the recurrent states do not grow with it)."""
-        return self.tokens_seen
+        """Number of positions processed so far (the recurrent states do not grow with it), an ``int`` (reading it
+        waits for the device)."""
+        return 0 if self.positions_seen is None else int(self.positions_seen)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """transformers' reordering of every state for beam search (row ``i`` becomes row ``beam_idx[i]``), and of
-        :attr:`real_tokens_seen`."""
+        :attr:`real_tokens_seen` (in place)."""
         super().reorder_cache(beam_idx)
         if self.real_tokens_seen is not None:
-            self.real_tokens_seen = self.real_tokens_seen.index_select(0, beam_idx.to(self.real_tokens_seen.device))
+            self.real_tokens_seen.copy_(self.real_tokens_seen.index_select(0, beam_idx.to(self.real_tokens_seen.device)))
 
     def reset(self) -> None:
         """transformers' reset (every state zeroed in place, the objects kept), and both counts back to zero."""
         super().reset()
-        self.tokens_seen = 0
-        if self.real_tokens_seen is not None:
-            self.real_tokens_seen.zero_()
+        for count in (self.positions_seen, self.real_tokens_seen):
+            if count is not None:
+                count.zero_()
 
 
 def new_cache(config) -> DenseSSMCache:

@@ -23,8 +23,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..ops.gated_add import gated_add, uses_kernel
-from .decode import _plain_linear, decode_linear
 
 GATE_INIT_GAIN = 2**-2.5  # Xavier-uniform gain of DenseMamba's gates (docs/design.md §4)
 
@@ -101,9 +99,9 @@ class DenseGate(nn.Module):
 
     def pre_activation(self, x: torch.Tensor) -> torch.Tensor:
         """The gate before its last SiLU: ``fc2(SiLU(fc1(x)))`` or ``fc(x)``, ``(..., feature_size)``."""
-        if self.selection == "mlp":  # decode_linear: the module call, or a fused form in a compiled decoding step
-            return decode_linear(self.fc2, F.silu(decode_linear(self.fc1, x)))
-        return decode_linear(self.fc, x)
+        if self.selection == "mlp":
+            return self.fc2(F.silu(self.fc1(x)))
+        return self.fc(x)
 
     def output_layer(self) -> nn.Linear:
         """The gate's last linear layer (zero it to make the dense connection an exact no-op)."""
@@ -124,8 +122,6 @@ class DenseHiddenConnection(nn.Module):
         fusion: ``"add"`` (Eq. 17) | ``"concat"`` (Table 8; ``reduce: (n+1)*feature_size -> feature_size``,
             initialized to pass ``f^l`` through unchanged).
         gate_hidden_size: width of the MLP gate.
-        config: the model's config, read for ``kernel_backend`` at each call (the fused sum, gate output layer and
-            add of the default knobs, :func:`hf_densessm.ops.gated_add.gated_add`); ``None`` means ``"auto"``.
 
     Shapes: ``forward(x, feature, predecessors)`` takes ``x`` ``(..., hidden_size)``, ``feature``
     ``(..., feature_size)`` and a list of ``n`` tensors shaped like ``feature``, nearest layer first
@@ -145,10 +141,8 @@ class DenseHiddenConnection(nn.Module):
         shared_gate: bool,
         fusion: str,
         gate_hidden_size: int,
-        config=None,
     ):
         super().__init__()
-        self.config = config
         self.num_predecessors = num_predecessors
         self.fusion = fusion
         self.selection = selection
@@ -181,18 +175,11 @@ class DenseHiddenConnection(nn.Module):
             )
         if self.selection != "none" and self.shared_gate and self.projections is None and self.fusion == "add":
             # The defaults (identity transition, one shared gate, add): sum_i g * f_i = g * sum_i f_i, so the
-            # predecessors are summed first and gated once. With the MLP gate on the CPU kernel, the sum, the gate's
-            # output layer fc2, its SiLU and the add are one pass forward and one backward (ops/gated_add.py); fc2 is
-            # read as a weight only when calling it would run nothing else (no hook, no adapter, no bias).
-            dtype, backend = feature.dtype, getattr(self.config, "kernel_backend", "auto")
-            output = self.gate.output_layer()
-            kernel = self.selection == "mlp" and uses_kernel(feature, output.in_features, backend)
-            predecessors = [f.to(dtype) for f in predecessors]
-            if kernel and _plain_linear(output) and output.bias is None:
-                hidden = F.silu(self.gate.fc1(x)).to(dtype)
-                return gated_add(feature, predecessors, hidden, output.weight.to(dtype), backend)
-            # otherwise the gate's layers are called, and its pre-activation is fused in (kernel or PyTorch path)
-            return gated_add(feature, predecessors, self.gate.pre_activation(x).to(dtype), None, backend)
+            # predecessors are summed first and gated once (one pointwise region under torch.compile).
+            total = predecessors[0]
+            for f in predecessors[1:]:
+                total = total + f
+            return torch.addcmul(feature, total.to(feature.dtype), self.gate(x).to(feature.dtype))
         shared = self.gate(x) if self.selection != "none" and self.shared_gate else None
         selected = []
         for i, f in enumerate(predecessors):
@@ -233,7 +220,6 @@ def build_dense_connection(config, layer_idx: int, feature_size: int) -> DenseHi
         shared_gate=config.dense_shared_gate,
         fusion=config.dense_fusion,
         gate_hidden_size=config.dense_gate_hidden_size,
-        config=config,
     )
 
 

@@ -28,7 +28,6 @@ from transformers.models.mamba.modeling_mamba import MambaCausalLMOutput, MambaO
 
 from ..configuration.configuration_densemamba import DenseMambaConfig
 from ..ops.causal_conv1d import causal_conv1d
-from ..ops.densemamba_step import DenseMambaCPUStep, registration_count
 from ..ops.selective_scan import selective_scan, selective_state_update
 from .cache import (
     CACHE_RENAMED,
@@ -39,11 +38,9 @@ from .cache import (
     store_recurrent_state,
     takes_cache,
 )
-from .decode import cached_from_parameters, decode_linear
 from .dense_connection import build_dense_connection, init_dense_linear, split_dense_inputs
 from .norm import DenseSSMRMSNorm
 from .modeling_densessm import (
-    CPU_DECODE_STEPS,
     DenseSSMCausalLMMixin,
     DenseSSMForSequenceClassificationMixin,
     backbone_output,
@@ -116,65 +113,6 @@ class DenseMambaMixer(nn.Module):
             for u, dt, B, A, h0 in zip(us, dts, Bs, As, initial)
         ]
 
-    def _decode_step(self, hidden_states, dense_inputs, cache, state):
-        """One decoding step (one token per row, no padding, no gradients): the function of :meth:`forward`, in
-        fewer and cheaper operations, on ``(batch, channels)`` rows.
-
-        - the causal convolution is one dot product per channel over the cached window, ``sum_k w_{d,k}
-          window_{d,k} + b_d`` (three small ops: on the CPU here, 10 us against 62 us for ``F.conv1d`` through
-          oneDNN on a 1024-channel, 4-tap window); the window is rolled by transformers' own
-          ``update_conv_state`` (one ``cat``, one ``copy_``);
-        - no transposes, masks, clones or casts that are no-ops for an unpadded token; the one-row products go
-          through :func:`~hf_densessm.modeling.decode.decode_linear`;
-        - ``A = -exp(A_log)`` and ``D`` in the scan's dtype are kept between steps while the parameters are
-          unchanged (:func:`~hf_densessm.modeling.decode.cached_from_parameters`);
-        - the SSM step itself is :func:`hf_densessm.ops.selective_state_update` (``dt_softplus=True``), as in
-          :meth:`forward`.
-
-        Args:
-            hidden_states: ``(batch, 1, hidden_size)``, the block's normalized input.
-            dense_inputs: as in :meth:`forward` (the predecessors' ``(batch, 1, .)`` features of this step).
-            cache: the cache, its conv and SSM states of this layer filled (by a prefill).
-            state: ``(batch, D, N)`` float32 (float64 in float64 models), this layer's SSM state, updated in place.
-
-        Returns:
-            As :meth:`forward`: ``(output (batch, 1, hidden_size), features)`` with ``(batch, 1, .)`` features.
-        """
-        dtype = hidden_states.dtype
-        backend = self.config.kernel_backend
-        acc = torch.promote_types(self.A_log.dtype, torch.float32)
-        size, n, rank = self.intermediate_size, self.ssm_state_size, self.time_step_rank
-        xz = decode_linear(self.in_proj, hidden_states[:, 0])  # (batch, 2 D)
-        x, z = xz[:, :size], xz[:, size:]
-        # conv step: the window of the last `conv_kernel` inputs, this token last, dotted with each channel's taps
-        window = cache.update_conv_state(x[:, :, None], self.layer_idx, conv_kernel_size=self.conv_kernel_size)
-        u = (window[..., -self.conv_kernel_size :] * self.conv1d.weight[:, 0]).sum(-1)
-        if self.conv1d.bias is not None:
-            u = u.add_(self.conv1d.bias)
-        u = F.silu(u, inplace=True)  # (batch, D)
-        time_step, B, C = decode_linear(self.x_proj, u).split([rank, n, n], dim=-1)
-        dt = decode_linear(self.dt_proj, time_step)  # (batch, D), before the softplus
-        A = cached_from_parameters(self, "A", lambda: -torch.exp(self.A_log.to(acc)), self.A_log)
-        D = cached_from_parameters(self, "D", lambda: self.D.to(acc), self.D)
-        if self.config.dense_target == "state":  # features: what makes this layer's state (see forward)
-            dt = F.softplus(dt.to(acc))
-            features = (u[:, None], dt[:, :, None], B[:, None], A)
-            if self.dense_h is None:
-                y = selective_state_update(state, u, dt, A, B, C, D, z=z, dt_softplus=False, backend=backend)
-            else:  # Eq. 14: the lower layers' states (in the cache) read out with this C
-                y = selective_state_update(state, u, dt, A, B, C, None, z=None, dt_softplus=False, backend=backend)
-                readouts = self._read_lower_states(dense_inputs, C[:, None], cache, True, True)
-                y = self.dense_h(hidden_states, y[:, None], readouts)[:, 0]
-                y = (y + D * u) * F.silu(z.to(y.dtype))
-        else:
-            features = (u[:, None], B[:, None])
-            if self.dense_u is not None:  # docs/design.md §4: fuse the scan inputs u and B
-                dense_u, dense_B = split_dense_inputs(dense_inputs, 2)
-                u = self.dense_u(hidden_states, features[0], dense_u)[:, 0]
-                B = self.dense_B(hidden_states, features[1], dense_B)[:, 0]
-            y = selective_state_update(state, u, dt, A, B, C, D, z=z, dt_softplus=True, backend=backend)
-        return decode_linear(self.out_proj, y.to(dtype))[:, None], features
-
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -183,10 +121,10 @@ class DenseMambaMixer(nn.Module):
         attention_mask: torch.Tensor | None = None,
         reset: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-        """One decoding step without padding and gradients takes :meth:`_decode_step` (the same function in fewer
-        operations). With gradients on, every call (one token included) runs the selective scan, differentiable on
-        every backend; a call that continues a cache starts from its states as constants (truncated
-        backpropagation, :mod:`hf_densessm.modeling.cache`, "Autograd").
+        """One token over a filled cache without gradients is a decoding step (:func:`selective_state_update`,
+        the state updated in place); every other call runs the selective scan. With gradients on, every call (one
+        token included) runs the scan, differentiable on every backend; a call that continues a cache starts from
+        its states as constants (truncated backpropagation, :mod:`hf_densessm.modeling.cache`, "Autograd").
 
         Args:
             hidden_states: ``(batch, seq_len, hidden_size)``, the block's normalized input ``x^l``.
@@ -206,10 +144,6 @@ class DenseMambaMixer(nn.Module):
             this layer's states.
         """
         batch, seq_len, _ = hidden_states.shape
-        if seq_len == 1 and attention_mask is None and reset is None and not torch.is_grad_enabled():
-            state = recurrent_state(cache, self.layer_idx)
-            if state is not None and conv_state(cache, self.layer_idx) is not None:
-                return self._decode_step(hidden_states, dense_inputs, cache, state)
         dtype = hidden_states.dtype
         backend = self.config.kernel_backend
         mask = attention_mask[:, None, :].to(dtype) if attention_mask is not None else None
@@ -309,7 +243,7 @@ class DenseMambaBlock(GradientCheckpointingLayer):
         super().__init__()
         self.layer_idx = layer_idx
         self.residual_in_fp32 = config.residual_in_fp32
-        self.norm = DenseSSMRMSNorm(config.hidden_size, eps=config.layer_norm_epsilon, config=config)
+        self.norm = DenseSSMRMSNorm(config.hidden_size, eps=config.layer_norm_epsilon)
         self.mixer = DenseMambaMixer(config, layer_idx=layer_idx)
 
     def forward(self, hidden_states, *dense_inputs, cache=None, attention_mask=None, reset=None):
@@ -421,7 +355,7 @@ class DenseMambaModel(DenseMambaPreTrainedModel):
         self.embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DenseMambaBlock(config, layer_idx=i) for i in range(config.num_hidden_layers))
         self.gradient_checkpointing = False
-        self.norm_f = DenseSSMRMSNorm(config.hidden_size, eps=config.layer_norm_epsilon, config=config)
+        self.norm_f = DenseSSMRMSNorm(config.hidden_size, eps=config.layer_norm_epsilon)
         self.post_init()
 
     def get_input_embeddings(self):
@@ -481,25 +415,6 @@ class DenseMambaForCausalLM(DenseSSMCausalLMMixin, DenseMambaPreTrainedModel, Ge
     def set_input_embeddings(self, new_embeddings):
         return self.backbone.set_input_embeddings(new_embeddings)
 
-    def _cpu_kernel_logits(self, input_ids: torch.Tensor, cache) -> torch.Tensor | None:
-        """The logits ``(batch, 1, vocab_size)`` of this one-token step from DenseMamba's C kernel of the whole step
-        (:mod:`hf_densessm.ops.densemamba_step`), the cache's states advanced in place; ``None`` (nothing done) with
-        ``implementation="torch_compile"``, or where the kernel does not cover this model as it is now
-        (:func:`~hf_densessm.ops.densemamba_step.unsupported_reason`). The step is kept in
-        :data:`~hf_densessm.modeling.modeling_densessm.CPU_DECODE_STEPS`."""
-        if self.__dict__.get("_decode_step_implementation", "auto") != "auto":
-            return None
-        step = CPU_DECODE_STEPS.get(self)
-        if step is None or isinstance(step, tuple):
-            key = (registration_count(), self.lm_head.weight.dtype)
-            if isinstance(step, tuple) and step[1] == key:
-                return None
-            step = DenseMambaCPUStep.for_model(self)
-            CPU_DECODE_STEPS[self] = (None, key) if step is None else step
-            if step is None:
-                return None
-        return step(input_ids, cache)
-
     @takes_cache("cache_params", "past_key_values")
     def forward(
         self,
@@ -521,10 +436,6 @@ class DenseMambaForCausalLM(DenseSSMCausalLMMixin, DenseMambaPreTrainedModel, Ge
                 those positions.
             others: see :meth:`DenseMambaModel.forward`.
         """
-        step = self._compiled_step(input_ids, inputs_embeds, cache, attention_mask, labels, output_hidden_states,
-                                   logits_to_keep, return_dict, DenseMambaCausalLMOutput, kwargs)
-        if step is not None:
-            return step
         outputs = self.backbone(
             input_ids,
             cache=cache,

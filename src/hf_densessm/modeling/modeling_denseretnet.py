@@ -32,7 +32,6 @@ from ..configuration.configuration_denseretnet import DenseRetNetConfig
 from ..ops.packing import document_positions
 from ..ops.retention import chunk_retention, retention_state_update
 from .cache import recurrent_state, store_recurrent_state, takes_cache
-from .decode import decode_linear
 from .dense_connection import build_dense_connection, init_dense_linear, split_dense_inputs
 from .norm import DenseSSMRMSNorm
 from .modeling_densessm import (
@@ -60,30 +59,6 @@ class DenseRetNetThetaShift(nn.Module):
         """The angles ``(head_dim / 2,)`` float32 (a non-persistent buffer, rebuilt by ``_init_weights`` on load)."""
         exponents = torch.linspace(0, 1, self.head_dim // 2, dtype=torch.float64, device=device)
         return (self.rope_theta**-exponents).float()
-
-    def rotation(self, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """``exp(i n theta_j)`` for each position ``n``: ``positions`` ``(...)`` int64 -> ``(..., head_dim / 2)``
-        complex (complex64 for ``dtype`` float32 / 16-bit, complex128 for float64), for :meth:`rotate`."""
-        compute = torch.promote_types(dtype, torch.float32)
-        angles = positions.to(compute)[..., None] * self.theta.to(device=positions.device, dtype=compute)
-        return torch.polar(torch.ones((), dtype=compute, device=positions.device).expand_as(angles), angles)
-
-    @staticmethod
-    def rotate(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
-        """The theta shift of :meth:`forward` as one complex product: the channel pair ``(2j, 2j+1)`` is the complex
-        number ``x_2j + i x_2j+1``, and multiplying it by ``exp(i n theta_j)`` gives ``(x_2j cos - x_2j+1 sin,
-        x_2j+1 cos + x_2j sin)``, what :meth:`forward` computes (equal to float32 rounding).
-
-        Args:
-            x: ``(..., head_dim)``, any float dtype.
-            rotation: complex, broadcastable to ``(..., head_dim / 2)`` (:meth:`rotation`).
-
-        Returns:
-            ``x`` rotated, same shape and dtype.
-        """
-        xf = x.to(torch.promote_types(x.dtype, torch.float32))
-        pairs = torch.view_as_complex(xf.unflatten(-1, (-1, 2)).contiguous())
-        return torch.view_as_real(pairs * rotation).flatten(-2).to(x.dtype)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         compute = torch.promote_types(x.dtype, torch.float32)  # float32, or float64 for a float64 model
@@ -147,81 +122,15 @@ class DenseRetNetRetention(nn.Module):
         self.hidden_proj = nn.Linear(config.hidden_size, 2 * self.value_dim, bias=False)
         self.o_proj = nn.Linear(self.value_dim, config.hidden_size, bias=False)
         self.group_norm = DenseSSMRMSNorm(
-            self.value_dim, eps=config.rms_norm_eps, num_groups=self.num_heads, config=config
+            self.value_dim, eps=config.rms_norm_eps, num_groups=self.num_heads
         )
         self.theta_shift = DenseRetNetThetaShift(self.head_dim, config.rope_theta)
         self.dense_k = build_dense_connection(config, layer_idx, self.key_dim)
         self.dense_v = build_dense_connection(config, layer_idx, self.value_dim)
         if self.dense_k is not None:
-            self.k_norm = DenseSSMRMSNorm(self.key_dim, eps=config.rms_norm_eps, config=config)
-            self.v_norm = DenseSSMRMSNorm(self.value_dim, eps=config.rms_norm_eps, config=config)
+            self.k_norm = DenseSSMRMSNorm(self.key_dim, eps=config.rms_norm_eps)
+            self.v_norm = DenseSSMRMSNorm(self.value_dim, eps=config.rms_norm_eps)
         self.dropout = nn.Dropout(config.dropout)
-
-    def _step_positions(self, cache, seen: torch.Tensor, dtype: torch.dtype):
-        """The rotation ``(batch, 1, head_dim / 2)`` complex (:meth:`DenseRetNetThetaShift.rotation`) and the
-        retention row sums ``(batch, H, 1)`` (:func:`retention_row_sums`) of a decoding step at positions ``seen``.
-        While ``torch.compile`` traces the step, the rotation is ``None`` and nothing is kept on the cache.
-
-        Every layer of a step has the same positions (the cache's per-row count, advanced after the step), so the
-        first layer computes them and leaves them on the cache with a copy of the count; a later layer reuses them
-        when the count still equals that copy (one comparison instead of about a dozen operations). The key also holds
-        the dtype and everything the values depend on (heads, head size, ``rope_theta``), so a mismatch recomputes.
-        """
-        if torch.compiler.is_compiling():  # traced (compile_decode_step): the row sums in the graph, nothing kept;
-            # no rotation: the caller takes the real-valued theta shift (the compiler generates no complex code)
-            return None, retention_row_sums(seen, self.num_heads, torch.promote_types(dtype, torch.float32))
-        key = (dtype, self.num_heads, self.head_dim, self.config.rope_theta, seen.shape, seen.device)
-        memo = getattr(cache, "_denseretnet_step_positions", None)
-        if memo is not None and memo[0] == key and torch.equal(memo[1], seen):
-            return memo[2], memo[3]
-        rotation = self.theta_shift.rotation(seen, dtype)[:, None]  # position t = seen
-        row_sums = retention_row_sums(seen, self.num_heads, torch.promote_types(dtype, torch.float32))
-        cache._denseretnet_step_positions = (key, seen.clone(), rotation, row_sums)
-        return rotation, row_sums
-
-    def _decode_step(self, hidden_states, dense_inputs, cache, state, seen):
-        """One decoding step (one token per row, no padding, no gradients): the function of :meth:`forward`, in
-        fewer operations, on ``(batch, channels)`` rows: the one-row products through
-        :func:`~hf_densessm.modeling.decode.decode_linear`, the theta shift as one complex product
-        (:meth:`DenseRetNetThetaShift.rotate`, the rotation computed once per step for ``q`` and ``k`` of every
-        layer, as the row sums: :meth:`_step_positions`), no masks or clones.
-
-        Args:
-            hidden_states: ``(batch, 1, hidden_size)``, the block's normalized input.
-            dense_inputs: as in :meth:`forward` (the predecessors' ``(batch, 1, .)`` features of this step).
-            cache: the cache (holds the step's positions for the next layers, :meth:`_step_positions`).
-            state: ``(batch, heads, d_qk / heads, d_v / heads)`` float32 (float64 in float64 models), this layer's
-                retention state (cache slot 0), updated in place.
-            seen: ``(batch,)`` int64, the real tokens seen per row before this step (the cache's
-                ``real_tokens_seen``, which the backbone advances after the step).
-
-        Returns:
-            As :meth:`forward`: ``(output (batch, 1, hidden_size), (k, v))``, ``(batch, 1, .)`` features.
-        """
-        batch = hidden_states.shape[0]
-        heads, head_dim = self.num_heads, self.head_dim
-        x = hidden_states[:, 0]
-        q = F.silu(decode_linear(self.q_proj, x))
-        k = F.silu(decode_linear(self.k_proj, x)).mul_(self.key_scale)
-        v, g = F.silu(decode_linear(self.hidden_proj, x)).chunk(2, dim=-1)
-        features = (k[:, None], v[:, None])
-        if self.dense_k is not None:  # dense KV connection, Eq. 20-23
-            dense_k, dense_v = split_dense_inputs(dense_inputs, 2)
-            # under autocast the norms' float32 weights promote their outputs: back to q's compute dtype
-            k = self.k_norm(self.dense_k(hidden_states, features[0], dense_k))[:, 0].to(q.dtype)
-            v = self.v_norm(self.dense_v(hidden_states, features[1], dense_v))[:, 0].to(q.dtype)
-        rotation, row_sums = self._step_positions(cache, seen, q.dtype)
-        if rotation is None:  # inside torch.compile: the full forward's real-valued theta shift at position `seen`
-            q = self.theta_shift(q.view(batch, 1, heads, head_dim), seen[:, None])[:, 0]
-            k = self.theta_shift(k.view(batch, 1, heads, head_dim), seen[:, None])[:, 0]
-        else:
-            q = self.theta_shift.rotate(q.view(batch, heads, head_dim), rotation)
-            k = self.theta_shift.rotate(k.view(batch, heads, head_dim), rotation)
-        o = retention_state_update(
-            state, q, k, v.reshape(batch, heads, -1), scale=1.0, backend=self.config.kernel_backend
-        )  # Eq. 18, 19
-        o = self.group_norm(o.reshape(batch, self.value_dim), eps_scale=row_sums)
-        return self.dropout(decode_linear(self.o_proj, o * g)[:, None]), features
 
     def forward(
         self,
@@ -231,10 +140,11 @@ class DenseRetNetRetention(nn.Module):
         attention_mask: torch.Tensor | None = None,
         reset: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        """One decoding step without padding and gradients takes :meth:`_decode_step` (the same function in fewer
-        operations). With gradients on, every call (one token included) runs the chunked retention, differentiable
-        on every backend; a call that continues a cache starts from its state as a constant (truncated
-        backpropagation, :mod:`hf_densessm.modeling.cache`, "Autograd").
+        """One token over a filled cache without gradients is a decoding step (:func:`retention_state_update`, the
+        state updated in place); every other call runs the chunked retention. With gradients on, every call (one
+        token included) runs the chunked retention, differentiable on every backend; a call that continues a cache
+        starts from its state as a constant (truncated backpropagation, :mod:`hf_densessm.modeling.cache`,
+        "Autograd").
 
         Args:
             hidden_states: ``(batch, seq_len, hidden_size)``, the block's normalized input ``x^l``.
@@ -251,11 +161,6 @@ class DenseRetNetRetention(nn.Module):
             ``(output (batch, seq_len, hidden_size), (k, v))`` with this layer's pre-fusion ``k`` and ``v``.
         """
         batch, seq_len, _ = hidden_states.shape
-        if seq_len == 1 and attention_mask is None and reset is None and not torch.is_grad_enabled():
-            state = recurrent_state(cache, self.layer_idx)
-            seen = getattr(cache, "real_tokens_seen", None)
-            if state is not None and seen is not None:
-                return self._decode_step(hidden_states, dense_inputs, cache, state, seen)
         backend = self.config.kernel_backend
         q = F.silu(self.q_proj(hidden_states))
         k = F.silu(self.k_proj(hidden_states)) * self.key_scale
@@ -318,7 +223,7 @@ class DenseRetNetBlock(GradientCheckpointingLayer):
 
     def __init__(self, config: DenseRetNetConfig, layer_idx: int):
         super().__init__()
-        self.input_layernorm = DenseSSMRMSNorm(config.hidden_size, eps=config.rms_norm_eps, config=config)
+        self.input_layernorm = DenseSSMRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.self_attn = DenseRetNetRetention(config, layer_idx)
 
     def forward(self, hidden_states, *dense_inputs, cache=None, attention_mask=None, reset=None):
@@ -372,7 +277,7 @@ class DenseRetNetModel(DenseRetNetPreTrainedModel):
         super().__init__(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DenseRetNetBlock(config, layer_idx=i) for i in range(config.num_hidden_layers))
-        self.norm = DenseSSMRMSNorm(config.hidden_size, eps=config.rms_norm_eps, config=config)
+        self.norm = DenseSSMRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.gradient_checkpointing = False
         self.post_init()
 
@@ -458,10 +363,6 @@ class DenseRetNetForCausalLM(DenseSSMCausalLMMixin, DenseRetNetPreTrainedModel, 
                 those positions.
             others: see :meth:`DenseRetNetModel.forward`.
         """
-        step = self._compiled_step(input_ids, inputs_embeds, cache, attention_mask, labels,
-                                   output_hidden_states, logits_to_keep, return_dict, CausalLMOutputWithPast, kwargs)
-        if step is not None:
-            return step
         outputs = self.model(
             input_ids,
             attention_mask=attention_mask,

@@ -5,24 +5,15 @@ once, used by both families; the dense connection itself is :mod:`.dense_connect
 
 from __future__ import annotations
 
-import os
-import sys
-import types
-import warnings
-import weakref
-
 import torch
 import torch.nn.functional as F
-import transformers
 from torch import nn
+from transformers import CompileConfig
 from transformers.modeling_layers import GenericForSequenceClassification
 from transformers.utils import logging
 
-from ..ops.workspace import Workspace, linear_into
-from .cache import check_cache, is_filled, model_output, new_cache, output_cache, record_tokens, takes_cache
-from .decode import _plain_linear, decode_linear
+from .cache import CACHE_FIELDS, CACHE_RENAMED, check_cache, model_output, new_cache, output_cache, record_tokens, takes_cache
 from .dense_connection import run_dense_layers
-from .loss import causal_lm_loss
 
 
 logger = logging.get_logger(__name__)
@@ -85,6 +76,8 @@ def prepare_attention_mask(attention_mask: torch.Tensor | None, batch: int, seq_
             f"and 0 for padding, got {tuple(attention_mask.shape)}."
         )
     attention_mask = attention_mask[:, -seq_len:]
+    if torch.compiler.is_compiling():  # no data-dependent branch in a graph: the mask is applied (all ones = none)
+        return attention_mask
     if bool((attention_mask == 1).all()):  # the common case (every decoding step): one check, nothing padded
         return None
     if attention_mask.dtype != torch.bool and not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
@@ -114,7 +107,9 @@ def packed_document_starts(
       by 1 inside one: a document starts wherever they restart at 0.
 
     Each one given is checked, and they must agree. Given none, or describing one document per row, it returns
-    ``None`` and the model behaves exactly as without them.
+    ``None`` and the model behaves exactly as without them. While ``torch.compile`` traces, the checks (which read
+    the values) are skipped and the ``reset`` of the first one given is returned even when it marks one document per
+    row (the same function, with no data-dependent branch).
 
     Raises:
         TypeError: a non-integer tensor.
@@ -123,6 +118,7 @@ def packed_document_starts(
             rise by 1, or inputs that disagree. Messages name the argument.
     """
     starts = {}
+    checked = not torch.compiler.is_compiling()
     if cu_seq_lens_q is not None:
         cu = _integer_tensor("cu_seq_lens_q", cu_seq_lens_q).to(device)
         if cu.dim() != 1 or batch != 1:
@@ -130,7 +126,7 @@ def packed_document_starts(
                 f"`cu_seq_lens_q` must be 1-D (num_docs + 1,) with batch size 1 (a flattened batch), got shape "
                 f"{tuple(cu.shape)} with batch {batch}."
             )
-        if cu.numel() < 2 or int(cu[0]) != 0 or int(cu[-1]) != seq_len or bool((cu[1:] <= cu[:-1]).any()):
+        if checked and (cu.numel() < 2 or int(cu[0]) != 0 or int(cu[-1]) != seq_len or bool((cu[1:] <= cu[:-1]).any())):
             raise ValueError(
                 f"`cu_seq_lens_q` must rise strictly from 0 to the sequence length {seq_len} (no empty document), "
                 f"got {cu.tolist()[:16]}."
@@ -143,7 +139,7 @@ def packed_document_starts(
         if tuple(ids.shape) != (batch, seq_len):
             raise ValueError(f"`seq_idx` must have shape (batch, sequence_length) = {(batch, seq_len)}, got {tuple(ids.shape)}.")
         step = ids[:, 1:] - ids[:, :-1]
-        if bool((step < 0).any()):
+        if checked and bool((step < 0).any()):
             raise ValueError("`seq_idx` must not decrease along a row (one index per packed document).")
         starts["seq_idx"] = F.pad(step != 0, (1, 0), value=True)
     if position_ids is not None:
@@ -155,7 +151,9 @@ def packed_document_starts(
                 f"`position_ids` must have shape (batch, sequence_length) = {(batch, seq_len)}, got {tuple(pos.shape)}."
             )
         restart = pos == 0
-        if bool(restart[:, 1:].any()):  # packed: positions must restart at 0 or rise by 1
+        if not checked:
+            starts["position_ids"] = restart
+        elif bool(restart[:, 1:].any()):  # packed: positions must restart at 0 or rise by 1
             if not bool(restart[:, 0].all()) or not bool((restart[:, 1:] | (pos[:, 1:] == pos[:, :-1] + 1)).all()):
                 raise ValueError(
                     "`position_ids` of packed documents must start at 0 and, inside a document, rise by 1 "
@@ -165,6 +163,8 @@ def packed_document_starts(
     if not starts:
         return None
     names, resets = list(starts), list(starts.values())
+    if not checked:
+        return resets[0]
     for name, other in zip(names[1:], resets[1:]):
         if not torch.equal(other, resets[0]):
             raise ValueError(f"`{names[0]}` and `{name}` describe different document boundaries.")
@@ -222,9 +222,12 @@ def run_backbone(
     else:
         inputs_embeds = inputs_embeds.to(embeddings.weight.dtype)
     batch, seq_len = inputs_embeds.shape[:2]
-    reset = packed_document_starts(
-        batch, seq_len, inputs_embeds.device, **{key: packing.get(key) for key in PACKING_KEYS}
-    )
+    if torch.compiler.is_compiling() and (cache is not None or use_cache):
+        reset = None  # a call that keeps a cache continues one document per row (checked when not compiling)
+    else:
+        reset = packed_document_starts(
+            batch, seq_len, inputs_embeds.device, **{key: packing.get(key) for key in PACKING_KEYS}
+        )
     if reset is not None and (cache is not None or use_cache):
         raise ValueError(
             "Packed documents (`cu_seq_lens_q`, `seq_idx` or restarting `position_ids`) are for training and scoring, "
@@ -298,45 +301,38 @@ def check_logits_to_keep(logits_to_keep, seq_len: int):
     return slice(-logits_to_keep, None) if logits_to_keep else slice(None)
 
 
-#: Folders whose frames a warning of ours skips, so that it names the user's line (our package, PyTorch, transformers).
-_LIBRARY_DIRS = tuple(
-    os.path.dirname(module.__file__) + os.sep for module in (sys.modules[__name__.split(".")[0]], torch, transformers)
-)
-
-
-def _caller_stacklevel() -> int:
-    """The ``stacklevel`` for ``warnings.warn`` (called by the function that calls this) that points at the first frame
-    outside :data:`_LIBRARY_DIRS`: the user's call of ``generate()`` or of the model, however deep the library
-    frames between (PyTorch's module call, transformers' generation loop)."""
-    level, frame = 2, sys._getframe(2)  # stacklevel 2: the caller of the function that warns
-    while frame is not None and frame.f_code.co_filename.startswith(_LIBRARY_DIRS):
-        level, frame = level + 1, frame.f_back
-    return level
-
-
-#: The compiled decoding step of each model with ``compile_decode_step()`` on, by model (weak keys). Kept outside the
-#: model, so that ``copy.deepcopy``, pickling and saving never carry a compiled function bound to another model.
-COMPILED_DECODE_STEPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-#: The C kernel step of each DenseMamba model it covers (``hf_densessm.ops.densemamba_step``), or ``(None, key)``
-#: where it does not (tried again when the key, the registration count and the head's dtype, changes).
-CPU_DECODE_STEPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-#: ``compile_decode_step(implementation=...)`` values.
-DECODE_STEP_IMPLEMENTATIONS = ("auto", "torch_compile")
-
-
 class DenseSSMCausalLMMixin:
     """The causal-LM head's forward logic and the generation glue shared by both families.
 
     A subclass has ``self.lm_head`` and ``self.config``. Both families take the cache as ``cache`` and return it in
     their output class's cache field (named by the installed transformers: :mod:`.cache`, "Names"), build it the same
     way and continue generation from a returned cache.
+
+    Generation: ``generate()`` gets its :class:`~hf_densessm.modeling.cache.DenseSSMCache` before it decides whether
+    to compile (:meth:`_prepare_cache_for_generation`), so on CUDA transformers' own compile path runs the decoding
+    steps (``torch.compile`` with CUDA graphs, ``generation_config.compile_config``; ``disable_compile=True`` turns it
+    off), and :meth:`compile_decode_step` opts in to the same path on other devices.
     """
 
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:
-        # generate() would build a plain DynamicCache, which cannot tell the sequence length it asks for; the
-        # first forward builds a DenseSSMCache instead (as transformers' own stateful models supply theirs).
+        # generate() would build a plain DynamicCache, which cannot tell the sequence length it asks for;
+        # _prepare_cache_for_generation builds a DenseSSMCache instead.
         return False
+
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
+        """transformers' hook that gives ``generate()`` its cache before the prefill (and before it decides whether to
+        compile the decoding steps): a new, empty :class:`~hf_densessm.modeling.cache.DenseSSMCache` under the
+        installed release's cache name, unless one was passed in or ``use_cache=False``. Its states are allocated by
+        the prefill and updated in place by every later step, so a compiled step (and a CUDA graph) sees the same
+        tensors at every token."""
+        super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
+        if generation_config.use_cache is False or any(model_kwargs.get(name) is not None for name in CACHE_FIELDS):
+            return
+        # the keyword generate() keeps the cache under: `cache` from 5.24; before, `cache_params` for a class whose name
+        # holds "mamba" and `past_key_values` otherwise (transformers 5.17-5.23's _prepare_cache_for_generation)
+        name = "cache" if CACHE_RENAMED else "cache_params" if "mamba" in type(self).__name__.lower() else "past_key_values"
+        model_kwargs[name] = new_cache(self.config)
 
     def _logits_and_loss(
         self,
@@ -345,189 +341,45 @@ class DenseSSMCausalLMMixin:
         logits_to_keep: int | torch.Tensor,
         **kwargs,
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """Logits ``(batch, kept_positions, vocab_size)`` in float32 (float64 for a float64 model) and the next-token loss (labels are shifted
-        inside; -100 is ignored); ``logits_to_keep`` as :func:`check_logits_to_keep`."""
+        """Logits ``(batch, kept_positions, vocab_size)`` in float32 (float64 for a float64 model) and the next-token
+        loss (``self.loss_function``, transformers' ``ForCausalLMLoss`` by default: labels shifted inside, -100
+        ignored, divided by ``num_items_in_batch`` when ``Trainer`` passes it); ``logits_to_keep`` as
+        :func:`check_logits_to_keep`."""
         kept = check_logits_to_keep(logits_to_keep, hidden_states.shape[1])
-        hidden_states = hidden_states[:, kept, :].to(self.lm_head.weight.dtype)
-        if hidden_states.shape[1] == 1:  # a decoding step: the fastest one-row form (decode_linear)
-            logits = decode_linear(self.lm_head, hidden_states[:, 0])[:, None]
-        elif self._logits_into_workspace(hidden_states):  # training on the CPU: the logits' memory kept between steps
-            logits = linear_into(hidden_states, self.lm_head.weight, self.loss_workspace(), "logits")
-        else:
-            logits = self.lm_head(hidden_states)
+        logits = self.lm_head(hidden_states[:, kept, :].to(self.lm_head.weight.dtype))
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
         loss = None
         if labels is not None:
-            loss = causal_lm_loss(self, logits, labels, **kwargs)  # transformers' ForCausalLMLoss, fused on CPU
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
         return loss, logits
 
-    def _logits_into_workspace(self, hidden_states: torch.Tensor) -> bool:
-        """Whether the LM head writes its logits into :meth:`loss_workspace`
-        (:func:`~hf_densessm.ops.workspace.linear_into`): with gradients on, on the CPU, in float32/float64, outside ``torch.compile``, and only when calling the head
-        would run nothing but its product (a plain bias-free ``nn.Linear``: no hook, no adapter, no replaced
-        ``forward``, :func:`~hf_densessm.modeling.decode._plain_linear`)."""
-        head = self.lm_head
-        return (
-            torch.is_grad_enabled()
-            and hidden_states.device.type == "cpu"
-            and hidden_states.dtype in (torch.float32, torch.float64)
-            and not torch.compiler.is_compiling()
-            and _plain_linear(head)
-            and head.bias is None
-            and head.weight.dtype == hidden_states.dtype
-            and head.weight.device.type == "cpu"
-        )
+    def compile_decode_step(self, enable: bool = True):
+        """Compile the one-token decoding steps of ``generate()`` on every device, through transformers' own
+        generation compile path: ``generation_config.compile_config`` becomes ``CompileConfig(fullgraph=True)``
+        (``mode="reduce-overhead"``, i.e. CUDA graphs on CUDA; Inductor's C++ code on the CPU), allowed on every
+        device. On CUDA that path is already the default; on the CPU this opts in. The prefill runs eagerly; the
+        first decoding step of each new batch size or dtype compiles (tens of seconds on a 2-core CPU, and a C++
+        compiler is needed). A runtime choice: ``save_pretrained`` does not write ``compile_config``.
 
-    def loss_workspace(self) -> Workspace:
-        """The :class:`~hf_densessm.ops.workspace.Workspace` the CPU training step writes its logits and the loss's
-        gradient of them into, so that two buffers serve every training step instead of fresh allocations each
-        (made on first use, one per model). It keeps the largest of each seen, (batch x length) x vocabulary values
-        (262 MB each at 2 x 1024 tokens and a 32000-word vocabulary in float32), as long as the model lives; a
-        model that never runs a forward with gradients on the CPU never makes one.
-        ``model.loss_workspace().clear()`` frees it now. Kept in the instance's ``__dict__``, never in the
-        ``state_dict``; ``copy.deepcopy`` and pickling give an empty one."""
-        workspace = self.__dict__.get("_hfd_loss_workspace")
-        if workspace is None:
-            workspace = self.__dict__["_hfd_loss_workspace"] = Workspace()
-        return workspace
-
-    def compile_decode_step(self, enable: bool = True, implementation: str = "auto"):
-        """Run every later one-token decoding step (``generate()``'s loop, or a manual loop over a cache) on the CPU
-        as one compiled function (``implementation``, below): the embedding, the densely connected blocks' one-token
-        paths, the final norm and the LM head, with the cache's states updated in place. Opt-in, per model instance,
-        not saved.
-
-        Why: a batch-1 step of a small model is mostly per-operation overhead (about 25 small PyTorch ops and a
-        Python frame per block) around reading every weight once. ``torch.compile`` fuses the pointwise work into a
-        few C++ loops and leaves the one-row matrix products to PyTorch; DenseMamba's C kernel does the whole step in
-        one parallel region. Measured in ``benchmarks/bench_cpu.py`` (docs/benchmarks.md, runs D-Y). The cost of
-        ``torch.compile``: the first step of each new batch size or dtype compiles (tens of seconds on a 2-core CPU;
-        PyTorch keeps the compiled code on disk for later processes), and a C++ compiler is needed (its CPU
-        backend); the C kernel is built once per machine (a few seconds).
-
-        The compiled step runs only where the eager one-token paths would (CPU, no gradients, ``eval()`` mode, one
-        token per row given as ``input_ids``, no padding in this step, a cache whose states are all filled, no
-        ``labels`` and no ``output_hidden_states``); every other call, and every call after a compilation failure
-        (one warning, e.g. no C++ compiler; any other error is raised as the eager model would), runs the eager
-        model. The compiled kernels of this package are not used inside the ``torch.compile`` step
-        (:func:`hf_densessm.ops.backend.resolve_backend`): it runs their PyTorch references, which the tests check
-        against the full forward.
-
-        Which compiled function (``implementation``):
-
-        - ``"auto"`` (default): for a DenseMamba model in float32 or float64 with the default dense connection, this
-          package's C kernel of the whole step (:mod:`hf_densessm.ops.densemamba_step`: one call per token, no
-          ``torch.compile``, no guard check; built once per machine with the C compiler), wherever
-          :func:`~hf_densessm.ops.densemamba_step.unsupported_reason` gives no reason; every other model, dtype and
-          configuration (DenseRetNet, bfloat16, a LoRA layer or a hook on a module, ...) gets ``torch.compile``;
-        - ``"torch_compile"``: always ``torch.compile``.
+        The other standard recipe works as well: ``model.forward = torch.compile(model.forward, fullgraph=True)``.
 
         Args:
-            enable: ``False`` goes back to the eager step.
-            implementation: ``"auto"`` or ``"torch_compile"`` (above).
+            enable: ``False`` goes back to transformers' default (``compile_config = None``).
 
         Returns:
             The model (so ``model = Model.from_pretrained(...).compile_decode_step()`` reads naturally).
 
         Raises:
             TypeError: ``enable`` is not a bool.
-            ValueError: ``implementation`` is not one of :data:`DECODE_STEP_IMPLEMENTATIONS`.
         """
         if not isinstance(enable, bool):
             raise TypeError(f"`enable` must be a bool, got {enable!r} ({type(enable).__name__}).")
-        if implementation not in DECODE_STEP_IMPLEMENTATIONS:
-            raise ValueError(
-                f"`implementation` must be one of {DECODE_STEP_IMPLEMENTATIONS}, got {implementation!r}."
-            )
-        self.__dict__["_compile_decode_step"] = enable  # plain flags: copies and pickles of the model carry them
-        self.__dict__["_decode_step_implementation"] = implementation
-        COMPILED_DECODE_STEPS.pop(self, None)
-        CPU_DECODE_STEPS.pop(self, None)
+        compile_config = None
+        if enable:
+            compile_config = CompileConfig(fullgraph=True)
+            compile_config._compile_all_devices = True  # transformers' switch for devices other than CUDA
+        self.generation_config.compile_config = compile_config
         return self
-
-    def _cpu_kernel_logits(self, input_ids: torch.Tensor, cache) -> torch.Tensor | None:
-        """The logits of this step from the family's kernel of the whole step, the cache advanced, or ``None``
-        (nothing done) where the family has none or it does not cover this model as it is now. DenseMamba's:
-        :meth:`hf_densessm.modeling.modeling_densemamba.DenseMambaForCausalLM._cpu_kernel_logits`."""
-        return None
-
-    def _compiled_decode_fn(self):
-        """This model's compiled step, built on first use: ``torch.compile`` of a copy of :meth:`_decode_logits`'s code,
-        called as ``fn(model, input_ids, cache)``. PyTorch keeps its compiled entries (at most
-        ``torch._dynamo.config.recompile_limit``, 8) per code object; a copy per model keeps one model's entries from
-        crowding out another's. Kept in :data:`COMPILED_DECODE_STEPS`, not on the model."""
-        compiled = COMPILED_DECODE_STEPS.get(self)
-        if compiled is None:
-            method = DenseSSMCausalLMMixin._decode_logits
-            code = method.__code__.replace()
-            step = types.FunctionType(code, method.__globals__, method.__name__, method.__defaults__, method.__closure__)
-            # cpp_wrapper: the graph's driver (one call per kernel, the matrix products, the size checks) in C++
-            # rather than Python; measured 0.2-0.3 ms less per DenseMamba-30M step (docs/benchmarks.md, run G).
-            compiled = COMPILED_DECODE_STEPS[self] = torch.compile(step, dynamic=False, options={"cpp_wrapper": True})
-        return compiled
-
-    def _decode_logits(self, input_ids: torch.Tensor, cache) -> torch.Tensor:
-        """One decoding step from token ids ``(batch, 1)`` to float32 logits ``(batch, 1, vocab_size)`` over a filled
-        ``cache`` (updated in place): what ``forward`` computes on that input, traced by :meth:`compile_decode_step`."""
-        backbone = getattr(self, self.base_model_prefix)
-        hidden_states = backbone.get_input_embeddings()(input_ids)
-        hidden_states, _ = run_dense_layers(
-            backbone.layers, hidden_states, self.config, False, cache=cache, attention_mask=None, reset=None
-        )
-        hidden_states = getattr(backbone, backbone.final_norm_name)(hidden_states)
-        return self._logits_and_loss(hidden_states, None, 0)[1]
-
-    def _compiled_step(self, input_ids, inputs_embeds, cache, attention_mask, labels, output_hidden_states,
-                       logits_to_keep, return_dict, output_class, kwargs):
-        """The return value of this call from the compiled step (:meth:`compile_decode_step`; built as
-        :meth:`_lm_return`), the cache advanced by one position; ``None`` (nothing done) when it is off or the call
-        is not a plain one-token step."""
-        if (
-            not self.__dict__.get("_compile_decode_step", False)
-            or input_ids is None
-            or inputs_embeds is not None
-            or labels is not None
-            or output_hidden_states
-            or self.training
-            or torch.is_grad_enabled()
-            or not isinstance(input_ids, torch.Tensor)
-            or input_ids.dim() != 2
-            or input_ids.shape[1] != 1
-            or input_ids.device.type != "cpu"
-            or cache is None
-            or not (isinstance(logits_to_keep, int) and not isinstance(logits_to_keep, bool) and logits_to_keep in (0, 1))
-            or any(kwargs.get(key) is not None for key in PACKING_KEYS)
-        ):
-            return None
-        check_inputs(input_ids, None, self.config.hidden_size)  # the errors the eager forward raises
-        low, high = torch.aminmax(input_ids)
-        if low.item() < 0 or high.item() >= self.config.vocab_size:
-            return None  # the eager embedding raises its IndexError
-        batch = input_ids.shape[0]
-        check_cache(cache, self.config, batch)
-        if not is_filled(cache, self.config.model_type):
-            return None
-        if prepare_attention_mask(attention_mask, batch, 1) is not None:
-            return None
-        logits = self._cpu_kernel_logits(input_ids, cache)
-        if logits is not None:
-            record_tokens(cache, input_ids)
-            return self._lm_return(None, logits, cache, None, return_dict, output_class)
-        try:
-            logits = self._compiled_decode_fn()(self, input_ids, cache)
-        except torch._dynamo.exc.BackendCompilerFailed as error:  # e.g. no C++ compiler (raised before running)
-            self.compile_decode_step(False)
-            cause = getattr(error, "inner_exception", None) or error
-            reason = f"{type(cause).__name__}: {(str(cause).strip().splitlines() or [''])[0]}"
-            warnings.warn(
-                f"hf_densessm: compile_decode_step could not compile the decoding step ({reason}); the eager step "
-                "runs instead.",
-                RuntimeWarning,
-                stacklevel=_caller_stacklevel(),
-            )
-            return None
-        record_tokens(cache, input_ids)
-        return self._lm_return(None, logits, cache, None, return_dict, output_class)
 
     def _lm_return(self, loss, logits, cache, hidden_states, return_dict, output_class):
         """The head's return value: ``output_class(loss, logits, hidden_states)`` with the cache in its cache field

@@ -5,37 +5,43 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..ops.rms_norm import rms_norm
-
 
 class DenseSSMRMSNorm(nn.Module):
-    """Root-mean-square layer norm: ``weight * x / sqrt(mean(x^2) + eps)`` over the last dimension.
+    """Root-mean-square layer norm (Zhang & Sennrich 2019, Eq. 4): ``weight * x / sqrt(mean(x^2) + eps)`` over the
+    last dimension.
 
-    Computed in float32 (float64 for float64 inputs) and returned in the input dtype (as ``transformers``'
-    ``MambaRMSNorm``/``LlamaRMSNorm``). With ``num_groups > 1`` each of the ``num_groups`` equal slices of the last
-    dimension is normalized on its own and multiplied by one ``weight`` of the slice's size, shared by the slices
-    (DenseRetNet's per-head "group norm", as published; docs/design.md §3).
+    Computed in float32 (float64 for float64 inputs) and returned in the input dtype, then multiplied by ``weight``
+    (as ``transformers``' ``MambaRMSNorm`` / ``LlamaRMSNorm``). With ``num_groups > 1`` each of the ``num_groups``
+    equal slices of the last dimension is normalized on its own and multiplied by one ``weight`` of the slice's size,
+    shared by the slices (DenseRetNet's per-head "group norm", as published; docs/design.md §3). Plain PyTorch:
+    ``torch.compile`` fuses it into one loop.
 
     Shapes: input ``(..., hidden_size)``, output the same. ``weight`` ``(hidden_size // num_groups,)``.
 
-    Computed by :func:`hf_densessm.ops.rms_norm.rms_norm`: the compiled CPU kernel for large float32/float64 CPU
-    inputs, PyTorch otherwise, as the model config's ``kernel_backend`` (read at each call; ``config=None``:
-    ``"auto"``) says.
+    Raises:
+        ValueError: ``hidden_size`` is not divisible by ``num_groups``.
     """
 
-    def __init__(self, hidden_size: int, eps: float = 1e-6, num_groups: int = 1, config=None):
+    def __init__(self, hidden_size: int, eps: float = 1e-6, num_groups: int = 1):
         super().__init__()
+        if num_groups < 1 or hidden_size % num_groups:
+            raise ValueError(f"hidden_size ({hidden_size}) must be divisible by num_groups ({num_groups}).")
         self.weight = nn.Parameter(torch.ones(hidden_size // num_groups))
         self.variance_epsilon = eps
         self.num_groups = num_groups
-        self.config = config
 
     def forward(self, hidden_states: torch.Tensor, eps_scale: torch.Tensor | None = None) -> torch.Tensor:
-        """``eps_scale``: optional positive factor on ``eps`` per group, ``(..., num_groups, 1)``; normalizing
-        ``x / sqrt(c)`` equals normalizing ``x`` with ``eps * c`` (how DenseRetNet folds its retention
+        """``eps_scale``: optional positive factor on ``eps`` per group, broadcastable to ``(..., num_groups, 1)``;
+        normalizing ``x / sqrt(c)`` equals normalizing ``x`` with ``eps * c`` (how DenseRetNet folds its retention
         normalization in, docs/design.md §3)."""
-        backend = getattr(self.config, "kernel_backend", "auto")
-        return rms_norm(hidden_states, self.weight, self.variance_epsilon, self.num_groups, eps_scale, backend)
+        input_dtype = hidden_states.dtype
+        h = hidden_states.to(torch.promote_types(input_dtype, torch.float32))
+        if self.num_groups > 1:
+            h = h.unflatten(-1, (self.num_groups, -1))
+        eps = self.variance_epsilon if eps_scale is None else self.variance_epsilon * eps_scale
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        h = self.weight * h.to(input_dtype)
+        return h.flatten(-2) if self.num_groups > 1 else h
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0] * self.num_groups}, eps={self.variance_epsilon}, num_groups={self.num_groups}"

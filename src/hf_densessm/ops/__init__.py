@@ -14,11 +14,10 @@ compiler exists, and the PyTorch path otherwise.
 """
 
 from .causal_conv1d import causal_conv1d
-from .cross_entropy import cross_entropy
 from .retention import chunk_retention, retention_state_update
 from .selective_scan import selective_scan, selective_state_update
 
 __all__ = [
-    "causal_conv1d", "chunk_retention", "cross_entropy", "retention_state_update", "selective_scan",
+    "causal_conv1d", "chunk_retention", "retention_state_update", "selective_scan",
     "selective_state_update",
 ]
