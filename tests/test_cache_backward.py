@@ -120,12 +120,9 @@ def test_continuing_a_cache_backpropagates_from_the_cached_states(family, overri
     assert analytic == pytest.approx(numeric, rel=1e-8, abs=1e-9)
 
 
-#: Backends and the sizes they run at: the compiled CPU kernels at the micro size; the Triton kernels (under the
-#: interpreter on the CPU, seconds per call) with two blocks, a narrow state and two-token continuations only.
+#: Backends and the sizes they run at: the Triton kernels (under the interpreter on the CPU, seconds per call) with
+#: two blocks, a narrow state and two-token continuations only.
 BACKEND_CASES = [
-    pytest.param("cpu", length, dense_layers, {}, id=f"cpu-{dense_layers}-{length}")
-    for dense_layers in (0, 2) for length in (1, 3)
-] + [
     pytest.param("triton", 2, dense_layers, {"num_hidden_layers": 2, "hidden_size": 16}, id=f"triton-{dense_layers}-2")
     for dense_layers in (0, 1)
 ]
@@ -154,7 +151,7 @@ def test_backward_through_a_continued_cache_on_every_backend(family, overrides, 
 
 
 @pytest.mark.parametrize("family, overrides", MIXERS, ids=MIXER_IDS)
-@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("backend", ["torch"])
 def test_chunked_training_carries_states_not_graphs(family, overrides, backend):
     """Training chunk by chunk, one backward per chunk, each chunk continuing the cache of the one before: every
     backward works, and a chunk's gradients are the same whether the chunk before it ran with gradients or not."""

@@ -1,5 +1,7 @@
 """Configs: validation at construction, presets and their parameter counts, every ablation value builds and runs."""
 
+import json
+
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -173,3 +175,28 @@ def test_paper_presets_use_the_papers_init_and_recipe():
     assert args.lr_scheduler_type == "polynomial" and args.weight_decay == 0.01
     with pytest.raises(ValueError, match="densemamba-360m"):
         paper_training_arguments("densemamba-tiny")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_kernel_backend_is_a_runtime_setting(family, tmp_path):
+    """``kernel_backend`` is chosen at run time, as ``attn_implementation``: never written into ``config.json``; a
+    value an old ``config.json`` carries (``"cpu"``, retired) is ignored on load; a keyword of ``from_pretrained``
+    applies; a bad value is a ValueError naming the field and the allowed values."""
+    config = micro_config(family, kernel_backend="torch")
+    assert config.kernel_backend == "torch"
+    assert "kernel_backend" not in config.to_dict() and "_kernel_backend" not in config.to_json_string()
+    model = AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert "kernel_backend" not in saved and "_kernel_backend" not in saved
+    saved["kernel_backend"] = "cpu"  # what versions that saved it wrote on a CPU
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    assert AutoConfig.from_pretrained(tmp_path).kernel_backend == "auto"
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, kernel_backend="torch")
+    assert loaded.config.kernel_backend == "torch"
+    ids = random_ids(1, 5)
+    assert torch.equal(loaded(ids).logits, model(ids).logits)
+    with pytest.raises(ValueError, match="kernel_backend.*'auto', 'triton', 'torch'"):
+        loaded.config.kernel_backend = "cpu"
+    with pytest.raises(ValueError, match="kernel_backend"):
+        micro_config(family, kernel_backend="cuda")

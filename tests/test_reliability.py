@@ -127,8 +127,9 @@ def test_item5_saved_config_carries_every_knob_and_a_missing_one_is_an_error(fam
     model.save_pretrained(tmp_path)
     saved = json.loads((tmp_path / "config.json").read_text())
     for knob in ("dense_layers", "dense_projection", "dense_selection", "dense_shared_gate", "dense_fusion",
-                 "dense_every", "dense_gate_hidden_size", "kernel_backend"):
+                 "dense_every", "dense_gate_hidden_size"):
         assert knob in saved, knob
+    assert "kernel_backend" not in saved and "_kernel_backend" not in saved  # a runtime setting
     del saved["dense_layers"]
     (tmp_path / "config.json").write_text(json.dumps(saved))
     with pytest.raises(ValueError, match="dense_layers"):
