@@ -3,12 +3,13 @@
 **Built.** The cache is transformers' own ``DynamicCache(config=model.config)``: the configs declare every block a
 ``"linear_attention"`` layer (``config.layer_types``), so the cache holds one ``LinearAttentionLayer`` per block whose
 conv and recurrent state slots have a fixed size, independent of the sequence length. The one addition is
-:class:`DenseSSMCache`, a ``DynamicCache`` that also counts the tokens processed (:attr:`DenseSSMCache.tokens_seen`,
+:class:`DenseSSMCache`, a ``DynamicCache`` that also counts the tokens processed (:attr:`DenseSSMCache.positions_seen`,
 because ``generate()`` asks a cache for ``get_seq_length()`` and linear-attention layers keep none; and, for
-DenseRetNet, :attr:`DenseSSMCache.real_tokens_seen`, see "Tokens"). Both families build it the same way: the first
-forward with ``use_cache`` and no cache creates one (:func:`new_cache`); ``generate()`` leaves the creation to that
-forward (``_supports_default_dynamic_cache()`` is ``False``, as for transformers' own stateful models), and a cache
-returned by one ``generate()`` call continues in the next (:mod:`.modeling_densessm`).
+DenseRetNet, :attr:`DenseSSMCache.real_tokens_seen`, see "Tokens"). Both families build it the same way
+(:func:`new_cache`): ``generate()`` gets one before its prefill, through transformers' hook
+``_prepare_cache_for_generation``, so that it holds a compileable cache when it decides whether to compile the
+decoding steps; a forward with ``use_cache`` and no cache creates one; a cache returned by one ``generate()`` call
+continues in the next (:mod:`.modeling_densessm`).
 
 **Slots** (:data:`CACHE_SLOTS`), one of each kind per block, each holding what its name says, one block state with the
 batch first (as transformers' generic cache checks and tools read every filled slot):
@@ -35,7 +36,7 @@ place, as transformers' own ``update_recurrent_state`` / ``update_conv_state`` d
 a forward started from are saved for its backward pass (the selective scan and the chunked retention keep their
 ``initial_state``), and writing into them would break that backward.
 
-**Tokens.** :attr:`DenseSSMCache.tokens_seen` counts every position given to the model (padding included), which is
+**Tokens.** :attr:`DenseSSMCache.positions_seen` counts every position given to the model (padding included), which is
 what ``generate()`` compares with the length of ``input_ids``. For the families in :data:`COUNTS_ROW_TOKENS`
 (DenseRetNet), :attr:`DenseSSMCache.real_tokens_seen` also counts the real (non-padding) tokens of each row,
 ``(batch,)`` int64: they place the rotary angles and the retention normalization of later tokens, so a left-padded row

@@ -348,7 +348,6 @@ class DenseMambaModel(DenseMambaPreTrainedModel):
     """The DenseMamba backbone: embeddings, ``num_hidden_layers`` :class:`DenseMambaBlock` with the dense
     connection, final RMSNorm (``embeddings``, ``layers``, ``norm_f`` as in ``transformers.MambaModel``)."""
 
-    final_norm_name = "norm_f"
 
     def __init__(self, config: DenseMambaConfig):
         super().__init__(config)

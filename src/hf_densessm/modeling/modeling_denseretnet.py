@@ -271,7 +271,6 @@ class DenseRetNetModel(DenseRetNetPreTrainedModel):
     """The DenseRetNet backbone: ``embed_tokens``, ``num_hidden_layers`` :class:`DenseRetNetBlock` with the dense
     KV connection, final RMSNorm ``norm``."""
 
-    final_norm_name = "norm"
 
     def __init__(self, config: DenseRetNetConfig):
         super().__init__(config)

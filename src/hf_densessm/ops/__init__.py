@@ -5,12 +5,11 @@
 - :func:`chunk_retention` / :func:`retention_state_update`: RetNet's multi-scale retention (DenseSSM
   paper Eq. 18, 19, 24) in chunkwise form for training/prefill, and its single-token step for decoding.
 - :func:`causal_conv1d`: Mamba's short causal depthwise convolution (Mamba paper §3.4), token-major, SiLU fused.
-- :func:`cross_entropy`: the LM head's cross-entropy, row by row (the models' training loss on the CPU), its
-  gradient written into a buffer kept from the last step (:mod:`.workspace`) when nothing else holds that buffer.
 
-Every op takes ``backend="auto" | "triton" | "cpu" | "torch"`` (:mod:`.backend`): ``"auto"`` runs the Triton
-kernel on CUDA tensors, the compiled CPU kernel (:mod:`.cpu_build`) on CPU tensors where the op has one and a C
-compiler exists, and the PyTorch path otherwise.
+Every op is a ``torch.library`` op (``torch.ops.hf_densessm.*``) with a fake implementation and a registered autograd
+formula, so ``torch.compile`` traces it; the public functions here check their arguments and call it. Each takes
+``backend="auto" | "triton" | "torch"`` (:mod:`.backend`, the one dispatch): ``"auto"`` runs the Triton kernel on
+CUDA tensors and the PyTorch path elsewhere.
 """
 
 from .causal_conv1d import causal_conv1d
