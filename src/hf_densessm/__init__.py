@@ -8,7 +8,6 @@ for any model.
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from .configuration import DenseMambaConfig, DenseRetNetConfig
-from .hub import DenseSSMHubMixin
 from .modeling import (
     DenseMambaForCausalLM,
     DenseMambaForSequenceClassification,
@@ -23,12 +22,6 @@ from .modeling import (
 from .recipes import paper_training_arguments
 
 __version__ = "0.1.0"
-
-# Saving and publishing come from the package root, which is never bundled into a checkpoint: a saved folder
-# ships only the code its model runs (docs/hub_and_conversion.md).
-for _base in (DenseMambaPreTrainedModel, DenseRetNetPreTrainedModel):
-    _base.save_pretrained = DenseSSMHubMixin.save_pretrained
-    _base.push_to_hub = DenseSSMHubMixin.push_to_hub
 
 for _config, _model, _lm, _classifier in (
     (DenseMambaConfig, DenseMambaModel, DenseMambaForCausalLM, DenseMambaForSequenceClassification),

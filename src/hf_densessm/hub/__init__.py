@@ -8,11 +8,12 @@ flat files, and a model card. One module per job:
   would do, if it could read a nested package);
 - :mod:`.card`: the model card, derived from the modeling and config docstrings and the knob table;
 - :mod:`.saving`: kill-safe writing into a folder that holds other files;
-- here: :class:`DenseSSMHubMixin`, which gives the model classes that ``save_pretrained`` and ``push_to_hub``.
+- here: :func:`save_pretrained` and :func:`push_to_hub`, what the models' methods of those names run.
 
-A model loaded from a folder with remote code (without the package) is a class transformers registered for its
-``Auto`` class; it saves with transformers' own ``save_pretrained``, whose ``custom_object_save`` copies the flat
-code files (weights, config, code; no card).
+The models' methods come from ``DenseSSMSaveMixin`` (``modeling/modeling_densessm.py``), which imports this package
+lazily, so this package is never bundled into a saved folder (``bundle.py`` leaves it out). A model loaded from a
+folder with remote code is a class transformers registered for its ``Auto`` class; it saves with transformers' own
+``save_pretrained``, whose ``custom_object_save`` copies the flat code files (weights, config, code; no card).
 """
 
 from __future__ import annotations
@@ -50,121 +51,117 @@ def replaced_by_save(path: Path, variant: str | None = None) -> bool:
     return is_bundled_code(path) or (path.name == "README.md" and is_generated_card(path))
 
 
-class DenseSSMHubMixin:
-    """Makes ``save_pretrained`` / ``push_to_hub`` of a DenseSSM model write a self-contained Hub folder, kill-safely.
+def save_pretrained(
+    model: PreTrainedModel,
+    save_directory: str | os.PathLike,
+    is_main_process: bool = True,
+    state_dict: dict | None = None,
+    push_to_hub: bool = False,
+    **kwargs,
+):
+    """``model.save_pretrained``: ``PreTrainedModel.save_pretrained``, plus the flat modeling code, ``auto_map``
+    and the model card, all written kill-safely (:func:`~.saving.staged_save`: each file whole, old or new; other
+    files untouched).
 
-    A base class of ``DenseMambaPreTrainedModel`` and ``DenseRetNetPreTrainedModel`` (before ``PreTrainedModel``).
-    The methods call ``PreTrainedModel``'s explicitly (no ``super()``), so they can also be set on a class.
+    Arguments as transformers'; ``push_to_hub=True`` (with ``repo_id``, ``commit_message``, ``private``,
+    ``token``, ... as transformers takes them) then runs ``model.push_to_hub``. Left to transformers unchanged:
+    processes with ``is_main_process=False``, ``distributed_checkpoint=True``, adapter saves (a model with PEFT
+    adapters loaded saves only the adapters) and models loaded as remote code (see the module docstring).
+
+    An existing ``README.md`` that this package did not write (a card you edited) is kept.
+
+    Raises:
+        NotADirectoryError: ``save_directory`` is a file.
+        BundleError: the code cannot be bundled (a packaging bug; nothing is written).
     """
-
-    def save_pretrained(
-        self,
-        save_directory: str | os.PathLike,
-        is_main_process: bool = True,
-        state_dict: dict | None = None,
-        push_to_hub: bool = False,
-        **kwargs,
+    if (
+        model.is_remote_code()
+        or not is_main_process
+        or kwargs.get("distributed_checkpoint", False)
+        or getattr(model, "_hf_peft_config_loaded", False)
     ):
-        """``PreTrainedModel.save_pretrained``, plus the flat modeling code, ``auto_map`` and the model card, all
-        written kill-safely (:func:`~.saving.staged_save`: each file whole, old or new; other files untouched).
+        return PreTrainedModel.save_pretrained(
+            model,
+            save_directory,
+            is_main_process=is_main_process,
+            state_dict=state_dict,
+            push_to_hub=push_to_hub,
+            **kwargs,
+        )
+    hub_kwargs = {key: kwargs.pop(key) for key in _HUB_ARGUMENTS if key in kwargs}
+    variant = kwargs.get("variant")
+    with staged_save(save_directory, lambda path: replaced_by_save(path, variant)) as staging:
+        PreTrainedModel.save_pretrained(model, staging, state_dict=state_dict, **kwargs)
+        write_bundle(model, staging)
+        old_card = Path(save_directory) / "README.md"
+        if not old_card.exists() or is_generated_card(old_card):
+            write_model_card(model, staging)
+    if push_to_hub:
+        repo_id = hub_kwargs.pop("repo_id", Path(save_directory).resolve().name)
+        model.push_to_hub(
+            repo_id, token=kwargs.get("token"), max_shard_size=kwargs.get("max_shard_size", "50GB"), **hub_kwargs
+        )
 
-        Arguments as transformers'; ``push_to_hub=True`` (with ``repo_id``, ``commit_message``, ``private``,
-        ``token``, ... as transformers takes them) then runs :meth:`push_to_hub`. Left to transformers unchanged:
-        processes with ``is_main_process=False``, ``distributed_checkpoint=True``, adapter saves (a model with PEFT
-        adapters loaded saves only the adapters) and models loaded as remote code (see the module docstring).
 
-        An existing ``README.md`` that this package did not write (a card you edited) is kept.
+def push_to_hub(
+    model: PreTrainedModel,
+    repo_id: str,
+    *,
+    commit_message: str | None = None,
+    commit_description: str | None = None,
+    private: bool | None = None,
+    token: bool | str | None = None,
+    revision: str | None = None,
+    create_pr: bool = False,
+    max_shard_size: int | str | None = "50GB",
+    tags: list[str] | None = None,
+):
+    """``model.push_to_hub``: upload the model to the Hub repository ``repo_id`` (created if needed) as one
+    commit: the folder :func:`save_pretrained` writes, with the model card naming ``repo_id``. Same arguments and
+    return value (the commit info) as transformers' ``push_to_hub``; the difference is the card: transformers
+    replaces ``README.md`` by a generic template, here the DenseSSM card is uploaded, unless the repository already
+    has a ``README.md`` (kept, as transformers keeps it).
 
-        Raises:
-            NotADirectoryError: ``save_directory`` is a file.
-            BundleError: the code cannot be bundled (a packaging bug; nothing is written).
-        """
-        if (
-            self.is_remote_code()
-            or not is_main_process
-            or kwargs.get("distributed_checkpoint", False)
-            or getattr(self, "_hf_peft_config_loaded", False)
-        ):
-            return PreTrainedModel.save_pretrained(
-                self,
-                save_directory,
-                is_main_process=is_main_process,
-                state_dict=state_dict,
-                push_to_hub=push_to_hub,
-                **kwargs,
-            )
-        hub_kwargs = {key: kwargs.pop(key) for key in _HUB_ARGUMENTS if key in kwargs}
-        variant = kwargs.get("variant")
-        with staged_save(save_directory, lambda path: replaced_by_save(path, variant)) as staging:
-            PreTrainedModel.save_pretrained(self, staging, state_dict=state_dict, **kwargs)
-            write_bundle(self, staging)
-            old_card = Path(save_directory) / "README.md"
-            if not old_card.exists() or is_generated_card(old_card):
-                write_model_card(self, staging)
-        if push_to_hub:
-            repo_id = hub_kwargs.pop("repo_id", Path(save_directory).resolve().name)
-            self.push_to_hub(
-                repo_id, token=kwargs.get("token"), max_shard_size=kwargs.get("max_shard_size", "50GB"), **hub_kwargs
-            )
+    Raises:
+        huggingface_hub errors: no network, no token, no write access.
+    """
+    from huggingface_hub import HfApi
 
-    def push_to_hub(
-        self,
-        repo_id: str,
-        *,
-        commit_message: str | None = None,
-        commit_description: str | None = None,
-        private: bool | None = None,
-        token: bool | str | None = None,
-        revision: str | None = None,
-        create_pr: bool = False,
-        max_shard_size: int | str | None = "50GB",
-        tags: list[str] | None = None,
-    ):
-        """Upload the model to the Hub repository ``repo_id`` (created if needed) as one commit: the folder
-        :meth:`save_pretrained` writes, with the model card naming ``repo_id``. Same arguments and return value
-        (the commit info) as transformers' ``push_to_hub``; the difference is the card: transformers replaces
-        ``README.md`` by a generic template, here the DenseSSM card is uploaded, unless the repository already has
-        a ``README.md`` (kept, as transformers keeps it).
-
-        Raises:
-            huggingface_hub errors: no network, no token, no write access.
-        """
-        from huggingface_hub import HfApi
-
-        api = HfApi(token=token)
-        repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
-        if revision is not None and not revision.startswith("refs/pr"):
-            api.create_branch(repo_id=repo_id, branch=revision, exist_ok=True)
-        has_card = api.file_exists(repo_id, "README.md", revision=revision)
-        tags = [tags] if isinstance(tags, str) else list(tags or [])
-        tags += [tag for tag in (getattr(self, "model_tags", None) or []) if tag not in tags]
-        with tempfile.TemporaryDirectory() as tmp:
-            folder = Path(tmp) / "repo"
-            self.save_pretrained(folder, max_shard_size=max_shard_size)
-            if has_card:
-                (folder / "README.md").unlink(missing_ok=True)
-            else:
-                write_model_card(self, folder, repo_id=repo_id, tags=tags)
-            return api.upload_folder(
-                repo_id=repo_id,
-                folder_path=folder,
-                commit_message=commit_message or "Upload model",
-                commit_description=commit_description,
-                revision=revision,
-                create_pr=create_pr,
-            )
+    api = HfApi(token=token)
+    repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
+    if revision is not None and not revision.startswith("refs/pr"):
+        api.create_branch(repo_id=repo_id, branch=revision, exist_ok=True)
+    has_card = api.file_exists(repo_id, "README.md", revision=revision)
+    tags = [tags] if isinstance(tags, str) else list(tags or [])
+    tags += [tag for tag in (getattr(model, "model_tags", None) or []) if tag not in tags]
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp) / "repo"
+        model.save_pretrained(folder, max_shard_size=max_shard_size)
+        if has_card:
+            (folder / "README.md").unlink(missing_ok=True)
+        else:
+            write_model_card(model, folder, repo_id=repo_id, tags=tags)
+        return api.upload_folder(
+            repo_id=repo_id,
+            folder_path=folder,
+            commit_message=commit_message or "Upload model",
+            commit_description=commit_description,
+            revision=revision,
+            create_pr=create_pr,
+        )
 
 
 __all__ = [
     "BUNDLE_MARKER",
     "CARD_MARKER",
     "BundleError",
-    "DenseSSMHubMixin",
     "bundle_sources",
     "flat_module_name",
     "hub_auto_map",
     "model_card",
+    "push_to_hub",
     "replaced_by_save",
+    "save_pretrained",
     "staged_save",
     "write_bundle",
     "write_model_card",

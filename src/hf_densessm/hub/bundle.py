@@ -12,7 +12,8 @@ a flat file and rewrite its package imports to same-folder ones:
   ``ops/selective_scan/__init__.py`` -> ``ops_selective_scan.py``;
 - the module list is the closure of the package imports (read with ``ast``), lazy imports inside functions included
   (that is how the Triton kernels get in), starting from the modules of the config class and of every class
-  registered for it with an ``AutoModel*`` class;
+  registered for it with an ``AutoModel*`` class; this package, the publishing code, is left out (the models import
+  it lazily inside ``try`` and save with transformers' own methods where it cannot be imported);
 - everything else is the package's text unchanged, with one header line marking the file as generated. Optional
   packages (``triton``) are imported inside ``try`` in the kernel files themselves, which transformers' import
   check skips, so a folder loads where only ``torch`` and ``transformers`` are installed.
@@ -30,6 +31,8 @@ from transformers.models.auto import modeling_auto
 
 ROOT_PACKAGE = __name__.split(".")[0]  # "hf_densessm"
 ROOT_DIR = Path(__file__).resolve().parent.parent  # src/hf_densessm
+# This package: the publishing code. A model runs without it, so it is never bundled (see _bundled_source).
+PUBLISHING_PACKAGE = __name__.rpartition(".")[0]  # "hf_densessm.hub"
 BUNDLE_MARKER = "# hf_densessm bundle:"  # first line of every bundled code file
 # transformers' own patterns for the files a remote-code module needs (dynamic_module_utils.get_relative_imports)
 _TRANSFORMERS_RELATIVE_IMPORTS = (
@@ -117,6 +120,17 @@ def _bundled_source(module: str) -> tuple[str, set[str]]:
         elif isinstance(node, ast.ImportFrom):
             target = _resolve_import(node, module, is_package)
             if target is None:
+                continue
+            if target == PUBLISHING_PACKAGE or target.startswith(PUBLISHING_PACKAGE + "."):
+                # The publishing code stays out of a saved folder: the models' save_pretrained / push_to_hub
+                # (modeling_densessm.DenseSSMSaveMixin) import it lazily and absolutely inside `try`, left as they
+                # are here; where it cannot be imported (remote code without the package) they fall back to
+                # transformers' own methods, and transformers' remote-code import check skips imports in `try`.
+                if node.level:
+                    raise BundleError(
+                        f"{module}, line {node.lineno}: import the publishing code {PUBLISHING_PACKAGE!r} absolutely "
+                        "and inside `try`, so that a saved folder loads and saves without it."
+                    )
                 continue
             target_file = _module_file(target)
             if target_file.name == "__init__.py":

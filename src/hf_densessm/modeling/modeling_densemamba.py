@@ -43,6 +43,7 @@ from .norm import DenseSSMRMSNorm
 from .modeling_densessm import (
     DenseSSMCausalLMMixin,
     DenseSSMForSequenceClassificationMixin,
+    DenseSSMSaveMixin,
     backbone_output,
     run_backbone,
 )
@@ -257,7 +258,7 @@ class DenseMambaBlock(GradientCheckpointingLayer):
         return (residual + out, *features)
 
 
-class DenseMambaPreTrainedModel(PreTrainedModel):
+class DenseMambaPreTrainedModel(DenseSSMSaveMixin, PreTrainedModel):
     """Weight init and flags shared by the DenseMamba models."""
 
     config_class = DenseMambaConfig

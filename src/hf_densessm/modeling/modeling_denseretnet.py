@@ -37,6 +37,7 @@ from .norm import DenseSSMRMSNorm
 from .modeling_densessm import (
     DenseSSMCausalLMMixin,
     DenseSSMForSequenceClassificationMixin,
+    DenseSSMSaveMixin,
     backbone_output,
     run_backbone,
 )
@@ -237,7 +238,7 @@ class DenseRetNetBlock(GradientCheckpointingLayer):
         return (hidden_states + out, *features)
 
 
-class DenseRetNetPreTrainedModel(PreTrainedModel):
+class DenseRetNetPreTrainedModel(DenseSSMSaveMixin, PreTrainedModel):
     """Weight init and flags shared by the DenseRetNet models."""
 
     config_class = DenseRetNetConfig

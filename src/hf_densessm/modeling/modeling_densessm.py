@@ -1,6 +1,7 @@
 """What DenseMamba and DenseRetNet share above the block: input checks, the backbone's forward body (embedding,
-cache set-up, the densely connected layers, the final norm), the causal-LM head and the generation glue. Written
-once, used by both families; the dense connection itself is :mod:`.dense_connection`, the cache :mod:`.cache`.
+cache set-up, the densely connected layers, the final norm), the causal-LM head, the generation glue and the hook
+from ``save_pretrained`` / ``push_to_hub`` to the publishing code. Written once, used by both families; the dense
+connection itself is :mod:`.dense_connection`, the cache :mod:`.cache`.
 """
 
 from __future__ import annotations
@@ -299,6 +300,32 @@ def check_logits_to_keep(logits_to_keep, seq_len: int):
     if logits_to_keep < 0:
         raise ValueError(f"`logits_to_keep` must be >= 0 (0 keeps every position), got {logits_to_keep}.")
     return slice(-logits_to_keep, None) if logits_to_keep else slice(None)
+
+
+class DenseSSMSaveMixin:
+    """``save_pretrained`` / ``push_to_hub`` of both families' ``PreTrainedModel`` classes (a base class before
+    ``PreTrainedModel``): a complete Hub folder (flat modeling code, ``auto_map``, model card), written kill-safely
+    by the publishing code, :mod:`hf_densessm.hub` (docs/hub_and_conversion.md). Same arguments and return values as
+    transformers' methods.
+
+    The publishing code is not bundled into a saved folder, so it is imported here lazily, absolutely and inside
+    ``try``: transformers' remote-code import check skips imports inside ``try``, and remote code loaded where the
+    package cannot be imported saves with transformers' own methods instead (weights, config, code; no card).
+    """
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        try:
+            from hf_densessm.hub import save_pretrained
+        except ImportError:
+            return super().save_pretrained(save_directory, *args, **kwargs)
+        return save_pretrained(self, save_directory, *args, **kwargs)
+
+    def push_to_hub(self, repo_id, *args, **kwargs):
+        try:
+            from hf_densessm.hub import push_to_hub
+        except ImportError:
+            return super().push_to_hub(repo_id, *args, **kwargs)
+        return push_to_hub(self, repo_id, *args, **kwargs)
 
 
 class DenseSSMCausalLMMixin:
