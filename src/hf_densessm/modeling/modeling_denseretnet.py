@@ -18,8 +18,6 @@ neither does this implementation (docs/design.md §3).
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -85,20 +83,10 @@ def retention_row_sums(positions: torch.Tensor, num_heads: int, dtype: torch.dty
     Returns:
         ``(batch, seq_len, H, 1)`` sums in ``[1, 2^(5+h))``.
     """
-    constants = _row_sum_constants.__wrapped__ if torch.compiler.is_compiling() else _row_sum_constants  # no memo traced
-    log_gamma, denominator = constants(num_heads, positions.device)
+    heads = torch.arange(num_heads, device=positions.device, dtype=torch.float64)
+    log_gamma = torch.log1p(-torch.exp2(-5.0 - heads))  # log(gamma_h), (H,)
     count = positions.clamp(min=0).to(torch.float64)[..., None] + 1  # t + 1
-    return (torch.expm1(count * log_gamma) / denominator).to(dtype)[..., None]
-
-
-@functools.lru_cache(maxsize=16)
-def _row_sum_constants(num_heads: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """``log(gamma_h)`` and ``expm1(log(gamma_h)) = gamma_h - 1``, ``(H,)`` float64 each, for
-    :func:`retention_row_sums` (constants: computed once per head count and device)."""
-    with torch.inference_mode(False), torch.no_grad():  # plain tensors, usable in and out of inference mode
-        heads = torch.arange(num_heads, device=device, dtype=torch.float64)
-        log_gamma = torch.log1p(-torch.exp2(-5.0 - heads))
-        return log_gamma, torch.expm1(log_gamma)
+    return (torch.expm1(count * log_gamma) / torch.expm1(log_gamma)).to(dtype)[..., None]
 
 
 class DenseRetNetRetention(nn.Module):
