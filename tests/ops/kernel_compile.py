@@ -54,7 +54,7 @@ def flags(op: str) -> tuple[str, ...]:
     base = SCAN_FLAGS if op == "selective_scan" else RETENTION_FLAGS
     try:
         if op == "selective_scan":
-            from hf_densessm.ops.selective_scan.chunk import selective_scan_triton as triton_form
+            from hf_densessm.ops.selective_scan.chunk import selective_scan_triton_fwd as triton_form
         else:
             from hf_densessm.ops.retention.chunk import chunk_retention_triton as triton_form
     except ImportError:  # no triton: the test skips anyway
@@ -129,7 +129,11 @@ def _record_launches(job: dict) -> list[tuple]:
 
 
 def _launch_scan(arch, dtype, shape, flags):
-    from hf_densessm.ops.selective_scan.chunk import selective_scan_config, selective_scan_triton
+    from hf_densessm.ops.selective_scan.chunk import (
+        selective_scan_config,
+        selective_scan_triton_bwd,
+        selective_scan_triton_fwd,
+    )
     from hf_densessm.ops.selective_scan.fused_recurrent import (
         selective_state_update_config,
         selective_state_update_triton,
@@ -147,10 +151,12 @@ def _launch_scan(arch, dtype, shape, flags):
     D, bias, h0 = torch.randn(dim), torch.randn(dim), torch.randn(1, dim, n)
     config = selective_scan_config(arch, dtype, n)
     packed = dict(reset=_reset(L)) if "reset" in flags else {}
-    y = selective_scan_triton(u, delta, A, B, C, D=D, z=z if "gate" in flags else None, delta_bias=bias,
-                              delta_softplus="softplus" in flags, initial_state=h0, config=config, **packed)
+    args = dict(D=D, z=z if "gate" in flags else None, delta_bias=bias, delta_softplus="softplus" in flags,
+                initial_state=h0, config=config, **packed)
+    y, last, chunk_states = selective_scan_triton_fwd(u, delta, A, B, C, save_states=grad, **args)
     if grad:
-        y.backward(torch.randn_like(y))
+        selective_scan_triton_bwd(torch.randn_like(y), torch.randn_like(last), u, delta, A, B, C,
+                                  chunk_states=chunk_states, **args)
     step_config = selective_state_update_config(arch, n)
     selective_state_update_triton(h0.clone(), u[..., 0].detach(), delta[..., 0].detach(), A, B[..., 0].detach(),
                                   C[..., 0].detach(), D=D, z=z[..., 0] if "gate" in flags else None, dt_bias=bias,

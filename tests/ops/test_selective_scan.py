@@ -1,11 +1,18 @@
 """Selective scan: chunked PyTorch path vs the plain token loop (``naive.py``), Triton kernels vs the PyTorch path
-(under ``TRITON_INTERPRET=1`` on the CPU, see ``tests/conftest.py``), decode step vs the scan, argument checks."""
+(under ``TRITON_INTERPRET=1`` on the CPU, see ``tests/conftest.py``), decode step vs the scan, argument checks; the
+ops ``hf_densessm::selective_scan`` / ``selective_scan_backward`` / ``selective_state_update`` under
+``torch.library.opcheck`` and ``torch.compile``."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from hf_densessm.ops.selective_scan import selective_scan, selective_state_update
-from hf_densessm.ops.selective_scan.chunked_torch import selective_scan_torch
+from hf_densessm.ops.selective_scan.chunked_torch import selective_scan_torch_bwd, selective_scan_torch_fwd
 from hf_densessm.ops.selective_scan.naive import selective_scan_naive
 
 try:
@@ -39,13 +46,50 @@ def make_inputs(batch, dim, state, length, dtype=torch.float64, full=True, seed=
 
 def grads_of(fn, kw, seed=1):
     """Run ``fn(**kw, return_last_state=True)``, backprop random cotangents of y and last_state, return all."""
-    kw = {k: (v.detach().clone().requires_grad_(True) if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
+    kw = {k: (v.detach().clone().requires_grad_(True) if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
+          for k, v in kw.items()}
     y, last = fn(**kw, return_last_state=True)
     g = torch.Generator().manual_seed(seed)
     gy = torch.randn(y.shape, generator=g, dtype=torch.float64).to(y.dtype)
     gl = torch.randn(last.shape, generator=g, dtype=torch.float64).to(last.dtype)
     ((y * gy).sum() + (last * gl).sum()).backward()
-    return y.detach(), last.detach(), {k: v.grad for k, v in kw.items() if isinstance(v, torch.Tensor)}
+    return y.detach(), last.detach(), {k: v.grad for k, v in kw.items() if isinstance(v, torch.Tensor) and v.requires_grad}
+
+
+def explicit(form, **opts):
+    """A differentiable scan through one form's forward and backward functions with explicit launch choices, which
+    the op does not take (it picks its own): ``form="torch"`` with ``chunk_size=``, ``form="triton"`` with
+    ``config=`` (a :class:`SelectiveScanConfig`). Test harness only (also used by ``test_packing_kernels.py``)."""
+    if form == "torch":
+        fwd, bwd, extra = selective_scan_torch_fwd, selective_scan_torch_bwd, {}
+    else:
+        from hf_densessm.ops.selective_scan.chunk import selective_scan_triton_bwd, selective_scan_triton_fwd
+
+        fwd, bwd, extra = selective_scan_triton_fwd, selective_scan_triton_bwd, dict(save_states=True)
+
+    class Fn(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus, reset):
+            y, last, states = fwd(u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, reset, **extra,
+                                  **opts)
+            ctx.save_for_backward(u, delta, A, B, C, D, z, delta_bias, initial_state, reset, states)
+            ctx.delta_softplus = delta_softplus
+            return y, last
+
+        @staticmethod
+        def backward(ctx, dy, dlast):
+            *inputs, reset, states = ctx.saved_tensors
+            u, delta, A, B, C, D, z, delta_bias, initial_state = inputs
+            grads = bwd(dy, dlast, u, delta, A, B, C, D, z, delta_bias, ctx.delta_softplus, initial_state, reset,
+                        states, **opts)
+            return (*(g if t is not None else None for g, t in zip(grads, inputs)), None, None)
+
+    def run(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False, initial_state=None, reset=None,
+            return_last_state=False):
+        y, last = Fn.apply(u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus, reset)
+        return (y, last) if return_last_state else y
+
+    return run
 
 
 def seq_fn(return_last_state=True, **kw):
@@ -65,7 +109,7 @@ def assert_close(a, b, rtol, name=""):
 @pytest.mark.parametrize("full", [True, False])
 def test_reference_matches_sequential(length, chunk, full):
     kw = make_inputs(2, 6, 5, length, full=full)
-    y, last, grads = grads_of(lambda **k: selective_scan_torch(**k, chunk_size=chunk), kw)
+    y, last, grads = grads_of(explicit("torch", chunk_size=chunk), kw)
     y0, last0, grads0 = grads_of(seq_fn, kw)
     assert_close(y, y0, 1e-10, "y")
     assert_close(last, last0, 1e-10, "last_state")
@@ -76,7 +120,7 @@ def test_reference_matches_sequential(length, chunk, full):
 
 def test_reference_chunk_size_does_not_change_result():
     kw = make_inputs(1, 4, 3, 50)
-    outs = [selective_scan_torch(**kw, chunk_size=c, return_last_state=True) for c in (1, 3, 8, 50, 64)]
+    outs = [selective_scan_torch_fwd(**kw, chunk_size=c)[:2] for c in (1, 3, 8, 50, 64)]
     for y, last in outs[1:]:
         assert_close(y, outs[0][0], 1e-12)
         assert_close(last, outs[0][1], 1e-12)
@@ -97,7 +141,7 @@ def test_reference_long_decay_is_stable():
     kw = make_inputs(1, 4, 4, 300, full=False)
     kw["delta"] = kw["delta"] * 50
     kw["A"] = kw["A"] * 20
-    y, last = selective_scan_torch(**kw, return_last_state=True)
+    y, last, _ = selective_scan_torch_fwd(**kw)
     y0, last0 = selective_scan_naive(**kw)
     assert torch.isfinite(y).all()
     assert_close(y, y0, 1e-10)
@@ -120,12 +164,12 @@ def test_reference_long_decay_is_stable():
     ],
 )
 def test_triton_scan_matches_reference_float64(batch, dim, state, length, chunk, full):
-    from hf_densessm.ops.selective_scan.chunk import SelectiveScanConfig, selective_scan_triton
+    from hf_densessm.ops.selective_scan.chunk import SelectiveScanConfig
 
     kw = make_inputs(batch, dim, state, length, full=full, seed=length)
     config = SelectiveScanConfig(chunk=chunk, fwd_block_d=16, bwd_block_d=8)
-    y, last, grads = grads_of(lambda **k: selective_scan_triton(**k, config=config), kw)
-    y0, last0, grads0 = grads_of(selective_scan_torch, kw)
+    y, last, grads = grads_of(explicit("triton", config=config), kw)
+    y0, last0, grads0 = grads_of(explicit("torch"), kw)
     assert_close(y, y0, 1e-10, "y")
     assert_close(last, last0, 1e-10, "last_state")
     for k in grads0:
@@ -147,12 +191,10 @@ def _scan_configs():
 def test_triton_scan_every_config_choice(state):
     """The configurations ``selective_scan_config`` picks on each GPU, run under the interpreter against the
     PyTorch path in float64 (forward and every gradient), over several chunks and channel blocks."""
-    from hf_densessm.ops.selective_scan.chunk import selective_scan_triton
-
     kw = make_inputs(2, 20, state, 37, seed=state)
-    y0, last0, grads0 = grads_of(selective_scan_torch, kw)
+    y0, last0, grads0 = grads_of(explicit("torch"), kw)
     for config in _scan_configs():
-        y, last, grads = grads_of(lambda **k: selective_scan_triton(**k, config=config), kw)
+        y, last, grads = grads_of(explicit("triton", config=config), kw)
         assert_close(y, y0, 1e-10, f"y {config}")
         assert_close(last, last0, 1e-10, f"last_state {config}")
         for k in grads0:
@@ -189,28 +231,69 @@ def test_triton_scan_float32_through_public_api():
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_triton_scan_half_precision_smoke(dtype):
-    from hf_densessm.ops.selective_scan.chunk import SelectiveScanConfig, selective_scan_triton
-
     kw = make_inputs(1, 8, 4, 19, dtype=dtype)
     kw = {k: (v.requires_grad_(True) if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
           for k, v in kw.items()}
-    y, last = selective_scan_triton(**kw, return_last_state=True, config=SelectiveScanConfig(chunk=8))
+    y, last = selective_scan(**kw, return_last_state=True, backend="triton")
     assert y.dtype == dtype and last.dtype == torch.float32
-    y0, last0 = selective_scan_torch(**kw, return_last_state=True)
+    y0, last0 = selective_scan(**kw, return_last_state=True, backend="torch")
     assert_close(y, y0, 2e-2, "y")
     assert_close(last, last0, 1e-4, "last_state")
     y.float().sum().backward()
     assert kw["u"].grad.dtype == dtype and torch.isfinite(kw["u"].grad.float()).all()
 
 
+def _op_args(kw, save_states, backend):
+    return (kw["u"], kw["delta"], kw["A"], kw["B"], kw["C"], kw.get("D"), kw.get("z"), kw.get("delta_bias"),
+            kw.get("delta_softplus", False), kw.get("initial_state"), kw.get("reset"), save_states, backend)
+
+
 @needs_triton
 def test_triton_scan_no_grad_stores_no_chunk_states():
-    from hf_densessm.ops.selective_scan.chunk import SelectiveScanConfig, selective_scan_triton
-
     kw = make_inputs(1, 8, 4, 20)
+    y, last, states = torch.ops.hf_densessm.selective_scan(*_op_args(kw, False, "triton"))
+    assert states.shape == (1, 0, 8, 4)
+    y0, last0, _ = selective_scan_torch_fwd(**kw)
+    assert_close(y, y0, 1e-10)
+    assert_close(last, last0, 1e-10)
     with torch.no_grad():
-        y = selective_scan_triton(**kw, config=SelectiveScanConfig(chunk=8))
-    assert_close(y, selective_scan_torch(**kw), 1e-10)
+        assert_close(selective_scan(**kw, backend="triton"), y0, 1e-10)
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_triton)])
+def test_op_backward_without_saved_states_recomputes_them(backend):
+    """The op run with ``save_states=False`` on inputs that need gradients still backpropagates (the backward
+    recomputes the chunk states): the same gradients as the public function, with resets and every input."""
+    kw = make_inputs(2, 6, 3, 21, seed=7)
+    kw["reset"] = torch.zeros(2, 21, dtype=torch.bool)
+    kw["reset"][0, 5] = kw["reset"][1, 17] = True
+
+    def raw(return_last_state=True, **k):
+        return torch.ops.hf_densessm.selective_scan(*_op_args(k, False, backend))[:2]
+
+    y, last, grads = grads_of(raw, kw)
+    y0, last0, grads0 = grads_of(seq_fn, kw)
+    assert_close(y, y0, 1e-10, "y")
+    assert_close(last, last0, 1e-10, "last_state")
+    assert grads.keys() == grads0.keys()
+    for k in grads0:
+        assert_close(grads[k], grads0[k], 1e-10, f"d{k}")
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_triton)])
+def test_public_op_every_gradient_against_naive(backend):
+    """The public function (the op and its registered autograd formula) against the float64 token loop: resets,
+    an initial state, gate, skip, bias and softplus, several chunks of either form (37 tokens)."""
+    kw = make_inputs(2, 6, 5, 37, seed=11)
+    kw["reset"] = torch.zeros(2, 37, dtype=torch.bool)
+    kw["reset"][0, [9, 16]] = kw["reset"][1, 31] = True
+    y, last, grads = grads_of(lambda **k: selective_scan(**k, backend=backend), kw)
+    y0, last0, grads0 = grads_of(seq_fn, kw)
+    assert_close(y, y0, 1e-10, "y")
+    assert_close(last, last0, 1e-10, "last_state")
+    assert grads.keys() == grads0.keys() == {"u", "delta", "A", "B", "C", "D", "z", "delta_bias", "initial_state"}
+    for k in grads0:
+        assert_close(grads[k], grads0[k], 1e-10, f"d{k}")
 
 
 # ---------------------------------------------------------------------------------------------- decode step
@@ -221,7 +304,7 @@ def test_triton_scan_no_grad_stores_no_chunk_states():
 def test_decode_steps_match_scan(backend, full):
     batch, dim, state, length = 2, 40, 5, 6  # dim 40: two channel blocks of the step kernel
     kw = make_inputs(batch, dim, state, length, full=full)
-    y_scan, last_scan = selective_scan_torch(**kw, return_last_state=True)
+    y_scan, last_scan, _ = selective_scan_torch_fwd(**kw)
     h = kw["initial_state"].clone() if full else torch.zeros(batch, dim, state, dtype=torch.float64)
     for t in range(length):
         y_t = selective_state_update(
@@ -321,3 +404,142 @@ def test_decode_step_bad_inputs(change, error, match):
     kw.update(change)
     with pytest.raises(error, match=match):
         selective_state_update(**kw)
+
+
+def test_decode_step_refuses_gradients():
+    h = torch.zeros(2, 6, 4)
+    x = torch.randn(2, 6, requires_grad=True)
+    with pytest.raises(RuntimeError, match="without gradients"):
+        selective_state_update(h, x, torch.rand(2, 6), -torch.rand(6, 4), torch.randn(2, 4), torch.randn(2, 4))
+    with torch.no_grad():  # the same call without autograd runs
+        selective_state_update(h, x, torch.rand(2, 6), -torch.rand(6, 4), torch.randn(2, 4), torch.randn(2, 4))
+    assert h.abs().sum() > 0
+
+
+# ---------------------------------------------------------------------------------------------- the ops
+
+
+def _opcheck_inputs(backend, seed=0):
+    """Small float32 inputs of the three ops: (forward args, backward args, step args)."""
+    g = torch.Generator().manual_seed(seed)
+    b, d, n, L = 2, 4, 3, 5
+
+    def r(*shape, grad=True):
+        return torch.randn(*shape, generator=g).requires_grad_(grad)
+
+    A = (-torch.rand(d, n, generator=g) - 0.1).requires_grad_()
+    reset = torch.zeros(b, L, dtype=torch.bool)
+    reset[0, 2] = True
+    fwd = (r(b, d, L), r(b, d, L), A, r(b, n, L), r(b, n, L), r(d), r(b, d, L), r(d), True, r(b, d, n), reset, True,
+           backend)
+    y, last, states = torch.ops.hf_densessm.selective_scan(*fwd)
+    plain = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in fwd[:11])
+    bwd = (torch.randn(y.shape, generator=g), torch.randn(last.shape, generator=g)) + plain + (states.detach(), backend)
+    step = (r(b, d, n, grad=False), r(b, d, grad=False), r(b, d, grad=False), -torch.rand(d, n, generator=g),
+            r(b, n, grad=False), r(b, n, grad=False), r(d, grad=False), r(b, d, grad=False), r(d, grad=False), True,
+            backend)
+    return fwd, bwd, step
+
+
+def test_opcheck_torch_backend():
+    """``torch.library.opcheck`` (schema, autograd registration, fake tensors, AOT dispatch with dynamic shapes) on
+    each op, PyTorch path."""
+    fwd, bwd, step = _opcheck_inputs("torch")
+    torch.library.opcheck(torch.ops.hf_densessm.selective_scan.default, fwd)
+    torch.library.opcheck(torch.ops.hf_densessm.selective_scan_backward.default, bwd)
+    torch.library.opcheck(torch.ops.hf_densessm.selective_state_update.default, step)
+
+
+@needs_triton
+def test_opcheck_triton_backend_interpreter():
+    """``opcheck`` on each op with the Triton kernels under the interpreter: the schema (including the mutation of
+    ``state``) and the autograd registration. ``test_faketensor`` and ``test_aot_dispatch_*`` cannot run here:
+    under ``TRITON_INTERPRET=1`` ``torch.library.wrap_triton`` hands back the interpreted kernel itself (no
+    tracing wrapper), which then runs on FakeTensors; ``test_triton_branch_traces_on_fake_cuda_tensors`` traces
+    the Triton branch instead."""
+    utils = ("test_schema", "test_autograd_registration")
+    fwd, bwd, step = _opcheck_inputs("triton")
+    torch.library.opcheck(torch.ops.hf_densessm.selective_scan.default, fwd, test_utils=utils)
+    torch.library.opcheck(torch.ops.hf_densessm.selective_scan_backward.default, bwd, test_utils=utils)
+    torch.library.opcheck(torch.ops.hf_densessm.selective_state_update.default, step, test_utils=utils)
+
+
+@needs_triton
+def test_triton_branch_traces_on_fake_cuda_tensors():
+    """Without a GPU: AOTAutograd (what ``torch.compile`` runs) traces each op with ``backend="triton"`` on fake CUDA
+    tensors down to its Triton kernel (``wrap_triton``: a ``triton_kernel_wrapper`` node in the graph). Runs in a
+    subprocess with ``TRITON_INTERPRET=0``, so that the kernels are real ``JITFunction``s."""
+    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=os.pathsep.join(sys.path))
+    script = Path(__file__).with_name("scan_trace_worker.py")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [line for line in done.stdout.splitlines() if line.startswith("kernels ")]
+    assert lines == ["kernels selective_scan _selective_scan_fwd_kernel",
+                     "kernels selective_scan_backward _selective_scan_bwd_kernel",
+                     "kernels selective_state_update _selective_state_update_kernel"], done.stdout
+
+
+def _compile_inputs(length=6, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    b, d, n = 2, 6, 4
+
+    def r(*shape):
+        return torch.randn(*shape, generator=g)
+
+    kw = dict(u=r(b, d, length), delta=r(b, d, length), A=-torch.rand(d, n, generator=g) - 0.1, B=r(b, n, length),
+              C=r(b, n, length), D=r(d), z=r(b, d, length), delta_bias=r(d), initial_state=r(b, d, n))
+    reset = torch.zeros(b, length, dtype=torch.bool)
+    reset[0, length // 2] = True
+    return kw, reset
+
+
+def _scan_loss(backend):
+    def loss(u, delta, A, B, C, D, z, delta_bias, initial_state, reset):
+        y, last = selective_scan(u, delta, A, B, C, D, z, delta_bias, True, initial_state, True, backend=backend,
+                                 reset=reset)
+        return y.sin().sum() + last.cos().sum()
+
+    return loss
+
+
+def _loss_and_grads(fn, kw, reset):
+    leaves = {k: v.clone().requires_grad_() for k, v in kw.items()}
+    loss = fn(**leaves, reset=reset)
+    loss.backward()
+    return [loss.detach()] + [leaves[k].grad for k in kw]
+
+
+def test_compile_fullgraph_inductor_forward_backward():
+    """``torch.compile(fullgraph=True)`` (Inductor, CPU) of a loss through the public op: the same loss and gradients
+    as eager (float32, 1e-5), packed documents, initial state, gate, bias and softplus."""
+    torch._dynamo.reset()
+    kw, reset = _compile_inputs()
+    eager = _loss_and_grads(_scan_loss("auto"), kw, reset)
+    compiled = _loss_and_grads(torch.compile(_scan_loss("auto"), fullgraph=True), kw, reset)
+    for name, a, b in zip(["loss", *kw], compiled, eager):
+        assert_close(a, b, 1e-5, name)
+
+
+def test_compile_fullgraph_inductor_decode_steps_no_recompile():
+    """Decoding: a compiled step (Inductor, CPU) run several tokens in a row gives the eager states and outputs, and
+    does not recompile after the first token."""
+    torch._dynamo.reset()
+    kw, _ = _compile_inputs(length=5, seed=1)
+
+    def step(state, x, dt, A, B, C, D, z, bias):
+        return selective_state_update(state, x, dt, A, B, C, D=D, z=z, dt_bias=bias, dt_softplus=True)
+
+    compiled = torch.compile(step, fullgraph=True)
+    h_eager, h_comp = kw["initial_state"].clone(), kw["initial_state"].clone()
+    with torch.no_grad():
+        for t in range(kw["u"].shape[2]):
+            args = (kw["u"][..., t], kw["delta"][..., t], kw["A"], kw["B"][..., t], kw["C"][..., t], kw["D"],
+                    kw["z"][..., t], kw["delta_bias"])
+            y_eager = step(h_eager, *args)
+            if t == 0:
+                y_comp = compiled(h_comp, *args)
+            else:
+                with torch.compiler.set_stance("fail_on_recompile"):
+                    y_comp = compiled(h_comp, *args)
+            assert_close(y_comp, y_eager, 1e-5, f"y[{t}]")
+            assert_close(h_comp, h_eager, 1e-5, f"state[{t}]")

@@ -1,4 +1,5 @@
-"""Selective scan of Mamba (Mamba paper, Algorithm 2, §3.3, App. D): public entry points, argument checks, dispatch.
+"""Selective scan of Mamba (Mamba paper, Algorithm 2, §3.3, App. D): public entry points, argument checks, and the
+``torch.library`` ops they call.
 
 - :func:`selective_scan`: the whole sequence at once (training, prefill); layout and arguments as
   ``mamba_ssm``'s ``selective_scan_fn``.
@@ -8,18 +9,29 @@
 The forms of the op, one file each (the layout of flash-linear-attention's ``fla/ops/<op>/``):
 
 - ``naive.py``: ``selective_scan_naive``, the token-by-token loop in float64, the ground truth of the tests;
-- ``chunked_torch.py``: ``selective_scan_torch`` / ``selective_state_update_torch``, the vectorized
-  PyTorch path (chunked over the length, hand-written backward), what the models run on the CPU;
-- ``cpu.py``: ``selective_scan_cpu`` / ``selective_state_update_cpu``, the compiled CPU kernel (C, built on
-  first use with the system compiler), what the models run on the CPU where a C compiler exists;
-- ``chunk.py``: ``selective_scan_triton``, the fused Triton kernels for training and prefill;
+- ``chunked_torch.py``: ``selective_scan_torch_fwd`` / ``selective_scan_torch_bwd`` /
+  ``selective_state_update_torch``, the vectorized PyTorch path (chunked over the length, hand-written backward),
+  what runs on the CPU (fused by Inductor under ``torch.compile``);
+- ``chunk.py``: ``selective_scan_triton_fwd`` / ``selective_scan_triton_bwd``, the fused Triton kernels for
+  training and prefill;
 - ``fused_recurrent.py``: ``selective_state_update_triton``, the Triton decode step.
 
+The ops (``torch.library.triton_op``; each body is the one dispatch between the two forms, and its fake
+implementation; ``torch.compile`` traces them whole, down to the Triton kernels on CUDA):
+
+- ``hf_densessm::selective_scan(Tensor u, Tensor delta, Tensor A, Tensor B, Tensor C, Tensor? D, Tensor? z,
+  Tensor? delta_bias, bool delta_softplus, Tensor? initial_state, Tensor? reset, bool save_states, str backend)
+  -> (Tensor y, Tensor last_state, Tensor chunk_states)``, with its autograd formula registered, which calls
+- ``hf_densessm::selective_scan_backward(Tensor? dy, Tensor? dlast, <the forward's tensors and flags>,
+  Tensor chunk_states, str backend) -> (du, ddelta, dA, dB, dC, dD, dz, ddelta_bias, dinitial_state)``;
+- ``hf_densessm::selective_state_update(Tensor(a!) state, Tensor x, Tensor dt, Tensor A, Tensor B, Tensor C,
+  Tensor? D, Tensor? z, Tensor? dt_bias, bool dt_softplus, str backend) -> Tensor y`` (``state`` mutated; no
+  autograd formula: decoding only).
+
 Backends (``backend=``, resolved by :func:`hf_densessm.ops.backend.resolve_backend`): ``"auto"`` runs the Triton
-kernel on CUDA tensors (when triton is installed), the compiled CPU kernel on CPU tensors (when it builds: a C
-compiler is needed) and the PyTorch path otherwise; ``"triton"`` forces the Triton kernel (on CPU tensors only
-under ``TRITON_INTERPRET=1``, the interpreter, for tests); ``"cpu"`` forces the compiled CPU kernel; ``"torch"``
-forces the PyTorch path. The Triton files are imported only when a kernel runs.
+kernel on CUDA tensors (when triton is installed) and the PyTorch path otherwise; ``"triton"`` forces the Triton
+kernel (on CPU tensors only under ``TRITON_INTERPRET=1``, the interpreter, for tests); ``"torch"`` forces the
+PyTorch path. The Triton files are imported only when a kernel runs.
 
 Choices made here:
 
@@ -32,28 +44,18 @@ Choices made here:
   :func:`selective_scan` with the same ``A``.
 """
 
-from __future__ import annotations
+from typing import Optional
 
 import torch
 
 from ..backend import own_precision, resolve_backend
 from ..packing import check_reset
-from .chunked_torch import selective_scan_torch, selective_state_update_torch
-from .cpu import MAX_STATE, cpu_kernel_available, selective_scan_cpu, selective_state_update_cpu
+from .chunked_torch import selective_scan_torch_bwd, selective_scan_torch_fwd, selective_state_update_torch
 
 __all__ = ["selective_scan", "selective_state_update"]
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-
-
-def _cpu_kernel_for(nstate: int, backend: str):
-    """The availability check handed to :func:`resolve_backend`: the compiled kernel takes ``state <= MAX_STATE``
-    (``backend="cpu"`` with a larger state is refused: ValueError)."""
-    if nstate <= MAX_STATE:
-        return cpu_kernel_available
-    if backend == "cpu":
-        raise ValueError(f"backend='cpu' takes state sizes <= {MAX_STATE}, got A with state size {nstate}")
-    return None
+Tensor = torch.Tensor
 
 
 def _check_tensor(name, t, shape, device, optional=False):
@@ -107,6 +109,108 @@ def _check_scan_args(u, delta, A, B, C, D, z, delta_bias, initial_state):
     )
 
 
+def _no_data_checks() -> bool:
+    """Whether checks that read tensor values must be skipped: while ``torch.compile`` traces (the values are not
+    known) and while a CUDA graph is captured (a host read would break the capture)."""
+    return torch.compiler.is_compiling() or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+
+
+def _or_empty(grad: Optional[Tensor], like: Tensor) -> Tensor:
+    """An op returns a tensor in every slot: an absent gradient (its input was None) is an empty tensor."""
+    return like.new_empty(0) if grad is None else grad
+
+
+# ------------------------------------------------------------------------------------------------------ the ops
+#
+# Each op's body is its one dispatch: ``resolve_backend(backend, device)`` picks the Triton kernels (launched
+# through ``torch.library.wrap_triton``) or the PyTorch path. ``triton_op`` registers the body as the fake
+# implementation too, and ``torch.compile`` decomposes the op into it, so the bodies read no tensor values.
+
+
+@torch.library.triton_op("hf_densessm::selective_scan", mutates_args=())
+def _selective_scan_op(
+    u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Optional[Tensor], z: Optional[Tensor],
+    delta_bias: Optional[Tensor], delta_softplus: bool, initial_state: Optional[Tensor], reset: Optional[Tensor],
+    save_states: bool, backend: str,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``hf_densessm::selective_scan``: ``(y, last_state, chunk_states)``; see :func:`selective_scan` for the
+    arguments. ``reset`` is a (batch, length) bool tensor or None. ``chunk_states`` holds what the backward pass
+    starts from (its layout depends on the backend: ``chunk.py`` / ``chunked_torch.py``); with ``save_states``
+    False the Triton kernel stores none and returns it with 0 chunks (the backward pass then recomputes them)."""
+    form = resolve_backend(backend, u.device)
+    if form == "triton":
+        from .chunk import selective_scan_triton_fwd
+
+        return selective_scan_triton_fwd(u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, reset,
+                                         save_states)
+    with own_precision(u.device):
+        return selective_scan_torch_fwd(u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, reset)
+
+
+@torch.library.triton_op("hf_densessm::selective_scan_backward", mutates_args=())
+def _selective_scan_backward_op(
+    dy: Optional[Tensor], dlast: Optional[Tensor], u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor,
+    D: Optional[Tensor], z: Optional[Tensor], delta_bias: Optional[Tensor], delta_softplus: bool,
+    initial_state: Optional[Tensor], reset: Optional[Tensor], chunk_states: Tensor, backend: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``hf_densessm::selective_scan_backward``: ``(du, ddelta, dA, dB, dC, dD, dz, ddelta_bias, dinitial_state)``
+    from the gradients ``dy`` (batch, dim, length) and ``dlast`` (batch, dim, state) (None: zero), the forward
+    op's arguments and its ``chunk_states`` (with all its chunks). Each gradient is in its input's dtype; the
+    gradient of an absent ``D``, ``z`` or ``delta_bias`` is an empty tensor."""
+    form = resolve_backend(backend, u.device)
+    if form == "triton":
+        from .chunk import selective_scan_triton_bwd
+
+        grads = selective_scan_triton_bwd(dy, dlast, u, delta, A, B, C, D, z, delta_bias, delta_softplus,
+                                          initial_state, reset, chunk_states)
+    else:
+        with own_precision(u.device):
+            grads = selective_scan_torch_bwd(dy, dlast, u, delta, A, B, C, D, z, delta_bias, delta_softplus,
+                                             initial_state, reset, chunk_states)
+    return tuple(_or_empty(g, u) for g in grads)
+
+
+def _scan_setup_context(ctx, inputs, output):
+    u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, reset, _save_states, backend = inputs
+    ctx.save_for_backward(u, delta, A, B, C, D, z, delta_bias, initial_state, reset, output[2])
+    ctx.delta_softplus = delta_softplus
+    ctx.backend = backend
+    ctx.mark_non_differentiable(output[2])
+
+
+def _scan_backward(ctx, dy, dlast, _dchunk_states):
+    u, delta, A, B, C, D, z, delta_bias, initial_state, reset, chunk_states = ctx.saved_tensors
+    args = (u, delta, A, B, C, D, z, delta_bias, ctx.delta_softplus, initial_state, reset)
+    if chunk_states.shape[1] == 0:  # the forward op ran with save_states=False: recompute the chunk states
+        chunk_states = torch.ops.hf_densessm.selective_scan(*args, True, ctx.backend)[2]
+    grads = torch.ops.hf_densessm.selective_scan_backward(dy, dlast, *args, chunk_states, ctx.backend)
+    du, ddelta, dA, dB, dC, dD, dz, dbias, dinitial = (
+        g if t is not None and ctx.needs_input_grad[i] else None
+        for g, t, i in zip(grads, (u, delta, A, B, C, D, z, delta_bias, initial_state), (0, 1, 2, 3, 4, 5, 6, 7, 9))
+    )
+    return du, ddelta, dA, dB, dC, dD, dz, dbias, None, dinitial, None, None, None
+
+
+_selective_scan_op.register_autograd(_scan_backward, setup_context=_scan_setup_context)
+
+
+@torch.library.triton_op("hf_densessm::selective_state_update", mutates_args=("state",))
+def _selective_state_update_op(
+    state: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Optional[Tensor], z: Optional[Tensor],
+    dt_bias: Optional[Tensor], dt_softplus: bool, backend: str,
+) -> Tensor:
+    """``hf_densessm::selective_state_update``: one decoding step, ``state`` updated in place, ``y`` returned; see
+    :func:`selective_state_update`. No autograd formula: decoding only."""
+    form = resolve_backend(backend, state.device)
+    if form == "triton":
+        from .fused_recurrent import selective_state_update_triton
+
+        return selective_state_update_triton(state, x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias,
+                                             dt_softplus=dt_softplus)
+    with own_precision(state.device):
+        return selective_state_update_torch(state, x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus)
+
+
 def selective_scan(
     u: torch.Tensor,
     delta: torch.Tensor,
@@ -140,7 +244,7 @@ def selective_scan(
         delta_bias: (dim,) optional. delta_softplus: apply softplus to ``delta + delta_bias``.
         initial_state: (batch, dim, state) state before the first token (e.g. a cache), any float dtype.
         return_last_state: also return the state after the last token.
-        backend: ``"auto"`` | ``"triton"`` | ``"cpu"`` | ``"torch"`` (see the module docstring).
+        backend: ``"auto"`` | ``"triton"`` | ``"torch"`` (see the module docstring).
         reset: (batch, length) bool, True at the first token of each packed document: ``h_{t-1}`` is taken as 0
             there (the initial state too at ``t = 0``), so no state crosses a document boundary (:mod:`..packing`).
 
@@ -150,31 +254,22 @@ def selective_scan(
         (float64 for float64 inputs). Differentiable in every tensor argument on every backend.
 
     Raises:
-        ValueError: ``backend`` not one of ``"auto"``, ``"triton"``, ``"cpu"``, ``"torch"``; a tensor of the wrong
-            rank or shape; tensors on different devices; ``length == 0``; ``A`` with a positive entry;
-            ``backend="cpu"`` with a state size over ``cpu.MAX_STATE`` (256).
+        ValueError: ``backend`` not one of the backends; a tensor of the wrong rank or shape; tensors on different
+            devices; ``length == 0``; ``A`` with a positive entry (not checked while compiling or capturing).
         TypeError: a non-tensor argument or an unsupported dtype.
         RuntimeError: ``backend="triton"`` without triton installed, or on CPU tensors without
-            ``TRITON_INTERPRET=1``; ``backend="cpu"`` where the kernel cannot be built or on non-CPU tensors.
+            ``TRITON_INTERPRET=1``.
     """
     _check_scan_args(u, delta, A, B, C, D, z, delta_bias, initial_state)
     reset = check_reset(reset, u.shape[0], u.shape[2], u.device)
-    form = resolve_backend(backend, u.device, _cpu_kernel_for(A.shape[1], backend))
-    if not (u.is_cuda and torch.cuda.is_current_stream_capturing()):
+    if not _no_data_checks():
         _check_decay(A)
-    if form == "triton":
-        from .chunk import selective_scan_triton
-
-        return selective_scan_triton(
-            u, delta, A, B, C, D=D, z=z, delta_bias=delta_bias, delta_softplus=delta_softplus,
-            initial_state=initial_state, return_last_state=return_last_state, reset=reset,
-        )
-    scan = selective_scan_cpu if form == "cpu" else selective_scan_torch
-    with own_precision(u.device):
-        return scan(
-            u, delta, A, B, C, D=D, z=z, delta_bias=delta_bias, delta_softplus=delta_softplus,
-            initial_state=initial_state, return_last_state=return_last_state, reset=reset,
-        )
+    tensors = (u, delta, A, B, C, D, z, delta_bias, initial_state)
+    save_states = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    y, last_state, _ = torch.ops.hf_densessm.selective_scan(
+        u, delta, A, B, C, D, z, delta_bias, bool(delta_softplus), initial_state, reset, save_states, backend
+    )
+    return (y, last_state) if return_last_state else y
 
 
 def selective_state_update(
@@ -203,17 +298,17 @@ def selective_state_update(
         A: (dim, state), entries <= 0 (not checked here, see the module docstring).
         B, C: (batch, state). D: (dim,) optional. z: (batch, dim) gate, optional. dt_bias: (dim,) optional.
         dt_softplus: apply softplus to ``dt + dt_bias``.
-        backend: ``"auto"`` | ``"triton"`` | ``"cpu"`` | ``"torch"``.
+        backend: ``"auto"`` | ``"triton"`` | ``"torch"``.
 
     Returns:
         ``y`` (batch, dim) in ``x``'s dtype.
 
     Raises:
-        ValueError: bad ``backend``, wrong rank or shape, mixed devices; ``backend="cpu"`` with a state size over
-            256.
+        ValueError: bad ``backend``, wrong rank or shape, mixed devices.
         TypeError: a non-tensor argument or an unsupported dtype.
-        RuntimeError: ``backend="triton"`` without triton, or on CPU tensors without ``TRITON_INTERPRET=1``;
-            ``backend="cpu"`` where the kernel cannot be built or on non-CPU tensors.
+        RuntimeError: called with gradients enabled on an input that requires one (the step has no backward: run
+            :func:`selective_scan` with ``initial_state`` instead); ``backend="triton"`` without triton, or on CPU
+            tensors without ``TRITON_INTERPRET=1``.
     """
     if not isinstance(state, torch.Tensor):
         raise TypeError(f"state must be a torch.Tensor, got {type(state).__name__}")
@@ -230,13 +325,13 @@ def selective_state_update(
     _check_tensor("D", D, ((dim,), ("dim",)), dev, optional=True)
     _check_tensor("z", z, ((batch, dim), ("batch", "dim")), dev, optional=True)
     _check_tensor("dt_bias", dt_bias, ((dim,), ("dim",)), dev, optional=True)
-    form = resolve_backend(backend, dev, _cpu_kernel_for(n, backend))
-    if form == "triton":
-        from .fused_recurrent import selective_state_update_triton
-
-        return selective_state_update_triton(state, x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus)
-    step = selective_state_update_torch
-    if form == "cpu" and state.dtype in (torch.float32, torch.float64) and state.is_contiguous():
-        step = selective_state_update_cpu
-    with own_precision(dev):
-        return step(state, x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus)
+    if torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (state, x, dt, A, B, C, D, z, dt_bias)
+    ):
+        raise RuntimeError(
+            "selective_state_update is a decoding step without gradients: call it under torch.no_grad() (or "
+            "torch.inference_mode()), or run the whole sequence through selective_scan(..., initial_state=state, "
+            "return_last_state=True), which is differentiable"
+        )
+    return torch.ops.hf_densessm.selective_state_update(state, x, dt, A, B, C, D, z, dt_bias, bool(dt_softplus),
+                                                         backend)

@@ -33,6 +33,12 @@ the same kept decays in its three places: the recomputation of ``h_{t-1}`` (deca
 adjoint scan (decay of position ``t + 1``), and the gradients ``d(dt A) = g a h_{t-1}`` and ``d initial_state``,
 which are therefore 0 through a dropped state.
 
+**Launching.** :func:`selective_scan_triton_fwd` and :func:`selective_scan_triton_bwd` launch the kernels through
+``torch.library.wrap_triton``: they are the Triton bodies of the ops ``hf_densessm::selective_scan`` and
+``hf_densessm::selective_scan_backward`` (``__init__.py``), which ``torch.compile`` traces down to the kernel calls.
+They allocate their outputs and never read tensor values on the host. The kernels receive no float scalars (only
+tensors, integer sizes and strides, and constexprs).
+
 Accumulation is in float32 (float64 when an input is float64, for tests). Runs under ``TRITON_INTERPRET=1``.
 """
 
@@ -51,7 +57,7 @@ except ImportError as error:
 from ..backend import GPUArch, device_arch
 from ..triton_utils import acc, silu, softplus
 
-__all__ = ["SelectiveScanConfig", "SelectiveScanTritonFn", "selective_scan_config", "selective_scan_triton"]
+__all__ = ["SelectiveScanConfig", "selective_scan_config", "selective_scan_triton_bwd", "selective_scan_triton_fwd"]
 
 
 @dataclass(frozen=True)
@@ -336,113 +342,138 @@ def _strides3(t):
     return (t.stride(0), t.stride(1), t.stride(2)) if t is not None else (0, 0, 0)
 
 
-class SelectiveScanTritonFn(torch.autograd.Function):
-    """Autograd wrapper of the fused kernels: ``(u, delta, A, B, C, D, z, delta_bias, initial_state,
-    delta_softplus, config, reset) -> (y, last_state)``; see :func:`selective_scan_triton` for shapes. The forward
-    pass saves the inputs and the chunk entry states (only when an input needs a gradient); the backward pass
-    recomputes the rest. A missing ``D``, ``delta_bias`` or ``initial_state`` is passed to the kernels as zeros (the
-    same result)."""
-
-    @staticmethod
-    def forward(ctx, u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus, config, reset=None):
-        batch, dim, length = u.shape
-        nstate = A.shape[1]
-        use_fp64 = any(t is not None and t.dtype == torch.float64 for t in (u, delta, A, B, C, D, z, delta_bias,
-                                                                           initial_state))
-        sdtype = torch.float64 if use_fp64 else torch.float32
-        kw = dict(dtype=sdtype, device=u.device)
-        # the kernels index these (dim,) and (batch, dim, state) tensors as contiguous
-        D_k = torch.zeros(dim, **kw) if D is None else D.contiguous()
-        bias_k = torch.zeros(dim, **kw) if delta_bias is None else delta_bias.contiguous()
-        h0 = torch.zeros(batch, dim, nstate, **kw) if initial_state is None else initial_state.to(sdtype).contiguous()
-        block_d = min(config.fwd_block_d, triton.next_power_of_2(dim))
-        n_chunks = triton.cdiv(length, config.chunk)
-        store_chunks = any(ctx.needs_input_grad[:9])
-        y = torch.empty(batch, dim, length, dtype=u.dtype, device=u.device)
-        last_state = torch.empty(batch, dim, nstate, **kw)
-        h_chunks = torch.empty(batch, n_chunks if store_chunks else 1, dim, nstate, **kw)
-        # (batch, length) int8, 1 where a packed document starts; the kernels index it as contiguous
-        reset_k = None if reset is None else reset.to(device=u.device, dtype=torch.int8).contiguous()
-        _selective_scan_fwd_kernel[(batch, triton.cdiv(dim, block_d))](
-            u, delta, A, B, C, D_k, z, bias_k, h0, reset_k, y, last_state, h_chunks,
-            *_strides3(u), *_strides3(delta), A.stride(0), A.stride(1), *_strides3(B), *_strides3(C), *_strides3(z),
-            dim, length, nstate, n_chunks,
-            HAS_Z=z is not None, SOFTPLUS=bool(delta_softplus), STORE_CHUNKS=store_chunks, USE_FP64=use_fp64,
-            HAS_RESET=reset_k is not None,
-            BLOCK_D=block_d, BLOCK_L=config.chunk, BLOCK_N=triton.next_power_of_2(nstate),
-            num_warps=config.fwd_warps, num_stages=config.num_stages,
-        )
-        if store_chunks:
-            ctx.save_for_backward(u, delta, A, B, C, D, z, delta_bias, initial_state, h_chunks, reset_k)
-            ctx.delta_softplus = bool(delta_softplus)
-            ctx.config = config
-            ctx.use_fp64 = use_fp64
-        return y, last_state
-
-    @staticmethod
-    def backward(ctx, dy, dlast):
-        u, delta, A, B, C, D, z, delta_bias, initial_state, h_chunks, reset_k = ctx.saved_tensors
-        config = ctx.config
-        batch, dim, length = u.shape
-        nstate = A.shape[1]
-        n_chunks = h_chunks.shape[1]
-        block_d = min(config.bwd_block_d, triton.next_power_of_2(dim))
-        gdtype = torch.float64 if ctx.use_fp64 else torch.float32
-        kw = dict(dtype=gdtype, device=u.device)
-        if dy is None:
-            dy = torch.zeros(batch, dim, length, **kw)
-        D_k = torch.zeros(dim, **kw) if D is None else D.contiguous()
-        bias_k = torch.zeros(dim, **kw) if delta_bias is None else delta_bias.contiguous()
-        dlast = torch.zeros(batch, dim, nstate, **kw) if dlast is None else dlast.to(gdtype).contiguous()
-        du = torch.empty(batch, dim, length, **kw)
-        ddelta = torch.empty(batch, dim, length, **kw)
-        dz = torch.empty(batch, dim, length, **kw) if z is not None else None
-        dB = torch.zeros(batch, nstate, length, **kw)
-        dC = torch.zeros(batch, nstate, length, **kw)
-        dA = torch.empty(batch, dim, nstate, **kw)
-        dD = torch.empty(batch, dim, **kw)
-        dh0 = torch.empty(batch, dim, nstate, **kw)
-        _selective_scan_bwd_kernel[(batch, triton.cdiv(dim, block_d))](
-            u, delta, A, B, C, D_k, z, bias_k, h_chunks, dy, dlast, reset_k,
-            du, ddelta, dz, dB, dC, dA, dD, dh0,
-            *_strides3(u), *_strides3(delta), A.stride(0), A.stride(1), *_strides3(B), *_strides3(C), *_strides3(z),
-            *_strides3(dy),
-            dim, length, nstate, n_chunks,
-            HAS_Z=z is not None, SOFTPLUS=ctx.delta_softplus, USE_FP64=ctx.use_fp64, HAS_RESET=reset_k is not None,
-            BLOCK_D=block_d, BLOCK_L=config.chunk, BLOCK_N=triton.next_power_of_2(nstate),
-            num_warps=config.bwd_warps, num_stages=config.num_stages,
-        )
-
-        def cast(g, like):
-            return None if like is None or g is None else g.to(like.dtype)
-
-        return (
-            cast(du, u), cast(ddelta, delta), cast(dA.sum(0), A), cast(dB, B), cast(dC, C), cast(dD.sum(0), D),
-            cast(dz, z), cast(None if delta_bias is None else ddelta.sum((0, 2)), delta_bias), cast(dh0, initial_state),
-            None, None, None,
-        )
+def _fp64(*tensors) -> bool:
+    return any(t is not None and t.dtype == torch.float64 for t in tensors)
 
 
-def selective_scan_triton(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
-                          initial_state=None, return_last_state=False, config=None, reset=None):
-    """Fused Triton selective scan (Mamba paper Algorithm 2, kernel of §3.3.2 / App. D), differentiable.
+def _config(config, u, nstate) -> SelectiveScanConfig:
+    if config is None:
+        config = selective_scan_config(device_arch(u.device), u.dtype, nstate)
+    if config.chunk < 1 or config.chunk & (config.chunk - 1):
+        raise ValueError(f"config.chunk must be a power of 2, got {config.chunk}")
+    return config
 
-    Args and returns as :func:`hf_densessm.ops.selective_scan` (which checks the arguments and should be
-    called instead): ``u, delta, z`` (batch, dim, length) and ``B, C`` (batch, state, length) in float32,
-    bfloat16 or float16 (float64 for tests), any strides; ``A`` (dim, state); ``D, delta_bias`` (dim,);
-    ``initial_state`` (batch, dim, state); ``reset`` (batch, length) bool, True where a packed document starts (the
-    state before that token is dropped), or None. ``y`` comes back in ``u``'s dtype, ``last_state`` in float32
-    (float64 for float64 inputs). ``config``: a :class:`SelectiveScanConfig`, by default
-    :func:`selective_scan_config` for ``u``'s device; it changes speed and register use only.
+
+def selective_scan_triton_fwd(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
+                              initial_state=None, reset=None, save_states=True, config=None):
+    """Forward pass of the fused Triton scan (Mamba paper Algorithm 2, kernel of §3.3.2 / App. D): the Triton body
+    of the op ``hf_densessm::selective_scan``. Launches :func:`_selective_scan_fwd_kernel` through
+    ``torch.library.wrap_triton``, so that ``torch.compile`` traces it.
+
+    Args:
+        u, delta, z: (batch, dim, length); B, C: (batch, state, length); float32, bfloat16 or float16 (float64 for
+            tests), any strides. A: (dim, state), entries <= 0 (not checked here). D, delta_bias: (dim,) or None
+            (zeros). initial_state: (batch, dim, state) or None (zeros). delta_softplus: apply softplus to
+            ``delta + delta_bias``. reset: (batch, length) bool, True where a packed document starts (the state
+            before that token is dropped), or None.
+        save_states: store the state entering each chunk, which :func:`selective_scan_triton_bwd` starts from.
+        config: a :class:`SelectiveScanConfig`, by default :func:`selective_scan_config` for ``u``'s device; it
+            changes speed and register use only (the backward pass must be given the same one).
+
+    Returns:
+        ``(y, last_state, chunk_states)``: ``y`` (batch, dim, length) in ``u``'s dtype; ``last_state``
+        (batch, dim, state) and ``chunk_states`` (batch, n_chunks, dim, state) in float32 (float64 for float64
+        inputs); ``n_chunks = ceil(length / config.chunk)``, or 0 without ``save_states``.
 
     Raises:
         ValueError: ``config.chunk`` is not a power of 2.
     """
-    if config is None:
-        config = selective_scan_config(device_arch(u.device), u.dtype, A.shape[1])
-    if config.chunk < 1 or config.chunk & (config.chunk - 1):
-        raise ValueError(f"config.chunk must be a power of 2, got {config.chunk}")
-    y, last_state = SelectiveScanTritonFn.apply(
-        u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus, config, reset
+    batch, dim, length = u.shape
+    nstate = A.shape[1]
+    config = _config(config, u, nstate)
+    use_fp64 = _fp64(u, delta, A, B, C, D, z, delta_bias, initial_state)
+    kw = dict(dtype=torch.float64 if use_fp64 else torch.float32, device=u.device)
+    # the kernels index these (dim,) and (batch, dim, state) tensors as contiguous
+    D_k = torch.zeros(dim, **kw) if D is None else D.contiguous()
+    bias_k = torch.zeros(dim, **kw) if delta_bias is None else delta_bias.contiguous()
+    h0 = torch.zeros(batch, dim, nstate, **kw) if initial_state is None else initial_state.to(kw["dtype"]).contiguous()
+    # (batch, length) int8, 1 where a packed document starts; the kernels index it as contiguous
+    reset_k = None if reset is None else reset.to(dtype=torch.int8).contiguous()
+    block_d = min(config.fwd_block_d, triton.next_power_of_2(dim))
+    n_chunks = triton.cdiv(length, config.chunk)
+    y = torch.empty(batch, dim, length, dtype=u.dtype, device=u.device)
+    last_state = torch.empty(batch, dim, nstate, **kw)
+    # without save_states the kernel stores nothing; it is still handed a valid buffer
+    h_chunks = torch.empty(batch, n_chunks if save_states else 1, dim, nstate, **kw)
+    torch.library.wrap_triton(_selective_scan_fwd_kernel)[(batch, triton.cdiv(dim, block_d))](
+        u, delta, A, B, C, D_k, z, bias_k, h0, reset_k, y, last_state, h_chunks,
+        *_strides3(u), *_strides3(delta), A.stride(0), A.stride(1), *_strides3(B), *_strides3(C), *_strides3(z),
+        dim, length, nstate, n_chunks,
+        HAS_Z=z is not None, SOFTPLUS=bool(delta_softplus), STORE_CHUNKS=bool(save_states), USE_FP64=use_fp64,
+        HAS_RESET=reset_k is not None,
+        BLOCK_D=block_d, BLOCK_L=config.chunk, BLOCK_N=triton.next_power_of_2(nstate),
+        num_warps=config.fwd_warps, num_stages=config.num_stages,
     )
-    return (y, last_state) if return_last_state else y
+    if not save_states:
+        h_chunks = torch.empty(batch, 0, dim, nstate, **kw)
+    return y, last_state, h_chunks
+
+
+def selective_scan_triton_bwd(dy, dlast, u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
+                              initial_state=None, reset=None, chunk_states=None, config=None):
+    """Backward pass of :func:`selective_scan_triton_fwd` (recomputation from the chunk entry states, App. D): the
+    Triton body of the op ``hf_densessm::selective_scan_backward``; launches :func:`_selective_scan_bwd_kernel`
+    through ``torch.library.wrap_triton``.
+
+    Args:
+        dy: (batch, dim, length) gradient of ``y`` or None (zero); dlast: (batch, dim, state) gradient of
+            ``last_state`` or None (zero); any float dtype, any strides.
+        u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, reset: the forward pass's arguments.
+        chunk_states: (batch, n_chunks, dim, state), what the forward pass returned with ``save_states``.
+        config: the forward pass's :class:`SelectiveScanConfig` (None there: None here).
+
+    Returns:
+        ``(du, ddelta, dA, dB, dC, dD, dz, ddelta_bias, dinitial_state)``, each in the dtype of its input; ``dD``,
+        ``dz``, ``ddelta_bias`` are None when ``D``, ``z``, ``delta_bias`` are; ``dinitial_state`` is float32
+        (float64) when ``initial_state`` is None. ``dB`` and ``dC`` are summed over channel blocks with atomic
+        adds (their last bits may vary from run to run).
+
+    Raises:
+        ValueError: ``config.chunk`` is not a power of 2, or ``chunk_states`` does not hold
+        ``ceil(length / config.chunk)`` chunks (e.g. a forward pass without ``save_states``).
+    """
+    batch, dim, length = u.shape
+    nstate = A.shape[1]
+    config = _config(config, u, nstate)
+    n_chunks = triton.cdiv(length, config.chunk)
+    if chunk_states is None or chunk_states.shape[1] != n_chunks:
+        raise ValueError(
+            f"chunk_states must hold the {n_chunks} chunk states of a forward pass with save_states=True and chunk "
+            f"{config.chunk}, got {None if chunk_states is None else tuple(chunk_states.shape)}"
+        )
+    use_fp64 = _fp64(u, delta, A, B, C, D, z, delta_bias, initial_state)
+    kw = dict(dtype=torch.float64 if use_fp64 else torch.float32, device=u.device)
+    block_d = min(config.bwd_block_d, triton.next_power_of_2(dim))
+    dy = torch.zeros(batch, dim, length, **kw) if dy is None else dy
+    D_k = torch.zeros(dim, **kw) if D is None else D.contiguous()
+    bias_k = torch.zeros(dim, **kw) if delta_bias is None else delta_bias.contiguous()
+    dlast = torch.zeros(batch, dim, nstate, **kw) if dlast is None else dlast.to(kw["dtype"]).contiguous()
+    reset_k = None if reset is None else reset.to(dtype=torch.int8).contiguous()
+    h_chunks = chunk_states.to(kw["dtype"]).contiguous()
+    du = torch.empty(batch, dim, length, **kw)
+    ddelta = torch.empty(batch, dim, length, **kw)
+    dz = torch.empty(batch, dim, length, **kw) if z is not None else None
+    dB = torch.zeros(batch, nstate, length, **kw)
+    dC = torch.zeros(batch, nstate, length, **kw)
+    dA = torch.empty(batch, dim, nstate, **kw)
+    dD = torch.empty(batch, dim, **kw)
+    dh0 = torch.empty(batch, dim, nstate, **kw)
+    torch.library.wrap_triton(_selective_scan_bwd_kernel)[(batch, triton.cdiv(dim, block_d))](
+        u, delta, A, B, C, D_k, z, bias_k, h_chunks, dy, dlast, reset_k,
+        du, ddelta, dz, dB, dC, dA, dD, dh0,
+        *_strides3(u), *_strides3(delta), A.stride(0), A.stride(1), *_strides3(B), *_strides3(C), *_strides3(z),
+        *_strides3(dy),
+        dim, length, nstate, n_chunks,
+        HAS_Z=z is not None, SOFTPLUS=bool(delta_softplus), USE_FP64=use_fp64, HAS_RESET=reset_k is not None,
+        BLOCK_D=block_d, BLOCK_L=config.chunk, BLOCK_N=triton.next_power_of_2(nstate),
+        num_warps=config.bwd_warps, num_stages=config.num_stages,
+    )
+
+    def cast(g, like):
+        return None if g is None else g.to(like.dtype) if like is not None else g
+
+    return (
+        cast(du, u), cast(ddelta, delta), cast(dA.sum(0), A), cast(dB, B), cast(dC, C),
+        None if D is None else cast(dD.sum(0), D), cast(dz, z),
+        None if delta_bias is None else cast(ddelta.sum((0, 2)), delta_bias), cast(dh0, initial_state),
+    )

@@ -1,9 +1,15 @@
 """The selective scan in vectorized PyTorch (Mamba paper, Algorithm 2 and §3.3): the path the models take on
 the CPU (``backend="torch"``), chunked over the length so that it costs ``O(sqrt(length))`` Python steps.
 
-- :func:`selective_scan_torch`: the whole sequence, with a hand-written recompute backward
-  (:class:`SelectiveScanTorchFn`).
-- :func:`selective_state_update_torch`: one decoding step, the state updated in place.
+- :func:`selective_scan_torch_fwd` / :func:`selective_scan_torch_bwd`: the whole sequence, forward and the
+  hand-written recompute backward; the PyTorch bodies of the ops ``hf_densessm::selective_scan`` and
+  ``hf_densessm::selective_scan_backward`` (registered in ``__init__.py``, which chooses between this path and
+  the Triton kernels).
+- :func:`selective_state_update_torch`: one decoding step, the state updated in place (the PyTorch body of
+  ``hf_densessm::selective_state_update``).
+
+Every function here is traceable by ``torch.compile`` (static shapes, no reads of tensor values on the host):
+the ops' bodies are also their fake (meta) implementations, and Inductor fuses this path on the CPU.
 
 The recurrence (Mamba paper eq. 2a/2b with the discretization of eq. 4 as the authors' code applies it,
 ZOH for ``A`` and Euler for ``B``)::
@@ -32,8 +38,8 @@ large tensors cost page faults). Positions padded onto the last chunk have ``dt 
 their input 0, so they leave the state unchanged. The ``D`` skip and the ``silu(z)`` gate are applied in place
 on the output.
 
-**Backward** (:class:`SelectiveScanTorchFn`). The forward pass saves only the inputs and the chunk entry states
-``(batch, n_chunks, state, dim)``. The backward pass recomputes the states of a block of channels from the
+**Backward** (:func:`selective_scan_torch_bwd`). The forward pass returns the chunk entry states
+``(batch, n_chunks, state, dim)``, which the op saves with the inputs. The backward pass recomputes the states of a block of channels from the
 entry states (one forward sweep), runs the adjoint recurrence ``g_t = exp(dt_{t+1} A) g_{t+1} + C_t gy_t``
 the same chunked way in reverse (a local sweep, a sweep over chunks, a sweep with the true adjoints) and
 reads every gradient off ``g_t``, ``h_{t-1}`` and the decay (``d(dt_t A) = g_t exp(dt_t A) h_{t-1}``).
@@ -52,7 +58,7 @@ import torch
 import torch.nn.functional as F
 
 __all__ = [
-    "SelectiveScanTorchFn", "default_chunk_size", "discretize_delta", "selective_scan_torch",
+    "default_chunk_size", "discretize_delta", "selective_scan_torch_bwd", "selective_scan_torch_fwd",
     "selective_state_update_torch",
 ]
 
@@ -290,93 +296,108 @@ def _scan_bwd(u, dt, A, B, C, D, z, entry, gout, glast, chunk_size, keep=None):
     )
 
 
-class SelectiveScanTorchFn(torch.autograd.Function):
-    """Autograd wrapper of the chunked scan: ``(u, dt, A, B, C, D, z, initial_state, chunk_size, keep) ->
-    (y, last_state)``; ``keep`` (batch, 1, length) is 0 where a packed document starts (or None).
-
-    ``dt`` (batch, dim, length) is already discretized (bias and softplus applied) and sets the compute dtype
-    (float32 or float64); the other tensors may be in any float dtype (``D, z, initial_state`` may be None).
-    ``y`` (batch, dim, length) and ``last_state`` (batch, dim, state) come back in the compute dtype. Saves
-    the inputs and the chunk entry states; recomputes the states in the backward pass (module docstring)."""
-
-    @staticmethod
-    def forward(ctx, u, dt, A, B, C, D, z, initial_state, chunk_size, keep=None):
-        y, last_state, entry = _scan_fwd(u, dt, A, B, C, D, z, initial_state, chunk_size, keep)
-        ctx.save_for_backward(u, dt, A, B, C, D, z, initial_state, entry, keep)
-        ctx.chunk_size = chunk_size
-        return y, last_state
-
-    @staticmethod
-    def backward(ctx, gout, glast):
-        u, dt, A, B, C, D, z, initial_state, entry, keep = ctx.saved_tensors
-        cdt = dt.dtype
-        batch, dim, length = u.shape
-        n = A.shape[1]
-        block = max(1, min(dim, _BWD_BLOCK_ELEMENTS // max(1, batch * entry.shape[1] * ctx.chunk_size * n)))
-        kw = dict(dtype=cdt, device=u.device)
-        du, ddt = torch.empty(batch, dim, length, **kw), torch.empty(batch, dim, length, **kw)
-        dA = torch.empty(dim, n, **kw)
-        dB, dC = torch.zeros(batch, n, length, **kw), torch.zeros(batch, n, length, **kw)
-        dD = None if D is None else torch.empty(dim, **kw)
-        dz = None if z is None else torch.empty(batch, dim, length, **kw)
-        dinitial = torch.empty(batch, dim, n, **kw)
-        for d0 in range(0, dim, block):
-            s = slice(d0, d0 + block)
-            g = _scan_bwd(
-                u[:, s], dt[:, s], A[s], B, C, None if D is None else D[s], None if z is None else z[:, s],
-                entry[..., s], None if gout is None else gout[:, s], None if glast is None else glast[:, s],
-                ctx.chunk_size, keep,
-            )
-            du[:, s], ddt[:, s], dA[s] = g[0], g[1], g[2]
-            dB += g[3]
-            dC += g[4]
-            if D is not None:
-                dD[s] = g[5]
-            if z is not None:
-                dz[:, s] = g[6]
-            dinitial[:, s] = g[7]
-
-        def cast(grad, like):
-            return None if like is None else grad.to(like.dtype)
-
-        return (cast(du, u), ddt, cast(dA, A), cast(dB, B), cast(dC, C), cast(dD, D), cast(dz, z),
-                cast(dinitial, initial_state), None, None)
+def _chunk_size(length: int, chunk_size: int | None) -> int:
+    return max(1, min(int(chunk_size or default_chunk_size(length)), length))
 
 
-def selective_scan_torch(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
-                         initial_state=None, return_last_state=False, chunk_size=None, reset=None):
-    """Selective scan in chunked PyTorch (Mamba paper, Algorithm 2, eq. 2a/2b and 4; chunking as App. D).
+def selective_scan_torch_fwd(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
+                             initial_state=None, reset=None, chunk_size=None):
+    """Forward pass of the selective scan in chunked PyTorch (Mamba paper, Algorithm 2, eq. 2a/2b and 4; chunked
+    as in the module docstring): the PyTorch body of the op ``hf_densessm::selective_scan``.
 
     Args:
-        u: (batch, dim, length) input ``x`` of the SSM.
+        u: (batch, dim, length) input ``x`` of the SSM, any float dtype.
         delta: (batch, dim, length) time step before ``delta_bias`` and softplus.
-        A: (dim, state) continuous-time diagonal state matrix, entries <= 0 (decay).
+        A: (dim, state) continuous-time diagonal state matrix, entries <= 0 (decay; not checked here).
         B, C: (batch, state, length) input and output projections.
-        D: (dim,) skip connection, optional. z: (batch, dim, length) gate, optional: ``y *= silu(z)``.
-        delta_bias: (dim,) added to ``delta``, optional. delta_softplus: apply softplus to ``delta``.
-        initial_state: (batch, dim, state) state before the first token, optional (zero).
-        return_last_state: also return the state after the last token.
-        chunk_size: tokens per chunk (default :func:`default_chunk_size`); changes speed only.
+        D: (dim,) skip connection, or None. z: (batch, dim, length) gate ``y *= silu(z)``, or None.
+        delta_bias: (dim,) added to ``delta``, or None. delta_softplus: apply softplus to ``delta + delta_bias``.
+        initial_state: (batch, dim, state) state before the first token, or None (zero).
         reset: (batch, length) bool, True at the first token of each packed document: the state before it is
             dropped (``h_{t-1} = 0``, the initial state too at ``t = 0``), or None.
+        chunk_size: tokens per chunk (default :func:`default_chunk_size`); changes speed only, and
+            :func:`selective_scan_torch_bwd` must be given the same one.
 
     Returns:
-        ``y`` (batch, dim, length) in ``u``'s dtype, and with ``return_last_state`` also ``last_state``
-        (batch, dim, state) in float32 (float64 for float64 inputs).
-
-    Differentiable with respect to every tensor argument (:class:`SelectiveScanTorchFn`). No argument checks:
-    call :func:`hf_densessm.ops.selective_scan` for those.
+        ``(y, last_state, entry)``: ``y`` (batch, dim, length) in ``u``'s dtype; ``last_state`` (batch, dim, state)
+        and ``entry``, the state entering each chunk, (batch, n_chunks, state, dim), both in the compute dtype
+        (float32, float64 when an input is float64). Fresh tensors; no autograd graph is recorded by design (the
+        op's backward is :func:`selective_scan_torch_bwd`). No argument checks: call
+        :func:`hf_densessm.ops.selective_scan` for those.
     """
     cdt = _compute_dtype(u, delta, A, B, C, D, z, delta_bias, initial_state)
     dt = discretize_delta(delta, delta_bias, delta_softplus, cdt)
-    length = u.shape[-1]
-    if chunk_size is None:
-        chunk_size = default_chunk_size(length)
-    chunk_size = max(1, min(int(chunk_size), length))
+    chunk_size = _chunk_size(u.shape[-1], chunk_size)
     keep = None if reset is None else (~reset.bool())[:, None, :].to(cdt)
-    y, last_state = SelectiveScanTorchFn.apply(u, dt, A, B, C, D, z, initial_state, chunk_size, keep)
-    y = y.to(u.dtype)
-    return (y, last_state) if return_last_state else y
+    y, last_state, entry = _scan_fwd(u, dt, A, B, C, D, z, initial_state, chunk_size, keep)
+    return y.to(u.dtype), last_state, entry
+
+
+def selective_scan_torch_bwd(dy, dlast, u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
+                             initial_state=None, reset=None, entry=None, chunk_size=None):
+    """Backward pass of :func:`selective_scan_torch_fwd` (the adjoint recurrence of the module docstring): the
+    PyTorch body of the op ``hf_densessm::selective_scan_backward``.
+
+    Args:
+        dy: (batch, dim, length) gradient of ``y``, or None (zero). dlast: (batch, dim, state) gradient of
+            ``last_state``, or None (zero).
+        u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, reset: the forward pass's arguments.
+        entry: (batch, n_chunks, state, dim), the chunk entry states :func:`selective_scan_torch_fwd` returned.
+        chunk_size: the forward pass's ``chunk_size`` (None there: None here).
+
+    Returns:
+        ``(du, ddelta, dA, dB, dC, dD, dz, ddelta_bias, dinitial_state)``, each in the dtype of its input (``dD``,
+        ``dz``, ``ddelta_bias`` are None when ``D``, ``z``, ``delta_bias`` are; ``dinitial_state`` is in the
+        compute dtype when ``initial_state`` is None). ``ddelta`` includes the softplus and the bias.
+
+    Raises:
+        ValueError: ``entry`` does not have the forward pass's number of chunks for this ``chunk_size``.
+    """
+    cdt = _compute_dtype(u, delta, A, B, C, D, z, delta_bias, initial_state)
+    batch, dim, length = u.shape
+    n = A.shape[1]
+    T = _chunk_size(length, chunk_size)
+    if entry is None or entry.shape[1] != -(-length // T):
+        raise ValueError(
+            f"entry must hold the {-(-length // T)} chunk states of the forward pass with chunk_size={T}, got "
+            f"{None if entry is None else tuple(entry.shape)}"
+        )
+    dt_raw = delta.to(cdt)
+    if delta_bias is not None:
+        dt_raw = dt_raw + delta_bias.to(cdt)[:, None]
+    dt = F.softplus(dt_raw) if delta_softplus else dt_raw
+    keep = None if reset is None else (~reset.bool())[:, None, :].to(cdt)
+    entry = entry.to(cdt)
+    block = max(1, min(dim, _BWD_BLOCK_ELEMENTS // max(1, batch * entry.shape[1] * T * n)))
+    kw = dict(dtype=cdt, device=u.device)
+    du, ddt = torch.empty(batch, dim, length, **kw), torch.empty(batch, dim, length, **kw)
+    dA = torch.empty(dim, n, **kw)
+    dB, dC = torch.zeros(batch, n, length, **kw), torch.zeros(batch, n, length, **kw)
+    dD = None if D is None else torch.empty(dim, **kw)
+    dz = None if z is None else torch.empty(batch, dim, length, **kw)
+    dinitial = torch.empty(batch, dim, n, **kw)
+    for d0 in range(0, dim, block):
+        s = slice(d0, d0 + block)
+        g = _scan_bwd(
+            u[:, s], dt[:, s], A[s], B, C, None if D is None else D[s], None if z is None else z[:, s],
+            entry[..., s], None if dy is None else dy[:, s], None if dlast is None else dlast[:, s], T, keep,
+        )
+        du[:, s], ddt[:, s], dA[s] = g[0], g[1], g[2]
+        dB += g[3]
+        dC += g[4]
+        if D is not None:
+            dD[s] = g[5]
+        if z is not None:
+            dz[:, s] = g[6]
+        dinitial[:, s] = g[7]
+    ddelta = ddt.mul_(torch.sigmoid(dt_raw)) if delta_softplus else ddt  # d softplus(x)/dx = sigmoid(x)
+    dbias = None if delta_bias is None else ddelta.sum((0, 2))
+
+    def cast(grad, like):
+        return None if grad is None else grad.to(like.dtype) if like is not None else grad
+
+    return (cast(du, u), cast(ddelta, delta), cast(dA, A), cast(dB, B), cast(dC, C), cast(dD, D), cast(dz, z),
+            cast(dbias, delta_bias), cast(dinitial, initial_state))
 
 
 def selective_state_update_torch(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False):

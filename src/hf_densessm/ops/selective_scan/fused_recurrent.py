@@ -3,7 +3,8 @@
 One program per (sequence, block of ``BLOCK_D`` channels) loads the state block, discretizes
 (``dt = softplus(dt + dt_bias)``, ``exp(dt A)``, ``dt B x``), updates the state IN PLACE and writes
 ``y = (sum_n C_n h_n + D x) * silu(z)``: one read and one write of the state, O(1) in the context length.
-Computes in float32 (float64 for a float64 state, for tests). Runs under ``TRITON_INTERPRET=1``.
+Computes in float32 (float64 for a float64 state, for tests); the kernel receives no float scalars. Runs under
+``TRITON_INTERPRET=1``.
 """
 
 from __future__ import annotations
@@ -84,7 +85,9 @@ def _selective_state_update_kernel(
 
 def selective_state_update_triton(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False,
                                   config=None):
-    """One selective-SSM decode step in one Triton kernel; ``state`` (batch, dim, state) is updated in place.
+    """One selective-SSM decode step in one Triton kernel; ``state`` (batch, dim, state) is updated in place. The
+    Triton body of the op ``hf_densessm::selective_state_update`` (launched through ``torch.library.wrap_triton``,
+    so that ``torch.compile`` traces it).
 
     Args and return as :func:`hf_densessm.ops.selective_state_update` (which checks the arguments and should be
     called instead): ``x, dt, z`` (batch, dim); ``A`` (dim, state); ``B, C`` (batch, state); ``D, dt_bias``
@@ -104,7 +107,7 @@ def selective_state_update_triton(state, x, dt, A, B, C, D=None, z=None, dt_bias
     def s2(t):
         return (t.stride(0), t.stride(1)) if t is not None else (0, 0)
 
-    _selective_state_update_kernel[(batch, triton.cdiv(dim, block_d))](
+    torch.library.wrap_triton(_selective_state_update_kernel)[(batch, triton.cdiv(dim, block_d))](
         state, x, dt, A, B, C, D, z, dt_bias, y,
         state.stride(0), state.stride(1), state.stride(2), *s2(x), *s2(dt), *s2(A), *s2(B), *s2(C), *s2(z),
         dim, nstate,
