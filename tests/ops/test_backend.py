@@ -38,7 +38,7 @@ def test_use_triton_resolution(monkeypatch):
     assert not backend.use_triton("auto", cuda)
     with pytest.raises(RuntimeError, match="needs the triton package"):
         backend.use_triton("triton", cuda)
-    for bad in ("cuda", None, "Triton"):
+    for bad in ("cuda", None, "Triton", "cpu"):  # "cpu": the retired C kernels
         with pytest.raises(ValueError, match="backend must be one of"):
             backend.use_triton(bad, cpu)
 

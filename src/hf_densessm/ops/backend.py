@@ -1,14 +1,12 @@
-"""Which form of an op runs: the backend switch shared by every op of :mod:`hf_densessm.ops`.
+"""Which form of an op runs: the one dispatch shared by every op of :mod:`hf_densessm.ops`.
 
-Every public op takes ``backend="auto" | "triton" | "cpu" | "torch"``:
+Every op is a ``torch.library`` op whose body starts with :func:`resolve_backend` and then runs one of its forms: the
+Triton kernels (launched through ``torch.library.wrap_triton``, so that ``torch.compile`` sees them) or the PyTorch
+path (``chunked_torch.py`` of each op, which ``torch.compile`` traces and fuses). Every op takes
+``backend="auto" | "triton" | "torch"`` (the models pass their runtime setting ``config.kernel_backend``):
 
-- ``"auto"`` (the models' ``config.kernel_backend`` default) runs the Triton kernel on CUDA tensors when
-  ``triton`` is installed; on CPU tensors it runs the op's compiled CPU kernel where the op has one (the selective
-  scan, ``cpu.py``; built on first use with the system C compiler, :mod:`.cpu_build`) and the PyTorch path
-  otherwise (no kernel for the op, no compiler);
-- ``"torch"`` always runs the PyTorch path (``chunked_torch.py`` of each op), e.g. for debugging;
-- ``"cpu"`` runs the compiled CPU kernel of ops that have one (an error where it cannot be built or the tensors
-  are not on the CPU) and the PyTorch path of the others (retention's CPU path is matrix products already);
+- ``"auto"`` runs the Triton kernel on CUDA tensors when ``triton`` is installed, the PyTorch path otherwise;
+- ``"torch"`` always runs the PyTorch path, e.g. for debugging;
 - ``"triton"`` always runs the kernel: on CUDA tensors, or on CPU tensors under the Triton interpreter
   (``TRITON_INTERPRET=1``, also ``true``/``yes``/``on``; how the tests run the kernels without a GPU).
 
@@ -34,15 +32,15 @@ __all__ = [
 ]
 
 #: The values of every op's ``backend`` argument (and of the models' ``config.kernel_backend``).
-BACKENDS = ("auto", "triton", "cpu", "torch")
+BACKENDS = ("auto", "triton", "torch")
 
 
 def own_precision(device: torch.device):
     """A context in which the PyTorch path of an op computes in the precision it chooses, as its kernels do.
 
     ``torch.autocast`` runs matrix products in bfloat16 / float16 even where an op has cast its inputs to float32
-    on purpose (the chunked references accumulate states and decays in float32). The Triton and compiled CPU
-    kernels are outside autocast's reach; inside this context the PyTorch path is too, so every backend computes
+    on purpose (the chunked references accumulate states and decays in float32). The Triton kernels are outside
+    autocast's reach; inside this context the PyTorch path is too, so every backend computes
     the same function under autocast, and its gradients run in the dtypes of its forward pass. On the DenseRetNet
     micro model of ``tests/test_training.py::test_bfloat16_autocast_training_step`` (PyTorch path) the cosine
     similarity of the autocast gradients with float64 ones went from 0.981 to 0.988.
@@ -93,7 +91,7 @@ def use_triton(backend: str, device: torch.device) -> bool:
     """
     if not isinstance(backend, str) or backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got backend={backend!r}")
-    if backend in ("torch", "cpu"):
+    if backend == "torch":
         return False
     if backend == "auto":
         return device.type == "cuda" and triton_available()
@@ -177,38 +175,11 @@ def device_arch(device: torch.device) -> GPUArch:
     return replace(arch, shared_per_block=shared) if shared else arch
 
 
-def resolve_backend(backend: str, device: torch.device, cpu_kernel=None) -> str:
-    """Which form of an op runs: ``"triton"``, ``"cpu"`` (the op's compiled CPU kernel) or ``"torch"``.
-
-    Args:
-        backend: one of :data:`BACKENDS`.
-        device: the device of the op's tensors.
-        cpu_kernel: for ops that have a compiled CPU kernel, a function returning whether it is available here
-            (it builds the kernel on first call); ``None`` for ops without one.
-
-    Returns:
-        ``"torch"`` for CPU tensors while ``torch.compile`` traces (the compiled C kernels are ctypes calls, opaque to
-        the compiler: a compiled region, e.g. :meth:`~hf_densessm.modeling.modeling_densessm.DenseSSMCausalLMMixin.compile_decode_step`,
-        runs and fuses the PyTorch path); else ``"triton"`` as :func:`use_triton`; else ``"cpu"`` for
-        ``backend="cpu"``, or for ``"auto"`` on CPU tensors when ``cpu_kernel()`` is true; else ``"torch"``.
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """Which form of an op runs on tensors on ``device``: ``"triton"`` where :func:`use_triton` says so, else
+    ``"torch"``.
 
     Raises:
-        ValueError, RuntimeError: as :func:`use_triton`; RuntimeError for ``backend="cpu"`` with an op whose kernel
-        cannot be built here or with tensors not on the CPU.
+        ValueError, RuntimeError: as :func:`use_triton`.
     """
-    if device.type == "cpu" and torch.compiler.is_compiling():
-        return "torch"  # inside torch.compile the PyTorch path is traced and fused; a ctypes call would break the graph
-    if use_triton(backend, device):
-        return "triton"
-    if cpu_kernel is None or backend == "torch":
-        return "torch"
-    if backend == "cpu":
-        if device.type != "cpu":
-            raise RuntimeError(f"backend='cpu' runs the compiled CPU kernels on CPU tensors, got {device.type} tensors")
-        if not cpu_kernel():
-            raise RuntimeError(
-                "backend='cpu': the compiled CPU kernel cannot be built here (see the warning above: a C compiler "
-                "is needed); use backend='torch' or 'auto'"
-            )
-        return "cpu"
-    return "cpu" if device.type == "cpu" and cpu_kernel() else "torch"
+    return "triton" if use_triton(backend, device) else "torch"
