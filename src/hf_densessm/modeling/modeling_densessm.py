@@ -436,8 +436,10 @@ class DenseSSMCausalLMMixin:
     ):
         """As transformers' default, with three differences for recurrent models:
 
-        - the 2-D padding mask is passed through as is: the blocks read it directly (its last ``sequence_length``
-          columns) and never need a 4-D attention mask (so the cache is not shown to transformers' mask builder);
+        - the 2-D padding mask is passed as its columns of the tokens fed (the blocks read it directly and never
+          need a 4-D attention mask, so the cache is not shown to transformers' mask builder): a decoding step gets
+          a ``(batch, 1)`` mask, the same shape at every token, so a compiled step is not recompiled as the sequence
+          grows;
         - ``inputs_embeds`` are used for the first step, as transformers' decoder-only models do;
         - a ``cache`` passed in that already holds ``p`` positions while ``input_ids`` holds more is continued: only
           ``input_ids[:, p:]`` is fed (the sequence a previous ``generate()`` returned, given back with its cache).
@@ -460,7 +462,10 @@ class DenseSSMCausalLMMixin:
         )
         if cache is not None:
             model_inputs["cache"] = cache
-        model_inputs["attention_mask"] = attention_mask
+        fed = model_inputs.get("input_ids")
+        if fed is None:
+            fed = model_inputs["inputs_embeds"]
+        model_inputs["attention_mask"] = None if attention_mask is None else attention_mask[:, -fed.shape[1] :]
         return model_inputs
 
 
