@@ -19,8 +19,9 @@ def check_reset(reset, batch: int, length: int, device: torch.device) -> torch.T
 
     Raises:
         TypeError: ``reset`` is not a bool or integer tensor.
-        ValueError: its shape is not ``(batch, length)``, an integer ``reset`` holds values other than 0 and 1, or it
-            lies on another device. Messages name ``reset``.
+        ValueError: its shape is not ``(batch, length)``, an integer ``reset`` holds values other than 0 and 1 (not
+            checked while ``torch.compile`` traces: reading values would break the graph), or it lies on another
+            device. Messages name ``reset``.
     """
     if reset is None:
         return None
@@ -31,7 +32,7 @@ def check_reset(reset, batch: int, length: int, device: torch.device) -> torch.T
     if reset.device != device:
         raise ValueError(f"reset is on {reset.device} but the inputs are on {device}")
     if reset.dtype != torch.bool:
-        if bool(((reset != 0) & (reset != 1)).any()):
+        if not torch.compiler.is_compiling() and bool(((reset != 0) & (reset != 1)).any()):
             raise ValueError("reset must hold only 0 and 1 (True where a packed document starts)")
         reset = reset.bool()
     return reset
