@@ -187,7 +187,7 @@ class Suite:
                  self.copy_bandwidth / 1e9, "GB/s")
 
     def kernel_correctness(self):
-        from hf_densessm.ops.retention.chunk import chunk_retention_triton
+        from hf_densessm.ops.retention import chunk_retention
         from hf_densessm.ops.retention.chunked_torch import retention_state_update_torch
         from hf_densessm.ops.retention.fused_recurrent import retention_state_update_triton
         from hf_densessm.ops.retention.naive import chunk_retention_naive
@@ -235,7 +235,7 @@ class Suite:
                 q, k, v = (x.to(dtype) for x in qkv)
                 method = f"triton {_short(dtype)}"
                 ref = _run_with_grads(lambda q, k, v: chunk_retention_naive(q, k, v), _doubles(q=q, k=k, v=v), go)
-                got = _run_with_grads(lambda q, k, v: chunk_retention_triton(q, k, v, key**-0.5)[0],
+                got = _run_with_grads(lambda q, k, v: chunk_retention(q, k, v, key**-0.5, backend="triton")[0],
                                       dict(q=q, k=k, v=v), go.to(dtype))
                 for name in ref:
                     self._check(case, method, name, got[name], ref[name], dtype)

@@ -105,7 +105,7 @@ def _scan_runner(shape, device, dtype):
 def _retention_runner(shape, device, dtype):
     """``run(config, backward)``: the chunkwise retention kernels on fixed inputs of ``shape`` (batch, length, heads,
     key, value), returning ``[o]`` or ``[o, dq, dk, dv]``."""
-    from hf_densessm.ops.retention.chunk import chunk_retention_triton
+    from hf_densessm.ops.retention.chunk import chunk_retention_bwd_triton, chunk_retention_fwd_triton
 
     batch, length, heads, key_dim, value_dim = shape
     gen = torch.Generator(device="cpu").manual_seed(0)
@@ -113,11 +113,10 @@ def _retention_runner(shape, device, dtype):
     v, do = (torch.randn(batch, length, heads, value_dim, generator=gen).to(device, dtype) for _ in range(2))
 
     def run(config, backward):
-        args = [t.detach().requires_grad_(backward) for t in (q, k, v)]
-        o, _ = chunk_retention_triton(*args, key_dim ** -0.5, config=config)
+        o, _ = chunk_retention_fwd_triton(q, k, v, key_dim ** -0.5, config=config)
         if not backward:
             return [o]
-        return [o, *torch.autograd.grad(o, args, do)]
+        return [o, *chunk_retention_bwd_triton(do, None, q, k, v, key_dim ** -0.5, config=config)[:3]]
 
     return run
 

@@ -56,7 +56,7 @@ def flags(op: str) -> tuple[str, ...]:
         if op == "selective_scan":
             from hf_densessm.ops.selective_scan.chunk import selective_scan_triton_fwd as triton_form
         else:
-            from hf_densessm.ops.retention.chunk import chunk_retention_triton as triton_form
+            from hf_densessm.ops.retention.chunk import chunk_retention_fwd_triton as triton_form
     except ImportError:  # no triton: the test skips anyway
         return base
     return base + (("reset",) if "reset" in inspect.signature(triton_form).parameters else ())
@@ -70,6 +70,7 @@ def jobs() -> list[dict]:
       backward and decode kernels.
     - Every other combination of the optional inputs (each a distinct set of constexprs the code can launch), for
       sm_90 and bfloat16 at the presets' shapes: they compile to subsets of the full variant's code.
+    - Retention's kernels with Python floats typed fp64 (``float_scalars``), as Inductor launches them.
     """
     scan, retention = list(flags("selective_scan")), list(flags("retention"))
     out = []
@@ -83,6 +84,12 @@ def jobs() -> list[dict]:
             if not all(on):
                 chosen = [flag for flag, keep in zip(names, on) if keep]
                 out.append(dict(op=op, arch="sm_90", dtype="bfloat16", shape=shape, flags=chosen))
+    # Python floats (retention's ``scale``) typed fp64, as Inductor's launcher passes them under torch.compile: the
+    # kernels cast every scalar to their accumulator dtype (the step kernel once failed on CUDA with "Loop-carried
+    # variable o_acc fp32 re-assigned to fp64")
+    for dtype in ("float32", "bfloat16"):
+        out.append(dict(op="retention", arch="sm_90", dtype=dtype, shape="DenseRetNet-350M", flags=retention,
+                        float_scalars="fp64"))
     return out
 
 
@@ -95,7 +102,8 @@ def _reset(length: int) -> torch.Tensor:
 
 def job_id(job: dict) -> str:
     """A readable test id: ``retention-DenseRetNet-350M-bfloat16-sm_90-initial_state+grad``."""
-    return "-".join([job["op"], job["shape"], job["dtype"], job["arch"], "+".join(job["flags"]) or "none"])
+    parts = [job["op"], job["shape"], job["dtype"], job["arch"], "+".join(job["flags"]) or "none"]
+    return "-".join(parts + (["fp64-scalars"] if job.get("float_scalars") == "fp64" else []))
 
 
 # ------------------------------------------------------------------------------------------ recording launches
@@ -164,24 +172,27 @@ def _launch_scan(arch, dtype, shape, flags):
 
 
 def _launch_retention(arch, dtype, shape, flags):
-    from hf_densessm.ops.retention.chunk import chunk_retention_config, chunk_retention_triton
+    from hf_densessm.ops.retention.chunk import (
+        chunk_retention_bwd_triton,
+        chunk_retention_config,
+        chunk_retention_fwd_triton,
+    )
     from hf_densessm.ops.retention.fused_recurrent import (
         retention_state_update_config,
         retention_state_update_triton,
     )
 
     H, K, V, L = shape["heads"], shape["key_dim"], shape["value_dim"], _LENGTH
-    grad = "grad" in flags
-    q, k, v = (torch.randn(1, L, H, d, dtype=dtype, requires_grad=grad) for d in (K, K, V))
-    s0 = torch.randn(1, H, K, V, requires_grad=grad) if "initial_state" in flags else None
+    q, k, v = (torch.randn(1, L, H, d, dtype=dtype) for d in (K, K, V))
+    s0 = torch.randn(1, H, K, V) if "initial_state" in flags else None
     config = chunk_retention_config(arch, dtype, K, V)
-    packed = dict(reset=_reset(L)) if "reset" in flags else {}
-    o, final_state = chunk_retention_triton(q, k, v, K**-0.5, s0, "final_state" in flags, config=config, **packed)
-    if grad:
-        outputs = [o] + ([final_state] if final_state is not None else [])
-        torch.autograd.backward(outputs, [torch.randn_like(t) for t in outputs])
+    reset = _reset(L) if "reset" in flags else None
+    o, final_state = chunk_retention_fwd_triton(q, k, v, K**-0.5, s0, reset, config=config)
+    if "grad" in flags:  # the gradient of the final state reaches the backward kernel only where it was returned
+        d_final_state = torch.randn_like(final_state) if "final_state" in flags else None
+        chunk_retention_bwd_triton(torch.randn_like(o), d_final_state, q, k, v, K**-0.5, s0, reset, config=config)
     state = torch.zeros(1, H, K, V)
-    retention_state_update_triton(state, q[:, 0].detach(), k[:, 0].detach(), v[:, 0].detach(), K**-0.5,
+    retention_state_update_triton(state, q[:, 0], k[:, 0], v[:, 0], K**-0.5,
                                   config=retention_state_update_config(arch, K, V))
 
 
@@ -232,8 +243,10 @@ def _cuobjdump() -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 
 
-def _specialize(fn, args, kwargs):
-    """``(signature, constexprs, attrs, options)`` of a recorded launch, specialized as Triton's launcher does."""
+def _specialize(fn, args, kwargs, float_type="fp32"):
+    """``(signature, constexprs, attrs, options)`` of a recorded launch, specialized as Triton's launcher does
+    (a Python float as ``float_type``: ``"fp32"`` from Triton's own launcher, ``"fp64"`` from Inductor's, which
+    launches the kernels of a ``torch.compile``'d op)."""
     from triton.backends.compiler import BaseBackend
 
     bound = dict(zip(fn.arg_names, args))
@@ -258,7 +271,7 @@ def _specialize(fn, args, kwargs):
             signature[param.name] = "i32" if -(2**31) <= value < 2**31 else "i64"
             aligned = value % 16 == 0
         elif isinstance(value, float):
-            signature[param.name] = "fp32"
+            signature[param.name] = float_type
         else:
             raise TypeError(f"{fn.__name__}: cannot specialize {param.name}={value!r}")
         if aligned and parse_attr is not None:
@@ -298,7 +311,7 @@ def run_job(job: dict) -> list[dict]:
     target = GPUTarget("cuda", arch.capability[0] * 10 + arch.capability[1], 32)
     results, seen = [], set()
     for fn, args, kwargs in _record_launches(job):
-        signature, constexprs, attrs, options = _specialize(fn, args, dict(kwargs))
+        signature, constexprs, attrs, options = _specialize(fn, args, dict(kwargs), job.get("float_scalars", "fp32"))
         key = (fn.__name__, tuple(sorted(signature.items())), repr(sorted(constexprs.items())), repr(options))
         if key in seen:
             continue

@@ -210,10 +210,18 @@ def retention_run(fn, inputs, seed=1):
 RET_NAMES = ["o", "final_state", "dq", "dk", "dv", "d_initial_state"]
 
 
-def retention_triton(config, reset):
-    from hf_densessm.ops.retention.chunk import chunk_retention_triton
+def retention_triton_run(config, reset, inputs, seed=1):
+    """:func:`retention_run` for the Triton kernels with ``config`` (their forward and backward launched directly:
+    the op picks its own tiles), the same cotangents."""
+    from hf_densessm.ops.retention.chunk import chunk_retention_bwd_triton, chunk_retention_fwd_triton
 
-    return lambda q, k, v, s0: chunk_retention_triton(q, k, v, 0.6, s0, True, config=config, reset=reset)
+    q, k, v, s0 = inputs
+    o, final_state = chunk_retention_fwd_triton(q, k, v, 0.6, s0, reset, config=config)
+    g = torch.Generator().manual_seed(seed)
+    go = torch.randn(o.shape, generator=g, dtype=torch.float64).to(o.dtype)
+    gs = torch.randn(final_state.shape, generator=g, dtype=torch.float64).to(final_state.dtype)
+    dq, dk, dv, d_s0 = chunk_retention_bwd_triton(go, gs, q, k, v, 0.6, s0, reset, config=config)
+    return [o, final_state, dq, dk, dv, None if s0 is None else d_s0]
 
 
 def retention_torch(reset, chunk_size=8):
@@ -226,7 +234,7 @@ def test_triton_retention_with_reset_equals_reference(pattern, initial_state):
     """Chunks of 16 tokens (the reference runs chunks of 8, so its chunk edges differ from the kernel's)."""
     inputs = retention_inputs(RET_LENGTH, initial_state)
     reset = reset_of(RET_LENGTH, *RET_RESETS[pattern])
-    got = retention_run(retention_triton(retention_config(), reset), inputs)
+    got = retention_triton_run(retention_config(), reset, inputs)
     expected = retention_run(retention_torch(reset), inputs)
     assert_all_close(got, expected, RET_NAMES, F64)
     if pattern == "mixed" and not initial_state:
@@ -253,10 +261,9 @@ def test_triton_retention_with_reset_through_public_op():
 
 def test_triton_retention_without_reset_unchanged():
     inputs = retention_inputs(RET_LENGTH, True, seed=4)
-    none = retention_run(retention_triton(retention_config(), None), inputs)
+    none = retention_triton_run(retention_config(), None, inputs)
     assert_all_close(none, retention_run(retention_torch(None), inputs), RET_NAMES, F64)
-    all_false = retention_run(retention_triton(retention_config(), torch.zeros(2, RET_LENGTH, dtype=torch.bool)),
-                              inputs)
+    all_false = retention_triton_run(retention_config(), torch.zeros(2, RET_LENGTH, dtype=torch.bool), inputs)
     assert_all_close(all_false, none, RET_NAMES, dict(atol=0, rtol=0))
 
 
@@ -264,6 +271,6 @@ def test_triton_retention_with_reset_float32():
     """float32 inputs (exact float32 products, float32 accumulation) against the float64 reference."""
     inputs = retention_inputs(RET_LENGTH, True, seed=5, dtype=torch.float32)
     reset = reset_of(RET_LENGTH, *RET_RESETS["mixed"])
-    got = retention_run(retention_triton(retention_config(), reset), inputs)
+    got = retention_triton_run(retention_config(), reset, inputs)
     expected = retention_run(retention_torch(reset), [x.double() for x in inputs])
     assert_all_close([x.double() for x in got], expected, RET_NAMES, dict(atol=1e-5, rtol=1e-4))

@@ -1,6 +1,10 @@
-"""Multi-scale retention: parallel, chunked and recurrent references against each other, and the Triton
-kernels against the references (under ``TRITON_INTERPRET=1`` on the CPU, set by ``tests/conftest.py``)."""
+"""Multi-scale retention: parallel, chunked and recurrent references against each other, the PyTorch path's written-out
+backward against autograd, the Triton kernels against the references (under ``TRITON_INTERPRET=1`` on the CPU, set
+by ``tests/conftest.py``), and the three ``torch.library`` ops (``hf_densessm::chunk_retention``,
+``hf_densessm::chunk_retention_backward``, ``hf_densessm::retention_state_update``) under ``opcheck`` and
+``torch.compile``."""
 
+import logging
 import os
 
 import pytest
@@ -8,7 +12,11 @@ import torch
 
 from hf_densessm.ops import backend
 from hf_densessm.ops.retention import chunk_retention, retention_gamma, retention_state_update
-from hf_densessm.ops.retention.chunked_torch import chunk_retention_torch, retention_state_update_torch
+from hf_densessm.ops.retention.chunked_torch import (
+    chunk_retention_torch,
+    chunk_retention_torch_backward,
+    retention_state_update_torch,
+)
 from hf_densessm.ops.retention.naive import chunk_retention_naive, retention_log2_gamma
 
 try:
@@ -37,6 +45,14 @@ def _inputs(batch, length, heads, key_dim, value_dim, dtype=torch.float64, initi
     s0 = torch.randn(batch, heads, key_dim, value_dim, generator=gen, dtype=torch.float64) if initial_state else None
     q, k, v = (x.to(DEVICE, dtype) for x in (q, k, v))
     return q, k, v, (None if s0 is None else s0.to(DEVICE, state_dtype))
+
+
+def _reset(batch, length, starts):
+    """``(batch, length)`` bool, True at the tokens ``starts[b]`` of row ``b``."""
+    reset = torch.zeros(batch, length, dtype=torch.bool)
+    for row, tokens in enumerate(starts):
+        reset[row, list(tokens)] = True
+    return reset.to(DEVICE)
 
 
 def _recurrent(q, k, v, initial_state=None, scale=None, backend="torch"):
@@ -124,6 +140,57 @@ def test_initial_state_gradient_torch():
     assert torch.autograd.gradcheck(lambda s: chunk_retention_torch(q, k, v, initial_state=s, chunk_size=8)[0], (s0,))
 
 
+@pytest.mark.parametrize("length, chunk_size", [(1, 8), (37, 8), (37, 16), (64, 64), (70, 64)])
+@pytest.mark.parametrize("packed", [False, True], ids=["one-document", "packed"])
+def test_torch_backward_matches_autograd(length, chunk_size, packed):
+    """The PyTorch path's written-out backward (the ``backend="torch"`` branch of ``chunk_retention_backward``)
+    against autograd through its forward, with and without a gradient of the final state, across chunk edges and
+    document boundaries (at a chunk's last token, at a chunk edge, one-token documents)."""
+    q, k, v, s0 = _inputs(2, length, 2, 8, 12, initial_state=True)
+    starts = [(0, 7, 8, 15, 16, 17, 36), (3,)]
+    reset = _reset(2, length, [[t for t in row if t < length] for row in starts]) if packed else None
+    gen = torch.Generator().manual_seed(3)
+    d_o = torch.randn(v.shape, generator=gen, dtype=torch.float64)
+    d_final = torch.randn(s0.shape, generator=gen, dtype=torch.float64)
+    for d_final_state in (d_final, None):
+        leaves = [x.clone().requires_grad_() for x in (q, k, v, s0)]
+        o, final_state = chunk_retention_torch(*leaves[:3], 0.6, leaves[3], True, chunk_size=chunk_size, reset=reset)
+        loss = (o * d_o).sum() + (0 if d_final_state is None else (final_state * d_final_state).sum())
+        loss.backward()
+        got = chunk_retention_torch_backward(d_o, d_final_state, q, k, v, 0.6, s0, chunk_size=chunk_size, reset=reset)
+        for name, a, b in zip(["dq", "dk", "dv", "d_initial_state"], got, leaves):
+            torch.testing.assert_close(a, b.grad, rtol=1e-10, atol=1e-10, msg=lambda m: f"{name}: {m}")
+
+
+def test_torch_backward_matches_parallel_with_resets():
+    """Through the public op (``backend="torch"``, so the written-out backward): output and gradients equal the
+    quadratic form's (Eq. 24 with a same-document mask), which autograd differentiates."""
+    q, k, v, _ = _inputs(2, 70, 2, 8, 12)
+    reset = _reset(2, 70, [(0, 5, 63, 64, 69), (40,)])
+    grad_out = torch.randn_like(v)
+    results = []
+    for fn in (chunk_retention_naive, lambda *x, **kw: chunk_retention(*x, **kw, backend="torch")[0]):
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        o = fn(*leaves, scale=0.6, reset=reset)
+        (o * grad_out).sum().backward()
+        results.append([o] + [x.grad for x in leaves])
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+def test_gradient_through_the_final_state_only():
+    """A loss of the final state alone: the op's backward gets no gradient of ``o`` (None, made zeros)."""
+    q, k, v, s0 = _inputs(1, 20, 2, 4, 5, initial_state=True)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v, s0)]
+    chunk_retention(*leaves[:3], initial_state=leaves[3], output_final_state=True, backend="torch")[1].sum().backward()
+    expected = [x.clone().requires_grad_() for x in (q, k, v, s0)]
+    chunk_retention_torch(*expected[:3], None, expected[3], True, chunk_size=8)[1].sum().backward()
+    assert expected[0].grad is None  # q does not reach the final state: the op returns zeros for it
+    torch.testing.assert_close(leaves[0].grad, torch.zeros_like(q), rtol=0, atol=0)
+    for a, b in zip(leaves[1:], expected[1:]):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-10, atol=1e-10)
+
+
 def test_state_update_is_in_place():
     q, k, v, s0 = _inputs(2, 1, 3, 8, 12, initial_state=True)
     state = s0.clone()
@@ -204,7 +271,7 @@ def _retention_configs(key_dim, value_dim):
 def test_triton_every_config_choice():
     """The tiles each GPU gets, run under the interpreter (float64) against the PyTorch path: several chunks of
     every chunk size chosen, and masked key and value tiles (key 40, value 72)."""
-    from hf_densessm.ops.retention.chunk import chunk_retention_triton
+    from hf_densessm.ops.retention.chunk import chunk_retention_bwd_triton, chunk_retention_fwd_triton
 
     batch, length, heads, key_dim, value_dim = 1, 67, 2, 40, 72
     q, k, v, s0 = _inputs(batch, length, heads, key_dim, value_dim, dtype=KERNEL_DTYPE, initial_state=True)
@@ -221,7 +288,9 @@ def test_triton_every_config_choice():
     configs = _retention_configs(key_dim, value_dim)
     assert len(configs) >= 2  # the sm_90 half-precision tiles differ from the rest
     for config in configs:
-        got = run(lambda *x: chunk_retention_triton(*x[:3], 0.6, x[3], True, config=config))
+        o, final_state = chunk_retention_fwd_triton(q, k, v, 0.6, s0, config=config)
+        grads = chunk_retention_bwd_triton(grad_out, grad_state, q, k, v, 0.6, s0, config=config)
+        got = [o, final_state, *grads]
         for name, a, b in zip(["o", "final_state", "dq", "dk", "dv", "d_initial_state"], got, expected):
             _assert_matches(a, b, f"{name} {config}")
 
@@ -312,6 +381,7 @@ BAD_CALLS = [
     ("scale zero", lambda: chunk_retention(_Q, _K, _V, scale=0.0), ValueError, "scale must be a positive"),
     ("scale nan", lambda: chunk_retention(_Q, _K, _V, scale=float("nan")), ValueError, "scale must be a positive"),
     ("backend", lambda: chunk_retention(_Q, _K, _V, backend="cuda"), ValueError, "backend must be one of"),
+    ("backend cpu", lambda: chunk_retention(_Q, _K, _V, backend="cpu"), ValueError, "backend must be one of"),
     ("step rank", lambda: retention_state_update(_S, _Q, _K, _V), ValueError, r"q must have shape \(batch, heads, key_dim\)"),
     ("step state", lambda: retention_state_update(_S[..., :4], _Q1, _K1, _V1), ValueError, "state must have shape"),
     ("step state dtype", lambda: retention_state_update(_S.double(), _Q1, _K1, _V1), TypeError, "state must be float32"),
@@ -342,17 +412,190 @@ def test_missing_triton(monkeypatch):
     torch.testing.assert_close(o, chunk_retention(_Q, _K, _V, backend="torch")[0])
 
 
-def test_step_decay_is_built_once_and_usable_everywhere():
-    """The decode steps' decay is built once per (heads, device, dtype) (on a GPU each build was a host-to-device
-    copy per layer and token), equals the definition, and is a plain tensor even when first built under
-    ``torch.inference_mode`` (so a later training step can use it)."""
-    from hf_densessm.ops.retention.chunked_torch import step_decay
+def test_state_update_decay_is_the_definition():
+    """The step computes ``gamma_h = 1 - 2**(-5 - h)`` itself (no cached tensor): from a zero state, one step with
+    ``k = v = 1`` then one with ``k = v = 0`` leaves ``gamma_h`` in every entry of head ``h``."""
+    state = torch.zeros(1, 7, 2, 3, dtype=torch.float64)
+    ones, zeros = torch.ones(1, 7, 2, dtype=torch.float64), torch.zeros(1, 7, 3, dtype=torch.float64)
+    retention_state_update(state, ones, ones, torch.ones(1, 7, 3, dtype=torch.float64), backend="torch")
+    retention_state_update(state, ones, ones * 0, zeros, backend="torch")
+    expected = retention_gamma(7, dtype=torch.float64)[None, :, None, None].expand_as(state)
+    torch.testing.assert_close(state, expected, rtol=0, atol=0)
 
-    with torch.inference_mode():
-        first = step_decay(7, torch.device("cpu"), torch.float64, log2=True)
-    assert step_decay(7, torch.device("cpu"), torch.float64, log2=True) is first
-    assert not first.is_inference()
-    assert torch.equal(first, retention_log2_gamma(7, dtype=torch.float64))
-    gamma = step_decay(7, torch.device("cpu"), torch.float64)
-    assert gamma.shape == (7, 1, 1) and torch.equal(gamma.flatten(), torch.exp2(first))
-    torch.testing.assert_close(gamma.flatten(), retention_gamma(7, dtype=torch.float64), rtol=1e-15, atol=0)
+
+# ---------------------------------------------------------------------------------------- the torch.library ops
+
+
+@pytest.fixture
+def traceable_interpreter(monkeypatch):
+    """Make the interpreter's kernels traceable by ``torch.compile`` / ``opcheck``, as real ones are on a GPU.
+
+    ``torch.library.wrap_triton`` hands an interpreted kernel (``TRITON_INTERPRET=1`` turns ``@triton.jit`` into
+    an ``InterpretedFunction``) back unwrapped, so FakeTensors would reach the interpreter. Here it wraps it like a
+    ``JITFunction`` (the one torch's Triton higher-order op takes) whose ``run`` is the interpreter's: tracing then
+    records the kernel in the graph exactly as on CUDA, and running the graph interprets it. Only the kernels'
+    read/write analysis (it compiles the kernel for the current GPU) cannot run; torch then treats every tensor
+    argument as written, and says so in a warning, silenced here.
+    """
+    if not HAS_TRITON or ON_CUDA:
+        return
+    from torch._higher_order_ops.triton_kernel_wrap import TraceableTritonKernelWrapper
+    from torch._library.triton import is_wrap_triton_enabled
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    original, jitted = torch.library.wrap_triton, {}
+
+    def wrap_triton(kernel):
+        if not isinstance(kernel, InterpretedFunction) or not is_wrap_triton_enabled():
+            return original(kernel)
+        if kernel not in jitted:
+            jitted[kernel] = JITFunction(kernel.fn)
+            jitted[kernel].run = kernel.run
+            # its source hash would visit the helpers it calls, interpreted functions that a JITFunction rejects
+            jitted[kernel].hash = f"interpreted:{kernel.fn.__module__}.{kernel.fn.__qualname__}"
+        return TraceableTritonKernelWrapper(jitted[kernel], None, None)
+
+    monkeypatch.setattr(torch.library, "wrap_triton", wrap_triton)
+    logger = logging.getLogger("torch._higher_order_ops.triton_kernel_wrap")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    yield
+    logger.setLevel(level)
+
+
+def _op_args(backend, length=20, initial_state=True, packed=True, dtype=None):
+    dtype = dtype or (KERNEL_DTYPE if backend == "triton" else torch.float32)
+    q, k, v, s0 = _inputs(2, length, 2, 8, 16, dtype=dtype, initial_state=initial_state)
+    reset = _reset(2, length, [(0, 7), (12,)]) if packed else None
+    return q, k, v, s0, reset
+
+
+OPCHECK_CASES = [
+    # backend, initial state, packed documents
+    ("torch", True, True),
+    ("torch", False, False),
+    pytest.param("triton", True, True, marks=needs_triton),
+    pytest.param("triton", False, False, marks=needs_triton),
+]
+
+
+@pytest.mark.parametrize("backend, initial_state, packed", OPCHECK_CASES)
+def test_opcheck_chunk_retention(traceable_interpreter, backend, initial_state, packed):
+    """``torch.library.opcheck`` (schema, fake tensors, autograd registration, AOT dispatch with dynamic shapes)
+    on the forward and the backward op."""
+    q, k, v, s0, reset = _op_args(backend, initial_state=initial_state, packed=packed)
+    leaves = [x.requires_grad_() for x in (q, k, v)] + [None if s0 is None else s0.requires_grad_()]
+    torch.library.opcheck(torch.ops.hf_densessm.chunk_retention, (*leaves[:3], 0.6, leaves[3], reset, backend))
+    d_o, d_final = torch.randn_like(v), torch.randn(2, 2, 8, 16, dtype=s0.dtype if initial_state else v.dtype)
+    for d_final_state in (d_final, None):
+        args = (d_o, d_final_state, *(x.detach() for x in (q, k, v)), 0.6, None if s0 is None else s0.detach(),
+                reset, backend)
+        torch.library.opcheck(torch.ops.hf_densessm.chunk_retention_backward, args)
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_triton)])
+def test_opcheck_retention_state_update(traceable_interpreter, backend):
+    dtype = KERNEL_DTYPE if backend == "triton" else torch.float32
+    q, k, v, s0 = _inputs(2, 1, 3, 8, 12, dtype=dtype, initial_state=True)
+    torch.library.opcheck(torch.ops.hf_densessm.retention_state_update, (s0, q[:, 0], k[:, 0], v[:, 0], 0.6, backend))
+
+
+def _training_fn(backend, initial_state, output_final_state=True):
+    def fn(q, k, v, s0, reset):
+        o, final_state = chunk_retention(q, k, v, scale=0.6, initial_state=s0 if initial_state else None,
+                                         output_final_state=output_final_state, backend=backend, reset=reset)
+        loss = (o * o.detach().cos()).sum()
+        if output_final_state:
+            loss = loss + final_state.square().sum()
+        return loss, o
+
+    return fn
+
+
+def _run_with_grads(fn, args):
+    leaves = [x.detach().clone().requires_grad_() for x in args[:4]]
+    loss, o = fn(*leaves, args[4])
+    loss.backward()
+    return [loss, o] + [x.grad for x in leaves]
+
+
+@pytest.mark.parametrize("initial_state, output_final_state", [(True, True), (False, False)])
+def test_compile_fullgraph_inductor_training(initial_state, output_final_state):
+    """``torch.compile(fullgraph=True)`` (Inductor, CPU, float32) of a function that calls the public op (packed
+    documents, lengths across chunk edges) and backpropagates: the loss, ``o`` and every gradient as in eager."""
+    torch._dynamo.reset()
+    q, k, v, s0, reset = _op_args("torch", length=70)
+    fn = _training_fn("torch", initial_state, output_final_state)
+    expected = _run_with_grads(fn, (q, k, v, s0, reset))
+    got = _run_with_grads(torch.compile(fn, fullgraph=True), (q, k, v, s0, reset))
+    names = ["loss", "o", "dq", "dk", "dv", "d_initial_state"]
+    for name, a, b in zip(names, got, expected):
+        if b is None:
+            assert a is None, name
+        else:
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+def test_compile_fullgraph_inductor_decoding_steps():
+    """Several decoding steps through one compiled function (Inductor, CPU): the outputs and states of eager, and
+    no recompilation after the first step."""
+    torch._dynamo.reset()
+    q, k, v, s0 = _inputs(2, 5, 3, 8, 12, dtype=torch.float32, initial_state=True)
+
+    def step(state, q, k, v):
+        return retention_state_update(state, q, k, v, scale=0.6, backend="torch") * 2
+
+    compiled = torch.compile(step, fullgraph=True)
+    state_eager, state_compiled = s0.clone(), s0.clone()
+    for t in range(5):
+        expected = step(state_eager, q[:, t], k[:, t], v[:, t])
+        if t == 1:
+            torch.compiler.set_stance("fail_on_recompile")
+        try:
+            got = compiled(state_compiled, q[:, t], k[:, t], v[:, t])
+        finally:
+            torch.compiler.set_stance("default")
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(state_compiled, state_eager, rtol=1e-5, atol=1e-5)
+
+
+@needs_triton
+def test_compile_aot_eager_traces_the_triton_branch(traceable_interpreter):
+    """``torch.compile(fullgraph=True, backend="aot_eager")`` with ``backend="triton"``: the forward and backward
+    graphs hold the Triton kernels (``wrap_triton``'s higher-order op), and running them gives eager's results;
+    then three decoding steps through the Triton step kernel, in place, without recompiling."""
+    from torch._dynamo.testing import AotEagerAndRecordGraphs
+
+    torch._dynamo.reset()
+    q, k, v, s0, reset = _op_args("triton", length=37)
+    fn = _training_fn("triton", True)
+    expected = _run_with_grads(fn, (q, k, v, s0, reset))
+    recorder = AotEagerAndRecordGraphs()
+    got = _run_with_grads(torch.compile(fn, fullgraph=True, backend=recorder), (q, k, v, s0, reset))
+    for a, b in zip(got, expected):
+        _assert_matches(a, b)
+    forward, backward = recorder.fw_graphs[0].code, recorder.bw_graphs[0].code
+    assert forward.count("higher_order.triton_kernel_wrapper") == 1, forward  # the forward kernel
+    assert backward.count("higher_order.triton_kernel_wrapper") == 2, backward  # the dq and dk/dv kernels
+
+    torch._dynamo.reset()
+    recorder = AotEagerAndRecordGraphs()
+    q, k, v, s0 = _inputs(2, 3, 3, 8, 12, dtype=KERNEL_DTYPE, initial_state=True)
+
+    def step(state, q, k, v):
+        return retention_state_update(state, q, k, v, scale=0.6, backend="triton")
+
+    compiled = torch.compile(step, fullgraph=True, backend=recorder)
+    state_eager, state_compiled = s0.clone(), s0.clone()
+    for t in range(3):
+        expected = step(state_eager, q[:, t], k[:, t], v[:, t])
+        if t == 1:
+            torch.compiler.set_stance("fail_on_recompile")
+        try:
+            got = compiled(state_compiled, q[:, t], k[:, t], v[:, t])
+        finally:
+            torch.compiler.set_stance("default")
+        _assert_matches(got, expected)
+        _assert_matches(state_compiled, state_eager)
+    assert "higher_order.triton_kernel_wrapper" in recorder.fw_graphs[0].code

@@ -1,33 +1,58 @@
-"""Multi-scale retention (DenseSSM paper Eq. 18, 19, 24; RetNet): public ops, argument checks, dispatch.
+"""Multi-scale retention (DenseSSM paper Eq. 18, 19, 24; RetNet) as ``torch.library`` ops, with the public functions
+that check their arguments and call them.
 
-- :func:`chunk_retention`: training / prefill, chunkwise form, ``(batch, length, heads, dim)`` layout.
-- :func:`retention_state_update`: one decoding step, the recurrent state updated in place.
+- :func:`chunk_retention`: training / prefill, chunkwise form, ``(batch, length, heads, dim)`` layout; calls
+  ``hf_densessm::chunk_retention`` (autograd: ``hf_densessm::chunk_retention_backward``);
+- :func:`retention_state_update`: one decoding step, the recurrent state updated in place; calls
+  ``hf_densessm::retention_state_update`` (``mutates_args=("state",)``).
+
+The ops (``torch.library.triton_op``; schemas in :data:`OP_SCHEMAS`)::
+
+    hf_densessm::chunk_retention(Tensor q, Tensor k, Tensor v, float scale, Tensor? initial_state,
+                                 Tensor? reset, str backend) -> (Tensor o, Tensor final_state)
+    hf_densessm::chunk_retention_backward(Tensor d_o, Tensor? d_final_state, Tensor q, Tensor k, Tensor v,
+                                          float scale, Tensor? initial_state, Tensor? reset, str backend)
+                                          -> (Tensor dq, Tensor dk, Tensor dv, Tensor d_initial_state)
+    hf_densessm::retention_state_update(Tensor(a!) state, Tensor q, Tensor k, Tensor v, float scale,
+                                        str backend) -> Tensor o
+
+Each op body is the one dispatch: :func:`hf_densessm.ops.backend.resolve_backend` picks the Triton kernels
+(``chunk.py``, ``fused_recurrent.py``, launched through ``torch.library.wrap_triton``) or the PyTorch path
+(``chunked_torch.py``, run in its own precision under autocast). The bodies trace with FakeTensors (no host syncs,
+no data-dependent branches, outputs never alias inputs), so they are also the ops' fake implementations, and under
+``torch.compile`` each op decomposes into its body: Inductor sees the Triton kernels on CUDA and fuses the PyTorch
+path on the CPU. ``chunk_retention`` always returns the final state (the public function drops it unless asked);
+its backward always returns the gradient of the initial state (of a zero one when there is none).
 
 The forms of the op, one file each (the layout of flash-linear-attention's ``fla/ops/retention/``):
 
 - ``naive.py``: ``chunk_retention_naive``, the quadratic parallel form (Eq. 24), the ground truth of the tests,
   and the per-head decay :func:`retention_gamma` / :func:`retention_log2_gamma` that every form and the model use;
-- ``chunked_torch.py``: ``chunk_retention_torch`` / ``retention_state_update_torch``, the vectorized
-  PyTorch path (chunkwise form; loop over chunks), what the models run on the CPU;
-- ``chunk.py``: ``chunk_retention_triton``, the chunkwise Triton kernels (forward, backward) for training/prefill;
+- ``chunked_torch.py``: ``chunk_retention_torch`` / ``chunk_retention_torch_backward`` /
+  ``retention_state_update_torch``, the vectorized PyTorch path (chunkwise form; loop over chunks), what the
+  models run on the CPU;
+- ``chunk.py``: ``chunk_retention_fwd_triton`` / ``chunk_retention_bwd_triton``, the chunkwise Triton kernels;
 - ``fused_recurrent.py``: ``retention_state_update_triton``, the Triton decode step.
 
-``backend="auto"`` runs the Triton kernels on CUDA tensors and the PyTorch path otherwise
-(:func:`hf_densessm.ops.backend.use_triton`). Triton is imported only when a Triton backend runs, so the
-package and the PyTorch path work where triton is not installed.
+``backend="auto"`` runs the Triton kernels on CUDA tensors and the PyTorch path otherwise. Triton is imported only
+when a Triton branch runs, so the package and the PyTorch path work where triton is not installed.
 """
 
 import math
 import numbers
+from typing import Optional
 
 import torch
 
-from ..backend import own_precision, use_triton
+from ..backend import own_precision, resolve_backend
 from ..packing import check_reset
-from .chunked_torch import chunk_retention_torch, retention_state_update_torch
+from .chunked_torch import chunk_retention_torch, chunk_retention_torch_backward, retention_state_update_torch
 from .naive import retention_gamma, retention_log2_gamma
 
-__all__ = ["chunk_retention", "retention_gamma", "retention_log2_gamma", "retention_state_update"]
+__all__ = ["OP_SCHEMAS", "chunk_retention", "retention_gamma", "retention_log2_gamma", "retention_state_update"]
+
+#: The values of the ops' ``backend`` argument.
+BACKENDS = ("auto", "triton", "torch")
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -83,6 +108,99 @@ def _check_state(name, state, q, v):
         raise ValueError(f"{name} must be on the device of q ({q.device}), got {state.device}")
 
 
+def _check_backend(backend):
+    if not isinstance(backend, str) or backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got backend={backend!r}")
+
+
+# ---------------------------------------------------------------------------------------------------- the ops
+
+
+@torch.library.triton_op("hf_densessm::chunk_retention", mutates_args=())
+def _chunk_retention_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, initial_state: Optional[torch.Tensor],
+    reset: Optional[torch.Tensor], backend: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(o, final_state)`` of :func:`chunk_retention` (arguments checked there): the Triton kernels or the
+    PyTorch path."""
+    if resolve_backend(backend, q.device) == "triton":
+        from .chunk import chunk_retention_fwd_triton
+
+        return chunk_retention_fwd_triton(q, k, v, scale, initial_state, reset)
+    with own_precision(q.device):
+        return chunk_retention_torch(q, k, v, scale, initial_state, True, reset=reset)
+
+
+@torch.library.triton_op("hf_densessm::chunk_retention_backward", mutates_args=())
+def _chunk_retention_backward_op(
+    d_o: torch.Tensor, d_final_state: Optional[torch.Tensor], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    scale: float, initial_state: Optional[torch.Tensor], reset: Optional[torch.Tensor], backend: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv, d_initial_state)`` of ``hf_densessm::chunk_retention``: the Triton backward kernels or the
+    PyTorch path's written-out backward. ``d_final_state`` None means zero; ``d_initial_state`` is the gradient of
+    the state before token 0 (of a zero one without ``initial_state``), in ``initial_state``'s dtype (else the
+    state dtype)."""
+    if resolve_backend(backend, q.device) == "triton":
+        from .chunk import chunk_retention_bwd_triton
+
+        dq, dk, dv, d_initial_state = chunk_retention_bwd_triton(d_o, d_final_state, q, k, v, scale, initial_state,
+                                                                 reset)
+    else:
+        with own_precision(q.device):
+            dq, dk, dv, d_initial_state = chunk_retention_torch_backward(d_o, d_final_state, q, k, v, scale,
+                                                                         initial_state, reset=reset)
+    return dq, dk, dv, d_initial_state.to(_state_dtype(v, initial_state))
+
+
+def _state_dtype(v, initial_state):
+    if initial_state is not None:
+        return initial_state.dtype
+    return torch.float64 if v.dtype == torch.float64 else torch.float32
+
+
+def _chunk_retention_setup(ctx, inputs, output):
+    q, k, v, scale, initial_state, reset, backend = inputs
+    ctx.save_for_backward(q, k, v, initial_state, reset)
+    ctx.scale, ctx.backend = scale, backend
+    ctx.set_materialize_grads(False)  # an unused final state arrives as None: the kernel skips reading it
+
+
+def _chunk_retention_backward(ctx, d_o, d_final_state):
+    q, k, v, initial_state, reset = ctx.saved_tensors
+    if d_o is None:  # only the final state was used
+        d_o = torch.zeros_like(v)
+    dq, dk, dv, d_initial_state = torch.ops.hf_densessm.chunk_retention_backward(
+        d_o, d_final_state, q, k, v, ctx.scale, initial_state, reset, ctx.backend
+    )
+    return dq, dk, dv, None, (None if initial_state is None else d_initial_state), None, None
+
+
+_chunk_retention_op.register_autograd(_chunk_retention_backward, setup_context=_chunk_retention_setup)
+
+
+@torch.library.triton_op("hf_densessm::retention_state_update", mutates_args=("state",))
+def _retention_state_update_op(
+    state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, backend: str
+) -> torch.Tensor:
+    """``o`` of :func:`retention_state_update` (arguments checked there); ``state`` updated in place."""
+    if resolve_backend(backend, q.device) == "triton":
+        from .fused_recurrent import retention_state_update_triton
+
+        return retention_state_update_triton(state, q, k, v, scale)
+    with own_precision(q.device):
+        return retention_state_update_torch(state, q, k, v, scale)
+
+
+#: The schemas of the three ops, as registered.
+OP_SCHEMAS = {
+    name: str(getattr(torch.ops.hf_densessm, name).default._schema)
+    for name in ("chunk_retention", "chunk_retention_backward", "retention_state_update")
+}
+
+
+# ---------------------------------------------------------------------------------------------- public functions
+
+
 def chunk_retention(q, k, v, scale=None, initial_state=None, output_final_state=False, backend="auto", reset=None):
     """Multi-scale retention over a sequence, chunkwise form (DenseSSM paper Eq. 18, 19, 24; RetNet).
 
@@ -135,12 +253,9 @@ def chunk_retention(q, k, v, scale=None, initial_state=None, output_final_state=
     if initial_state is not None:
         _check_state("initial_state", initial_state, q, v)
     reset = check_reset(reset, q.shape[0], q.shape[1], q.device)
-    if use_triton(backend, q.device):
-        from .chunk import chunk_retention_triton
-
-        return chunk_retention_triton(q, k, v, scale, initial_state, output_final_state, reset=reset)
-    with own_precision(q.device):
-        return chunk_retention_torch(q, k, v, scale, initial_state, output_final_state, reset=reset)
+    _check_backend(backend)
+    o, final_state = torch.ops.hf_densessm.chunk_retention(q, k, v, scale, initial_state, reset, backend)
+    return o, (final_state if output_final_state else None)
 
 
 def retention_state_update(state, q, k, v, scale=None, backend="auto"):
@@ -168,9 +283,5 @@ def retention_state_update(state, q, k, v, scale=None, backend="auto"):
     _check_qkv(q, k, v, ("batch", "heads"))
     scale = _check_scale(scale, q.shape[-1])
     _check_state("state", state, q, v)
-    if use_triton(backend, q.device):
-        from .fused_recurrent import retention_state_update_triton
-
-        return retention_state_update_triton(state, q, k, v, scale)
-    with own_precision(q.device):
-        return retention_state_update_torch(state, q, k, v, scale)
+    _check_backend(backend)
+    return torch.ops.hf_densessm.retention_state_update(state, q, k, v, scale, backend)

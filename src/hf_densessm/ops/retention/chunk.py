@@ -1,4 +1,5 @@
-"""Chunkwise multi-scale retention in Triton: forward and backward kernels, and their autograd function.
+"""Chunkwise multi-scale retention in Triton: the forward and backward kernels of ``hf_densessm::chunk_retention``
+and ``hf_densessm::chunk_retention_backward`` (``backend="triton"``), launched through ``torch.library.wrap_triton``.
 
 Maths (DenseSSM paper Eq. 18, 19, 24; RetNet chunkwise form), per head with decay ``gamma`` and chunks of
 ``BT`` tokens, ``q~ = scale q``, ``D[i, j] = gamma^(i-j)`` for ``j <= i`` (0 above the diagonal), ``n`` the
@@ -47,7 +48,10 @@ except ImportError as error:
 from ..backend import GPUArch, device_arch
 from .naive import retention_log2_gamma
 
-__all__ = ["ChunkRetentionConfig", "RetentionTiles", "chunk_retention_config", "chunk_retention_triton"]
+__all__ = [
+    "ChunkRetentionConfig", "RetentionTiles", "chunk_retention_bwd_triton", "chunk_retention_config",
+    "chunk_retention_fwd_triton",
+]
 
 
 @dataclass(frozen=True)
@@ -160,14 +164,14 @@ def _retention_fwd_kernel(
     q, k, v, o_partial, initial_state, final_state, docs, log2_gamma_ptr, scale, L,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    HAS_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr,
-    HAS_RESET: tl.constexpr,
+    HAS_INITIAL_STATE: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr, HAS_RESET: tl.constexpr,
 ):
     """Grid (value tiles, key tiles, batch * heads): o partial sums over key tiles, and the final state."""
     i_v, i_k, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     BH = tl.num_programs(2)
     i_b, i_h = (i_bh // H).to(tl.int64), i_bh % H
     log2_gamma = tl.load(log2_gamma_ptr + i_h)
+    scale = tl.full((), scale, ACC)  # fp32 from Triton's launcher, fp64 from Inductor's: cast to one dtype
     offs_t = tl.arange(0, BT)
     offs_k = i_k * BK + tl.arange(0, BK)
     offs_v = i_v * BV + tl.arange(0, BV)
@@ -212,8 +216,7 @@ def _retention_fwd_kernel(
         # S <- gamma^n S + sum_j gamma^(n-1-j) k_j^T v_j.
         k_blk = (k_blk * k_decay[:, None]).to(dt)
         state = state * state_decay + _dot(tl.trans(k_blk), v_blk, ACC, PRECISION)
-    if STORE_FINAL_STATE:
-        tl.store(final_state + state_offs, state.to(final_state.dtype.element_ty), mask=mask_kv)
+    tl.store(final_state + state_offs, state.to(final_state.dtype.element_ty), mask=mask_kv)
 
 
 @triton.jit
@@ -228,6 +231,7 @@ def _retention_bwd_dq_kernel(
     BH = tl.num_programs(2)
     i_b, i_h = (i_bh // H).to(tl.int64), i_bh % H
     log2_gamma = tl.load(log2_gamma_ptr + i_h)
+    scale = tl.full((), scale, ACC)  # fp32 from Triton's launcher, fp64 from Inductor's: cast to one dtype
     offs_t = tl.arange(0, BT)
     offs_k = i_k * BK + tl.arange(0, BK)
     offs_v = i_v * BV + tl.arange(0, BV)
@@ -277,8 +281,7 @@ def _retention_bwd_dkv_kernel(
     q, k, v, do, dk_partial, dv_partial, d_final_state, d_initial_state, docs, log2_gamma_ptr, scale, L,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    HAS_D_FINAL_STATE: tl.constexpr, STORE_D_INITIAL_STATE: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr,
-    HAS_RESET: tl.constexpr,
+    HAS_D_FINAL_STATE: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr, HAS_RESET: tl.constexpr,
 ):
     """Grid (value tiles, key tiles, batch * heads), backward in time: dk partial sums over value tiles,
     dv partial sums over key tiles, and the gradient of the initial state."""
@@ -286,6 +289,7 @@ def _retention_bwd_dkv_kernel(
     BH = tl.num_programs(2)
     i_b, i_h = (i_bh // H).to(tl.int64), i_bh % H
     log2_gamma = tl.load(log2_gamma_ptr + i_h)
+    scale = tl.full((), scale, ACC)  # fp32 from Triton's launcher, fp64 from Inductor's: cast to one dtype
     offs_t = tl.arange(0, BT)
     offs_k = i_k * BK + tl.arange(0, BK)
     offs_v = i_v * BV + tl.arange(0, BV)
@@ -340,8 +344,7 @@ def _retention_bwd_dkv_kernel(
         # dH <- gamma^n dH + sum_i gamma^(i+1) q~_i^T dO_i
         q_blk = (q_blk * q_decay_c[:, None]).to(dt)
         d_state = d_state * state_decay + _dot(tl.trans(q_blk), do_blk, ACC, PRECISION)
-    if STORE_D_INITIAL_STATE:
-        tl.store(d_initial_state + state_offs, d_state.to(d_initial_state.dtype.element_ty), mask=mask_kv)
+    tl.store(d_initial_state + state_offs, d_state.to(d_initial_state.dtype.element_ty), mask=mask_kv)
 
 
 def _kernel_dtypes(dtype):
@@ -357,102 +360,108 @@ def _document_indices(reset):
     document) and of every token (``cumsum(reset)``), contiguous; None without ``reset``."""
     if reset is None:
         return None
-    docs = torch.zeros(reset.shape[0], reset.shape[1] + 1, dtype=torch.int32, device=reset.device)
-    torch.cumsum(reset.to(torch.int32), dim=1, out=docs[:, 1:])
-    return docs
+    return torch.nn.functional.pad(torch.cumsum(reset.to(torch.int32), dim=1, dtype=torch.int32), (1, 0))
 
 
 def _launch(kernel, tiles, key_dim, value_dim, batch_heads, *args, **meta):
-    """Launch one chunkwise kernel over ``(value tiles, key tiles, batch * heads)`` with its tiles."""
+    """Launch one chunkwise kernel over ``(value tiles, key tiles, batch * heads)`` with its tiles, through
+    ``torch.library.wrap_triton`` (so that ``torch.compile`` sees the kernel)."""
     grid = (triton.cdiv(value_dim, tiles.block_v), triton.cdiv(key_dim, tiles.block_k), batch_heads)
-    kernel[grid](*args, K=key_dim, V=value_dim, BT=tiles.block_t, BK=tiles.block_k, BV=tiles.block_v,
-                 num_warps=tiles.num_warps, num_stages=tiles.num_stages, **meta)
+    torch.library.wrap_triton(kernel)[grid](
+        *args, K=key_dim, V=value_dim, BT=tiles.block_t, BK=tiles.block_k, BV=tiles.block_v,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **meta,
+    )
 
 
-class ChunkRetentionFunction(torch.autograd.Function):
-    """Autograd wrapper of the chunkwise kernels; states are recomputed in the backward pass, never stored."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, scale, initial_state, output_final_state, config, reset=None):
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        batch, length, heads, key_dim = q.shape
-        value_dim = v.shape[-1]
-        acc_torch, acc_tl, precision = _kernel_dtypes(v.dtype)
-        state_dtype = torch.float64 if v.dtype == torch.float64 else torch.float32
-        log2_gamma = retention_log2_gamma(heads, q.device, acc_torch)
-        if initial_state is not None:
-            initial_state = initial_state.contiguous()
-        num_k = triton.cdiv(key_dim, config.fwd.block_k)
-        o_partial = q.new_empty(num_k, batch, length, heads, value_dim, dtype=acc_torch)
-        final_state = q.new_empty(batch, heads, key_dim, value_dim, dtype=state_dtype) if output_final_state else None
-        docs = _document_indices(reset)
-        _launch(
-            _retention_fwd_kernel, config.fwd, key_dim, value_dim, batch * heads,
-            q, k, v, o_partial, initial_state, final_state, docs, log2_gamma, scale, length, H=heads,
-            HAS_INITIAL_STATE=initial_state is not None, STORE_FINAL_STATE=output_final_state, ACC=acc_tl,
-            PRECISION=precision, HAS_RESET=docs is not None,
-        )
-        o = o_partial.sum(0).to(v.dtype)
-        ctx.save_for_backward(q, k, v, initial_state, log2_gamma, docs)
-        ctx.scale = scale
-        ctx.config = config
-        return o, final_state
-
-    @staticmethod
-    def backward(ctx, d_o, d_final_state):
-        q, k, v, initial_state, log2_gamma, docs = ctx.saved_tensors
-        config = ctx.config
-        batch, length, heads, key_dim = q.shape
-        value_dim = v.shape[-1]
-        acc_torch, acc_tl, precision = _kernel_dtypes(v.dtype)
-        d_o = d_o.to(v.dtype).contiguous()
-        if d_final_state is not None:
-            d_final_state = d_final_state.contiguous()
-        meta = dict(H=heads, ACC=acc_tl, PRECISION=precision, HAS_RESET=docs is not None)
-
-        dq_partial = q.new_empty(triton.cdiv(value_dim, config.dq.block_v), batch, length, heads, key_dim,
-                                 dtype=acc_torch)
-        _launch(
-            _retention_bwd_dq_kernel, config.dq, key_dim, value_dim, batch * heads,
-            k, v, d_o, dq_partial, initial_state, docs, log2_gamma, ctx.scale, length,
-            HAS_INITIAL_STATE=initial_state is not None, **meta,
-        )
-        dk_partial = q.new_empty(triton.cdiv(value_dim, config.dkv.block_v), batch, length, heads, key_dim,
-                                 dtype=acc_torch)
-        dv_partial = q.new_empty(triton.cdiv(key_dim, config.dkv.block_k), batch, length, heads, value_dim,
-                                 dtype=acc_torch)
-        need_d_initial = initial_state is not None and ctx.needs_input_grad[4]
-        d_initial_state = torch.empty_like(initial_state) if need_d_initial else None
-        _launch(
-            _retention_bwd_dkv_kernel, config.dkv, key_dim, value_dim, batch * heads,
-            q, k, v, d_o, dk_partial, dv_partial, d_final_state, d_initial_state, docs, log2_gamma, ctx.scale,
-            length,
-            HAS_D_FINAL_STATE=d_final_state is not None, STORE_D_INITIAL_STATE=need_d_initial, **meta,
-        )
-        dq = dq_partial.sum(0).to(q.dtype)
-        dk = dk_partial.sum(0).to(k.dtype)
-        dv = dv_partial.sum(0).to(v.dtype)
-        return dq, dk, dv, None, d_initial_state, None, None, None
+def _state_dtype(dtype):
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def chunk_retention_triton(q, k, v, scale, initial_state=None, output_final_state=False, config=None, reset=None):
-    """Chunkwise retention with the Triton kernels (arguments checked by :func:`chunk_retention`).
+def chunk_retention_fwd_triton(q, k, v, scale, initial_state=None, reset=None, config=None):
+    """Forward pass of chunkwise retention with the Triton kernel: the Triton branch of
+    ``hf_densessm::chunk_retention`` (arguments checked by :func:`hf_densessm.ops.retention.chunk_retention`).
 
     Args:
         q, k (Tensor): ``(batch, length, heads, key_dim)``; v (Tensor): ``(batch, length, heads, value_dim)``;
             float16, bfloat16, float32 (float64 where the device allows it).
         scale (float): positive factor on ``q``.
-        initial_state (Tensor, optional): ``(batch, heads, key_dim, value_dim)`` float32.
-        output_final_state (bool): also return the state after the last token.
+        initial_state (Tensor, optional): ``(batch, heads, key_dim, value_dim)`` float32 (float64 with float64
+            inputs).
+        reset (Tensor, optional): ``(batch, length)`` bool, True at the first token of each packed document.
         config (ChunkRetentionConfig, optional): the kernels' tiles; by default :func:`chunk_retention_config`
             for ``q``'s device.
-        reset (Tensor, optional): ``(batch, length)`` bool, True at the first token of each packed document: the
-            state before it is dropped (the initial state too at ``t = 0``), so nothing crosses a document boundary.
 
     Returns:
-        o ``(batch, length, heads, value_dim)`` in ``v``'s dtype, and the final state
-        ``(batch, heads, key_dim, value_dim)`` float32 or None.
+        o ``(batch, length, heads, value_dim)`` in ``v``'s dtype and the final state ``(batch, heads, key_dim,
+        value_dim)`` float32 (float64 for float64 inputs).
     """
+    batch, length, heads, key_dim = q.shape
+    value_dim = v.shape[-1]
     if config is None:
-        config = chunk_retention_config(device_arch(q.device), q.dtype, q.shape[-1], v.shape[-1])
-    return ChunkRetentionFunction.apply(q, k, v, scale, initial_state, output_final_state, config, reset)
+        config = chunk_retention_config(device_arch(q.device), q.dtype, key_dim, value_dim)
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    acc_torch, acc_tl, precision = _kernel_dtypes(v.dtype)
+    log2_gamma = retention_log2_gamma(heads, q.device, acc_torch)
+    if initial_state is not None:
+        initial_state = initial_state.contiguous()
+    num_k = triton.cdiv(key_dim, config.fwd.block_k)
+    o_partial = q.new_empty(num_k, batch, length, heads, value_dim, dtype=acc_torch)
+    final_state = q.new_empty(batch, heads, key_dim, value_dim, dtype=_state_dtype(v.dtype))
+    docs = _document_indices(reset)
+    _launch(
+        _retention_fwd_kernel, config.fwd, key_dim, value_dim, batch * heads,
+        q, k, v, o_partial, initial_state, final_state, docs, log2_gamma, scale, length, H=heads,
+        HAS_INITIAL_STATE=initial_state is not None, ACC=acc_tl, PRECISION=precision, HAS_RESET=docs is not None,
+    )
+    return o_partial.sum(0).to(v.dtype), final_state
+
+
+def chunk_retention_bwd_triton(d_o, d_final_state, q, k, v, scale, initial_state=None, reset=None, config=None):
+    """Backward pass of chunkwise retention with the Triton kernels (states recomputed, never stored): the Triton
+    branch of ``hf_densessm::chunk_retention_backward``.
+
+    Args:
+        d_o (Tensor): ``(batch, length, heads, value_dim)``, the gradient of ``o``.
+        d_final_state (Tensor, optional): ``(batch, heads, key_dim, value_dim)``, the gradient of the final state
+            (None: zero).
+        q, k, v, scale, initial_state, reset, config: as :func:`chunk_retention_fwd_triton`.
+
+    Returns:
+        dq, dk, dv in the dtypes of q, k, v, and the gradient of the initial state ``(batch, heads, key_dim,
+        value_dim)`` (of a zero one without ``initial_state``) float32 (float64 for float64 inputs).
+    """
+    batch, length, heads, key_dim = q.shape
+    value_dim = v.shape[-1]
+    if config is None:
+        config = chunk_retention_config(device_arch(q.device), q.dtype, key_dim, value_dim)
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    acc_torch, acc_tl, precision = _kernel_dtypes(v.dtype)
+    log2_gamma = retention_log2_gamma(heads, q.device, acc_torch)
+    if initial_state is not None:
+        initial_state = initial_state.contiguous()
+    d_o = d_o.to(v.dtype).contiguous()
+    if d_final_state is not None:
+        d_final_state = d_final_state.contiguous()
+    docs = _document_indices(reset)
+    meta = dict(H=heads, ACC=acc_tl, PRECISION=precision, HAS_RESET=docs is not None)
+    dq_partial = q.new_empty(triton.cdiv(value_dim, config.dq.block_v), batch, length, heads, key_dim,
+                             dtype=acc_torch)
+    _launch(
+        _retention_bwd_dq_kernel, config.dq, key_dim, value_dim, batch * heads,
+        k, v, d_o, dq_partial, initial_state, docs, log2_gamma, scale, length,
+        HAS_INITIAL_STATE=initial_state is not None, **meta,
+    )
+    dk_partial = q.new_empty(triton.cdiv(value_dim, config.dkv.block_v), batch, length, heads, key_dim,
+                             dtype=acc_torch)
+    dv_partial = q.new_empty(triton.cdiv(key_dim, config.dkv.block_k), batch, length, heads, value_dim,
+                             dtype=acc_torch)
+    d_initial_state = q.new_empty(batch, heads, key_dim, value_dim, dtype=_state_dtype(v.dtype))
+    _launch(
+        _retention_bwd_dkv_kernel, config.dkv, key_dim, value_dim, batch * heads,
+        q, k, v, d_o, dk_partial, dv_partial, d_final_state, d_initial_state, docs, log2_gamma, scale, length,
+        HAS_D_FINAL_STATE=d_final_state is not None, **meta,
+    )
+    dq = dq_partial.sum(0).to(q.dtype)
+    dk = dk_partial.sum(0).to(k.dtype)
+    dv = dv_partial.sum(0).to(v.dtype)
+    return dq, dk, dv, d_initial_state

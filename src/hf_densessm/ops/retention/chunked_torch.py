@@ -19,7 +19,9 @@ import torch.nn.functional as F
 
 from .naive import retention_log2_gamma
 
-__all__ = ["chunk_retention_torch", "default_chunk_size", "retention_state_update_torch"]
+__all__ = [
+    "chunk_retention_torch", "chunk_retention_torch_backward", "default_chunk_size", "retention_state_update_torch",
+]
 
 
 def default_chunk_size(key_dim, value_dim):
@@ -37,61 +39,132 @@ def _compute_dtype(dtype):
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _chunk_block(q, k, v, state, log2_gamma, segments=None):
-    """Chunkwise retention over ``n`` chunks of equal length ``C`` (RetNet chunkwise form).
+def _block_masks(log2_gamma, C, n, segments, dtype):
+    """Decay masks of ``n`` chunks of ``C`` tokens (RetNet chunkwise form), with packed documents applied.
+
+    Args:
+        log2_gamma: ``(H,)``. segments: ``(B, n, C + 1)`` document index of the token before each chunk, then of
+            each of its tokens, or None (one document): token ``i`` sees token ``j`` (and the carried state) only
+            within its document.
+
+    Returns:
+        ``intra`` ``(H or B, ..., C, C)``: ``gamma^(i-j)`` for ``j <= i`` (same document); ``q_decay``
+        ``(.., C, 1)``: ``gamma^(i+1)``, the read of the carried state; ``k_decay`` ``(.., C, 1)``:
+        ``gamma^(C-1-j)``, the write into the next state; ``chunk_decay`` ``(B or 1, H, n, 1, 1)``: ``gamma^C``.
+    """
+    lg = log2_gamma[:, None]  # (H, 1)
+    i = torch.arange(C, device=log2_gamma.device, dtype=dtype)
+    distance = i[:, None] - i[None, :]
+    intra = torch.exp2(lg[:, :, None] * distance.clamp(min=0)) * (distance >= 0)  # (H, C, C): gamma^(i-j)
+    q_decay = torch.exp2(lg * (i + 1))[:, None, :, None]  # (H, 1, C, 1)
+    k_decay = torch.exp2(lg * (C - 1 - i))[:, None, :, None]  # (H, 1, C, 1)
+    chunk_decay = torch.exp2(log2_gamma * C)[None, :, None, None, None]  # (1, H, 1, 1, 1)
+    if segments is None:
+        return intra[:, None], q_decay, k_decay, chunk_decay.expand(-1, -1, n, -1, -1)
+    before, seg = segments[:, :, :1], segments[:, :, 1:]  # (B, n, 1), (B, n, C)
+    same = (seg[..., :, None] == seg[..., None, :]).to(dtype)[:, None]  # (B, 1, n, C, C)
+    intra = intra[:, None] * same  # (B, H, n, C, C)
+    q_decay = q_decay * (seg == before).to(dtype)[:, None, :, :, None]
+    k_decay = k_decay * (seg == seg[..., -1:]).to(dtype)[:, None, :, :, None]
+    chunk_decay = chunk_decay * (seg[..., -1] == before[..., 0]).to(dtype)[:, None, :, None, None]
+    return intra, q_decay, k_decay, chunk_decay
+
+
+def _block_forward(q, k, v, state, masks):
+    """Chunkwise retention over ``n`` chunks of equal length ``C``.
 
     Args:
         q, k: ``(B, H, n, C, K)`` (``q`` already scaled); v: ``(B, H, n, C, V)``; all in the compute dtype.
-        state: ``(B, H, K, V)``, the state before the first chunk.
-        log2_gamma: ``(H,)``.
-        segments: ``(B, n, C + 1)`` document index of the token before each chunk, then of each of its tokens, or
-            None (one document). Token ``i`` sees token ``j`` (and the carried state) only within its document.
+        state: ``(B, H, K, V)``, the state before the first chunk. masks: :func:`_block_masks`.
 
     Returns:
-        o ``(B, H, n, C, V)`` and the state after the last chunk ``(B, H, K, V)``.
+        o ``(B, H, n, C, V)``, the state before each chunk ``(B, H, n, K, V)`` and after the last ``(B, H, K, V)``.
     """
-    C = q.shape[3]
-    lg = log2_gamma[:, None]  # (H, 1)
-    i = torch.arange(C, device=q.device, dtype=q.dtype)
-    distance = i[:, None] - i[None, :]
-    intra_decay = torch.exp2(lg[:, :, None] * distance.clamp(min=0)) * (distance >= 0)  # (H, C, C): gamma^(i-j)
-    q_decay = torch.exp2(lg * (i + 1))[:, None, :, None]  # (H, 1, C, 1): gamma^(i+1), read of the previous state
-    k_decay = torch.exp2(lg * (C - 1 - i))[:, None, :, None]  # (H, 1, C, 1): gamma^(C-1-j), write into the next state
-    chunk_decay = torch.exp2(log2_gamma * C)[None, :, None, None, None]  # (1, H, 1, 1, 1): gamma^C
-
-    if segments is not None:  # packed documents: nothing crosses a document boundary
-        before, seg = segments[:, :, :1], segments[:, :, 1:]  # (B, n, 1), (B, n, C)
-        same = (seg[..., :, None] == seg[..., None, :]).to(q.dtype)[:, None]  # (B, 1, n, C, C)
-        intra_decay = intra_decay[:, None] * same  # (B, H, n, C, C)
-        q_decay = q_decay * (seg == before).to(q.dtype)[:, None, :, :, None]  # reads the carried state
-        k_decay = k_decay * (seg == seg[..., -1:]).to(q.dtype)[:, None, :, :, None]  # writes the next state
-        chunk_decay = chunk_decay * (seg[..., -1] == before[..., 0]).to(q.dtype)[:, None, :, None, None]
-    else:
-        intra_decay = intra_decay[:, None]
-        chunk_decay = chunk_decay.expand(-1, -1, q.shape[2], -1, -1)
-
-    # Intra-chunk: ((q k^T) * D) v, for all chunks at once.
-    o = (q @ k.transpose(-1, -2) * intra_decay) @ v
-    # Each chunk's contribution to the state at its end: sum_j gamma^(C-1-j) k_j^T v_j.
-    updates = (k * k_decay).transpose(-1, -2) @ v  # (B, H, n, K, V)
-    # Inter-chunk recurrence S_c = gamma^C S_{c-1} + U_c: the only loop, over chunks.
+    intra, q_decay, k_decay, chunk_decay = masks
+    o = (q @ k.transpose(-1, -2) * intra) @ v  # intra-chunk ((q k^T) * D) v, all chunks at once
+    updates = (k * k_decay).transpose(-1, -2) @ v  # (B, H, n, K, V): sum_j gamma^(C-1-j) k_j^T v_j
     states = []
-    for c, update in enumerate(updates.unbind(2)):  # unbind, not indexing: one backward node for all chunks
+    for c, update in enumerate(updates.unbind(2)):  # the only loop, over chunks: S_c = gamma^C S_{c-1} + U_c
         states.append(state)
         state = torch.addcmul(update, state, chunk_decay[:, :, c])
-    previous = torch.stack(states, dim=2)  # (B, H, n, K, V): the state before each chunk
+    previous = torch.stack(states, dim=2)
     o = o + (q * q_decay) @ previous
-    return o, state
+    return o, previous, state
+
+
+def _block_backward(q, k, v, previous, masks, d_o, d_state):
+    """Gradients of :func:`_block_forward`, written out (the backward of ``chunk.py``'s kernels, in PyTorch).
+
+    With ``A = (q k^T) * D`` and ``dH`` the gradient of the state after each chunk (``d_state`` after the last)::
+
+        dq = ((dO v^T) * D) k + gamma^(i+1) dO S_prev^T       dk = ((dO v^T) * D)^T q + gamma^(C-1-j) v dH^T
+        dv = A^T dO + gamma^(C-1-j) k dH                     dH_prev = gamma^C dH + (gamma^(i+1) q)^T dO
+
+    Args:
+        q, k, v, masks: as :func:`_block_forward`; previous: its states before each chunk; d_o: ``(B, H, n, C, V)``;
+        d_state: ``(B, H, K, V)``, the gradient of the state after the last chunk.
+
+    Returns:
+        dq (of the scaled ``q``), dk, dv like q, k, v, and the gradient of the state before the first chunk.
+    """
+    intra, q_decay, k_decay, chunk_decay = masks
+    q_read = q * q_decay
+    read_grads = q_read.transpose(-1, -2) @ d_o  # (B, H, n, K, V): what o adds to dH_prev of each chunk
+    d_after = []
+    for c in range(q.shape[2] - 1, -1, -1):  # backward in time, over chunks
+        d_after.append(d_state)
+        d_state = torch.addcmul(read_grads[:, :, c], d_state, chunk_decay[:, :, c])
+    d_after = torch.stack(d_after[::-1], dim=2)  # (B, H, n, K, V): gradient of the state after each chunk
+    d_scores = d_o @ v.transpose(-1, -2) * intra  # (dO v^T) * D
+    dq = d_scores @ k + (d_o @ previous.transpose(-1, -2)) * q_decay
+    dk = d_scores.transpose(-1, -2) @ q + (v @ d_after.transpose(-1, -2)) * k_decay
+    dv = (q @ k.transpose(-1, -2) * intra).transpose(-1, -2) @ d_o + (k * k_decay) @ d_after
+    return dq, dk, dv, d_state
+
+
+def _chunks(length, chunk_size):
+    """``(start, stop, size)`` of the full chunks as one block, then of the remainder as one shorter chunk."""
+    full = (length // chunk_size) * chunk_size
+    return [(a, b, c) for a, b, c in ((0, full, chunk_size), (full, length, length - full)) if b > a]
+
+
+def _prepare(q, k, v, scale, initial_state, reset):
+    """The inputs in the compute dtype and ``(B, H, L, *)`` layout (``q`` scaled), the initial state (a copy, or
+    zeros), the per-head ``log2(gamma)`` and the document index of every token, 0 for the initial state's
+    document (``(B, 1 + L)``, or None)."""
+    batch, _, heads, key_dim = q.shape
+    cdt = _compute_dtype(v.dtype)
+    q, k, v = (x.transpose(1, 2).to(dtype=cdt, memory_format=torch.contiguous_format) for x in (q, k, v))
+    q = q * scale
+    if initial_state is None:
+        state = q.new_zeros(batch, heads, key_dim, v.shape[-1])
+    else:
+        state = initial_state.to(cdt, copy=True)  # a copy: the final state never aliases the initial one
+    documents = None if reset is None else F.pad(reset.long().cumsum(-1), (1, 0))
+    return q, k, v, state, retention_log2_gamma(heads, q.device, cdt), documents
+
+
+def _segments(documents, start, stop, size):
+    if documents is None:
+        return None
+    tokens = documents[:, 1 + start : 1 + stop].unflatten(1, (-1, size))  # (B, n, C)
+    return torch.cat([documents[:, start:stop:size, None], tokens], dim=-1)
+
+
+def _split(x, start, stop, size):
+    return x[:, :, start:stop].unflatten(2, (-1, size))
 
 
 def chunk_retention_torch(q, k, v, scale=None, initial_state=None, output_final_state=False, chunk_size=None,
                           reset=None):
-    """Chunkwise retention in PyTorch (DenseSSM paper Eq. 18, 19, 24; RetNet chunkwise form).
+    """Chunkwise retention in PyTorch (DenseSSM paper Eq. 18, 19, 24; RetNet chunkwise form): the forward pass of
+    ``hf_densessm::chunk_retention`` with ``backend="torch"``.
 
     Splits the sequence into chunks of ``chunk_size`` tokens: inside a chunk, ``((q k^T) * D) v`` with the
     decay mask ``D[i, j] = gamma^(i-j)``; across chunks, ``gamma^(i+1) q_i S_prev`` with the state carried
     chunk to chunk. The Python loop runs over chunks, never over tokens; everything else is batched over
-    batch, heads and chunks. Autograd works through it.
+    batch, heads and chunks. Plain PyTorch operations: autograd works through it too (the tests compare that
+    with :func:`chunk_retention_torch_backward`).
 
     Args:
         q, k (Tensor): ``(batch, length, heads, key_dim)``.
@@ -108,46 +181,75 @@ def chunk_retention_torch(q, k, v, scale=None, initial_state=None, output_final_
         final_state (Tensor or None): ``(batch, heads, key_dim, value_dim)`` float32 (float64 for float64
         inputs), or None unless ``output_final_state``.
     """
-    batch, length, heads, key_dim = q.shape
-    value_dim = v.shape[-1]
+    length, key_dim, value_dim = q.shape[1], q.shape[-1], v.shape[-1]
     scale = key_dim**-0.5 if scale is None else scale
     chunk_size = default_chunk_size(key_dim, value_dim) if chunk_size is None else chunk_size
-    v_dtype, cdt = v.dtype, _compute_dtype(v.dtype)
-    log2_gamma = retention_log2_gamma(heads, q.device, cdt)
-    # (B, H, L, *), contiguous so that the batched matmuls below need no hidden copies
-    q, k, v = (x.transpose(1, 2).to(dtype=cdt, memory_format=torch.contiguous_format) for x in (q, k, v))
-    q = q * scale
-    if initial_state is None:
-        state = q.new_zeros(batch, heads, key_dim, value_dim)
-    else:
-        state = initial_state.to(cdt, copy=True)  # a copy, so that the final state never aliases the initial one
-
-    # document index of every token, 0 for the initial state's document: (B, 1 + L)
-    documents = None if reset is None else F.pad(reset.long().cumsum(-1), (1, 0))
+    v_dtype = v.dtype
+    q, k, v, state, log2_gamma, documents = _prepare(q, k, v, scale, initial_state, reset)
     outputs = []
-    full = (length // chunk_size) * chunk_size
-    # Full chunks, then the remainder as one shorter chunk.
-    for start, stop, size in ((0, full, chunk_size), (full, length, length - full)):
-        if stop == start:
-            continue
-        blocks = [x[:, :, start:stop].unflatten(2, (-1, size)) for x in (q, k, v)]
-        segments = None
-        if documents is not None:
-            tokens = documents[:, 1 + start : 1 + stop].unflatten(1, (-1, size))  # (B, n, C)
-            segments = torch.cat([documents[:, start:stop:size, None], tokens], dim=-1)
-        o, state = _chunk_block(*blocks, state, log2_gamma, segments)
+    for start, stop, size in _chunks(length, chunk_size):
+        blocks = [_split(x, start, stop, size) for x in (q, k, v)]
+        masks = _block_masks(log2_gamma, size, blocks[0].shape[2], _segments(documents, start, stop, size), q.dtype)
+        o, _, state = _block_forward(*blocks, state, masks)
         outputs.append(o.flatten(2, 3))
-    o = torch.cat(outputs, dim=2) if outputs else v[:, :, :0]
+    o = torch.cat(outputs, dim=2) if outputs else v.new_zeros(v.shape)  # (length 0: a fresh tensor)
     o = o.transpose(1, 2).to(v_dtype)
     return o, (state if output_final_state else None)
 
 
+def chunk_retention_torch_backward(d_o, d_final_state, q, k, v, scale, initial_state=None, chunk_size=None,
+                                   reset=None):
+    """Gradients of :func:`chunk_retention_torch`, written out (``hf_densessm::chunk_retention_backward`` with
+    ``backend="torch"``): the forward states are recomputed chunk by chunk, then the chunkwise backward runs
+    backward in time (``chunk.py`` has the same formulas as kernels).
+
+    Args:
+        d_o (Tensor): ``(batch, length, heads, value_dim)``, the gradient of ``o``.
+        d_final_state (Tensor, optional): ``(batch, heads, key_dim, value_dim)``, the gradient of the final state
+            (None: zero).
+        q, k, v, scale, initial_state, chunk_size, reset: as :func:`chunk_retention_torch` (``scale`` a float).
+
+    Returns:
+        dq, dk, dv in the dtypes of q, k, v, and the gradient of the initial state ``(batch, heads, key_dim,
+        value_dim)`` (of a zero one when ``initial_state`` is None) in the compute dtype: float32 (float64 for
+        float64 inputs).
+    """
+    length, key_dim, value_dim = q.shape[1], q.shape[-1], v.shape[-1]
+    chunk_size = default_chunk_size(key_dim, value_dim) if chunk_size is None else chunk_size
+    dtypes = (q.dtype, k.dtype, v.dtype)
+    q, k, v, state, log2_gamma, documents = _prepare(q, k, v, scale, initial_state, reset)
+    d_o = d_o.transpose(1, 2).to(q.dtype)
+    if d_final_state is None:
+        d_state = torch.zeros_like(state)
+    else:
+        d_state = d_final_state.to(q.dtype, copy=True)
+    blocks = []
+    for start, stop, size in _chunks(length, chunk_size):  # the forward pass, keeping the states before each chunk
+        inputs = [_split(x, start, stop, size) for x in (q, k, v)]
+        masks = _block_masks(log2_gamma, size, inputs[0].shape[2], _segments(documents, start, stop, size), q.dtype)
+        _, previous, state = _block_forward(*inputs, state, masks)
+        blocks.append((start, stop, size, inputs, previous, masks))
+    grads = []
+    for start, stop, size, inputs, previous, masks in reversed(blocks):
+        dq, dk, dv, d_state = _block_backward(*inputs, previous, masks, _split(d_o, start, stop, size), d_state)
+        grads.append([g.flatten(2, 3) for g in (dq, dk, dv)])
+    if grads:
+        dq, dk, dv = (torch.cat(parts[::-1], dim=2) for parts in zip(*grads))
+    else:
+        dq, dk, dv = q.clone(), k.clone(), v.clone()  # empty along the length
+    dq = dq * scale
+    dq, dk, dv = (g.transpose(1, 2).to(dtype) for g, dtype in zip((dq, dk, dv), dtypes))
+    return dq, dk, dv, d_state
+
+
 def retention_state_update_torch(state, q, k, v, scale=None):
-    """One decoding step of retention, DenseSSM paper Eq. 18-19: ``S <- gamma S + k^T v``, ``o = (scale q) S``.
+    """One decoding step of retention, DenseSSM paper Eq. 18-19: ``S <- gamma S + k^T v``, ``o = (scale q) S``
+    (``hf_densessm::retention_state_update`` with ``backend="torch"``).
 
     Three operations on the state (a decode step is bound by their count, not by arithmetic): ``S *= gamma``,
-    ``S += k^T v`` (one ``baddbmm_``), ``o = q S`` (one ``bmm``); the per-head decay is kept per
-    ``(heads, device, dtype)`` (:func:`step_decay`) and ``scale = 1`` multiplies nothing.
+    ``S += k^T v`` (one ``baddbmm_``), ``o = q S`` (one ``bmm``). The per-head decay ``gamma_h = 1 - 2**(-5 - h)``
+    (:func:`.naive.retention_gamma`) is computed on ``state``'s device from an ``arange`` (exact in float32 and
+    float64; no host-to-device copy, nothing cached between calls, so ``torch.compile`` traces it as constants).
 
     Args:
         state (Tensor): ``(batch, heads, key_dim, value_dim)`` float32 (float64 allowed), updated in place.
@@ -162,9 +264,10 @@ def retention_state_update_torch(state, q, k, v, scale=None):
     value_dim = v.shape[-1]
     scale = key_dim**-0.5 if scale is None else scale
     sdt = state.dtype
+    gamma = 1.0 - torch.exp2(-torch.arange(5, 5 + heads, device=state.device, dtype=sdt))
     work = state if state.is_contiguous() else state.contiguous()
     flat = work.view(batch * heads, key_dim, value_dim)
-    work.mul_(step_decay(heads, state.device, sdt))  # Eq. 18: S <- gamma S ...
+    work.mul_(gamma[:, None, None])  # Eq. 18: S <- gamma S ...
     flat.baddbmm_(k.reshape(-1, key_dim, 1).to(sdt), v.reshape(-1, 1, value_dim).to(sdt))  # ... + k^T v
     if work is not state:
         state.copy_(work)
@@ -173,29 +276,3 @@ def retention_state_update_torch(state, q, k, v, scale=None):
         q = q * scale
     o = torch.bmm(q, flat)  # Eq. 19: o = (scale q) S
     return o.view(batch, heads, value_dim).to(v.dtype)
-
-
-_STEP_DECAYS = {}
-
-
-def step_decay(heads, device, dtype, log2=False):
-    """The decay of a decoding step, built once per ``(heads, device, dtype)``: a decode step runs per layer and
-    token, and on a GPU each fresh build is a host-to-device copy, which waits for the host.
-
-    Args:
-        heads (int): number of heads ``H``.
-        device, dtype: of the returned tensor.
-        log2 (bool): ``log2(gamma_h)`` ``(H,)`` (:func:`.naive.retention_log2_gamma`, what the Triton step takes)
-            instead of ``gamma_h`` ``(H, 1, 1)`` (what the PyTorch step multiplies the state by).
-
-    Returns:
-        A tensor shared by every call with the same arguments: read it, never write to it. It is a plain tensor
-        (not an inference tensor), usable in and out of ``torch.inference_mode``.
-    """
-    key = (heads, device, dtype, log2)
-    decay = _STEP_DECAYS.get(key)
-    if decay is None:
-        with torch.inference_mode(False), torch.no_grad():
-            log2_gamma = retention_log2_gamma(heads, device, dtype)
-            decay = _STEP_DECAYS[key] = log2_gamma if log2 else torch.exp2(log2_gamma)[:, None, None]
-    return decay

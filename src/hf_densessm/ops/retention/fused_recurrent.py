@@ -1,10 +1,16 @@
-"""One decoding step of multi-scale retention in Triton, the state updated in place.
+"""One decoding step of multi-scale retention in Triton, the state updated in place: the Triton branch of
+``hf_densessm::retention_state_update``, launched through ``torch.library.wrap_triton``.
 
 DenseSSM paper Eq. 18-19 for a single token, per head with decay ``gamma``:
 ``S <- gamma S + k^T v``, then ``o = (scale q) S``. Each program owns a ``BV``-wide column strip of one
 ``(batch, head)`` state and walks its key rows in ``BK`` tiles: it reads and writes every state element once
 (the step is bound by memory traffic, O(1) in the context length) and sums ``o`` in registers, so no partial
 outputs reach memory. Key and value sizes that are not powers of two are masked.
+
+The per-head decay ``gamma_h = 1 - 2**(-5 - h)`` is computed in the kernel from the head index (no decay tensor
+to build or copy per step), and every scalar the kernel receives is cast to the accumulator dtype first: under
+``torch.compile`` on CUDA, Inductor's launcher passes a Python float such as ``scale`` as fp64, which made the
+float32 loop-carried ``o_acc`` an fp64 value ("Loop-carried variable o_acc fp32 re-assigned to fp64").
 """
 
 import torch
@@ -16,7 +22,6 @@ except ImportError as error:
     raise ImportError(f"{__name__} holds Triton kernels and needs the `triton` package") from error
 
 from ..backend import GPUArch, device_arch
-from .chunked_torch import step_decay
 
 __all__ = ["retention_state_update_config", "retention_state_update_triton"]
 
@@ -44,13 +49,14 @@ def retention_state_update_config(arch: GPUArch, key_dim: int, value_dim: int) -
 
 @triton.jit
 def _retention_step_kernel(
-    state, q, k, v, o, log2_gamma_ptr, scale,
+    state, q, k, v, o, scale,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, ACC: tl.constexpr,
 ):
     """Grid (value tiles, batch * heads); q, k: (B, H, K), v, o: (B, H, V), state: (B, H, K, V), contiguous."""
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     i_h = i_bh % H
-    gamma = tl.exp2(tl.load(log2_gamma_ptr + i_h))
+    scale = tl.full((), scale, ACC)  # fp32 from Triton's launcher, fp64 from Inductor's: cast to one dtype
+    gamma = 1.0 - tl.exp2(-(i_h + 5).to(ACC))  # gamma_h = 1 - 2**(-5 - h), exact in float32 and float64
     offs_v = i_v * BV + tl.arange(0, BV)
     mask_v = offs_v < V
     v_row = tl.load(v + i_bh * V + offs_v, mask=mask_v, other=0.0).to(ACC)
@@ -71,7 +77,8 @@ def _retention_step_kernel(
 
 
 def retention_state_update_triton(state, q, k, v, scale, config=None):
-    """One retention decoding step with the Triton kernel (arguments checked by :func:`retention_state_update`).
+    """One retention decoding step with the Triton kernel: the Triton branch of ``hf_densessm::retention_state_update``
+    (arguments checked by :func:`hf_densessm.ops.retention.retention_state_update`).
 
     Args:
         state (Tensor): ``(batch, heads, key_dim, value_dim)`` float32 (float64 with float64 inputs), updated in place.
@@ -86,12 +93,11 @@ def retention_state_update_triton(state, q, k, v, scale, config=None):
     batch, heads, key_dim = q.shape
     value_dim = v.shape[-1]
     acc = tl.float64 if state.dtype == torch.float64 else tl.float32
-    log2_gamma = step_decay(heads, q.device, state.dtype, log2=True)  # built once, not copied to the GPU per call
     work = state if state.is_contiguous() else state.contiguous()
     o = torch.empty_like(v)
     block_k, block_v, num_warps = config or retention_state_update_config(device_arch(q.device), key_dim, value_dim)
-    _retention_step_kernel[(triton.cdiv(value_dim, block_v), batch * heads)](
-        work, q.contiguous(), k.contiguous(), v.contiguous(), o, log2_gamma, scale,
+    torch.library.wrap_triton(_retention_step_kernel)[(triton.cdiv(value_dim, block_v), batch * heads)](
+        work, q.contiguous(), k.contiguous(), v.contiguous(), o, scale,
         H=heads, K=key_dim, V=value_dim, BK=block_k, BV=block_v, ACC=acc, num_warps=num_warps,
     )
     if work is not state:
