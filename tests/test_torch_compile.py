@@ -1,4 +1,4 @@
-"""torch.compile traces both families whole (issue 25, item 2; docs/design.md §0), on the CPU here:
+"""torch.compile traces both families whole (docs/design.md §5), on the CPU here:
 
 - a training forward and backward under ``torch.compile(model, fullgraph=True)`` gives the eager loss and gradients,
   with left padding and with packed documents;

@@ -222,7 +222,7 @@ class DenseSSMConfig(PretrainedConfig):
         ``config.json``, and a value an old ``config.json`` carries is ignored on load.
 
         Raises:
-            ValueError, TypeError: (on setting) a value not in :data:`KERNEL_BACKENDS`.
+            ValueError: (on setting) a value not in :data:`KERNEL_BACKENDS`.
         """
         return self._kernel_backend
 

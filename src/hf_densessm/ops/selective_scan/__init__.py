@@ -39,7 +39,7 @@ Choices made here:
   sliced and transposed out of ``x_proj``'s output), and the reference does not care.
 - ``A`` must be ``<= 0`` (a decay). Checking it reads ``A`` on the host: a reduction on the CPU, a device
   synchronization on CUDA. :func:`selective_scan` checks on every call (one sync next to a whole-sequence
-  kernel), except while a CUDA graph is being captured. :func:`selective_state_update` does not check: it runs
+  kernel), except while ``torch.compile`` traces or a CUDA graph is being captured. :func:`selective_state_update` does not check: it runs
   per token and layer, where the check would cost as much as the step, and a decode step follows a prefill
   :func:`selective_scan` with the same ``A``.
 """
