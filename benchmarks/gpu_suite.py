@@ -1,8 +1,10 @@
 """Every GPU figure of the project from one command: CUDA-only correctness checks and every GPU benchmark.
 
-On a machine with one NVIDIA GPU (meant to take under 10 minutes on an A100 / H100)::
+On a machine with one NVIDIA GPU (meant to take under 10 minutes on an A100 / H100, plus the compilations of the
+training and decoding steps)::
 
     python benchmarks/gpu_suite.py --out-dir benchmarks/results          # gpu_suite.json + gpu_suite.md
+    python benchmarks/gpu_suite.py --sections decode training            # the issue's GPU targets only
 
 Sections (each runs on its own: an error is recorded in its row and the suite goes on):
 
@@ -18,13 +20,24 @@ Sections (each runs on its own: an error is recorded in its row and the suite go
    where importable, forward and forward+backward, with the achieved bandwidth (minimal bytes over time) as a
    fraction of the copy bandwidth and the ideal time (minimal bytes at the copy bandwidth); decode steps.
 5. ``training``: one optimizer step (bfloat16 autocast, AdamW) of DenseMamba-360M and DenseRetNet-350M, with the
-   dense connection and without it (``dense_layers=0``): milliseconds and tokens per second.
-6. ``decode``: latency per generated token of both models at 1K and 16K tokens of context, through
-   ``generate`` and the model's cache (time of 1 + n new tokens minus time of 1, over n).
+   dense connection and without it (``dense_layers=0``), eager and with the model under ``torch.compile(model)``
+   (the same step, module and optimizer): milliseconds and tokens per second of each, the compiled step's first
+   call (it compiles), and its speed-up over eager.
+6. ``decode``: batch-1 decoding of both models through ``generate()`` at 1K and 16K tokens of context, by
+   ``generate()`` as it comes (on CUDA transformers compiles the decoding step with CUDA graphs by default; whether
+   it did is recorded) and with ``disable_compile=True``: the first call's seconds, milliseconds per token (time
+   of 1 + n new tokens minus time of 1, over n; the issue's target is 3 ms or less), and counted with
+   ``torch.profiler`` over the same calls: kernel launches per token (``cudaLaunchKernel`` / ``cuLaunchKernel``,
+   ``cudaGraphLaunch``, and their sum), GPU kernels, host syncs and copies per token.
+
+Every row fails on its own: an error (e.g. a model that cannot be compiled yet) is recorded in its row as
+``error`` and the suite goes on.
 
 ``--dry-run`` runs every section end to end on the CPU at tiny shapes (kernels under the Triton interpreter,
-float32 instead of the half dtypes, which the interpreter cannot compute), to check the plumbing; its numbers mean
-nothing. The exit status is 1 if a correctness check failed or a section raised, else 0.
+float32 instead of the half dtypes, which the interpreter cannot compute; ``torch.compile`` with the ``aot_eager``
+backend, and the decoding step compiled through ``compile_decode_step()``, the CPU's opt-in), to check the
+plumbing; its numbers mean nothing, and its launch counts are zero (no CUDA). The exit status is 1 if a
+correctness check failed or a section raised, else 0.
 
 Only public, long-standing APIs are used, so that it runs as is on torch 2.11 / triton 3.6 / transformers 5.17 as
 well as on the newest releases.
@@ -78,6 +91,21 @@ SIZES = {
         repeats=1,
     ),
 }
+#: Method names of the training section: the eager step, and the same step through ``torch.compile(model)``.
+EAGER_TRAINING, COMPILED_TRAINING = "eager", "torch.compile"
+#: Method names of the decode section, with the ``generate()`` keywords each adds.
+DEFAULT_DECODE = "generate (default)"
+DECODE_METHODS = {DEFAULT_DECODE: {}, "generate eager (disable_compile)": {"disable_compile": True}}
+#: The issue's target for batch-1 bfloat16 decoding of the 350M presets on a GPU, milliseconds per token.
+DECODE_TARGET_MS = 3.0
+#: Profiler events of one kernel launch by the host, and of one CUDA graph launch (each graph replays many kernels).
+KERNEL_LAUNCH_EVENTS = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC",
+                        "cudaLaunchCooperativeKernel")
+GRAPH_LAUNCH_EVENTS = ("cudaGraphLaunch", "cuGraphLaunch")
+#: Dynamo's compiled-code cache entries per code object: the compiled training steps and decoding steps of one
+#: family share its classes' code objects (one entry per model and dtype, more while a cache warms up), past
+#: Dynamo's default limit of 8, at which a ``fullgraph=True`` compilation (``generate()``'s) fails.
+RECOMPILE_LIMIT = 64
 #: Largest error relative to the largest reference entry that a check accepts, per dtype.
 TOLERANCE = {torch.float32: 2e-3, torch.bfloat16: 3e-2, torch.float16: 1e-2}
 H100_SXM_BANDWIDTH = 3.35e12  # bytes/s, HBM3 of the H100 SXM: the physical limit docs/benchmarks.md uses
@@ -172,7 +200,9 @@ class Suite:
         name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else platform.processor()
         for metric, value in (("device", name or platform.machine()), ("torch", torch.__version__),
                               ("triton", triton_version), ("transformers", transformers.__version__),
-                              ("dry_run", str(self.dry))):
+                              ("dry_run", str(self.dry)),
+                              ("dynamo_recompile_limit", str(getattr(torch._dynamo.config, "recompile_limit",
+                                                                     torch._dynamo.config.cache_size_limit)))):
             self.add("environment", "-", "-", metric, value)
         if self.device.type == "cuda":
             from hf_densessm.ops.backend import device_arch
@@ -390,52 +420,126 @@ class Suite:
                 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=self.device.type == "cuda")
                 ids = torch.randint(3, config.vocab_size, (sizes["batch"], sizes["length"]), device=self.device)
 
-                def step():
+                def step(forward):
                     with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=not self.dry):
-                        loss = model(ids, labels=ids).loss
+                        loss = forward(ids, labels=ids).loss
                     loss.backward()
                     optimizer.step()
                     optimizer.zero_grad(set_to_none=True)
 
                 case = f"{name} {dense} b{sizes['batch']} L{sizes['length']} bf16-autocast"
+                eager_ms = None
                 try:
-                    ms = self.time_ms(step, repeats=sizes["steps"])
-                    self.add("training", case, "triton (auto)", "step_ms", ms, "ms")
-                    self.add("training", case, "triton (auto)", "tokens_per_s",
-                             sizes["batch"] * sizes["length"] / (ms * 1e-3))
+                    eager_ms = self.time_ms(lambda: step(model), repeats=sizes["steps"])
+                    self.add("training", case, EAGER_TRAINING, "step_ms", eager_ms, "ms")
+                    self.add("training", case, EAGER_TRAINING, "tokens_per_s",
+                             sizes["batch"] * sizes["length"] / (eager_ms * 1e-3))
                 except Exception as error:
-                    self.add("training", case, "triton (auto)", "error", f"{type(error).__name__}: {str(error)[:150]}")
+                    self.add("training", case, EAGER_TRAINING, "error", f"{type(error).__name__}: {str(error)[:150]}")
+                # the same step through torch.compile(model) (the same module, parameters and optimizer)
+                try:
+                    compiled = torch.compile(model, backend=self.compile_backend())
+                    start = time.perf_counter()
+                    step(compiled)  # compiles (forward and backward)
+                    self.sync()
+                    self.add("training", case, COMPILED_TRAINING, "first_step_s (compiles)",
+                             time.perf_counter() - start, "s")
+                    ms = self.time_ms(lambda: step(compiled), repeats=sizes["steps"])
+                    self.add("training", case, COMPILED_TRAINING, "step_ms", ms, "ms")
+                    self.add("training", case, COMPILED_TRAINING, "tokens_per_s",
+                             sizes["batch"] * sizes["length"] / (ms * 1e-3))
+                    if eager_ms is not None:
+                        self.add("training", case, COMPILED_TRAINING, "speedup_vs_eager", eager_ms / ms, "x")
+                except Exception as error:
+                    self.add("training", case, COMPILED_TRAINING, "error", f"{type(error).__name__}: {str(error)[:300]}")
                 del model, optimizer
                 if self.device.type == "cuda":
                     torch.cuda.empty_cache()
 
+    def compile_backend(self):
+        """Inductor on a GPU; in a dry run ``aot_eager`` (Dynamo's and AOTAutograd's tracing, without Inductor's
+        code generation, which would take minutes on the CPU): the plumbing, not the speed."""
+        return "aot_eager" if self.dry else "inductor"
+
     def decode(self):
+        """Batch-1 decoding through ``generate()`` (bfloat16 on a GPU), per context length, by two methods:
+
+        - ``generate (default)``: ``generate()`` as it comes. On CUDA transformers compiles the decoding step with
+          CUDA graphs by default (``mode="reduce-overhead"``) when it holds a compileable cache at its decision,
+          which the models' cache is; ``compiled_path`` records whether it did. In a dry run (the CPU, where that is
+          opt-in) ``compile_decode_step()`` opts in, with :meth:`compile_backend`.
+        - ``generate eager (disable_compile)``: the same call with ``disable_compile=True``.
+
+        Figures: the first call's seconds (it compiles), milliseconds per token (time of 1 + n new tokens minus
+        time of 1, over n), and, counted with ``torch.profiler`` over the same two calls (their difference over n):
+        kernel launches per token (``cudaLaunchKernel`` / ``cuLaunchKernel(Ex)`` calls, ``cudaGraphLaunch`` calls,
+        and their sum), GPU kernels run per token, host syncs and copies per token."""
         from transformers import AutoModelForCausalLM
 
         new = self.sizes["decode_new"]
         for name, config in _preset_configs(self.dry).items():
             torch.manual_seed(0)
             model = AutoModelForCausalLM.from_config(config).to(self.device, self.bench_dtype()).eval()
+            if self.dry:
+                model.compile_decode_step()
+                model.generation_config.compile_config.backend = self.compile_backend()
+                model.generation_config.compile_config.mode = None  # reduce-overhead is Inductor's
             for context in self.sizes["decode_contexts"]:
                 prompt = torch.randint(3, config.vocab_size, (1, context), device=self.device)
-
-                def generate(tokens):
-                    with torch.no_grad():
-                        model.generate(prompt, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
-                                       pad_token_id=0)
-
                 case = f"{name} context {context} batch 1 {_short(self.bench_dtype())}"
-                try:
-                    repeats = max(1, self.sizes["repeats"] // 5)
-                    one = self.time_ms(lambda: generate(1), repeats=repeats)
-                    more = self.time_ms(lambda: generate(1 + new), repeats=repeats)
-                    self.add("decode", case, "generate + cache", "prefill_and_first_token_ms", one, "ms")
-                    self.add("decode", case, "generate + cache", "ms_per_token", (more - one) / new, "ms")
-                except Exception as error:
-                    self.add("decode", case, "generate + cache", "error", f"{type(error).__name__}: {str(error)[:150]}")
+                for method, extra in DECODE_METHODS.items():
+
+                    def generate(tokens, extra=extra):
+                        with torch.no_grad():
+                            model.generate(prompt, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
+                                           pad_token_id=0, **extra)
+
+                    try:
+                        start = time.perf_counter()
+                        generate(2)  # compiles the decoding step, where it is compiled
+                        self.sync()
+                        self.add("decode", case, method, "first_call_s", time.perf_counter() - start, "s")
+                        if method == DEFAULT_DECODE:
+                            self.add("decode", case, method, "compiled_path", str(_compiled_path_taken(model)))
+                        repeats = max(1, self.sizes["repeats"] // 5)
+                        one = self.time_ms(lambda: generate(1), repeats=repeats)
+                        more = self.time_ms(lambda: generate(1 + new), repeats=repeats)
+                        self.add("decode", case, method, "prefill_and_first_token_ms", one, "ms")
+                        self.add("decode", case, method, "ms_per_token", (more - one) / new, "ms",
+                                 note=f"(target <= {DECODE_TARGET_MS:g} ms: DenseMamba-360M, DenseRetNet-350M, bf16)"
+                                 if not self.dry else "")
+                        counts_one, counts_more = self.count_events(lambda: generate(1)), \
+                            self.count_events(lambda: generate(1 + new))
+                        for metric in counts_more:
+                            self.add("decode", case, method, f"{metric}_per_token",
+                                     (counts_more[metric] - counts_one[metric]) / new)
+                    except Exception as error:
+                        self.add("decode", case, method, "error", f"{type(error).__name__}: {str(error)[:300]}")
             del model
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
+
+    def count_events(self, fn) -> dict:
+        """Profiler event counts of one call of ``fn``: ``kernel_launches`` (:data:`KERNEL_LAUNCH_EVENTS`),
+        ``graph_launches`` (:data:`GRAPH_LAUNCH_EVENTS`), ``launches`` (the two together),
+        ``gpu_kernels`` (what ran on the GPU), ``syncs``, ``copies``. Zero on the CPU (a dry run)."""
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+        with profile(activities=activities) as prof:
+            fn()
+            self.sync()
+        events = prof.key_averages()
+
+        def count(keys):
+            return sum(e.count for e in events if e.key in keys)
+
+        counts = {"kernel_launches": count(KERNEL_LAUNCH_EVENTS), "graph_launches": count(GRAPH_LAUNCH_EVENTS)}
+        counts["launches"] = counts["kernel_launches"] + counts["graph_launches"]
+        counts["gpu_kernels"] = sum(e.count for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+        counts["syncs"] = count(("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize"))
+        counts["copies"] = count(("cudaMemcpyAsync", "cudaMemcpy"))
+        return counts
 
     # ----------------------------------------------------------------------------------------- output
 
@@ -450,6 +554,23 @@ class Suite:
                          f"| {check} |")
         (out_dir / "gpu_suite.md").write_text("\n".join(lines) + "\n")
         print(f"wrote {out_dir / 'gpu_suite.json'} and {out_dir / 'gpu_suite.md'}")
+
+
+def set_recompile_limit(limit: int) -> dict:
+    """Raise Dynamo's per-code-object cache limits to ``limit`` (:data:`RECOMPILE_LIMIT`); returns what was set."""
+    config, applied = torch._dynamo.config, {}
+    for key in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit", "accumulated_cache_size_limit"):
+        if hasattr(config, key):
+            value = max(getattr(config, key), limit * (8 if key.startswith("accumulated") else 1))
+            setattr(config, key, value)
+            applied[key] = value
+    return applied
+
+
+def _compiled_path_taken(model) -> bool:
+    """Whether ``generate()`` took transformers' compile path: ``get_compiled_call`` keeps the compiled callable on
+    the model."""
+    return "_compiled_call" in vars(model)
 
 
 def _short(dtype):
@@ -531,6 +652,7 @@ def main(argv=None) -> int:
     else:
         device = torch.device("cuda")
     suite = Suite(device, args.dry_run)
+    set_recompile_limit(RECOMPILE_LIMIT)
     sections = {"kernel-correctness": suite.kernel_correctness, "model-parity": suite.model_parity,
                 "kernels": suite.kernels, "training": suite.training, "decode": suite.decode}
     unknown = set(args.sections or ()) - set(sections)

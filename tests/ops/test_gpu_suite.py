@@ -28,12 +28,23 @@ def test_dry_run_covers_every_section(tmp_path):
     assert checks and all(r["ok"] for r in checks)
     metrics = {(r["section"], r["method"], r["metric"]) for r in records}
     for expected in [("kernels", "triton", "fwd_ms"), ("kernels", "torch", "fwd_bwd_ms"),
-                     ("kernels", "triton", "step_us"), ("training", "triton (auto)", "step_ms"),
-                     ("decode", "generate + cache", "ms_per_token"), ("environment", "torch copy_", "copy_bandwidth")]:
+                     ("kernels", "triton", "step_us"), ("training", "eager", "step_ms"),
+                     ("training", "torch.compile", "step_ms"), ("training", "torch.compile", "speedup_vs_eager"),
+                     ("training", "torch.compile", "first_step_s (compiles)"),
+                     ("environment", "torch copy_", "copy_bandwidth")]:
         assert expected in metrics, expected
-    # both families, with and without the dense connection
-    training = {r["case"].split(" b")[0] for r in records if r["section"] == "training" and r["metric"] == "step_ms"}
-    assert len(training) == 4, training
+    for method in ("generate (default)", "generate eager (disable_compile)"):
+        for metric in ("first_call_s", "ms_per_token", "launches_per_token", "kernel_launches_per_token",
+                       "graph_launches_per_token", "gpu_kernels_per_token"):
+            assert ("decode", method, metric) in metrics, (method, metric)
+    # both families, with and without the dense connection, eager and compiled
+    for method in ("eager", "torch.compile"):
+        training = {r["case"].split(" b")[0] for r in records
+                    if r["section"] == "training" and r["method"] == method and r["metric"] == "step_ms"}
+        assert len(training) == 4, (method, training)
+    # generate() took transformers' compile path (opted in on the CPU) for both families at every context
+    compiled = [r for r in records if r["section"] == "decode" and r["metric"] == "compiled_path"]
+    assert len(compiled) == 4 and all(r["value"] == "True" for r in compiled), compiled
     table = (tmp_path / "gpu_suite.md").read_text().splitlines()
     assert table[0].startswith("| section |") and len(table) == len(records) + 2
 
