@@ -1,83 +1,166 @@
-"""Mamba's causal depthwise convolution in token-major order (``ops/causal_conv1d.py``): the compiled CPU kernel
-and the PyTorch path against ``F.conv1d`` (channels first, left zero padding; packed documents run one by one),
-values and gradients in float64; cached windows; half precision; argument checks."""
+"""Mamba's causal depthwise convolution in token-major order (``ops/causal_conv1d/``): the float64 token loop
+(``naive.py``) against ``F.conv1d`` (channels first, left zero padding; packed documents run one by one), the op
+(``hf_densessm::causal_conv1d``, its PyTorch path and hand-written backward) against the token loop: values and the
+gradients of ``x``, ``weight``, ``bias`` and ``window``; cached windows, packed documents and both at once; half
+precision; argument checks; ``torch.library.opcheck``; ``torch.compile(fullgraph=True)`` against eager."""
 
 import pytest
 import torch
+import torch._inductor.config
 import torch.nn.functional as F
 
-import importlib
-
-conv_module = importlib.import_module("hf_densessm.ops.causal_conv1d")  # the module (the package exports the function)
+from hf_densessm.ops.backend import triton_available
 from hf_densessm.ops.causal_conv1d import causal_conv1d
+from hf_densessm.ops.causal_conv1d.naive import causal_conv1d_naive
 
-BACKENDS = ["torch", pytest.param("cpu", marks=pytest.mark.skipif(conv_module._library() is None, reason="no C compiler"))]
+ACTIVATIONS = [None, "silu"]
 
 
-def reference(x, weight, bias, window=None, reset=None, activation=None):
+def conv1d_reference(x, weight, bias, window=None, reset=None, activation=None):
     """F.conv1d over (batch, channels, length), each packed document alone; the window's last kernel - 1 inputs
-    stand before the sequence."""
+    stand before the row's first document (zeros before the others)."""
     kernel = weight.shape[-1]
     rows = []
     for b in range(x.shape[0]):
         starts = [0] + ([] if reset is None else [t for t in range(1, x.shape[1]) if reset[b, t]]) + [x.shape[1]]
+        first_reads_window = window is not None and (reset is None or not reset[b, 0])
         pieces = []
         for s, e in zip(starts[:-1], starts[1:]):
             seq = x[b : b + 1, s:e].transpose(1, 2)
-            left = window[b : b + 1, :, 1:] if window is not None and s == 0 else seq.new_zeros(1, seq.shape[1], kernel - 1)
+            if s == 0 and first_reads_window:
+                left = window[b : b + 1, :, 1:]
+            else:
+                left = seq.new_zeros(1, seq.shape[1], kernel - 1)
             pieces.append(F.conv1d(torch.cat([left, seq], -1), weight, bias, groups=weight.shape[0]).transpose(1, 2))
         rows.append(torch.cat(pieces, 1))
     out = torch.cat(rows, 0)
     return F.silu(out) if activation == "silu" else out
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("shape", [(1, 1, 1, 4), (2, 7, 5, 4), (3, 40, 37, 4), (2, 33, 20, 3), (1, 5, 16, 2)])
-@pytest.mark.parametrize("mode", ["plain", "window", "packed"])
-@pytest.mark.parametrize("activation", [None, "silu"])
-def test_matches_conv1d_float64(backend, shape, mode, activation):
+def make_inputs(shape, mode, dtype=torch.float64, seed=None):
+    """x as a strided view (the in_proj's output, as in the model), weight (dim, 1, K), bias, and per ``mode``
+    ("plain", "window", "packed", "window+packed") a window (differentiable) and a reset."""
     batch, length, dim, kernel = shape
-    g = torch.Generator().manual_seed(length * dim)
-    proj = torch.randn(batch, length, 2 * dim, generator=g, dtype=torch.float64)
-    x = proj[..., :dim].detach().requires_grad_()  # a view with the in_proj's row stride, as in the model
-    weight = torch.randn(dim, 1, kernel, generator=g, dtype=torch.float64, requires_grad=True)
-    bias = torch.randn(dim, generator=g, dtype=torch.float64, requires_grad=True)
-    window = torch.randn(batch, dim, kernel, generator=g, dtype=torch.float64) if mode == "window" else None
+    g = torch.Generator().manual_seed(length * dim * kernel if seed is None else seed)
+    proj = torch.randn(batch, length, 2 * dim, generator=g, dtype=dtype)
+    x = proj[..., :dim].detach().requires_grad_()
+    weight = torch.randn(dim, 1, kernel, generator=g, dtype=dtype, requires_grad=True)
+    bias = torch.randn(dim, generator=g, dtype=dtype, requires_grad=True)
+    window = None
+    if "window" in mode:
+        window = torch.randn(batch, dim, kernel, generator=g, dtype=dtype, requires_grad=True)
     reset = None
-    if mode == "packed":
+    if "packed" in mode:
         reset = torch.rand(batch, length, generator=g) < 0.25
-    out = causal_conv1d(x, weight, bias, window, reset, activation, backend=backend)
-    ref = reference(x, weight, bias, window, reset, activation)
+        reset[0, 0] = False  # the window (if any) reaches row 0's first document
+        if batch > 1:
+            reset[1, 0] = True  # and not row 1's
+    return x, weight, bias, window, reset
+
+
+SHAPES = [(1, 1, 1, 4), (2, 7, 5, 4), (3, 40, 37, 4), (2, 33, 20, 3), (1, 5, 16, 2), (2, 6, 3, 1), (2, 2, 4, 4)]
+MODES = ["plain", "window", "packed", "window+packed"]
+
+
+@pytest.mark.parametrize("shape", [(2, 7, 5, 4), (3, 40, 37, 4), (2, 2, 4, 4)])
+@pytest.mark.parametrize("mode", MODES)
+def test_naive_matches_conv1d(shape, mode):
+    x, weight, bias, window, reset = make_inputs(shape, mode)
+    torch.testing.assert_close(
+        causal_conv1d_naive(x, weight, bias, window, reset, "silu"),
+        conv1d_reference(x, weight, bias, window, reset, "silu"),
+        atol=1e-13, rtol=1e-13,
+    )
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_matches_naive_float64(shape, mode, activation, with_bias):
+    """Values and every gradient (x, weight, bias, window) against the token loop, in float64."""
+    x, weight, bias, window, reset = make_inputs(shape, mode)
+    bias = bias if with_bias else None
+    out = causal_conv1d(x, weight, bias, window, reset, activation)
+    ref = causal_conv1d_naive(x, weight, bias, window, reset, activation)
     torch.testing.assert_close(out, ref, atol=1e-12, rtol=1e-12)
-    go = torch.randn(ref.shape, generator=g, dtype=torch.float64)
-    grads = torch.autograd.grad((out * go).sum(), (x, weight, bias))
-    refs = torch.autograd.grad((ref * go).sum(), (x, weight, bias))
-    for a, b in zip(grads, refs):
-        torch.testing.assert_close(a, b, atol=1e-11, rtol=1e-11)
+    assert out.is_contiguous()
+    leaves = [t for t in (x, weight, bias, window) if t is not None]
+    go = torch.randn(ref.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    grads = torch.autograd.grad((out * go).sum(), leaves)
+    refs = torch.autograd.grad((ref * go).sum(), leaves, allow_unused=True)  # K = 1 reads no window
+    refs = [torch.zeros_like(t) if r is None else r for t, r in zip(leaves, refs)]
+    for name, a, b in zip(("x", "weight", "bias", "window"), grads, refs):
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+        torch.testing.assert_close(a, b, atol=1e-11, rtol=1e-11, msg=lambda m: f"{name}: {m}")
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_bfloat16_and_no_bias(backend):
-    x = torch.randn(2, 9, 24).bfloat16()
-    weight = torch.randn(24, 1, 4).bfloat16()
-    out = causal_conv1d(x, weight, None, activation="silu", backend=backend)
+def test_gradcheck():
+    """The registered backward against finite differences (float64), expanded output gradient included."""
+    x, weight, bias, window, reset = make_inputs((2, 9, 3, 4), "window+packed")
+    torch.autograd.gradcheck(
+        lambda x, w, b, win: causal_conv1d(x, w, b, win, reset, "silu"), (x, weight, bias, window)
+    )
+    out = causal_conv1d(x, weight, bias, window, reset, "silu")
+    (gx,) = torch.autograd.grad(out.sum(), x)  # sum's gradient is an expanded (stride 0) tensor
+    (rx,) = torch.autograd.grad(causal_conv1d_naive(x, weight, bias, window, reset, "silu").sum(), x)
+    torch.testing.assert_close(gx, rx, atol=1e-12, rtol=1e-12)
+
+
+@pytest.mark.parametrize("mode", ["plain", "window+packed"])
+def test_float32_at_model_scale(mode):
+    x, weight, bias, window, reset = make_inputs((2, 64, 48, 4), mode, dtype=torch.float32)
+    out = causal_conv1d(x, weight, bias, window, reset, "silu")
+    ref = causal_conv1d_naive(x, weight, bias, window, reset, "silu")
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_bfloat16_and_no_bias():
+    x = torch.randn(2, 9, 24).bfloat16().requires_grad_()
+    weight = torch.randn(24, 1, 4).bfloat16().requires_grad_()
+    out = causal_conv1d(x, weight, None, activation="silu")
     assert out.dtype == torch.bfloat16
-    ref = reference(x.double(), weight.double(), None, activation="silu")
+    ref = causal_conv1d_naive(x, weight, None, activation="silu")
     torch.testing.assert_close(out.double(), ref, atol=3e-2, rtol=3e-2)
+    gx, gw = torch.autograd.grad(out.float().sum(), (x, weight))
+    assert gx.dtype == torch.bfloat16 and gw.dtype == torch.bfloat16 and gw.shape == weight.shape
+
+
+def test_autocast_keeps_its_precision():
+    """Under CPU autocast the op computes in float32 as without it (its body has no autocast-listed op, and it
+    runs with autocast off)."""
+    x, weight, bias, window, reset = make_inputs((1, 12, 8, 4), "window", dtype=torch.float32)
+    plain = causal_conv1d(x, weight, bias, window, None, "silu")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        auto = causal_conv1d(x, weight, bias, window, None, "silu")
+    assert auto.dtype == torch.float32
+    torch.testing.assert_close(auto, plain, atol=0, rtol=0)
 
 
 def test_window_is_read_not_kept():
     """The window is a cache the caller updates in place right after: the backward pass must use the values of the
-    call."""
-    x = torch.randn(1, 6, 16, dtype=torch.float64, requires_grad=True)
-    weight = torch.randn(16, 1, 4, dtype=torch.float64, requires_grad=True)
-    window = torch.randn(1, 16, 4, dtype=torch.float64)
+    call (the gradient of the window itself flows to the tensor passed)."""
+    x, weight, _, window, _ = make_inputs((1, 6, 16, 4), "window")
     out = causal_conv1d(x, weight, None, window)
-    ref = reference(x, weight, None, window)
-    (g_ref,) = torch.autograd.grad(ref.sum(), weight)
-    window.zero_()
-    (g,) = torch.autograd.grad(out.sum(), weight)
-    torch.testing.assert_close(g, g_ref)
+    ref = causal_conv1d_naive(x, weight, None, window)
+    g_ref = torch.autograd.grad(ref.sum(), (weight, window))
+    with torch.no_grad():
+        window.zero_()
+    g = torch.autograd.grad(out.sum(), (weight, window))
+    for a, b in zip(g, g_ref):
+        torch.testing.assert_close(a, b)
+    assert g[1][:, :, 0].abs().max() == 0  # column 0 (the oldest input) is never read
+
+
+def test_backends_run_the_same_path():
+    """No Triton kernel: "torch", "auto" and (under the interpreter the tests turn on) "triton" give the same
+    bits; a bad value is refused."""
+    x, weight, bias, window, reset = make_inputs((2, 10, 6, 4), "packed")
+    backends = ("auto", "torch", "triton") if triton_available() else ("auto", "torch")
+    outs = [causal_conv1d(x, weight, bias, None, reset, "silu", backend=b) for b in backends]
+    for out in outs[1:]:
+        assert torch.equal(out, outs[0])
 
 
 @pytest.mark.parametrize(
@@ -86,10 +169,13 @@ def test_window_is_read_not_kept():
         (dict(x=torch.randn(2, 3)), ValueError, "x must have shape \\(batch, seq_len, channels\\)"),
         (dict(x=torch.ones(1, 3, 4, dtype=torch.long)), TypeError, "x must be a floating-point tensor"),
         (dict(weight=torch.randn(5, 1, 4)), ValueError, "weight must have shape \\(4, 1, kernel\\)"),
+        (dict(weight=torch.ones(4, 1, 4, dtype=torch.long)), TypeError, "weight must be a floating-point tensor"),
         (dict(bias=torch.randn(3)), ValueError, "bias must have shape \\(4,\\)"),
         (dict(window=torch.randn(1, 4, 3)), ValueError, "window must have shape"),
         (dict(activation="gelu"), ValueError, "activation must be one of"),
-        (dict(reset=torch.zeros(1, 3, dtype=torch.bool), window=torch.randn(1, 4, 4)), ValueError, "cannot be combined"),
+        (dict(reset=torch.zeros(1, 4, dtype=torch.bool)), ValueError, "reset must have shape"),
+        (dict(reset=torch.zeros(1, 3)), TypeError, "reset must be a bool"),
+        (dict(reset=torch.full((1, 3), 2)), ValueError, "reset must hold only 0 and 1"),
         (dict(backend="cuda"), ValueError, "backend must be one of"),
     ],
 )
@@ -98,3 +184,49 @@ def test_bad_inputs(kwargs, error, match):
     args.update(kwargs)
     with pytest.raises(error, match=match):
         causal_conv1d(**args)
+
+
+def _op_args(mode, with_bias=True):
+    x, weight, bias, window, reset = make_inputs((2, 7, 5, 4), mode, dtype=torch.float32)
+    return x, weight.detach().reshape(5, 4).requires_grad_(), bias if with_bias else None, window, reset
+
+
+@pytest.mark.parametrize("mode,with_bias", [("plain", False), ("window+packed", True)])
+def test_opcheck_forward(mode, with_bias):
+    x, taps, bias, window, reset = _op_args(mode, with_bias)
+    torch.library.opcheck(torch.ops.hf_densessm.causal_conv1d.default, (x, taps, bias, window, reset, True))
+
+
+@pytest.mark.parametrize("mode,with_bias", [("plain", False), ("window+packed", True)])
+def test_opcheck_backward(mode, with_bias):
+    x, taps, bias, window, reset = _op_args(mode, with_bias)
+    grad = torch.randn(x.shape)
+    detached = [None if t is None else t.detach() for t in (x, taps, bias, window)]
+    torch.library.opcheck(
+        torch.ops.hf_densessm.causal_conv1d_backward.default, (grad, *detached, reset, True)
+    )
+
+
+@pytest.mark.parametrize("mode", ["plain", "window+packed"])
+def test_compile_fullgraph_matches_eager(mode):
+    """torch.compile(fullgraph=True) with Inductor on CPU tensors (the op decomposed into its out-of-place form):
+    the output and every gradient as in eager, float32."""
+    torch._dynamo.reset()
+    x, weight, bias, window, reset = make_inputs((2, 37, 24, 4), mode, dtype=torch.float32)
+    leaves = [t for t in (x, weight, bias, window) if t is not None]
+
+    def loss_fn(x, weight, bias, window, reset):
+        out = causal_conv1d(x, weight, bias, window, reset, "silu")
+        return out, (out * torch.linspace(-1, 1, out.shape[-1])).square().sum()
+
+    def run(fn):
+        out, loss = fn(x, weight, bias, window, reset)
+        return [out.detach(), *torch.autograd.grad(loss, leaves)]
+
+    eager = run(loss_fn)
+    # caches off: their keys hold the graph, where the op is one call, not the body it decomposes into
+    with torch._inductor.config.patch(force_disable_caches=True):
+        compiled = run(torch.compile(loss_fn, fullgraph=True))
+    for a, b in zip(compiled, eager):
+        scale = b.abs().max().item()
+        torch.testing.assert_close(a, b, atol=1e-5 * max(scale, 1.0), rtol=1e-5)

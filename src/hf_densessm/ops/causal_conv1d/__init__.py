@@ -1,0 +1,163 @@
+"""Mamba's causal depthwise convolution (Mamba paper §3.4, Fig. 3: the short convolution before the SSM), with the
+optional SiLU, in token-major memory order, as the ``torch.library`` ops ``hf_densessm::causal_conv1d`` and
+``hf_densessm::causal_conv1d_backward``.
+
+``out_t = act(bias + sum_k weight[:, k] * x_{t - (kernel - 1) + k})``: ``nn.Conv1d(groups=channels)`` with
+``kernel - 1`` zeros (or a cached window) on the left, as ``F.conv1d``. Packed documents (``reset``): tap ``k`` of
+token ``t`` reads ``x_{t - (kernel - 1 - k)}`` only when that token lies in ``t``'s document; the window only
+precedes the row's first document.
+
+Why token-major: the block's projections produce ``(batch, seq_len, channels)`` tensors and ``F.conv1d`` wants
+channels first; on the CPU the two transposes and a backward in mixed layouts cost several times the convolution.
+
+Forms: ``naive.py`` (``causal_conv1d_naive``, float64 token loop, the tests' ground truth) and ``torch_path.py``
+(:func:`causal_conv1d_torch`, :func:`causal_conv1d_backward_torch`: ``kernel`` shifted multiply-adds each way, in
+place into one buffer in eager mode, out of place over a padded copy while ``torch.compile`` traces; the backward
+written by hand, the pre-activation recomputed rather than stored). There is no Triton kernel: on every device the
+ops run the PyTorch path, so ``backend`` is checked but does not change the computation, and the ops take no
+``backend`` argument.
+
+The ops are ``torch.library.triton_op``s with no Triton kernel inside, rather than ``custom_op``s: a ``triton_op``
+is a ``custom_op`` whose body is also its fake (meta) implementation and which ``torch.compile`` decomposes into its
+body, so Inductor fuses the shifted multiply-adds, the SiLU and the masks with the code around them (a
+``custom_op`` stays an opaque call in the compiled graph); in eager mode the two are the same. Autograd is
+registered on ``hf_densessm::causal_conv1d`` and calls ``hf_densessm::causal_conv1d_backward``.
+"""
+
+from typing import Optional
+
+import torch
+from torch.library import triton_op
+
+from ..backend import own_precision, resolve_backend
+from ..packing import check_reset
+from .torch_path import causal_conv1d_backward_torch, causal_conv1d_torch
+
+__all__ = ["causal_conv1d"]
+
+_ACTIVATIONS = (None, "silu")
+
+
+def _tracing(x: torch.Tensor) -> bool:
+    """Whether data-dependent checks must be skipped: ``torch.compile`` traces, or a CUDA graph is captured."""
+    if torch.compiler.is_compiling():
+        return True
+    return x.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+@triton_op("hf_densessm::causal_conv1d", mutates_args=())
+def _causal_conv1d_op(
+    x: torch.Tensor,
+    taps: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    window: Optional[torch.Tensor],
+    reset: Optional[torch.Tensor],
+    silu: bool,
+) -> torch.Tensor:
+    """``hf_densessm::causal_conv1d(Tensor x, Tensor taps, Tensor? bias, Tensor? window, Tensor? reset, bool silu)
+    -> Tensor``: :func:`causal_conv1d_torch` (shapes there; ``taps`` is ``(channels, kernel)``). No checks: call
+    :func:`causal_conv1d`."""
+    with own_precision(x.device):
+        return causal_conv1d_torch(x, taps, bias, window, reset, silu)
+
+
+@triton_op("hf_densessm::causal_conv1d_backward", mutates_args=())
+def _causal_conv1d_backward_op(
+    grad_out: torch.Tensor,
+    x: torch.Tensor,
+    taps: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    window: Optional[torch.Tensor],
+    reset: Optional[torch.Tensor],
+    silu: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``hf_densessm::causal_conv1d_backward(Tensor grad_out, Tensor x, Tensor taps, Tensor? bias, Tensor? window,
+    Tensor? reset, bool silu) -> (Tensor, Tensor, Tensor, Tensor)``: :func:`causal_conv1d_backward_torch`, the
+    gradients of ``x``, ``taps``, ``bias`` and ``window`` (empty ``(0,)`` tensors for an absent bias / window)."""
+    with own_precision(x.device):
+        return causal_conv1d_backward_torch(grad_out, x, taps, bias, window, reset, silu)
+
+
+def _setup_context(ctx, inputs, output):
+    x, taps, bias, window, reset, silu = inputs
+    ctx.save_for_backward(x, taps, bias, window, reset)
+    ctx.silu = silu
+
+
+def _backward(ctx, grad_out):
+    x, taps, bias, window, reset = ctx.saved_tensors
+    grad_x, grad_taps, grad_bias, grad_window = torch.ops.hf_densessm.causal_conv1d_backward(
+        grad_out, x, taps, bias, window, reset, ctx.silu
+    )
+    return (
+        grad_x, grad_taps, None if bias is None else grad_bias, None if window is None else grad_window, None, None
+    )
+
+
+_causal_conv1d_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def causal_conv1d(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    window: torch.Tensor | None = None,
+    reset: torch.Tensor | None = None,
+    activation: str | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Causal depthwise convolution over tokens, then ``activation`` (module docstring): ``hf_densessm::causal_conv1d``.
+
+    Args:
+        x: ``(batch, seq_len, channels)`` float tensor, any strides (token-major: the layout of ``nn.Linear``'s
+            output, e.g. a slice of the input projection).
+        weight: ``(channels, 1, kernel)`` (``nn.Conv1d``'s) or ``(channels, kernel)``.
+        bias: ``(channels,)`` or ``None``.
+        window: ``(batch, channels, kernel)`` cached inputs before this call (transformers' Mamba conv state, the
+            newest last; its last ``kernel - 1`` columns are used), or ``None`` (zeros: the sequence's start). Read
+            at the call: the caller may update it in place afterwards (the op keeps a copy for the backward pass).
+        reset: ``(batch, seq_len)`` bool (or 0/1 integer), True at each packed document's first token, or ``None``.
+            With a ``window``, the window precedes the row's first document only.
+        activation: ``None`` or ``"silu"``.
+        backend: one of :data:`hf_densessm.ops.backend.BACKENDS`; checked (``"triton"`` on CPU tensors needs the
+            Triton interpreter, as for every op), but every value runs the PyTorch path: the op has no Triton kernel.
+
+    Returns:
+        ``(batch, seq_len, channels)`` contiguous in ``x``'s dtype (computed in float32, float64 for float64 ``x``),
+        differentiable in ``x``, ``weight``, ``bias`` and ``window``.
+
+    Raises:
+        ValueError: a shape that does not match, ``activation`` not ``None``/``"silu"``, a bad ``backend``, a
+            ``reset`` on another device or an integer ``reset`` with values other than 0/1 (the last one not checked
+            while ``torch.compile`` traces or a CUDA graph is captured).
+        TypeError: a non-tensor or non-float ``x``, ``weight``, ``bias`` or ``window``, a ``reset`` that is not a
+            bool/integer tensor.
+        RuntimeError: ``backend="triton"`` without triton, or on CPU tensors without the Triton interpreter.
+    """
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        raise TypeError(f"x must be a floating-point tensor (batch, seq_len, channels), got {x!r:.60}")
+    if x.dim() != 3:
+        raise ValueError(f"x must have shape (batch, seq_len, channels), got shape {tuple(x.shape)}")
+    batch, length, channels = x.shape
+    for name, value in (("weight", weight), ("bias", bias), ("window", window)):
+        if value is not None and (not isinstance(value, torch.Tensor) or not value.is_floating_point()):
+            raise TypeError(f"{name} must be a floating-point tensor or None, got {value!r:.60}")
+    if weight.dim() not in (2, 3) or weight.shape[0] != channels or (weight.dim() == 3 and weight.shape[1] != 1):
+        raise ValueError(f"weight must have shape ({channels}, 1, kernel) or ({channels}, kernel), got {tuple(weight.shape)}")
+    kernel = weight.shape[-1]
+    if bias is not None and tuple(bias.shape) != (channels,):
+        raise ValueError(f"bias must have shape ({channels},), got {tuple(bias.shape)}")
+    if window is not None and tuple(window.shape) != (batch, channels, kernel):
+        raise ValueError(f"window must have shape (batch, channels, kernel) = ({batch}, {channels}, {kernel}), "
+                         f"got {tuple(window.shape)}")
+    if activation not in _ACTIVATIONS:
+        raise ValueError(f"activation must be one of {_ACTIVATIONS}, got {activation!r}")
+    if (isinstance(reset, torch.Tensor) and reset.dtype != torch.bool and not reset.dtype.is_floating_point
+            and not reset.is_complex() and _tracing(x)):
+        reset = reset != 0  # the 0/1 check of an integer reset reads its values: skipped while tracing / capturing
+    reset = check_reset(reset, batch, length, x.device)
+    resolve_backend(backend, x.device)  # checks the argument; every backend runs the one PyTorch path
+    taps = weight.reshape(channels, kernel)
+    if window is not None:
+        window = window.clone()  # a cache the caller updates in place after the call; the backward pass reads this
+    return torch.ops.hf_densessm.causal_conv1d(x, taps, bias, window, reset, activation == "silu")

@@ -1,0 +1,59 @@
+"""The causal depthwise convolution as plainly as it can be written: the ground truth the other forms are tested
+against.
+
+One Python step per token and tap, in float64 (Mamba paper §3.4: the short causal convolution before the SSM, as
+``nn.Conv1d(channels, channels, kernel, groups=channels, padding=kernel - 1)`` cut to the sequence's length). Slow
+and never used by the models: ``torch_path.py`` is the PyTorch path the op runs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["causal_conv1d_naive"]
+
+
+def causal_conv1d_naive(x, weight, bias=None, window=None, reset=None, activation=None):
+    """Causal depthwise convolution token by token in float64::
+
+        pre_t = bias + sum_{k=0}^{K-1} weight[:, k] * x_{t - (K - 1) + k}
+        out_t = silu(pre_t) if activation == "silu" else pre_t
+
+    where ``x_p`` for ``p < 0`` is the cached ``window[:, :, K + p]`` (its newest ``K - 1`` columns; zeros without a
+    window), and with ``reset`` a tap reads ``x_p`` only when ``p`` lies in ``t``'s packed document (a reset at any
+    token after ``p`` up to ``t`` cuts it off).
+
+    Args:
+        x: ``(batch, seq_len, channels)``, any float dtype.
+        weight: ``(channels, 1, K)`` or ``(channels, K)``. bias: ``(channels,)`` or ``None``.
+        window: ``(batch, channels, K)`` or ``None``. reset: ``(batch, seq_len)`` bool or ``None``.
+        activation: ``None`` or ``"silu"``.
+
+    Returns:
+        ``(batch, seq_len, channels)`` float64, differentiable in ``x``, ``weight``, ``bias`` and ``window``. No
+        argument checks (a test reference; :func:`hf_densessm.ops.causal_conv1d` checks).
+    """
+    x = x.double()
+    taps = weight.double().reshape(weight.shape[0], weight.shape[-1])
+    batch, length, channels = x.shape
+    kernel = taps.shape[1]
+    zero = x.new_zeros(batch, channels)
+    rows = []
+    for t in range(length):
+        acc = zero if bias is None else zero + bias.double()
+        for k in range(kernel):
+            p = t - (kernel - 1) + k
+            if p >= 0:
+                value = x[:, p]
+            elif window is not None:
+                value = window[:, :, kernel + p].double()
+            else:
+                continue
+            if reset is not None:  # p is in t's document when no token in (p, t] starts one
+                same = ~reset[:, max(p + 1, 0) : t + 1].bool().any(dim=1)
+                value = value * same.double()[:, None]
+            acc = acc + taps[:, k] * value
+        rows.append(acc)
+    out = torch.stack(rows, dim=1)
+    return F.silu(out) if activation == "silu" else out
