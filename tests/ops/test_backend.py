@@ -83,8 +83,7 @@ def test_pytorch_path_imports_and_runs_without_triton():
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
 
 
-@pytest.mark.parametrize("form", ["torch", "cpu"])
-def test_ops_compute_in_their_own_precision_under_autocast(form):
+def test_ops_compute_in_their_own_precision_under_autocast():
     """``torch.autocast`` does not reach into the ops: their PyTorch paths (which cast to float32 on purpose) give
     under bfloat16 autocast bit for bit what they give without it, values and gradients, as the kernels do. Without
     :func:`backend.own_precision` autocast ran the references' matrix products in bfloat16 (errors of about 1e-2)."""
@@ -97,7 +96,7 @@ def test_ops_compute_in_their_own_precision_under_autocast(form):
     state0, scan_state0 = torch.randn(2, 2, 16, 16, generator=gen), torch.randn(2, 8, 4, generator=gen)
 
     def run():
-        retention_backend = "torch"  # retention has no compiled CPU kernel: its CPU form is the PyTorch path
+        retention_backend = form = "torch"
         o, final = chunk_retention(q, k, v, initial_state=state0, output_final_state=True, backend=retention_backend)
         y, last = selective_scan(u, delta, A, B, C, z=z, delta_softplus=True, initial_state=scan_state0,
                                  return_last_state=True, backend=form)
