@@ -221,8 +221,8 @@ class Suite:
         from hf_densessm.ops.retention.chunked_torch import retention_state_update_torch
         from hf_densessm.ops.retention.fused_recurrent import retention_state_update_triton
         from hf_densessm.ops.retention.naive import chunk_retention_naive
-        from hf_densessm.ops.selective_scan.chunk import selective_scan_triton
-        from hf_densessm.ops.selective_scan.chunked_torch import selective_scan_torch, selective_state_update_torch
+        from hf_densessm.ops.selective_scan import selective_scan
+        from hf_densessm.ops.selective_scan.chunked_torch import selective_state_update_torch
         from hf_densessm.ops.selective_scan.fused_recurrent import selective_state_update_triton
 
         gen = torch.Generator().manual_seed(0)
@@ -243,8 +243,9 @@ class Suite:
             inputs = {k: v.to(dtype if k in ("u", "delta", "B", "C", "z") else torch.float32) for k, v in base.items()}
             exact = {k: v.double() for k, v in inputs.items()}
             case, method = f"scan b{batch} d{dim} n{n} L{length}", f"triton {_short(dtype)}"
-            ref = _run_with_grads(lambda **kw: selective_scan_torch(**kw, delta_softplus=True), exact, gy)
-            got = _run_with_grads(lambda **kw: selective_scan_triton(**kw, delta_softplus=True), inputs, gy.to(dtype))
+            ref = _run_with_grads(lambda **kw: selective_scan(**kw, delta_softplus=True, backend="torch"), exact, gy)
+            got = _run_with_grads(lambda **kw: selective_scan(**kw, delta_softplus=True, backend="triton"), inputs,
+                                  gy.to(dtype))
             for name in ref:
                 self._check(case, method, name, got[name], ref[name], dtype)
             step = [v[..., 0] if v.dim() == 3 else v for v in inputs.values()]  # u, delta, A, B, C, D, z, bias

@@ -86,18 +86,19 @@ def _scan_inputs(batch, dim, nstate, length, device, dtype):
 def _scan_runner(shape, device, dtype):
     """``run(config, backward)``: the fused scan on fixed inputs of ``shape`` (batch, dim, state, length), returning
     ``[y]`` or ``[y, du, ddelta, dB, dC, dz]``."""
-    from hf_densessm.ops.selective_scan.chunk import selective_scan_triton
+    from hf_densessm.ops.selective_scan.chunk import selective_scan_triton_bwd, selective_scan_triton_fwd
 
     inputs = _scan_inputs(*shape, device, dtype)
     gy = torch.randn(shape[0], shape[1], shape[3], device=device, dtype=dtype)
-    names = ("u", "delta", "B", "C", "z")
 
-    def run(config, backward):
-        args = {k: (v.detach().requires_grad_(backward) if k in names else v) for k, v in inputs.items()}
-        y = selective_scan_triton(**args, delta_softplus=True, config=config)
+    def run(config, backward):  # the kernels themselves, with the launch choice the op would make for itself
+        y, _, states = selective_scan_triton_fwd(**inputs, delta_softplus=True, save_states=backward, config=config)
         if not backward:
             return [y]
-        return [y, *torch.autograd.grad(y, [args[k] for k in names], gy)]
+        du, ddelta, _, dB, dC, _, dz, _, _ = selective_scan_triton_bwd(
+            gy, None, **inputs, delta_softplus=True, chunk_states=states, config=config
+        )
+        return [y, du, ddelta, dB, dC, dz]
 
     return run
 
