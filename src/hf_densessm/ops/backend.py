@@ -42,7 +42,7 @@ def own_precision(device: torch.device):
     on purpose (the chunked references accumulate states and decays in float32). The Triton kernels are outside
     autocast's reach; inside this context the PyTorch path is too, so every backend computes
     the same function under autocast, and its gradients run in the dtypes of its forward pass. On the DenseRetNet
-    micro model of ``tests/test_training.py::test_bfloat16_autocast_training_step`` (PyTorch path) the cosine
+    micro model of ``tests/training/test_training.py::test_bfloat16_autocast_training_step`` (PyTorch path) the cosine
     similarity of the autocast gradients with float64 ones went from 0.981 to 0.988.
 
     Args:

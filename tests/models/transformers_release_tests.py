@@ -5,7 +5,7 @@ release from PyPI (``pip download --no-deps --no-binary :all: transformers==<ver
 folder into ``~/.cache/hf_densessm/transformers-tests/<version>/`` (``$XDG_CACHE_HOME`` is honoured), and later runs
 reuse it. :func:`load` imports it as the package :data:`PACKAGE` and returns the mixins
 (``ModelTesterMixin``, ``GenerationTesterMixin``, ``ConfigTester``, ``TrainingTesterMixin``) and helpers
-(``ids_tensor``) that ``tests/test_transformers_common.py`` runs against both families.
+(``ids_tensor``) that ``tests/models/test_transformers_common.py`` runs against both families.
 
 **What the sdist ships.** transformers 5.17 to 5.24 ship ``tests/test_modeling_common.py``,
 ``tests/test_configuration_common.py`` and ``tests/test_training_mixin.py``, but none of the sub-folders of

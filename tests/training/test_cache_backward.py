@@ -141,7 +141,7 @@ def test_backward_through_a_continued_cache_on_every_backend(family, overrides, 
         embeds, mask, weights = _inputs(model, PREFIX + length, padded=True)
         results.append(_continue(model, embeds, mask, weights, _prefix_cache(model, embeds, mask))[:3])
     (ref_logits, ref_input_grad, ref_grads), (logits, input_grad, grads) = results
-    # the Triton kernels keep some partial sums in float32 (tests/test_kernel_paths.py)
+    # the Triton kernels keep some partial sums in float32 (tests/models/test_kernel_paths.py)
     tol = dict(atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(logits, ref_logits, **tol)
     torch.testing.assert_close(input_grad, ref_input_grad, **tol)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "compare.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "compare.py"
 VARIANTS = ["mamba", "dm-input", "dm-state", "retnet", "denseretnet"]
 DIFFERENCES = {
     "dm-input - mamba": ("dm-input", "mamba"),

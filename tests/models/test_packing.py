@@ -170,7 +170,7 @@ def test_packed_row_equals_documents_one_by_one_through_triton(family, knobs):
     a 16-token scan chunk), 16 and 32 (scan chunk edges; 32 is also the edge of the 32-token retention chunk), the
     last one shorter than the conv kernel. The interpreter's associative scan is slow, so DenseMamba is smaller
     here (hidden 16, state 4, 2 layers). The kernels keep some partial sums in float32, so agreement is to float32
-    rounding (tests/test_kernel_paths.py's tolerance)."""
+    rounding (tests/models/test_kernel_paths.py's tolerance)."""
     pytest.importorskip("triton")
     smaller = dict(hidden_size=16, state_size=4, num_hidden_layers=2) if family == "densemamba" else {}
     model = micro_model(family, **smaller, **knobs).double().train()

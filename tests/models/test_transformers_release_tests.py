@@ -1,4 +1,4 @@
-"""How ``tests/transformers_release_tests.py`` obtains transformers' own test modules: the sdist's ``tests/`` folder
+"""How ``tests/models/transformers_release_tests.py`` obtains transformers' own test modules: the sdist's ``tests/`` folder
 kept between runs, a source tree checked to be of the installed release, stand-ins for the modules the sdist does
 not ship, and, when nothing can be fetched, a skip, or a failure where ``HF_DENSESSM_REQUIRE_TRANSFORMERS_TESTS=1``."""
 

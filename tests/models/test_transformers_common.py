@@ -3,7 +3,7 @@
 transformers tests every model it ships with the same mixins: ``ModelTesterMixin`` (save/load, init, outputs,
 hidden states, embeddings resizing, training, gradient checkpointing, batching, dtypes, ...), ``ConfigTester``,
 ``TrainingTesterMixin`` (a tiny model overfits a fixed batch) and ``GenerationTesterMixin``. Here they run on the
-installed transformers release's own copy of them, fetched at run time (``tests/transformers_release_tests.py``):
+installed transformers release's own copy of them, fetched at run time (``tests/models/transformers_release_tests.py``):
 the sdist of exactly that release is downloaded from PyPI with pip on the first run and unpacked into
 ``~/.cache/hf_densessm/transformers-tests/<version>/``; later runs reuse it. Nothing of transformers is kept in this
 repository.

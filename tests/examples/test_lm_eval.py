@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from helpers import FAMILIES
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "evaluate_lm_eval.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "evaluate_lm_eval.py"
 NUM_DOCS = 6
 MAX_CHARS = 500  # short paragraphs keep the test fast
 

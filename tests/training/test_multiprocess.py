@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from helpers import FAMILIES
 
-SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "train_ddp.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "train_ddp.py"
 MICRO = {
     "densemamba": ["hidden_size=32", "num_hidden_layers=3", "state_size=8", "dense_layers=2"],
     "denseretnet": ["hidden_size=32", "num_hidden_layers=3", "query_key_dim=16", "dense_layers=2"],

@@ -1,6 +1,6 @@
 """DenseRetNet's parallel, chunked and recurrent forms agree. With a tiny RMSNorm eps (1e-12) the per-head norm
 also cancels any positive per-row rescaling, such as the published parallel form's: that is why tests with large
-weights never saw the missing 1/sqrt(s_t) normalization; tests/test_published_denseretnet.py checks the published
+weights never saw the missing 1/sqrt(s_t) normalization; tests/models/test_published_denseretnet.py checks the published
 function at the authors' init scale (docs/design.md §3)."""
 
 import pytest

@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM
 from helpers import FAMILIES
 
 OTHER_PYTHON = os.environ.get("HF_DENSESSM_OTHER_PYTHON")
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]  # tests/, where helpers.py is
 
 pytestmark = pytest.mark.skipif(
     not OTHER_PYTHON,
