@@ -20,8 +20,9 @@ Each op body is the one dispatch: :func:`hf_densessm.ops.backend.resolve_backend
 (``chunk.py``, ``fused_recurrent.py``, launched through ``torch.library.wrap_triton``) or the PyTorch path
 (``chunked_torch.py``, run in its own precision under autocast). The bodies trace with FakeTensors (no host syncs,
 no data-dependent branches, outputs never alias inputs), so they are also the ops' fake implementations, and under
-``torch.compile`` each op decomposes into its body: Inductor sees the Triton kernels on CUDA and fuses the PyTorch
-path on the CPU. ``chunk_retention`` always returns the final state (the public function drops it unless asked);
+``torch.compile`` each op decomposes into its body: Inductor sees the Triton kernels on CUDA. The whole-sequence
+PyTorch path is an opaque ``custom_op`` (``hf_densessm::chunk_retention_torch`` and its backward), run eagerly inside
+a compiled graph rather than unrolled into it; the step's PyTorch path is fused. ``chunk_retention`` always returns the final state (the public function drops it unless asked);
 its backward always returns the gradient of the initial state (of a zero one when there is none).
 
 The forms of the op, one file each (the layout of flash-linear-attention's ``fla/ops/retention/``):
@@ -116,6 +117,33 @@ def _check_backend(backend):
 # ---------------------------------------------------------------------------------------------------- the ops
 
 
+def _retention_torch(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, initial_state: Optional[torch.Tensor],
+    reset: Optional[torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    with own_precision(q.device):
+        return chunk_retention_torch(q, k, v, scale, initial_state, True, reset=reset)
+
+
+def _retention_torch_backward(
+    d_o: torch.Tensor, d_final_state: Optional[torch.Tensor], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    scale: float, initial_state: Optional[torch.Tensor], reset: Optional[torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    with own_precision(q.device):
+        return chunk_retention_torch_backward(d_o, d_final_state, q, k, v, scale, initial_state, reset=reset)
+
+
+# ``hf_densessm::chunk_retention_torch`` / ``chunk_retention_torch_backward``: the whole-sequence PyTorch path as
+# opaque ops (their fake implementations the same functions, which read no values), so that ``torch.compile`` runs
+# them eagerly inside a graph instead of unrolling their loop over chunks into it (as the selective scan's).
+torch.library.custom_op("hf_densessm::chunk_retention_torch", mutates_args=())(_retention_torch).register_fake(
+    _retention_torch
+)
+torch.library.custom_op("hf_densessm::chunk_retention_torch_backward", mutates_args=())(
+    _retention_torch_backward
+).register_fake(_retention_torch_backward)
+
+
 @torch.library.triton_op("hf_densessm::chunk_retention", mutates_args=())
 def _chunk_retention_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, initial_state: Optional[torch.Tensor],
@@ -127,8 +155,7 @@ def _chunk_retention_op(
         from .chunk import chunk_retention_fwd_triton
 
         return chunk_retention_fwd_triton(q, k, v, scale, initial_state, reset)
-    with own_precision(q.device):
-        return chunk_retention_torch(q, k, v, scale, initial_state, True, reset=reset)
+    return torch.ops.hf_densessm.chunk_retention_torch(q, k, v, scale, initial_state, reset)
 
 
 @torch.library.triton_op("hf_densessm::chunk_retention_backward", mutates_args=())
@@ -146,9 +173,9 @@ def _chunk_retention_backward_op(
         dq, dk, dv, d_initial_state = chunk_retention_bwd_triton(d_o, d_final_state, q, k, v, scale, initial_state,
                                                                  reset)
     else:
-        with own_precision(q.device):
-            dq, dk, dv, d_initial_state = chunk_retention_torch_backward(d_o, d_final_state, q, k, v, scale,
-                                                                         initial_state, reset=reset)
+        dq, dk, dv, d_initial_state = torch.ops.hf_densessm.chunk_retention_torch_backward(
+            d_o, d_final_state, q, k, v, scale, initial_state, reset
+        )
     return dq, dk, dv, d_initial_state.to(_state_dtype(v, initial_state))
 
 

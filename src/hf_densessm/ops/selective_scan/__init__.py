@@ -11,7 +11,8 @@ The forms of the op, one file each (the layout of flash-linear-attention's ``fla
 - ``naive.py``: ``selective_scan_naive``, the token-by-token loop in float64, the ground truth of the tests;
 - ``chunked_torch.py``: ``selective_scan_torch_fwd`` / ``selective_scan_torch_bwd`` /
   ``selective_state_update_torch``, the vectorized PyTorch path (chunked over the length, hand-written backward),
-  what runs on the CPU (fused by Inductor under ``torch.compile``);
+  what runs on the CPU; the whole-sequence functions are the opaque ops ``hf_densessm::selective_scan_torch`` /
+  ``selective_scan_torch_backward``, run eagerly inside a compiled graph (see "the ops" below);
 - ``chunk.py``: ``selective_scan_triton_fwd`` / ``selective_scan_triton_bwd``, the fused Triton kernels for
   training and prefill;
 - ``fused_recurrent.py``: ``selective_state_update_triton``, the Triton decode step.
@@ -125,6 +126,37 @@ def _or_empty(grad: Optional[Tensor], like: Tensor) -> Tensor:
 # Each op's body is its one dispatch: ``resolve_backend(backend, device)`` picks the Triton kernels (launched
 # through ``torch.library.wrap_triton``) or the PyTorch path. ``triton_op`` registers the body as the fake
 # implementation too, and ``torch.compile`` decomposes the op into it, so the bodies read no tensor values.
+# The whole-sequence PyTorch path is itself a ``custom_op`` (``selective_scan_torch`` and its backward), opaque to
+# ``torch.compile``: its Python loop over chunks would otherwise be unrolled into the graph (measured: 350 s to
+# compile a 4-block micro model's training step at 37 tokens, growing with the length); it runs eagerly inside a
+# compiled graph, which fuses everything around it.
+
+
+def _scan_torch(
+    u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Optional[Tensor], z: Optional[Tensor],
+    delta_bias: Optional[Tensor], delta_softplus: bool, initial_state: Optional[Tensor], reset: Optional[Tensor],
+) -> tuple[Tensor, Tensor, Tensor]:
+    with own_precision(u.device):
+        return selective_scan_torch_fwd(u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, reset)
+
+
+def _scan_torch_backward(
+    dy: Optional[Tensor], dlast: Optional[Tensor], u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor,
+    D: Optional[Tensor], z: Optional[Tensor], delta_bias: Optional[Tensor], delta_softplus: bool,
+    initial_state: Optional[Tensor], reset: Optional[Tensor], chunk_states: Tensor,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    with own_precision(u.device):
+        grads = selective_scan_torch_bwd(dy, dlast, u, delta, A, B, C, D, z, delta_bias, delta_softplus,
+                                         initial_state, reset, chunk_states)
+    return tuple(_or_empty(g, u) for g in grads)
+
+
+# ``hf_densessm::selective_scan_torch`` / ``selective_scan_torch_backward``: the PyTorch path as opaque ops, their
+# fake implementations the same functions (they read no values).
+torch.library.custom_op("hf_densessm::selective_scan_torch", mutates_args=())(_scan_torch).register_fake(_scan_torch)
+torch.library.custom_op("hf_densessm::selective_scan_torch_backward", mutates_args=())(
+    _scan_torch_backward
+).register_fake(_scan_torch_backward)
 
 
 @torch.library.triton_op("hf_densessm::selective_scan", mutates_args=())
@@ -143,8 +175,8 @@ def _selective_scan_op(
 
         return selective_scan_triton_fwd(u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, reset,
                                          save_states)
-    with own_precision(u.device):
-        return selective_scan_torch_fwd(u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, reset)
+    return torch.ops.hf_densessm.selective_scan_torch(u, delta, A, B, C, D, z, delta_bias, delta_softplus,
+                                                      initial_state, reset)
 
 
 @torch.library.triton_op("hf_densessm::selective_scan_backward", mutates_args=())
@@ -163,11 +195,9 @@ def _selective_scan_backward_op(
 
         grads = selective_scan_triton_bwd(dy, dlast, u, delta, A, B, C, D, z, delta_bias, delta_softplus,
                                           initial_state, reset, chunk_states)
-    else:
-        with own_precision(u.device):
-            grads = selective_scan_torch_bwd(dy, dlast, u, delta, A, B, C, D, z, delta_bias, delta_softplus,
-                                             initial_state, reset, chunk_states)
-    return tuple(_or_empty(g, u) for g in grads)
+        return tuple(_or_empty(g, u) for g in grads)
+    return torch.ops.hf_densessm.selective_scan_torch_backward(dy, dlast, u, delta, A, B, C, D, z, delta_bias,
+                                                               delta_softplus, initial_state, reset, chunk_states)
 
 
 def _scan_setup_context(ctx, inputs, output):
