@@ -557,17 +557,6 @@ class Suite:
         print(f"wrote {out_dir / 'gpu_suite.json'} and {out_dir / 'gpu_suite.md'}")
 
 
-def set_recompile_limit(limit: int) -> dict:
-    """Raise Dynamo's per-code-object cache limits to ``limit`` (:data:`RECOMPILE_LIMIT`); returns what was set."""
-    config, applied = torch._dynamo.config, {}
-    for key in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit", "accumulated_cache_size_limit"):
-        if hasattr(config, key):
-            value = max(getattr(config, key), limit * (8 if key.startswith("accumulated") else 1))
-            setattr(config, key, value)
-            applied[key] = value
-    return applied
-
-
 def _compiled_path_taken(model) -> bool:
     """Whether ``generate()`` took transformers' compile path: ``get_compiled_call`` keeps the compiled callable on
     the model."""
@@ -653,6 +642,9 @@ def main(argv=None) -> int:
     else:
         device = torch.device("cuda")
     suite = Suite(device, args.dry_run)
+    sys.path.insert(0, str(HERE))
+    from bench_cpu import set_recompile_limit  # the same limits as the CPU benchmark
+
     set_recompile_limit(RECOMPILE_LIMIT)
     sections = {"kernel-correctness": suite.kernel_correctness, "model-parity": suite.model_parity,
                 "kernels": suite.kernels, "training": suite.training, "decode": suite.decode}

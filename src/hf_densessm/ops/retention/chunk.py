@@ -377,6 +377,17 @@ def _state_dtype(dtype):
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def _prepare(q, k, v, initial_state, config):
+    """What both passes start from: the launch choice (``config``, or the one for this GPU and shape), contiguous
+    ``q``, ``k``, ``v`` and initial state, the accumulation dtypes and the per-head ``log2(gamma)``."""
+    if config is None:
+        config = chunk_retention_config(device_arch(q.device), q.dtype, q.shape[-1], v.shape[-1])
+    acc_torch, acc_tl, precision = _kernel_dtypes(v.dtype)
+    log2_gamma = retention_log2_gamma(q.shape[2], q.device, acc_torch)
+    initial_state = None if initial_state is None else initial_state.contiguous()
+    return config, q.contiguous(), k.contiguous(), v.contiguous(), initial_state, acc_torch, acc_tl, precision, log2_gamma
+
+
 def chunk_retention_fwd_triton(q, k, v, scale, initial_state=None, reset=None, config=None):
     """Forward pass of chunkwise retention with the Triton kernel: the Triton branch of
     ``hf_densessm::chunk_retention`` (arguments checked by :func:`hf_densessm.ops.retention.chunk_retention`).
@@ -397,13 +408,7 @@ def chunk_retention_fwd_triton(q, k, v, scale, initial_state=None, reset=None, c
     """
     batch, length, heads, key_dim = q.shape
     value_dim = v.shape[-1]
-    if config is None:
-        config = chunk_retention_config(device_arch(q.device), q.dtype, key_dim, value_dim)
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    acc_torch, acc_tl, precision = _kernel_dtypes(v.dtype)
-    log2_gamma = retention_log2_gamma(heads, q.device, acc_torch)
-    if initial_state is not None:
-        initial_state = initial_state.contiguous()
+    config, q, k, v, initial_state, acc_torch, acc_tl, precision, log2_gamma = _prepare(q, k, v, initial_state, config)
     num_k = triton.cdiv(key_dim, config.fwd.block_k)
     o_partial = q.new_empty(num_k, batch, length, heads, value_dim, dtype=acc_torch)
     final_state = q.new_empty(batch, heads, key_dim, value_dim, dtype=_state_dtype(v.dtype))
@@ -432,13 +437,7 @@ def chunk_retention_bwd_triton(d_o, d_final_state, q, k, v, scale, initial_state
     """
     batch, length, heads, key_dim = q.shape
     value_dim = v.shape[-1]
-    if config is None:
-        config = chunk_retention_config(device_arch(q.device), q.dtype, key_dim, value_dim)
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    acc_torch, acc_tl, precision = _kernel_dtypes(v.dtype)
-    log2_gamma = retention_log2_gamma(heads, q.device, acc_torch)
-    if initial_state is not None:
-        initial_state = initial_state.contiguous()
+    config, q, k, v, initial_state, acc_torch, acc_tl, precision, log2_gamma = _prepare(q, k, v, initial_state, config)
     d_o = d_o.to(v.dtype).contiguous()
     if d_final_state is not None:
         d_final_state = d_final_state.contiguous()
