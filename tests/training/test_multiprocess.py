@@ -72,7 +72,7 @@ WORKER = Path(__file__).resolve().parent / "fsdp2_worker.py"
 
 
 def _worker(*args):
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(WORKER.parent))
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(WORKER.parents[1]))  # tests/: helpers.py
     result = subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
