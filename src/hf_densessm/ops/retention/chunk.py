@@ -46,6 +46,7 @@ except ImportError as error:
     raise ImportError(f"{__name__} holds Triton kernels and needs the `triton` package") from error
 
 from ..backend import GPUArch, device_arch
+from ..triton_utils import launch
 from .naive import retention_log2_gamma
 
 __all__ = [
@@ -367,7 +368,7 @@ def _launch(kernel, tiles, key_dim, value_dim, batch_heads, *args, **meta):
     """Launch one chunkwise kernel over ``(value tiles, key tiles, batch * heads)`` with its tiles, through
     ``torch.library.wrap_triton`` (so that ``torch.compile`` sees the kernel)."""
     grid = (triton.cdiv(value_dim, tiles.block_v), triton.cdiv(key_dim, tiles.block_k), batch_heads)
-    torch.library.wrap_triton(kernel)[grid](
+    launch(kernel)[grid](
         *args, K=key_dim, V=value_dim, BT=tiles.block_t, BK=tiles.block_k, BV=tiles.block_v,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, **meta,
     )

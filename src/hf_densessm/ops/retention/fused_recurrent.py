@@ -22,6 +22,7 @@ except ImportError as error:
     raise ImportError(f"{__name__} holds Triton kernels and needs the `triton` package") from error
 
 from ..backend import GPUArch, device_arch
+from ..triton_utils import launch
 
 __all__ = ["retention_state_update_config", "retention_state_update_triton"]
 
@@ -96,7 +97,7 @@ def retention_state_update_triton(state, q, k, v, scale, config=None):
     work = state if state.is_contiguous() else state.contiguous()
     o = torch.empty_like(v)
     block_k, block_v, num_warps = config or retention_state_update_config(device_arch(q.device), key_dim, value_dim)
-    torch.library.wrap_triton(_retention_step_kernel)[(triton.cdiv(value_dim, block_v), batch * heads)](
+    launch(_retention_step_kernel)[(triton.cdiv(value_dim, block_v), batch * heads)](
         work, q.contiguous(), k.contiguous(), v.contiguous(), o, scale,
         H=heads, K=key_dim, V=value_dim, BK=block_k, BV=block_v, ACC=acc, num_warps=num_warps,
     )

@@ -55,7 +55,7 @@ except ImportError as error:
     raise ImportError(f"{__name__} holds Triton kernels and needs the `triton` package") from error
 
 from ..backend import GPUArch, device_arch
-from ..triton_utils import acc, silu, softplus
+from ..triton_utils import acc, launch, silu, softplus
 
 __all__ = ["SelectiveScanConfig", "selective_scan_config", "selective_scan_triton_bwd", "selective_scan_triton_fwd"]
 
@@ -395,7 +395,7 @@ def selective_scan_triton_fwd(u, delta, A, B, C, D=None, z=None, delta_bias=None
     last_state = torch.empty(batch, dim, nstate, **kw)
     # without save_states the kernel stores nothing; it is still handed a valid buffer
     h_chunks = torch.empty(batch, n_chunks if save_states else 1, dim, nstate, **kw)
-    torch.library.wrap_triton(_selective_scan_fwd_kernel)[(batch, triton.cdiv(dim, block_d))](
+    launch(_selective_scan_fwd_kernel)[(batch, triton.cdiv(dim, block_d))](
         u, delta, A, B, C, D_k, z, bias_k, h0, reset_k, y, last_state, h_chunks,
         *_strides3(u), *_strides3(delta), A.stride(0), A.stride(1), *_strides3(B), *_strides3(C), *_strides3(z),
         dim, length, nstate, n_chunks,
@@ -458,7 +458,7 @@ def selective_scan_triton_bwd(dy, dlast, u, delta, A, B, C, D=None, z=None, delt
     dA = torch.empty(batch, dim, nstate, **kw)
     dD = torch.empty(batch, dim, **kw)
     dh0 = torch.empty(batch, dim, nstate, **kw)
-    torch.library.wrap_triton(_selective_scan_bwd_kernel)[(batch, triton.cdiv(dim, block_d))](
+    launch(_selective_scan_bwd_kernel)[(batch, triton.cdiv(dim, block_d))](
         u, delta, A, B, C, D_k, z, bias_k, h_chunks, dy, dlast, reset_k,
         du, ddelta, dz, dB, dC, dA, dD, dh0,
         *_strides3(u), *_strides3(delta), A.stride(0), A.stride(1), *_strides3(B), *_strides3(C), *_strides3(z),

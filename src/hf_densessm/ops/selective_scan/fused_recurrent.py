@@ -18,7 +18,7 @@ except ImportError as error:
     raise ImportError(f"{__name__} holds Triton kernels and needs the `triton` package") from error
 
 from ..backend import GPUArch, device_arch
-from ..triton_utils import acc, silu, softplus
+from ..triton_utils import acc, launch, silu, softplus
 
 __all__ = ["selective_state_update_config", "selective_state_update_triton"]
 
@@ -107,7 +107,7 @@ def selective_state_update_triton(state, x, dt, A, B, C, D=None, z=None, dt_bias
     def s2(t):
         return (t.stride(0), t.stride(1)) if t is not None else (0, 0)
 
-    torch.library.wrap_triton(_selective_state_update_kernel)[(batch, triton.cdiv(dim, block_d))](
+    launch(_selective_state_update_kernel)[(batch, triton.cdiv(dim, block_d))](
         state, x, dt, A, B, C, D, z, dt_bias, y,
         state.stride(0), state.stride(1), state.stride(2), *s2(x), *s2(dt), *s2(A), *s2(B), *s2(C), *s2(z),
         dim, nstate,
