@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from filelock import FileLock
 
 from hf_densessm.hub import bundle, saving
 from helpers import micro_model
@@ -129,14 +130,11 @@ def test_a_running_save_keeps_its_staging_folder(tmp_path):
     running = tmp_path / f"{saving.STAGING_PREFIX}12345-abcdef12"
     running.mkdir()
     (running / "model.safetensors").write_bytes(b"half written")
-    fd = saving._hold_lock(running)
-    try:
-        assert saving.remove_stale_staging(tmp_path) == [] and running.is_dir()  # locked (or, without locks, young)
-    finally:
-        if fd is not None:
-            os.close(fd)
-    if fd is not None:  # the lock died with its holder: now the folder is stale
-        assert saving.remove_stale_staging(tmp_path) == [running.name] and not running.exists()
+    lock = FileLock(running / saving.LOCK_NAME)
+    with lock:
+        assert saving.remove_stale_staging(tmp_path) == [] and running.is_dir()  # locked by its save
+    # the lock died with its holder: now the folder is stale
+    assert saving.remove_stale_staging(tmp_path) == [running.name] and not running.exists()
 
 
 def test_stale_files_are_only_the_saves_own(tmp_path):

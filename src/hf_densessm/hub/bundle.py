@@ -1,22 +1,6 @@
-"""The remote code of a saved folder: the package modules a model runs, as flat files, and the ``auto_map``.
-
-transformers' remote-code loader (``dynamic_module_utils``) copies the class's file and the files it imports with
-same-folder relative imports (``from .x import y``; read with the regular expressions of ``get_relative_imports``),
-all into one flat folder. ``custom_object_save`` copies a class's file the same way. This package is nested
-(``modeling/``, ``ops/selective_scan/``) and imports across folders (``from ..ops.selective_scan import ...``),
-which neither can read, so this module does the one thing they cannot: copy each package module the model needs to
-a flat file and rewrite its package imports to same-folder ones:
-
-- ``modeling/modeling_densemamba.py`` -> ``modeling_densemamba.py`` (a file whose name starts with its folder's
-  name drops the folder), ``ops/selective_scan/naive.py`` -> ``ops_selective_scan_naive.py``,
-  ``ops/selective_scan/__init__.py`` -> ``ops_selective_scan.py``;
-- the module list is the closure of the package imports (read with ``ast``), lazy imports inside functions included
-  (that is how the Triton kernels get in), starting from the modules of the config class and of every class
-  registered for it with an ``AutoModel*`` class; this package, the publishing code, is left out (the models import
-  it lazily inside ``try`` and save with transformers' own methods where it cannot be imported);
-- everything else is the package's text unchanged, with one header line marking the file as generated. Optional
-  packages (``triton``) are imported inside ``try`` in the kernel files themselves, which transformers' import
-  check skips, so a folder loads where only ``torch`` and ``transformers`` are installed.
+"""The remote code of a saved folder: each package module the model needs, copied as a flat file whose package
+imports are rewritten to same-folder ones, and the ``auto_map`` (docs/hub_and_conversion.md, "What a saved folder
+holds": why transformers' ``custom_object_save`` cannot do this for a nested package).
 """
 
 from __future__ import annotations
@@ -27,6 +11,7 @@ import os
 import re
 from pathlib import Path
 
+from transformers.dynamic_module_utils import get_relative_imports
 from transformers.models.auto import modeling_auto
 
 ROOT_PACKAGE = __name__.split(".")[0]  # "hf_densessm"
@@ -34,11 +19,6 @@ ROOT_DIR = Path(__file__).resolve().parent.parent  # src/hf_densessm
 # This package: the publishing code. A model runs without it, so it is never bundled (see _bundled_source).
 PUBLISHING_PACKAGE = __name__.rpartition(".")[0]  # "hf_densessm.hub"
 BUNDLE_MARKER = "# hf_densessm bundle:"  # first line of every bundled code file
-# transformers' own patterns for the files a remote-code module needs (dynamic_module_utils.get_relative_imports)
-_TRANSFORMERS_RELATIVE_IMPORTS = (
-    re.compile(r"^\s*import\s+\.(\S+)\s*$", re.MULTILINE),
-    re.compile(r"^\s*from\s+\.(\S+)\s+import", re.MULTILINE),
-)
 _IMPORT_HEAD = re.compile(r"from\s+[\w.]+\s+import")
 
 
@@ -181,29 +161,24 @@ def auto_classes(model) -> dict[str, type]:
     return found
 
 
-def hub_auto_map(model, classes: dict[str, type] | None = None) -> dict[str, str]:
-    """The ``auto_map`` of a saved folder: ``{"AutoConfig": "configuration_x.XConfig", "AutoModel":
-    "modeling_x.XModel", "AutoModelForCausalLM": "modeling_x.XForCausalLM", ...}`` (flat module names, as bundled;
-    the classes are ``classes``, by default those of :func:`auto_classes`).
+def hub_auto_map(model) -> dict[str, str]:
+    """The ``auto_map`` of ``model``'s saved folder: ``{"AutoConfig": "configuration_x.XConfig", "AutoModel":
+    "modeling_x.XModel", "AutoModelForCausalLM": "modeling_x.XForCausalLM", ...}`` (flat module names, as bundled).
 
     Raises:
         BundleError: see :func:`auto_classes`.
     """
-    classes = auto_classes(model) if classes is None else classes
-    return {auto: f"{flat_module_name(cls.__module__)}.{cls.__name__}" for auto, cls in classes.items()}
+    return {auto: f"{flat_module_name(cls.__module__)}.{cls.__name__}" for auto, cls in auto_classes(model).items()}
 
 
-def bundle_sources(model, classes: dict[str, type] | None = None) -> dict[str, str]:
+def bundle_sources(model) -> dict[str, str]:
     """The code files of ``model``'s saved folder: ``{file name: text}``, the closure of the package imports of
-    the modules of ``classes`` (by default :func:`auto_classes`; lazy kernel imports included), flattened.
+    the modules of :func:`auto_classes` (lazy kernel imports included), flattened.
 
     Raises:
-        BundleError: two modules would share a flat name, an import cannot be bundled (see
-            :func:`_bundled_source`), or a bundled file would make transformers look for a file that is not
-            bundled (e.g. a docstring line that reads like ``from .x import``).
+        BundleError: two modules would share a flat name, or an import cannot be bundled (see :func:`_bundled_source`).
     """
-    classes = auto_classes(model) if classes is None else classes
-    pending = sorted({cls.__module__ for cls in classes.values()})
+    pending = sorted({cls.__module__ for cls in auto_classes(model).values()})
     sources: dict[str, str] = {}
     seen: dict[str, str] = {}  # flat name -> module
     while pending:
@@ -216,13 +191,6 @@ def bundle_sources(model, classes: dict[str, type] | None = None) -> dict[str, s
         seen[flat] = module
         sources[flat], needed = _bundled_source(module)
         pending.extend(sorted(needed))
-    for flat, source in sources.items():
-        for pattern in _TRANSFORMERS_RELATIVE_IMPORTS:
-            for name in pattern.findall(source):
-                if name not in sources:
-                    raise BundleError(
-                        f"{flat}.py has a line transformers reads as an import of .{name}, which is not bundled."
-                    )
     return {f"{flat}.py": source for flat, source in sorted(sources.items())}
 
 
@@ -232,16 +200,21 @@ def write_bundle(model, folder: str | os.PathLike) -> dict[str, str]:
 
     Raises:
         FileNotFoundError: ``folder`` has no ``config.json``.
-        BundleError: see :func:`bundle_sources`, :func:`hub_auto_map`.
+        BundleError: see :func:`bundle_sources`, :func:`hub_auto_map`; or a written file has a line transformers'
+            ``get_relative_imports`` reads as an import of a file that is not bundled (e.g. a docstring line that
+            reads like ``from .x import``).
     """
     folder = Path(folder)
-    classes = auto_classes(model)
-    auto_map = hub_auto_map(model, classes)
-    sources = bundle_sources(model, classes)
+    auto_map = hub_auto_map(model)
+    sources = bundle_sources(model)
     config_file = folder / "config.json"
     config = json.loads(config_file.read_text(encoding="utf-8"))
     for name, source in sources.items():
         (folder / name).write_text(source, encoding="utf-8")
+    for name in sources:
+        for imported in get_relative_imports(folder / name):
+            if f"{imported}.py" not in sources:
+                raise BundleError(f"{name} has a line transformers reads as an import of .{imported}, not bundled.")
     config["auto_map"] = auto_map
     config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     return auto_map

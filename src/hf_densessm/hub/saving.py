@@ -1,15 +1,6 @@
-"""Kill-safe saving into a folder that may hold other files (a tokenizer, notes, training state).
-
-:func:`staged_save` yields an empty staging folder inside the target folder; whatever is written there (by
-``PreTrainedModel.save_pretrained`` and this package) is then moved into the target one file at a time with
-``os.replace``, which is atomic on one file system. So at any instant, a SIGKILL or a power cut included, every file
-of the target is whole, in its old or its new version. The save never moves, deletes or hides a file it does not
-own: the only files it removes are the ones the caller declares stale (an old weight shard the new save does not
-rewrite, an old generated code file), after the new files are in place. A killed save leaves its staging folder
-behind (hidden, named ``.hf_densessm-saving-*``); the next save into the folder deletes it.
-
-The staged files get the mode of any new file of the process (``0o666`` less the umask), whatever the writer
-chose: ``safetensors`` writes weights as ``0o600``.
+"""Kill-safe saving into a folder that may hold other files (docs/hub_and_conversion.md, "Saving survives a hard
+kill"): files are written into a staging folder inside the target, then moved in one at a time with ``os.replace``.
+A save holds a ``filelock`` lock inside its staging folder, so the next save tells a dead one from a running one.
 """
 
 from __future__ import annotations
@@ -17,18 +8,14 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import time
-import uuid
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-try:
-    import fcntl
-except ImportError:  # Windows: no advisory locks; stale staging folders are then recognized by age
-    fcntl = None
+from filelock import FileLock, Timeout
 
 STAGING_PREFIX = ".hf_densessm-saving-"
-STALE_AFTER_S = 24 * 3600  # without fcntl, a staging folder this old belongs to a dead save
+LOCK_NAME = ".lock"  # inside a staging folder: held by its save while it runs; never published
 
 
 def _publish_order(name: str) -> tuple:
@@ -36,47 +23,21 @@ def _publish_order(name: str) -> tuple:
     return (name == "config.json", not name.endswith((".safetensors", ".safetensors.index.json")), name)
 
 
-def _hold_lock(folder: Path) -> int | None:
-    """Take an exclusive advisory lock on ``folder`` (released when the returned descriptor is closed or the
-    process dies); ``None`` where advisory locks do not exist.
-
-    Raises:
-        BlockingIOError: another process holds the lock.
-    """
-    if fcntl is None:
-        return None
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
 def remove_stale_staging(folder: str | os.PathLike) -> list[str]:
-    """Delete the staging folders that killed saves left in ``folder``; returns their names.
-
-    A staging folder in use is locked by its save (:func:`staged_save`) and kept; where advisory locks do not exist,
-    only staging folders older than :data:`STALE_AFTER_S` are deleted.
-    """
+    """Delete the staging folders that killed saves left in ``folder``; returns their names. A staging folder whose
+    lock (:data:`LOCK_NAME`) a running save holds is kept."""
     removed = []
     for entry in Path(folder).iterdir():
         if not entry.name.startswith(STAGING_PREFIX) or entry.is_symlink() or not entry.is_dir():
             continue
+        lock = FileLock(entry / LOCK_NAME)
         try:
-            fd = _hold_lock(entry)
-        except BlockingIOError:
-            continue  # a save running now
-        except FileNotFoundError:
-            continue  # its save just finished
-        try:
-            if fd is not None or time.time() - entry.stat().st_mtime > STALE_AFTER_S:
-                shutil.rmtree(entry, ignore_errors=True)
-                removed.append(entry.name)
-        finally:
-            if fd is not None:
-                os.close(fd)
+            lock.acquire(timeout=0)
+        except (Timeout, FileNotFoundError):
+            continue  # a save running now, or one that just finished
+        lock.release()
+        shutil.rmtree(entry, ignore_errors=True)
+        removed.append(entry.name)
     return removed
 
 
@@ -110,9 +71,10 @@ def staged_save(
     save_directory: str | os.PathLike, is_stale: Callable[[Path], bool] = lambda path: False
 ) -> Iterator[Path]:
     """Save into ``save_directory`` kill-safely: yields an empty staging folder inside it; on a clean exit, every
-    file written there replaces (``os.replace``) the file of the same name in ``save_directory``, weights first and
-    ``config.json`` last, and then the entries of ``save_directory`` that the save did not write and for which
-    ``is_stale(path)`` is true are deleted. Other entries are never touched.
+    file written there gets the process's new-file mode (``0o666`` less the umask), is flushed and replaces
+    (``os.replace``) the file of the same name in ``save_directory``, weights first and ``config.json`` last; then
+    the entries of ``save_directory`` that the save did not write and for which ``is_stale(path)`` is true are
+    deleted. Other entries are never touched.
 
     On an exception inside the ``with`` block, ``save_directory`` is left as it was (and removed if this call
     created it and it is still empty). Staging folders of killed saves are deleted first (:func:`remove_stale_staging`).
@@ -127,13 +89,13 @@ def staged_save(
     created = not target.exists()
     target.mkdir(parents=True, exist_ok=True)
     remove_stale_staging(target)
-    staging = target / f"{STAGING_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    staging.mkdir()
-    lock = _hold_lock(staging)
+    staging = Path(tempfile.mkdtemp(prefix=f"{STAGING_PREFIX}{os.getpid()}-", dir=target))
+    lock = FileLock(staging / LOCK_NAME)
+    lock.acquire()
     published = False
     try:
         yield staging
-        names = sorted((path.name for path in staging.iterdir()), key=_publish_order)
+        names = sorted((p.name for p in staging.iterdir() if p.name != LOCK_NAME), key=_publish_order)
         mode = _new_file_mode(staging)
         for name in names:
             path = staging / name
@@ -149,9 +111,8 @@ def staged_save(
                 entry.unlink()
         _fsync(target)
     finally:
+        lock.release()
         shutil.rmtree(staging, ignore_errors=True)
-        if lock is not None:
-            os.close(lock)
         if created and not published:
             with contextlib.suppress(OSError):
                 target.rmdir()
