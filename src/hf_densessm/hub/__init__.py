@@ -1,19 +1,6 @@
-"""Hub-ready folders: what ``save_pretrained`` / ``push_to_hub`` of a DenseSSM model write (docs/hub_and_conversion.md).
-
-A saved folder is a complete model repository that loads with ``trust_remote_code=True`` where ``hf_densessm`` is
-not installed: ``config.json`` with ``auto_map``, the weights (safetensors), the modeling code the model runs as
-flat files, and a model card. One module per job:
-
-- :mod:`.bundle`: the modeling code as flat files and the ``auto_map`` (what transformers' ``custom_object_save``
-  would do, if it could read a nested package);
-- :mod:`.card`: the model card, derived from the modeling and config docstrings and the knob table;
-- :mod:`.saving`: kill-safe writing into a folder that holds other files;
-- here: :func:`save_pretrained` and :func:`push_to_hub`, what the models' methods of those names run.
-
-The models' methods come from ``DenseSSMSaveMixin`` (``modeling/modeling_densessm.py``), which imports this package
-lazily, so this package is never bundled into a saved folder (``bundle.py`` leaves it out). A model loaded from a
-folder with remote code is a class transformers registered for its ``Auto`` class; it saves with transformers' own
-``save_pretrained``, whose ``custom_object_save`` copies the flat code files (weights, config, code; no card).
+"""Hub-ready folders: what the models' ``save_pretrained`` / ``push_to_hub`` run (``DenseSSMSaveMixin`` imports this
+package lazily; it is never bundled). :mod:`.bundle`: the flat modeling code and ``auto_map``; :mod:`.card`: the model
+card; :mod:`.saving`: kill-safe writing. See docs/hub_and_conversion.md.
 """
 
 from __future__ import annotations
@@ -60,15 +47,13 @@ def save_pretrained(
     **kwargs,
 ):
     """``model.save_pretrained``: ``PreTrainedModel.save_pretrained``, plus the flat modeling code, ``auto_map``
-    and the model card, all written kill-safely (:func:`~.saving.staged_save`: each file whole, old or new; other
-    files untouched).
+    and the model card, all written kill-safely (:func:`~.saving.staged_save`). An existing ``README.md`` that
+    this package did not write is kept.
 
     Arguments as transformers'; ``push_to_hub=True`` (with ``repo_id``, ``commit_message``, ``private``,
     ``token``, ... as transformers takes them) then runs ``model.push_to_hub``. Left to transformers unchanged:
-    processes with ``is_main_process=False``, ``distributed_checkpoint=True``, adapter saves (a model with PEFT
-    adapters loaded saves only the adapters) and models loaded as remote code (see the module docstring).
-
-    An existing ``README.md`` that this package did not write (a card you edited) is kept.
+    ``is_main_process=False``, ``distributed_checkpoint=True``, models with PEFT adapters loaded (only the adapters
+    are saved) and models loaded as remote code.
 
     Raises:
         NotADirectoryError: ``save_directory`` is a file.
@@ -116,11 +101,10 @@ def push_to_hub(
     max_shard_size: int | str | None = "50GB",
     tags: list[str] | None = None,
 ):
-    """``model.push_to_hub``: upload the model to the Hub repository ``repo_id`` (created if needed) as one
-    commit: the folder :func:`save_pretrained` writes, with the model card naming ``repo_id``. Same arguments and
-    return value (the commit info) as transformers' ``push_to_hub``; the difference is the card: transformers
-    replaces ``README.md`` by a generic template, here the DenseSSM card is uploaded, unless the repository already
-    has a ``README.md`` (kept, as transformers keeps it).
+    """``model.push_to_hub``: upload the folder :func:`save_pretrained` writes to the Hub repository ``repo_id``
+    (created if needed) as one commit. Same arguments and return value (the commit info) as transformers'; but the
+    card uploaded is the DenseSSM card naming ``repo_id`` (not transformers' generic one), unless the repository
+    already has a ``README.md`` (kept).
 
     Raises:
         huggingface_hub errors: no network, no token, no write access.

@@ -6,6 +6,7 @@ holds": why transformers' ``custom_object_save`` cannot do this for a nested pac
 from __future__ import annotations
 
 import ast
+import importlib.util
 import json
 import os
 import re
@@ -16,8 +17,7 @@ from transformers.models.auto import modeling_auto
 
 ROOT_PACKAGE = __name__.split(".")[0]  # "hf_densessm"
 ROOT_DIR = Path(__file__).resolve().parent.parent  # src/hf_densessm
-# This package: the publishing code. A model runs without it, so it is never bundled (see _bundled_source).
-PUBLISHING_PACKAGE = __name__.rpartition(".")[0]  # "hf_densessm.hub"
+PUBLISHING_PACKAGE = __name__.rpartition(".")[0]  # "hf_densessm.hub": never bundled (a model runs without it)
 BUNDLE_MARKER = "# hf_densessm bundle:"  # first line of every bundled code file
 _IMPORT_HEAD = re.compile(r"from\s+[\w.]+\s+import")
 
@@ -54,18 +54,21 @@ def _module_file(module: str) -> Path:
     raise BundleError(f"Cannot find the source of {module!r} under {ROOT_DIR}.")
 
 
+def _within(name: str, package: str) -> bool:
+    """Whether the dotted ``name`` is ``package`` or a module under it."""
+    return name == package or name.startswith(package + ".")
+
+
 def _resolve_import(node: ast.ImportFrom, module: str, is_package: bool) -> str | None:
     """The package module a ``from ... import`` statement of ``module`` imports from, or ``None`` if external."""
     if node.level:
         package = module if is_package else module.rpartition(".")[0]
-        for _ in range(node.level - 1):
-            package = package.rpartition(".")[0]
-        target = f"{package}.{node.module}" if node.module else package
-    elif node.module == ROOT_PACKAGE or (node.module or "").startswith(ROOT_PACKAGE + "."):
+        target = importlib.util.resolve_name("." * node.level + (node.module or ""), package)
+    elif _within(node.module or "", ROOT_PACKAGE):
         target = node.module
     else:
         return None
-    if not target.startswith(ROOT_PACKAGE + "."):
+    if target == ROOT_PACKAGE:
         raise BundleError(
             f"{module}, line {node.lineno}: `from {'.' * node.level}{node.module or ''} import ...` imports the "
             f"package root {ROOT_PACKAGE!r}, which is not bundled; import from the defining module instead."
@@ -92,7 +95,7 @@ def _bundled_source(module: str) -> tuple[str, set[str]]:
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             for alias in node.names:
-                if alias.name == ROOT_PACKAGE or alias.name.startswith(ROOT_PACKAGE + "."):
+                if _within(alias.name, ROOT_PACKAGE):
                     raise BundleError(
                         f"{module}, line {node.lineno}: `import {alias.name}` cannot be bundled; use a relative "
                         "`from .x import name` instead."
@@ -101,11 +104,9 @@ def _bundled_source(module: str) -> tuple[str, set[str]]:
             target = _resolve_import(node, module, is_package)
             if target is None:
                 continue
-            if target == PUBLISHING_PACKAGE or target.startswith(PUBLISHING_PACKAGE + "."):
-                # The publishing code stays out of a saved folder: the models' save_pretrained / push_to_hub
-                # (modeling_densessm.DenseSSMSaveMixin) import it lazily and absolutely inside `try`, left as they
-                # are here; where it cannot be imported (remote code without the package) they fall back to
-                # transformers' own methods, and transformers' remote-code import check skips imports in `try`.
+            if _within(target, PUBLISHING_PACKAGE):
+                # left as it is: the models import the publishing code lazily, absolutely and inside `try`, and fall
+                # back to transformers' methods without it (docs/hub_and_conversion.md, "What a checkpoint ships")
                 if node.level:
                     raise BundleError(
                         f"{module}, line {node.lineno}: import the publishing code {PUBLISHING_PACKAGE!r} absolutely "
@@ -115,9 +116,8 @@ def _bundled_source(module: str) -> tuple[str, set[str]]:
             target_file = _module_file(target)
             if target_file.name == "__init__.py":
                 for alias in node.names:
-                    if (target_file.parent / f"{alias.name}.py").is_file() or (
-                        target_file.parent / alias.name
-                    ).is_dir():
+                    submodule = target_file.parent / alias.name
+                    if submodule.with_suffix(".py").is_file() or submodule.is_dir():
                         raise BundleError(
                             f"{module}, line {node.lineno}: importing the submodule {alias.name!r} with "
                             f"`from ... import {alias.name}` cannot be bundled; import names from it instead."
@@ -220,10 +220,15 @@ def write_bundle(model, folder: str | os.PathLike) -> dict[str, str]:
     return auto_map
 
 
+def file_head(path: str | os.PathLike, size: int) -> str:
+    """The first ``size`` characters of ``path`` if it is a regular file (not a symlink), else ``""``."""
+    path = Path(path)
+    if not path.is_file() or path.is_symlink():
+        return ""
+    with open(path, encoding="utf-8", errors="replace") as file:
+        return file.read(size)
+
+
 def is_bundled_code(path: str | os.PathLike) -> bool:
     """Whether ``path`` is a code file a save of this package generated (its first line is :data:`BUNDLE_MARKER`)."""
-    path = Path(path)
-    if path.suffix != ".py" or not path.is_file() or path.is_symlink():
-        return False
-    with open(path, encoding="utf-8", errors="replace") as file:
-        return file.read(len(BUNDLE_MARKER)) == BUNDLE_MARKER
+    return Path(path).suffix == ".py" and file_head(path, len(BUNDLE_MARKER)) == BUNDLE_MARKER

@@ -1,9 +1,5 @@
-"""The model card (``README.md``) of a saved folder, derived from the model's own documentation.
-
-Nothing in the card is written twice: the architecture is the docstring of the model's modeling module, each config
-field's meaning comes from the ``Args:`` section of the config class's docstring, and each dense knob's from
-:data:`~hf_densessm.configuration.configuration_densessm.DENSE_KNOBS`. transformers' own card
-(``transformers.modelcard``, used by ``push_to_hub``) is a generic template with none of these.
+"""The model card (``README.md``) of a saved folder, derived from the model's own documentation: the modeling
+module's docstring, the ``Args:`` of the config class's docstring and the help of each dense knob (``DENSE_KNOBS``).
 """
 
 from __future__ import annotations
@@ -14,7 +10,10 @@ import re
 import sys
 from pathlib import Path
 
+from huggingface_hub import ModelCardData
+
 from ..configuration.configuration_densessm import knobs_for
+from .bundle import file_head
 
 CARD_MARKER = "<!-- hf_densessm model card -->"
 CITATION = """@article{he2024densessm,
@@ -87,7 +86,8 @@ def model_card(model, files: list[str], repo_id: str | None = None, tags: list[s
     config = model.config
     family = type(config).__name__.removesuffix("Config")
     where = repo_id or "path/to/this/folder"
-    all_tags = ["densessm", config.model_type, *(tag for tag in tags or [] if tag)]
+    all_tags = list(dict.fromkeys(["densessm", config.model_type, *(tag for tag in tags or [] if tag)]))
+    metadata = ModelCardData(library_name="transformers", pipeline_tag="text-generation", tags=all_tags).to_yaml()
     architecture = _markdown(inspect.cleandoc(sys.modules[type(model).__module__].__doc__ or ""))
     rows = "\n".join(f"| `{name}` | `{value!r}` | {meaning} |" for name, value, meaning in config_rows(config))
     code = ", ".join(f"`{name}`" for name in files if name.endswith(".py"))
@@ -96,10 +96,7 @@ def model_card(model, files: list[str], repo_id: str | None = None, tags: list[s
     count = model.num_parameters()
     size = f"{count / 1e9:.2f}B" if count >= 1e9 else f"{count / 1e6:.1f}M" if count >= 1e6 else f"{count:,}"
     return f"""---
-library_name: transformers
-pipeline_tag: text-generation
-tags:
-{chr(10).join(f"- {tag}" for tag in dict.fromkeys(all_tags))}
+{metadata}
 ---
 {CARD_MARKER}
 
@@ -148,8 +145,4 @@ def write_model_card(
 
 def is_generated_card(path: str | os.PathLike) -> bool:
     """Whether ``path`` is a model card this package wrote (it holds :data:`CARD_MARKER`), not one a person wrote."""
-    path = Path(path)
-    if not path.is_file() or path.is_symlink():
-        return False
-    with open(path, encoding="utf-8", errors="replace") as file:
-        return CARD_MARKER in file.read(4096)
+    return CARD_MARKER in file_head(path, 4096)
