@@ -1,18 +1,6 @@
-"""Checkpoint conversion into hf_densessm models (command line: ``python -m hf_densessm.convert``).
-
-- :func:`densemamba_from_mamba`: upcycle a pretrained transformers Mamba into a DenseMamba that computes exactly
-  the same function at conversion (docs/design.md §4: "a gate whose last layer starts at zero makes a DenseMamba
-  exactly equal to its base Mamba") and whose dense gates train from there.
-- :func:`denseretnet_from_official`: load a checkpoint of the authors' published DenseRetNet (docs/design.md §3;
-  their parameter names and config keys: docs/hub_and_conversion.md) into
-  :class:`~hf_densessm.DenseRetNetForCausalLM`.
-
-Checkpoints are read by transformers' own loaders (``MambaForCausalLM.from_pretrained``;
-``DenseRetNetForCausalLM.from_pretrained(..., key_mapping=...)`` with the authors' names), so a source is a local
-folder or a Hub repository id, in any weights format transformers reads. Both read strictly: a missing folder or
-file, a config of another ``model_type``, a parameter name that is missing, unexpected or of the wrong shape raises
-an error that names it. Converted models are float32 and in eval mode; save them with ``save_pretrained`` (a
-Hub-ready folder, see ``hf_densessm.hub``).
+"""Checkpoint conversion into hf_densessm models (command line: ``python -m hf_densessm.convert``):
+:func:`densemamba_from_mamba` upcycles a transformers Mamba, :func:`denseretnet_from_official` loads the authors'
+published DenseRetNet. Sources are read by transformers' loaders, strictly; docs/hub_and_conversion.md.
 """
 
 from __future__ import annotations
@@ -47,14 +35,18 @@ MAMBA_FIELDS = tuple(
     for name, parameter in inspect.signature(DenseMambaConfig.__init__).parameters.items()
     if name != "self" and parameter.kind is parameter.POSITIONAL_OR_KEYWORD
 )
+# The authors' config keys (docs/hub_and_conversion.md): required (named as ours but ``dense_block_layers``, which is
+# ``dense_layers``), taken when present, and their fixed dense connection.
 OFFICIAL_DENSERETNET_KEYS = (
-    "hidden_size",
-    "query_key_dim",
-    "num_attention_heads",
-    "num_hidden_layers",
-    "v_factor",
-    "dense_block_layers",
+    "hidden_size", "query_key_dim", "num_attention_heads", "num_hidden_layers", "v_factor", "dense_block_layers",
     "vocab_size",
+)
+OFFICIAL_OPTIONAL_KEYS = (
+    "rms_norm_eps", "dropout", "initializer_range", "pad_token_id", "bos_token_id", "eos_token_id",
+    "tie_word_embeddings",
+)
+OFFICIAL_CONNECTION = dict(
+    dense_projection="identity", dense_selection="mlp", dense_shared_gate=True, dense_fusion="add", dense_every=1
 )
 # Our DenseRetNet parameter name -> the authors' (docs/hub_and_conversion.md); names not listed are the same in both.
 OFFICIAL_DENSERETNET_RENAMES = (
@@ -69,9 +61,6 @@ OFFICIAL_KEY_MAPPING = {re.escape(theirs): ours for ours, theirs in OFFICIAL_DEN
 OFFICIAL_DENSE_ONLY = ("k_select.fc1", "k_select.fc2", "v_select.fc1", "v_select.fc2", "k_norm", "v_norm")
 # Persistent buffers of the authors' relative position module (rotary angles and log-decays), recomputed here.
 OFFICIAL_REL_POS = ("model.retnet_rel_pos.angle", "model.retnet_rel_pos.decay")
-
-
-# ----------------------------------------------------------------------------------------------- reading
 
 
 def _is_local(src: str | os.PathLike) -> bool:
@@ -127,10 +116,8 @@ def read_config(src: str | os.PathLike) -> dict:
 
 def read_tensors(src: str | os.PathLike, names: set[str]) -> dict[str, torch.Tensor]:
     """The tensors ``names`` (those present) of the checkpoint ``src``, read from the weights files transformers
-    would load (:data:`WEIGHT_FILES`, sharded or not; local or from the Hub cache) without reading the others.
-
-    For what ``from_pretrained`` cannot do: check saved buffers the model does not have (the authors' rotary angles
-    and decays, which ``from_pretrained`` drops as unexpected).
+    would load (:data:`WEIGHT_FILES`, sharded or not; local or from the Hub cache) without reading the others: for
+    saved buffers ``from_pretrained`` drops as unexpected (the authors' rotary angles and decays).
 
     Raises:
         ValueError: a weights file cannot be read (the message names it).
@@ -161,8 +148,8 @@ def read_tensors(src: str | os.PathLike, names: set[str]) -> dict[str, torch.Ten
     return tensors
 
 
-def _mismatch_error(source: str, missing, unexpected, wrong) -> ValueError | None:
-    """The error listing every missing name, unexpected name and shape mismatch (``None`` if there are none)."""
+def _raise_mismatch(source: str, missing, unexpected, wrong) -> None:
+    """Raise one ``ValueError`` listing every missing name, unexpected name and shape mismatch, if there are any."""
     problems = [
         f"{title} ({len(names)}):\n  "
         + "\n  ".join(names[:40])
@@ -174,9 +161,16 @@ def _mismatch_error(source: str, missing, unexpected, wrong) -> ValueError | Non
         )
         if names
     ]
-    if not problems:
-        return None
-    return ValueError(f"The state dict of {source} does not match the model:\n" + "\n".join(problems))
+    if problems:
+        raise ValueError(f"The state dict of {source} does not match the model:\n" + "\n".join(problems))
+
+
+def _check_loading_info(info: dict, source: str, rename=lambda name: name, optional: set[str] = frozenset()) -> None:
+    """:func:`_raise_mismatch` on the report of ``from_pretrained(..., output_loading_info=True)``, every name passed
+    through ``rename``; unexpected names in ``optional`` are allowed."""
+    wrong = [f"{rename(name)}: {tuple(saved)}, expected {tuple(shape)}" for name, saved, shape in info["mismatched_keys"]]
+    unexpected = {rename(name) for name in info["unexpected_keys"]} - set(optional)
+    _raise_mismatch(source, [rename(name) for name in info["missing_keys"]], unexpected, wrong)
 
 
 def check_state_dict(
@@ -196,11 +190,7 @@ def check_state_dict(
         for name, shape in expected.items()
         if name in provided and tuple(provided[name].shape) != tuple(shape)
     ]
-    error = _mismatch_error(
-        source, set(expected) - set(provided), set(provided) - set(expected) - set(optional), wrong
-    )
-    if error is not None:
-        raise error
+    _raise_mismatch(source, set(expected) - set(provided), set(provided) - set(expected) - set(optional), wrong)
 
 
 def _check_model_type(config: dict, allowed: tuple, source: str, expected_what: str) -> None:
@@ -212,29 +202,18 @@ def _check_model_type(config: dict, allowed: tuple, source: str, expected_what: 
         raise ValueError(f"config.json of {source} has model_type {model_type!r}; expected {expected_what}.{hint}")
 
 
-# ----------------------------------------------------------------------------------------------- Mamba
-
-
 def densemamba_from_mamba(src, **dense_kwargs) -> DenseMambaForCausalLM:
-    """Upcycle a pretrained Mamba into DenseMamba: same logits at conversion, dense gates trainable from there.
-
-    The Mamba is loaded by transformers (``MambaForCausalLM.from_pretrained``, float32) and its weights are copied
-    strictly (with no dense connection the parameter names and shapes are transformers' ``MambaForCausalLM``'s,
-    docs/design.md §4); the parameters DenseMamba adds (names containing ``dense``) start so that the connection
-    adds nothing: with ``dense_fusion="add"`` each gate's last layer is zero (``SiLU(0) = 0``,
-    ``DenseHiddenConnection.zero_gates``); with ``"concat"`` the reduction starts as ``[I, 0]`` (its init), which
-    passes ``f^l`` through, and the gates keep their init so that the reduction's zero block receives gradients.
-    The outputs then equal the Mamba's (to float32 rounding of the scan; bit for bit against ``dense_layers=0``),
-    and the gates' last layers (or the reduction) get nonzero gradients, so fine-tuning learns the connection.
+    """Upcycle a pretrained Mamba into DenseMamba: same logits at conversion, dense gates trainable from there
+    (docs/hub_and_conversion.md). The Mamba's weights are copied strictly; the parameters DenseMamba adds (names
+    containing ``dense``) start as a no-op: with ``dense_fusion="add"`` each gate's last layer is zero
+    (``DenseHiddenConnection.zero_gates``), with ``"concat"`` the reduction keeps its ``[I, 0]`` init.
 
     Args:
         src: a transformers Mamba checkpoint (``config.json`` with ``model_type`` "mamba", weights in any format
             transformers reads, sharded or not): a local folder or a Hub repository id (e.g.
             ``"state-spaces/mamba-130m-hf"``), or a loaded ``transformers.MambaForCausalLM`` / ``MambaModel``.
-        dense_kwargs: the DenseSSM knobs of the result (:data:`DENSE_ARGUMENTS`: ``dense_layers``,
-            ``dense_projection``, ``dense_selection``, ``dense_shared_gate``, ``dense_fusion``, ``dense_every``,
-            ``dense_gate_hidden_size``, ``kernel_backend``); defaults as :class:`~hf_densessm.DenseMambaConfig`
-            (``dense_layers=4``, Table 2).
+        dense_kwargs: the DenseSSM knobs of the result (:data:`DENSE_ARGUMENTS`); defaults as
+            :class:`~hf_densessm.DenseMambaConfig` (``dense_layers=4``, Table 2).
 
     Returns:
         A float32 :class:`~hf_densessm.DenseMambaForCausalLM` in eval mode.
@@ -275,10 +254,7 @@ def densemamba_from_mamba(src, **dense_kwargs) -> DenseMambaForCausalLM:
         mamba, info = MambaForCausalLM.from_pretrained(
             src, dtype=torch.float32, output_loading_info=True, ignore_mismatched_sizes=True
         )
-        wrong = [f"{name}: {tuple(saved)}, expected {tuple(shape)}" for name, saved, shape in info["mismatched_keys"]]
-        error = _mismatch_error(source, info["missing_keys"], info["unexpected_keys"], wrong)
-        if error is not None:
-            raise error
+        _check_loading_info(info, source)
         state_dict = mamba.state_dict()
     model = DenseMambaForCausalLM(dense_config)
     tied = dense_config.tie_word_embeddings
@@ -296,18 +272,9 @@ def densemamba_from_mamba(src, **dense_kwargs) -> DenseMambaForCausalLM:
     return model.eval()
 
 
-# ----------------------------------------------------------------------------------------------- DenseRetNet
-
-
 def official_denseretnet_config(config: dict, source: str = "the checkpoint") -> DenseRetNetConfig:
-    """The :class:`~hf_densessm.DenseRetNetConfig` of an authors' DenseRetNet ``config.json`` (a dict).
-
-    Their keys (docs/hub_and_conversion.md) map to ours by name, ``dense_block_layers`` to ``dense_layers``; the
-    connection is theirs: identity projection, 2-layer MLP gate ``d -> d // 32 -> out`` shared by the predecessors,
-    add fusion, every layer but the first. ``rms_norm_eps`` (default 1e-6), ``dropout`` (0), ``initializer_range``,
-    ``tie_word_embeddings`` (False) and the token ids are taken when present. Keys their forward pass does not read
-    (``max_position_embeddings``, ``hidden_act``, ``layernorm_eps``, ``retnorm``; ``deepnorm``, which only scales
-    their initialization) are ignored.
+    """The :class:`~hf_densessm.DenseRetNetConfig` of an authors' DenseRetNet ``config.json`` (a dict; how their
+    keys map to ours and which are ignored: docs/hub_and_conversion.md). ``source`` names the file in errors.
 
     Raises:
         ValueError: ``model_type`` is neither "llama" (what their config says) nor absent; a required key is
@@ -328,34 +295,10 @@ def official_denseretnet_config(config: dict, source: str = "the checkpoint") ->
         raise ValueError(f"`dense_block_layers` of {source} must be an int >= 1, got {m!r}.")
     if config["hidden_size"] < 32:
         raise ValueError(f"`hidden_size` of {source} must be >= 32 (their gates are d -> d // 32 -> ...).")
-    optional = {
-        key: config[key]
-        for key in (
-            "rms_norm_eps",
-            "dropout",
-            "initializer_range",
-            "pad_token_id",
-            "bos_token_id",
-            "eos_token_id",
-            "tie_word_embeddings",
-        )
-        if config.get(key) is not None
-    }
+    fields = {key: config[key] for key in OFFICIAL_DENSERETNET_KEYS if key != "dense_block_layers"}
+    fields.update({key: config[key] for key in OFFICIAL_OPTIONAL_KEYS if config.get(key) is not None})
     return DenseRetNetConfig(
-        vocab_size=config["vocab_size"],
-        hidden_size=config["hidden_size"],
-        num_hidden_layers=config["num_hidden_layers"],
-        num_attention_heads=config["num_attention_heads"],
-        query_key_dim=config["query_key_dim"],
-        v_factor=config["v_factor"],
-        dense_layers=m,
-        dense_projection="identity",
-        dense_selection="mlp",
-        dense_shared_gate=True,
-        dense_fusion="add",
-        dense_every=1,
-        dense_gate_hidden_size=config["hidden_size"] // 32,
-        **optional,
+        **fields, **OFFICIAL_CONNECTION, dense_layers=m, dense_gate_hidden_size=config["hidden_size"] // 32
     )
 
 
@@ -369,20 +312,10 @@ def official_denseretnet_name(name: str) -> str:
 
 def denseretnet_from_official(src: str | os.PathLike) -> DenseRetNetForCausalLM:
     """Load a checkpoint of the authors' published DenseRetNet into :class:`~hf_densessm.DenseRetNetForCausalLM`,
-    which computes the same function (docs/design.md §3: their recurrent form exactly; their parallel form up to
-    its clamp of the row sums, see ``modeling_denseretnet``).
-
-    The weights are loaded by ``DenseRetNetForCausalLM.from_pretrained(src, key_mapping=OFFICIAL_KEY_MAPPING)``
-    (float32): names map as in docs/hub_and_conversion.md (``to_hidden.0`` -> ``hidden_proj``, ``to_out.0`` ->
-    ``o_proj``, ``k_select``/``v_select`` -> ``dense_k.gate``/``dense_v.gate``, the rest unchanged). The converted
-    model forgets that mapping, so its ``save_pretrained`` writes our names.
-
-    Layer 0: the authors' blocks create ``k_select``, ``v_select``, ``k_norm``, ``v_norm`` in every layer, but their
-    forward pass uses them only in layers with predecessors (``dense = idx >= 1``); layer 0 of our model has none of
-    them. So layer 0's copies are accepted and dropped (they never affected an output), present or not. Their
-    ``model.retnet_rel_pos.angle`` / ``.decay`` buffers, if saved, are checked against the model's own rotary
-    angles (``DenseRetNetThetaShift``) and decays (``retention_gamma``) and dropped. Every other name must match
-    exactly.
+    which computes the same function (docs/design.md §3), loaded by ``from_pretrained`` with
+    :data:`OFFICIAL_KEY_MAPPING`; the converted model saves under our names. Layer 0's unused dense parameters are
+    dropped, saved rotary angles and decays are checked and dropped, every other name must match
+    (docs/hub_and_conversion.md).
 
     Args:
         src: the authors' ``config.json`` and weights (``pytorch_model.bin`` or safetensors, sharded or not): a
@@ -413,15 +346,7 @@ def denseretnet_from_official(src: str | os.PathLike) -> DenseRetNetForCausalLM:
     for i, layer in enumerate(model.model.layers):
         if layer.self_attn.dense_k is None:
             optional |= {f"model.layers.{i}.self_attn.{part}.weight" for part in OFFICIAL_DENSE_ONLY}
-    unexpected = {official_denseretnet_name(name) for name in info["unexpected_keys"]} - optional
-    wrong = [
-        f"{official_denseretnet_name(name)}: {tuple(shape)}, expected {tuple(expected)}"
-        for name, shape, expected in info["mismatched_keys"]
-    ]
-    missing = {official_denseretnet_name(name) for name in info["missing_keys"]}
-    error = _mismatch_error(source, missing, unexpected, wrong)
-    if error is not None:
-        raise error
+    _check_loading_info(info, source, official_denseretnet_name, optional)
     _check_rel_pos(rel_pos, config, source)
     return model.eval()
 
@@ -430,14 +355,9 @@ def _check_rel_pos(saved: dict, config: DenseRetNetConfig, source: str) -> None:
     """Compare saved rotary angles / log-decays with the model's own (the published definition, docs/design.md §3:
     angles ``rope_theta^-linspace(0, 1, head_dim/2)``, each repeated for its channel pair; ``log(gamma_h)``)."""
     head_dim = config.query_key_dim // config.num_attention_heads
-    reference = {
-        "model.retnet_rel_pos.angle": DenseRetNetThetaShift(head_dim, config.rope_theta)
-        .compute_theta()
-        .double()
-        .repeat_interleave(2),
-        "model.retnet_rel_pos.decay": retention_gamma(config.num_attention_heads, dtype=torch.float64).log(),
-    }
-    for name, value in reference.items():
+    angle = DenseRetNetThetaShift(head_dim, config.rope_theta).compute_theta().double().repeat_interleave(2)
+    decay = retention_gamma(config.num_attention_heads, dtype=torch.float64).log()
+    for name, value in zip(OFFICIAL_REL_POS, (angle, decay)):
         tensor = saved.get(name)
         if tensor is None:
             continue
