@@ -13,14 +13,10 @@ from .configuration_densessm import (
     check_size,
 )
 
-# Table 2 of the DenseSSM paper (vocabulary 32000, expand 2, state 16, conv 4), plus small sizes for examples,
-# tests and CPU benchmarks. "densemamba-1.3b" follows Table 2 exactly (50 layers, d_model 2048); that is about
-# 1.42B parameters: the paper added two layers to Mamba-1.4B's 48 "to match the parameters" (§4.2), so its
-# "1.3B" label names Mamba-1.4B's size class, and the preset's count is checked against 1.4B.
-#: The init of the paper's training setup (mamba_ssm): embeddings normal(0, 0.02), linear layers at PyTorch's default,
-#: ``out_proj`` divided by sqrt(num_hidden_layers) (docs/design.md §4).
+#: The init of the paper's training setup (mamba_ssm; docs/design.md §4).
 MAMBA_SSM_INIT = dict(init_scheme="mamba_ssm", initializer_range=0.02, rescale_prenorm_residual=True)
 
+# Table 2 of the paper, plus small sizes; "densemamba-1.3b" is Table 2 exactly, about 1.42B parameters (§4.2).
 DENSEMAMBA_PRESETS = {
     "densemamba-tiny": dict(hidden_size=256, num_hidden_layers=4, dense_layers=4),
     "densemamba-30m": dict(hidden_size=512, num_hidden_layers=8, dense_layers=4),
@@ -28,9 +24,7 @@ DENSEMAMBA_PRESETS = {
     "densemamba-1.3b": dict(hidden_size=2048, num_hidden_layers=50, dense_layers=4, **MAMBA_SSM_INIT),
 }
 
-#: The paper's training settings (§4.2, Table 2: Mamba's own recipe, learning rates 3e-4 / 2e-4, Adam betas
-#: (0.9, 0.95); AdamW, polynomial decay, 1.5% warm-up, weight decay 0.01, clipping 1.0), as ``TrainingArguments``
-#: keywords; see :func:`hf_densessm.paper_training_arguments`.
+#: The paper's training settings (§4.2, Table 2), for :func:`hf_densessm.paper_training_arguments`.
 DENSEMAMBA_PAPER_TRAINING = {
     "densemamba-360m": dict(learning_rate=3e-4, adam_beta1=0.9, adam_beta2=0.95, **PAPER_OPTIMIZER),
     "densemamba-1.3b": dict(learning_rate=2e-4, adam_beta1=0.9, adam_beta2=0.95, **PAPER_OPTIMIZER),

@@ -11,37 +11,20 @@ from .configuration_densessm import (
     check_size,
 )
 
+_SHARED = dict(v_factor=2.0, dense_layers=2)  # every preset's
 # Table 3 of the DenseSSM paper (vocabulary 32000), plus small sizes for examples, tests and CPU benchmarks.
 DENSERETNET_PRESETS = {
-    "denseretnet-tiny": dict(
-        hidden_size=256, num_hidden_layers=4, num_attention_heads=2, query_key_dim=128, v_factor=2.0, dense_layers=2
-    ),
-    "denseretnet-30m": dict(
-        hidden_size=384, num_hidden_layers=6, num_attention_heads=2, query_key_dim=192, v_factor=2.0, dense_layers=2
-    ),
+    "denseretnet-tiny": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=2, query_key_dim=128, **_SHARED),
+    "denseretnet-30m": dict(hidden_size=384, num_hidden_layers=6, num_attention_heads=2, query_key_dim=192, **_SHARED),
     "denseretnet-350m": dict(
-        hidden_size=1536,
-        num_hidden_layers=16,
-        num_attention_heads=2,
-        query_key_dim=768,
-        v_factor=2.0,
-        dense_layers=2,
-        dropout=0.1,
+        hidden_size=1536, num_hidden_layers=16, num_attention_heads=2, query_key_dim=768, dropout=0.1, **_SHARED
     ),
     "denseretnet-1.3b": dict(
-        hidden_size=2560,
-        num_hidden_layers=25,
-        num_attention_heads=4,
-        query_key_dim=1280,
-        v_factor=2.0,
-        dense_layers=2,
-        dropout=0.1,
+        hidden_size=2560, num_hidden_layers=25, num_attention_heads=4, query_key_dim=1280, dropout=0.1, **_SHARED
     ),
 }
 
-
-#: The paper's training settings (§4.2, Table 3: learning rate 6e-4, Adam betas (0.9, 0.98), dropout 0.1 in the
-#: presets; AdamW, polynomial decay, 1.5% warm-up, weight decay 0.01, clipping 1.0), as ``TrainingArguments`` keywords.
+#: The paper's training settings (§4.2, Table 3), for :func:`hf_densessm.paper_training_arguments`.
 DENSERETNET_PAPER_TRAINING = {
     name: dict(learning_rate=6e-4, adam_beta1=0.9, adam_beta2=0.98, **PAPER_OPTIMIZER)
     for name in ("denseretnet-350m", "denseretnet-1.3b")

@@ -1,18 +1,6 @@
-"""The config base shared by every DenseSSM family: the dense-connection knobs, declared once, and the runtime
-setting ``kernel_backend``.
-
-Source: DenseSSM paper (He et al. 2024, arXiv 2403.00818) §3.3, Eq. 10-17, and its ablations, Tables 5, 7, 8, 9;
-``docs/design.md`` §2 gives the meaning of each knob and the choices the paper leaves open.
-
-:data:`DENSE_KNOBS` is the one declaration of the knobs: :class:`DenseSSMConfig` validates and sets them, the
-converters (``hf_densessm.convert``) take them as keyword arguments, the conversion CLI builds its options from
-them, and the model card lists them. A family config subclasses :class:`DenseSSMConfig`, sets its own default of
-``dense_layers`` in :attr:`DenseSSMConfig.dense_defaults`, and validates its own fields with :func:`check_int`,
-:func:`check_positive_float` and :func:`check_choice`.
-
-Why not transformers' ``@strict`` dataclass fields (present in transformers >= 5.17): their type errors are
-``StrictDataclassFieldValidationError``, which is neither a ``TypeError`` nor a ``ValueError``, while every
-boundary error of this package is one of those two (``docs/design.md`` §6).
+"""The config base shared by every DenseSSM family: the dense-connection knobs (:data:`DENSE_KNOBS`, declared once;
+meanings in docs/design.md §2), the runtime setting ``kernel_backend``, and the checks the family configs use.
+Not transformers' ``@strict`` fields: their errors are neither ``TypeError`` nor ``ValueError`` (docs/design.md §6).
 """
 
 from __future__ import annotations
@@ -24,8 +12,7 @@ from typing import ClassVar
 from transformers import PretrainedConfig
 
 
-#: Largest width, layer count or vocabulary a config accepts: beyond it a model cannot be built on any current
-#: machine (the embedding alone would hold more than 2**40 elements) and the kernels' 32-bit offsets overflow.
+#: Largest width, layer count or vocabulary a config accepts (beyond it the kernels' 32-bit offsets overflow).
 MAX_SIZE = 2**24
 
 
@@ -51,8 +38,7 @@ def check_size(name: str, value) -> int:
 
 def check_token_ids(**token_ids) -> None:
     """Check ``pad_token_id``, ``bos_token_id``, ``eos_token_id``: ``None``, an int >= 0, or (``eos_token_id``) a
-    list of such ints. Raises ``TypeError`` naming the field (e.g. ``eos_token_id='2'``, which ``generate()`` would
-    only reject much later)."""
+    list of such ints. Raises ``TypeError`` naming the field."""
     for name, value in token_ids.items():
         values = value if isinstance(value, (list, tuple)) and name == "eos_token_id" else [value]
         for v in values:
@@ -90,19 +76,10 @@ def check_choice(name: str, value, allowed: tuple[str, ...]) -> str:
 
 @dataclass(frozen=True)
 class Knob:
-    """One config field of the dense connection.
-
-    Attributes:
-        name: the config field, e.g. ``"dense_layers"``.
-        kind: ``int``, ``bool`` or ``str``.
-        default: the default (``None`` for ``dense_layers``, whose default is the family's, and for
-            ``dense_gate_hidden_size``, derived from ``hidden_size``).
-        help: one line: what it does and the paper's equation or table.
-        choices: the allowed strings (``kind is str``).
-        minimum: the smallest allowed int (``kind is int``).
-        optional: ``None`` is allowed (and resolved by :meth:`DenseSSMConfig.set_dense_knobs`).
-        families: the ``model_type`` values that have the knob (``None``: every family).
-    """
+    """One config field of the dense connection: its ``name``, ``kind`` (``int``, ``bool`` or ``str``), ``default``
+    (``None`` where the family or ``hidden_size`` decides), one-line ``help``, allowed ``choices`` (str) or
+    ``minimum`` (int), whether ``None`` is allowed (``optional``), and the ``families`` (``model_type`` values;
+    ``None``: every family) that have it."""
 
     name: str
     kind: type
@@ -152,17 +129,14 @@ DENSE_KNOBS: tuple[Knob, ...] = (
 #: elsewhere), ``"triton"``, ``"torch"`` (:mod:`hf_densessm.ops.backend`).
 KERNEL_BACKENDS = ("auto", "triton", "torch")
 
-DENSE_KNOB_NAMES: tuple[str, ...] = tuple(knob.name for knob in DENSE_KNOBS)
-
 
 def knobs_for(model_type: str) -> tuple[Knob, ...]:
     """The knobs of the family ``model_type`` (``"densemamba"``, ``"denseretnet"``)."""
     return tuple(knob for knob in DENSE_KNOBS if knob.applies_to(model_type))
 
 
-#: The optimizer settings every model of the paper was trained with (§4.2): AdamW, polynomial learning-rate decay,
-#: warm-up over 1.5% of the steps, weight decay 0.01, gradient clipping at 1.0 (``TrainingArguments`` keywords; a
-#: float ``warmup_steps`` below 1 is a fraction of the steps).
+#: The optimizer settings of every model of the paper (§4.2), as ``TrainingArguments`` keywords (a float
+#: ``warmup_steps`` below 1 is a fraction of the steps).
 PAPER_OPTIMIZER = dict(
     optim="adamw_torch", lr_scheduler_type="polynomial", warmup_steps=0.015, weight_decay=0.01, max_grad_norm=1.0
 )
@@ -183,12 +157,10 @@ def resolve_preset(presets: dict, name, family: str) -> dict:
 
 
 class DenseSSMConfig(PretrainedConfig):
-    """Base of the DenseSSM family configs: sets and validates the :data:`DENSE_KNOBS`.
-
-    A subclass calls ``super().__init__(**kwargs)`` after setting ``hidden_size`` (the default gate width is
-    derived from it); the knobs arrive in ``kwargs`` under their names (absent ones take their defaults;
-    ``dense_layers`` defaults to ``dense_defaults["dense_layers"]``). Every other keyword goes to
-    ``transformers.PretrainedConfig``.
+    """Base of the DenseSSM family configs: sets and validates the :data:`DENSE_KNOBS`. A subclass calls
+    ``super().__init__(**kwargs)`` after setting ``hidden_size`` and ``num_hidden_layers``; the knobs arrive in
+    ``kwargs`` (absent ones take their defaults, or the family's :attr:`dense_defaults`); every other keyword goes
+    to ``transformers.PretrainedConfig``.
 
     Raises:
         ValueError, TypeError: a knob outside its allowed values; the message names the knob and what is allowed.
@@ -216,10 +188,8 @@ class DenseSSMConfig(PretrainedConfig):
 
     @property
     def kernel_backend(self) -> str:
-        """Which implementation of the ops runs (:data:`KERNEL_BACKENDS`): a runtime setting, as transformers'
-        ``attn_implementation``. Set it with ``Model.from_pretrained(..., kernel_backend="torch")``, the config's
-        constructor, or ``model.config.kernel_backend = "torch"`` (read at every call). It is never written into
-        ``config.json``, and a value an old ``config.json`` carries is ignored on load.
+        """Which implementation of the ops runs (:data:`KERNEL_BACKENDS`): a runtime setting, read at every call,
+        never written into ``config.json`` (a value an old one carries is ignored on load).
 
         Raises:
             ValueError: (on setting) a value not in :data:`KERNEL_BACKENDS`.
@@ -244,9 +214,8 @@ class DenseSSMConfig(PretrainedConfig):
 
     @classmethod
     def from_preset(cls, name: str, **overrides):
-        """Build a config from one of the family's named sizes (:attr:`presets`: the paper's Tables 2 and 3, and
-        small ``*-30m`` / ``*-tiny`` sizes for CPU benchmarks, examples and tests), with any field overridden
-        (e.g. ``vocab_size`` of your tokenizer, ``dense_layers=0`` for the base model).
+        """Build a config from one of the family's named sizes (:attr:`presets`), with any field overridden (e.g.
+        ``vocab_size`` of your tokenizer, ``dense_layers=0`` for the base model).
 
         Raises:
             TypeError: ``name`` is not a string.
@@ -274,13 +243,8 @@ class DenseSSMConfig(PretrainedConfig):
     @classmethod
     def from_dict(cls, config_dict: dict, **kwargs):
         """transformers' ``from_dict`` (what ``from_pretrained`` calls on a ``config.json``), refusing a dict that
-        lacks a dense knob: a config saved by this package carries every knob, and filling a missing one with
-        today's default could silently load the weights into a different function (e.g. ``dense_layers`` 2 read as
-        4: every weight loads, the logits differ). Knobs given as ``kwargs`` (``from_pretrained(..., dense_layers=2)``)
-        count as present.
-
-        A ``kernel_backend`` in ``config_dict`` (written by versions that saved it) is dropped: it was the runtime
-        choice of whoever saved the model. One given as a keyword is applied.
+        lacks a dense knob, whose default could silently load the weights into a different function (knobs given as
+        ``kwargs`` count as present). A ``kernel_backend`` in ``config_dict`` is dropped; one in ``kwargs`` applies.
 
         Raises:
             ValueError: a knob is missing; the message names it and how to fix the file.
@@ -298,8 +262,7 @@ class DenseSSMConfig(PretrainedConfig):
         return super().from_dict(config_dict, **kwargs)
 
     def to_diff_dict(self) -> dict:
-        """transformers' diff against the defaults, plus every knob: a saved ``config.json`` always carries the
-        knobs, so a model never reloads with a different dense connection when a default changes."""
+        """transformers' diff against the defaults, plus every knob (a saved ``config.json`` always carries them)."""
         diff = super().to_diff_dict()
         for knob in knobs_for(self.model_type):
             diff[knob.name] = getattr(self, knob.name)

@@ -168,7 +168,8 @@ def _raise_mismatch(source: str, missing, unexpected, wrong) -> None:
 def _check_loading_info(info: dict, source: str, rename=lambda name: name, optional: set[str] = frozenset()) -> None:
     """:func:`_raise_mismatch` on the report of ``from_pretrained(..., output_loading_info=True)``, every name passed
     through ``rename``; unexpected names in ``optional`` are allowed."""
-    wrong = [f"{rename(name)}: {tuple(saved)}, expected {tuple(shape)}" for name, saved, shape in info["mismatched_keys"]]
+    mismatched = info["mismatched_keys"]
+    wrong = [f"{rename(name)}: {tuple(saved)}, expected {tuple(shape)}" for name, saved, shape in mismatched]
     unexpected = {rename(name) for name in info["unexpected_keys"]} - set(optional)
     _raise_mismatch(source, [rename(name) for name in info["missing_keys"]], unexpected, wrong)
 
