@@ -1,7 +1,5 @@
-"""The paper's training settings for its presets, as ``transformers.TrainingArguments`` keywords (DenseSSM paper
-§4.2, Tables 1-3; docs/design.md §7). A module of its own, outside ``configuration/``: a saved checkpoint's bundled code
-carries its family's config module only, never the other family's (``hf_densessm.hub``).
-"""
+"""The paper's training settings for its presets (docs/design.md §7). Outside ``configuration/`` so that a saved
+checkpoint's bundled code carries its own family's config module only."""
 
 from __future__ import annotations
 

@@ -34,11 +34,9 @@ DENSEMAMBA_PAPER_TRAINING = {
 class DenseMambaConfig(DenseSSMConfig):
     r"""Configuration of a :class:`~hf_densessm.DenseMambaModel` / :class:`~hf_densessm.DenseMambaForCausalLM`.
 
-    The Mamba fields keep the names, defaults and meanings of ``transformers.MambaConfig``; with
-    ``dense_layers=0`` the model is exactly ``transformers.MambaForCausalLM`` (same parameter names, shapes and
-    logits). The dense fields add the DenseSSM connection (paper §3.3), applied to the state inputs ``u`` and
-    ``B`` of the selective scan (``dense_target="input"``) or to the states themselves (``"state"``, Eq. 14);
-    docs/design.md §4.
+    The Mamba fields keep the names, defaults and meanings of ``transformers.MambaConfig`` (with
+    ``dense_layers=0`` the model is exactly ``transformers.MambaForCausalLM``); the dense fields add the DenseSSM
+    connection (paper §3.3; docs/design.md §4).
 
     Args:
         vocab_size (`int`, defaults to 32000): vocabulary size (the paper's LLaMA tokenizer).

@@ -27,7 +27,7 @@ from ..ops.retention import retention_gamma
 
 #: What transformers reads as a checkpoint's weights, in its order of preference.
 WEIGHT_FILES = (SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, WEIGHTS_NAME, WEIGHTS_INDEX_NAME)
-#: The keywords :func:`densemamba_from_mamba` takes: DenseMamba's dense knobs and ``kernel_backend``.
+#: The keywords :func:`densemamba_from_mamba` takes: DenseMamba's dense knobs.
 DENSE_ARGUMENTS = tuple(knob.name for knob in knobs_for(DenseMambaConfig.model_type))
 # Config fields a transformers MambaConfig shares with DenseMambaConfig (same names and meanings).
 MAMBA_FIELDS = tuple(
@@ -82,10 +82,8 @@ def _is_local(src: str | os.PathLike) -> bool:
 
 
 def read_config(src: str | os.PathLike) -> dict:
-    """The ``config.json`` of the checkpoint ``src`` (a local folder or a Hub repository id) as a dict.
-
-    A local folder must hold ``config.json`` and one of :data:`WEIGHT_FILES` (checked here, so that the error lists
-    what the folder holds); a Hub repository is read with transformers' ``PretrainedConfig.get_config_dict``.
+    """The ``config.json`` of the checkpoint ``src`` (a local folder, which must also hold one of
+    :data:`WEIGHT_FILES`, or a Hub repository id, read by ``PretrainedConfig.get_config_dict``) as a dict.
 
     Raises:
         FileNotFoundError: ``src`` does not exist (see :func:`_is_local`), has no ``config.json`` or no weights.
@@ -230,14 +228,8 @@ def densemamba_from_mamba(src, **dense_kwargs) -> DenseMambaForCausalLM:
     unknown = sorted(set(dense_kwargs) - set(DENSE_ARGUMENTS))
     if unknown:
         raise TypeError(f"densemamba_from_mamba() takes only the dense knobs {DENSE_ARGUMENTS}; got {unknown}.")
-    state_dict = None
-    if isinstance(src, nn.Module):
-        if not hasattr(src, "config"):
-            raise TypeError(f"`src` must be a transformers Mamba model or a folder, got {type(src).__name__}.")
+    if isinstance(src, nn.Module) and hasattr(src, "config"):
         config, source = src.config.to_dict(), f"the given {type(src).__name__}"
-        state_dict = dict(src.state_dict())
-        if not any(name.startswith("backbone.") for name in state_dict):  # a MambaModel: add the CausalLM prefix
-            state_dict = {f"backbone.{name}": tensor for name, tensor in state_dict.items()}
     elif isinstance(src, (str, Path)):
         config, source = read_config(src), repr(str(src))
     else:
@@ -251,12 +243,14 @@ def densemamba_from_mamba(src, **dense_kwargs) -> DenseMambaForCausalLM:
             "dense_selection='none' with dense_fusion='add' has no gate to close, so the converted model could not "
             "start equal to the Mamba; use dense_selection='mlp' or 'linear' (or dense_fusion='concat')."
         )
-    if state_dict is None:
-        mamba, info = MambaForCausalLM.from_pretrained(
+    if not isinstance(src, nn.Module):
+        src, info = MambaForCausalLM.from_pretrained(
             src, dtype=torch.float32, output_loading_info=True, ignore_mismatched_sizes=True
         )
         _check_loading_info(info, source)
-        state_dict = mamba.state_dict()
+    state_dict = dict(src.state_dict())
+    if not any(name.startswith("backbone.") for name in state_dict):  # a MambaModel: add the CausalLM prefix
+        state_dict = {f"backbone.{name}": tensor for name, tensor in state_dict.items()}
     model = DenseMambaForCausalLM(dense_config)
     tied = dense_config.tie_word_embeddings
     expected = {

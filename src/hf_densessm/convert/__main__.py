@@ -1,11 +1,7 @@
-"""Command line of :mod:`hf_densessm.convert`: convert a checkpoint (a folder or a Hub id), write a Hub-ready folder.
+"""Command line of :mod:`hf_densessm.convert` (docs/hub_and_conversion.md, "Command line"):
 
     python -m hf_densessm.convert mamba SRC OUT [--dense-layers N ...]   # upcycle a transformers Mamba
     python -m hf_densessm.convert official-denseretnet SRC OUT            # the authors' DenseRetNet
-
-OUT is written by ``save_pretrained`` (kill-safely: each file whole, old or new), with the bundled modeling code,
-``auto_map`` and a model card, so ``AutoModelForCausalLM.from_pretrained(OUT, trust_remote_code=True)`` loads
-it anywhere and ``hf upload <user>/<repo> OUT`` publishes it.
 """
 
 from __future__ import annotations
@@ -35,9 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
     mamba = commands.add_parser(
         "mamba",
         help="upcycle a transformers Mamba checkpoint into DenseMamba (same logits at conversion)",
-        description="Upcycle a transformers Mamba checkpoint (e.g. state-spaces/mamba-130m-hf) into "
-        "DenseMamba. The dense gates start closed, so the result computes exactly the Mamba's function; "
-        "fine-tune it to learn the dense connection.",
+        description="Upcycle a transformers Mamba checkpoint (e.g. state-spaces/mamba-130m-hf) into DenseMamba "
+        "whose dense gates start closed (the Mamba's function); fine-tune it to learn the dense connection.",
     )
     for knob in knobs_for(DenseMambaConfig.model_type):
         default = DenseMambaConfig.dense_defaults.get(knob.name, knob.default)

@@ -27,12 +27,9 @@ class BundleError(RuntimeError):
 
 
 def flat_module_name(module: str) -> str:
-    """The flat file stem (no ``.py``) of package module ``module`` inside a saved folder.
-
-    ``hf_densessm.modeling.modeling_densemamba`` -> ``modeling_densemamba``; ``hf_densessm.modeling.cache`` ->
-    ``modeling_cache``; ``hf_densessm.ops.selective_scan.naive`` -> ``ops_selective_scan_naive``;
-    ``hf_densessm.ops.selective_scan`` (a package) -> ``ops_selective_scan``. A file whose name already starts
-    with its folder's name drops the folder (so the ``auto_map`` names are the ones ``custom_object_save`` writes).
+    """The flat file stem (no ``.py``) of package module ``module`` inside a saved folder, e.g.
+    ``hf_densessm.modeling.cache`` -> ``modeling_cache``, ``hf_densessm.ops.selective_scan`` -> ``ops_selective_scan``;
+    a file whose name starts with its folder's name drops the folder (``modeling_densemamba``).
 
     Raises:
         BundleError: ``module`` is not a module of this package, or is the package root itself.
@@ -137,8 +134,7 @@ def _bundled_source(module: str) -> tuple[str, set[str]]:
 
 def auto_classes(model) -> dict[str, type]:
     """``{"AutoConfig": config class, "AutoModel": base model class, "AutoModelForCausalLM": ..., ...}``: the
-    config class of ``model`` and every class of this package registered for it with one of transformers'
-    ``AutoModel*`` classes (``import hf_densessm`` registers them), read from transformers' own registries.
+    config class of ``model`` and every class of this package registered for it with an ``AutoModel*`` class.
 
     Raises:
         BundleError: ``model``'s config class is not one of this package's, or no ``AutoModel*`` class maps it to

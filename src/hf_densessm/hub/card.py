@@ -32,29 +32,13 @@ def _markdown(text: str) -> str:
 
 def field_docs(config_class: type) -> dict[str, str]:
     """``{field: meaning}`` from the ``Args:`` section of ``config_class``'s docstring (Google style: ``name
-    (type, defaults to x): meaning``, continuation lines indented deeper; ``a, b (type): meaning`` documents both)."""
-    lines = inspect.cleandoc(config_class.__doc__ or "").splitlines()
-    start = next((i for i, line in enumerate(lines) if line.strip() == "Args:"), None)
-    if start is None:
-        return {}
-    entries: list[str] = []
-    indent = None
-    for line in lines[start + 1 :]:
-        if not line.strip():
-            continue
-        depth = len(line) - len(line.lstrip())
-        indent = depth if indent is None else indent
-        if depth < indent:
-            break
-        if depth == indent:
-            entries.append(line.strip())
-        elif entries:
-            entries[-1] += " " + line.strip()
+    (type, defaults to x): meaning`` indented 4 spaces, continuation lines deeper; ``a, b (type): meaning``
+    documents both)."""
+    section = re.search(r"^Args:\n(.*?)(?=^\S|\Z)", inspect.cleandoc(config_class.__doc__ or ""), re.M | re.S)
     docs = {}
-    for entry in entries:
-        names, _, meaning = entry.partition(": ")
-        names = re.sub(r"\s*\(.*\)\s*$", "", names)
-        for name in names.split(","):
+    for entry in re.split(r"\n(?=    \S)", section.group(1).strip("\n")) if section else []:
+        names, _, meaning = " ".join(entry.split()).partition(": ")
+        for name in re.sub(r"\s*\(.*\)\s*$", "", names).split(","):
             docs[name.strip()] = _markdown(meaning)
     return docs
 

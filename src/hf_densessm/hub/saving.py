@@ -54,16 +54,12 @@ def _new_file_mode(folder: Path) -> int:
 
 def _fsync(path: Path) -> None:
     """Flush ``path`` (a file or, where the platform allows, a folder) to the disk."""
-    try:
+    with contextlib.suppress(OSError):  # folders cannot be opened on Windows, nor flushed on some file systems
         fd = os.open(path, os.O_RDONLY)
-    except OSError:  # folders cannot be opened on Windows
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass  # some file systems do not flush folders
-    finally:
-        os.close(fd)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 @contextlib.contextmanager
