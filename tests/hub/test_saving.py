@@ -95,7 +95,7 @@ def save_killed_at(model, folder: Path, step: int) -> bool:
 def test_a_save_killed_at_any_step_leaves_every_file_old_or_new(versions, tmp_path, monkeypatch, existing):
     old_folder, old, newer = versions
     code = bundle.bundle_sources(newer)  # the code as it is now: every save of this test writes the same bytes
-    monkeypatch.setattr(bundle, "bundle_sources", lambda model, classes=None: code)
+    monkeypatch.setattr(bundle, "bundle_sources", lambda model: code)
     reference = tmp_path / "reference"  # what a clean save leaves
     if existing:
         shutil.copytree(old_folder, reference)
