@@ -34,10 +34,8 @@ DENSERETNET_PAPER_TRAINING = {
 class DenseRetNetConfig(DenseSSMConfig):
     r"""Configuration of a :class:`~hf_densessm.DenseRetNetModel` / :class:`~hf_densessm.DenseRetNetForCausalLM`.
 
-    Each block is a pre-norm GAU-style multi-scale retention unit (token and channel mixing in one block, no
-    FFN): ``q = SiLU(W_q x)``, ``k = SiLU(W_k x) / sqrt(query_key_dim / heads)``, ``[v, g] = split(SiLU(W_h x))``,
-    dense KV connection (Eq. 20-23), rotary "theta shift" on ``q`` and ``k'``, retention with decay
-    ``gamma_h = 1 - 2^(-5-h)`` (Eq. 18, 19, 24), per-head RMSNorm, ``W_o(norm(o) * g)``.
+    Each block is a pre-norm GAU-style multi-scale retention unit with the dense KV connection (Eq. 18-24; the
+    block's equations: docs/design.md §3).
 
     Args:
         vocab_size (`int`, defaults to 32000): vocabulary size (the paper's LLaMA tokenizer).
@@ -112,9 +110,7 @@ class DenseRetNetConfig(DenseSSMConfig):
         self.rope_theta = check_positive_float("rope_theta", rope_theta)
         self.initializer_range = check_positive_float("initializer_range", initializer_range)
         self.use_cache = check_bool("use_cache", use_cache)
-        # transformers' linear-attention cache layer keeps one state slot per block (its default): the retention
-        # state; each row's token count lives on the cache itself (hf_densessm.modeling.cache). Configs saved before
-        # carry `number_of_conv_states: 2` (the count was a second slot): dropped, so that they load as before.
+        # Configs saved before the cache redesign carry `number_of_conv_states: 2` (docs/design.md §5): dropped.
         kwargs.pop("number_of_conv_states", None)
         super().__init__(
             pad_token_id=pad_token_id,
