@@ -251,8 +251,11 @@ def test_item8_logits_to_keep_valid_forms(family):
     model = micro_model(family)
     ids = random_ids(1, 5)
     full = model(ids).logits
-    assert torch.equal(model(ids, logits_to_keep=2).logits, full[:, -2:])
-    assert torch.equal(model(ids, logits_to_keep=torch.tensor([0, -1])).logits, full[:, [0, -1]])
+    # the same rows of the LM head's product, to rounding: a GEMM over fewer rows may take another code path in the
+    # BLAS (seen on one CPU: last-bit differences), which is not what this test is about
+    torch.testing.assert_close(model(ids, logits_to_keep=2).logits, full[:, -2:], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(model(ids, logits_to_keep=torch.tensor([0, -1])).logits, full[:, [0, -1]],
+                               rtol=1e-6, atol=1e-6)
 
 
 # 9. ------------------------------------------------------------------------------------------------------------
