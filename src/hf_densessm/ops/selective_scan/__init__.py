@@ -50,6 +50,7 @@ from typing import Optional
 import torch
 
 from ..backend import own_precision, resolve_backend
+from ..cpu_kernel import scan_bwd as cpu_scan_bwd, scan_fwd as cpu_scan_fwd, use_kernel
 from ..packing import check_reset
 from .chunked_torch import selective_scan_torch_bwd, selective_scan_torch_fwd, selective_state_update_torch
 
@@ -137,6 +138,8 @@ def _scan_torch(
     delta_bias: Optional[Tensor], delta_softplus: bool, initial_state: Optional[Tensor], reset: Optional[Tensor],
 ) -> tuple[Tensor, Tensor, Tensor]:
     with own_precision(u.device):
+        if use_kernel(u, A.shape[1]):  # CPU tensors: the C++ kernel (ops/cpu_kernel.py), when it is built
+            return cpu_scan_fwd(u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, reset)
         return selective_scan_torch_fwd(u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, reset)
 
 
@@ -146,8 +149,9 @@ def _scan_torch_backward(
     initial_state: Optional[Tensor], reset: Optional[Tensor], chunk_states: Tensor,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     with own_precision(u.device):
-        grads = selective_scan_torch_bwd(dy, dlast, u, delta, A, B, C, D, z, delta_bias, delta_softplus,
-                                         initial_state, reset, chunk_states)
+        # the forward op chose its path by the same test: chunk_states has that path's layout (each refuses the other's)
+        bwd = cpu_scan_bwd if use_kernel(u, A.shape[1]) else selective_scan_torch_bwd
+        grads = bwd(dy, dlast, u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, reset, chunk_states)
     return tuple(_or_empty(g, u) for g in grads)
 
 
