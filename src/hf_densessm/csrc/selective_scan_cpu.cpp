@@ -51,18 +51,42 @@ constexpr int64_t kCheckpoint = 64;
 constexpr int kMaxVecs = 16;
 
 template <typename T>
-inline T softplus(T x) {
-  return x > T(20) ? x : std::log1p(std::exp(x));  // F.softplus's default threshold
-}
-
-template <typename T>
-inline T sigmoid(T x) {
-  return T(1) / (T(1) + std::exp(-x));
-}
-
-template <typename T>
 inline at::vec::Vectorized<T> vexp(const at::vec::Vectorized<T>& x) {
   return x.exp();  // Sleef's 1-ULP exp on AVX2 / AVX512
+}
+
+// out[t] = f(in[t] + shift) for t < L, vectorized (the tail through a partial load/store).
+template <typename T, typename F>
+inline void map_row(T* out, const T* in, T shift, int64_t L, const F& f) {
+  using Vec = at::vec::Vectorized<T>;
+  constexpr int64_t W = Vec::size();
+  int64_t t = 0;
+  for (; t + W <= L; t += W) f(Vec::loadu(in + t) + Vec(shift)).store(out + t);
+  if (t < L) f(Vec::loadu(in + t, L - t) + Vec(shift)).store(out + t, L - t);
+}
+
+template <typename T>
+inline at::vec::Vectorized<T> vsigmoid(const at::vec::Vectorized<T>& x) {
+  using Vec = at::vec::Vectorized<T>;
+  return Vec(T(1)) / (Vec(T(1)) + (-x).exp());
+}
+
+// F.softplus with its default threshold: x where x > 20, else log1p(exp(x)).
+template <typename T>
+inline at::vec::Vectorized<T> vsoftplus(const at::vec::Vectorized<T>& x) {
+  using Vec = at::vec::Vectorized<T>;
+  return Vec::blendv(x.exp().log1p(), x, x > Vec(T(20)));
+}
+
+// dt row of one channel: softplus(delta + bias) (or delta + bias) into out[0:L].
+template <typename T>
+inline void dt_row(T* out, const T* delta, T bias, bool softplus, int64_t L) {
+  using Vec = at::vec::Vectorized<T>;
+  if (softplus) {
+    map_row(out, delta, bias, L, [](const Vec& x) { return vsoftplus(x); });
+  } else {
+    map_row(out, delta, bias, L, [](const Vec& x) { return x; });
+  }
 }
 
 template <typename T>
@@ -179,6 +203,7 @@ void forward_kernel(const Inputs<T>& in, const Shapes& s, T* y, T* last, T* ck) 
   const int64_t grain = std::max<int64_t>(1, 16384 / (L * NV * W));
   at::parallel_for(0, s.batch * s.dim, grain, [&](int64_t begin, int64_t end) {
     alignas(64) T tmp[NV * W];
+    std::vector<T> dtb(L);  // this channel's time steps
     for (int64_t bd = begin; bd < end; ++bd) {
       const int64_t b = bd / s.dim, d = bd % s.dim;
       Vec h[NV], a[NV];
@@ -196,13 +221,13 @@ void forward_kernel(const Inputs<T>& in, const Shapes& s, T* y, T* last, T* ck) 
       const T Dd = in.D ? in.D[d] : T(0);
       T* yr = y + bd * L;
       T* ckr = ck + bd * nc * n;
+      dt_row(dtb.data(), dr, bias, in.softplus, L);
       for (int64_t t = 0; t < L; ++t) {
         if (t % kCheckpoint == 0) {  // the state entering this chunk (before its reset)
           for (int j = 0; j < NV; ++j) h[j].store(tmp + j * W);
           std::memcpy(ckr + (t / kCheckpoint) * n, tmp, n * sizeof(T));
         }
-        T dt = dr[t] + bias;
-        if (in.softplus) dt = softplus(dt);
+        const T dt = dtb[t];
         const Vec vdt(dt), vdtu(dt * ur[t]);
         const T* Bt = in.B + (b * L + t) * np;
         const T* Ct = in.C + (b * L + t) * np;
@@ -214,9 +239,22 @@ void forward_kernel(const Inputs<T>& in, const Shapes& s, T* y, T* last, T* ck) 
           h[j] = rs ? hin : at::vec::fmadd(decay, h[j], hin);
           acc = at::vec::fmadd(Vec::loadu(Ct + j * W), h[j], acc);
         }
-        T yt = hsum(acc) + Dd * ur[t];
-        if (zr) yt *= zr[t] * sigmoid(zr[t]);
-        yr[t] = yt;
+        yr[t] = hsum(acc);
+      }
+      // the skip and the gate, vectorized over the row: y = (y + D u) * silu(z)
+      {
+        int64_t t = 0;
+        const Vec vD(Dd);
+        auto finish = [&](const Vec& y, int64_t t0, int64_t cnt) {
+          Vec out = at::vec::fmadd(vD, Vec::loadu(ur + t0, cnt), y);
+          if (zr) {
+            const Vec zv = Vec::loadu(zr + t0, cnt);
+            out = out * zv * vsigmoid(zv);
+          }
+          return out;
+        };
+        for (; t + W <= L; t += W) finish(Vec::loadu(yr + t), t, W).store(yr + t);
+        if (t < L) finish(Vec::loadu(yr + t, L - t), t, L - t).store(yr + t, L - t);
       }
       for (int j = 0; j < NV; ++j) h[j].store(tmp + j * W);
       std::memcpy(last + bd * n, tmp, n * sizeof(T));
@@ -277,7 +315,9 @@ void backward_kernel(const Inputs<T>& in, const Shapes& s, const Grads<T>& gr) {
   const int64_t L = s.length, n = s.n, nc = s.nc, K = kCheckpoint;
   at::parallel_for(0, s.batch * gr.nblk, 1, [&](int64_t begin, int64_t end) {
     // per-thread buffers: the states and decays of one chunk, its time steps and pre-gate outputs
-    std::vector<T> Hs(K * S), Ex(K * S), dts(K), ypre(K);
+    std::vector<T> Hs(K * S), Ex(K * S), ypre(K);
+    // per-channel rows: time steps, softplus'(delta + bias) = sigmoid, sigmoid(z)
+    std::vector<T> dtb(L), sgb(in.softplus ? L : 0), zsg(in.z ? L : 0);
     alignas(64) T tmp[S];
     alignas(64) T entry[S];
     for (int64_t task = begin; task < end; ++task) {
@@ -305,6 +345,9 @@ void backward_kernel(const Inputs<T>& in, const Shapes& s, const Grads<T>& gr) {
           dA[j] = Vec(T(0));
         }
         T dD = 0, dbias = 0;
+        dt_row(dtb.data(), dr, bias, in.softplus, L);
+        if (in.softplus) map_row(sgb.data(), dr, bias, L, [](const Vec& x) { return vsigmoid(x); });
+        if (zr) map_row(zsg.data(), zr, T(0), L, [](const Vec& x) { return vsigmoid(x); });
         for (int64_t c = nc - 1; c >= 0; --c) {
           const int64_t t0 = c * K, cl = std::min(K, L - t0);
           // 1. recompute the chunk's states from its checkpoint
@@ -314,9 +357,7 @@ void backward_kernel(const Inputs<T>& in, const Shapes& s, const Grads<T>& gr) {
           for (int j = 0; j < NV; ++j) h[j] = Vec::loadu(entry + j * W);
           for (int64_t i = 0; i < cl; ++i) {
             const int64_t t = t0 + i;
-            T dt = dr[t] + bias;
-            if (in.softplus) dt = softplus(dt);
-            dts[i] = dt;
+            const T dt = dtb[t];
             const Vec vdt(dt), vdtu(dt * ur[t]);
             const T* Bt = in.B + (b * L + t) * S;
             const T* Ct = in.C + (b * L + t) * S;
@@ -335,10 +376,10 @@ void backward_kernel(const Inputs<T>& in, const Shapes& s, const Grads<T>& gr) {
           // 2. the adjoint recurrence backwards through the chunk
           for (int64_t i = cl - 1; i >= 0; --i) {
             const int64_t t = t0 + i;
-            const T dt = dts[i], ut = ur[t];
+            const T dt = dtb[t], ut = ur[t];
             T gy = dyr ? dyr[t] : T(0);
             if (zr) {
-              const T zt = zr[t], sg = sigmoid(zt);
+              const T zt = zr[t], sg = zsg[t];
               gr.dz[bd * L + t] = gy * ypre[i] * sg * (T(1) + zt * (T(1) - sg));  // d silu(z)/dz
               gy *= zt * sg;
             }
@@ -369,7 +410,7 @@ void backward_kernel(const Inputs<T>& in, const Shapes& s, const Grads<T>& gr) {
             const T w = hsum(wacc);
             gr.du[bd * L + t] = w * dt + gy * Dd;
             T ddt = w * ut + hsum(xacc);
-            if (in.softplus) ddt *= sigmoid(dr[t] + bias);  // d softplus(x)/dx
+            if (in.softplus) ddt *= sgb[t];  // d softplus(x)/dx = sigmoid(x)
             gr.ddelta[bd * L + t] = ddt;
             dbias += ddt;
           }

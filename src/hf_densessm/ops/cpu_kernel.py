@@ -120,25 +120,32 @@ def load_kernel() -> bool:
     if hasattr(torch.ops.hf_densessm, "selective_scan_cpu_fwd"):  # loaded by another copy of this module
         _register_fakes()
         return True
-    if not SOURCE.is_file():
+    return _build(SOURCE)
+
+
+def _build(source: Path) -> bool:
+    """Compile ``source`` (keyed by :func:`extension_name`) and load it; False, silently, when the file is absent,
+    False with one ``RuntimeWarning`` when the build or the load fails."""
+    if not source.is_file():
         return False
     try:
         from torch.utils import cpp_extension
 
         capability = torch.backends.cpu.get_cpu_capability()
         flags = capability_flags(capability)
-        name = extension_name(SOURCE.read_text(), capability, torch.__version__, flags)
-        cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=flags, is_python_module=False,
+        name = extension_name(source.read_text(), capability, torch.__version__, flags)
+        cpp_extension.load(name=name, sources=[str(source)], extra_cflags=flags, is_python_module=False,
                            verbose=False)
         _register_fakes()
         return True
     except Exception as exc:  # noqa: BLE001 -- any build/load failure leaves the PyTorch path
+        lines = str(exc).strip().splitlines()
         warnings.warn(
-            f"hf_densessm: the C++ CPU kernel of the selective scan could not be built or loaded ({type(exc).__name__}:"
-            f" {str(exc).strip().splitlines()[-1] if str(exc).strip() else exc!r}); the PyTorch path runs instead "
-            "(set HF_DENSESSM_CPU_KERNEL=0 to skip the attempt)",
+            f"hf_densessm: the C++ CPU kernel of the selective scan could not be built or loaded "
+            f"({type(exc).__name__}: {lines[-1] if lines else repr(exc)}); the PyTorch path runs instead (set "
+            "HF_DENSESSM_CPU_KERNEL=0 to skip the attempt)",
             RuntimeWarning,
-            stacklevel=2,
+            stacklevel=3,
         )
         return False
 
