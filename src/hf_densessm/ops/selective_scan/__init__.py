@@ -12,7 +12,9 @@ The forms of the op, one file each (the layout of flash-linear-attention's ``fla
 - ``chunked_torch.py``: ``selective_scan_torch_fwd`` / ``selective_scan_torch_bwd`` /
   ``selective_state_update_torch``, the vectorized PyTorch path (chunked over the length, hand-written backward),
   what runs on the CPU; the whole-sequence functions are the opaque ops ``hf_densessm::selective_scan_torch`` /
-  ``selective_scan_torch_backward``, run eagerly inside a compiled graph (see "the ops" below);
+  ``selective_scan_torch_backward``, run eagerly inside a compiled graph (see "the ops" below), whose bodies run
+  the C++ CPU kernel instead on CPU tensors when it is built (``../cpu_kernel.py``,
+  ``csrc/selective_scan_cpu.cpp``; ``HF_DENSESSM_CPU_KERNEL=0`` keeps the chunked path);
 - ``chunk.py``: ``selective_scan_triton_fwd`` / ``selective_scan_triton_bwd``, the fused Triton kernels for
   training and prefill;
 - ``fused_recurrent.py``: ``selective_state_update_triton``, the Triton decode step.
