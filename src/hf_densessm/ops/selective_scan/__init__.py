@@ -12,7 +12,9 @@ The forms of the op, one file each (the layout of flash-linear-attention's ``fla
 - ``chunked_torch.py``: ``selective_scan_torch_fwd`` / ``selective_scan_torch_bwd`` /
   ``selective_state_update_torch``, the vectorized PyTorch path (chunked over the length, hand-written backward),
   what runs on the CPU; the whole-sequence functions are the opaque ops ``hf_densessm::selective_scan_torch`` /
-  ``selective_scan_torch_backward``, run eagerly inside a compiled graph (see "the ops" below);
+  ``selective_scan_torch_backward``, run eagerly inside a compiled graph (see "the ops" below), whose bodies run
+  the C++ CPU kernel instead on CPU tensors when it is built (``../cpu_kernel.py``,
+  ``csrc/selective_scan_cpu.cpp``; ``HF_DENSESSM_CPU_KERNEL=0`` keeps the chunked path);
 - ``chunk.py``: ``selective_scan_triton_fwd`` / ``selective_scan_triton_bwd``, the fused Triton kernels for
   training and prefill;
 - ``fused_recurrent.py``: ``selective_state_update_triton``, the Triton decode step.
@@ -50,6 +52,7 @@ from typing import Optional
 import torch
 
 from ..backend import own_precision, resolve_backend
+from ..cpu_kernel import scan_bwd as cpu_scan_bwd, scan_fwd as cpu_scan_fwd, use_kernel
 from ..packing import check_reset
 from .chunked_torch import selective_scan_torch_bwd, selective_scan_torch_fwd, selective_state_update_torch
 
@@ -137,6 +140,8 @@ def _scan_torch(
     delta_bias: Optional[Tensor], delta_softplus: bool, initial_state: Optional[Tensor], reset: Optional[Tensor],
 ) -> tuple[Tensor, Tensor, Tensor]:
     with own_precision(u.device):
+        if use_kernel(u, A.shape[1]):  # CPU tensors: the C++ kernel (ops/cpu_kernel.py), when it is built
+            return cpu_scan_fwd(u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, reset)
         return selective_scan_torch_fwd(u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, reset)
 
 
@@ -146,8 +151,9 @@ def _scan_torch_backward(
     initial_state: Optional[Tensor], reset: Optional[Tensor], chunk_states: Tensor,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     with own_precision(u.device):
-        grads = selective_scan_torch_bwd(dy, dlast, u, delta, A, B, C, D, z, delta_bias, delta_softplus,
-                                         initial_state, reset, chunk_states)
+        # the forward op chose its path by the same test: chunk_states has that path's layout (each refuses the other's)
+        bwd = cpu_scan_bwd if use_kernel(u, A.shape[1]) else selective_scan_torch_bwd
+        grads = bwd(dy, dlast, u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, reset, chunk_states)
     return tuple(_or_empty(g, u) for g in grads)
 
 

@@ -1,0 +1,229 @@
+"""The C++ CPU kernel of the selective scan (``csrc/selective_scan_cpu.cpp``): built lazily, keyed to the CPU and
+the torch build, and the Python side of its two ops.
+
+The kernel is Mamba's selective scan (Mamba paper, Algorithm 2; eq. 2a/2b with eq. 4's discretization), forward
+and recompute backward, registered as ``torch.library`` ops in C++:
+
+- ``hf_densessm::selective_scan_cpu_fwd(u, delta, A, B, C, D?, z?, delta_bias?, delta_softplus, initial_state?,
+  reset?) -> (y, last_state, chunk_states)``;
+- ``hf_densessm::selective_scan_cpu_bwd(dy?, dlast?, <the forward's arguments>, chunk_states) -> (du, ddelta, dA,
+  dB, dC, dD, dz, ddelta_bias, dinitial_state)``.
+
+The ops of the PyTorch path (``hf_densessm::selective_scan_torch`` and its backward, in
+``selective_scan/__init__.py``) call them on CPU tensors when :func:`load_kernel` returns True, and
+``chunked_torch.py`` otherwise. The two paths save different ``chunk_states`` (here: the state entering every
+:data:`CHECKPOINT`-token chunk, ``(batch, dim, n_chunks, state)``); each backward refuses the other's.
+
+**Building.** On the first call on a CPU tensor, :func:`torch.utils.cpp_extension.load` compiles the source
+into its default cache directory (``~/.cache/torch_extensions`` or ``$TORCH_EXTENSIONS_DIR``), never at import.
+The instruction set is PyTorch's own detection, :func:`torch.backends.cpu.get_cpu_capability`, never
+``-march=native``; the extension's name holds the capability and a hash of the source, the torch version and the
+flags (:func:`extension_name`), so a node with another CPU or torch builds its own library instead of loading one
+made for another. No source file (an install without ``csrc/``), ``HF_DENSESSM_CPU_KERNEL=0``, or a failed build
+(no compiler, no ninja: one ``RuntimeWarning`` with the reason) leave the PyTorch path in place.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import warnings
+from pathlib import Path
+
+import torch
+
+__all__ = [
+    "CHECKPOINT", "MAX_STATE", "SOURCE", "capability_flags", "extension_name", "kernel_enabled", "load_kernel",
+    "scan_bwd", "scan_fwd", "use_kernel",
+]
+
+#: The C++ source; absent from an install that did not ship ``csrc/`` (then the kernel is never built).
+SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "selective_scan_cpu.cpp"
+#: Tokens between the states the forward pass saves (``kCheckpoint`` in the C++ source).
+CHECKPOINT = 64
+#: Largest state size sent to the kernel (its limit is 16 vectors, at least 64 states on every instruction set).
+MAX_STATE = 64
+
+Tensor = torch.Tensor
+
+
+def capability_flags(capability: str) -> list[str]:
+    """Compiler flags for one of PyTorch's CPU capabilities (``torch.backends.cpu.get_cpu_capability()``).
+
+    ``"AVX512"`` and ``"AVX2"`` get the ``-m`` flags ATen builds those kernels with and the ``CPU_CAPABILITY_*``
+    macros that select ``ATen/cpu/vec``'s 512-bit / 256-bit ``Vectorized``; anything else (``"DEFAULT"``, ``"NO
+    AVX"``, ``"ZVECTOR"``, ``"VSX"``, ``"SVE256"``, ...) the portable ``DEFAULT`` implementation with no
+    instruction-set flag. Returns a new list of strings."""
+    base = ["-O3"]
+    if capability == "AVX512":
+        return base + ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma",
+                       "-DCPU_CAPABILITY_AVX512", "-DCPU_CAPABILITY=AVX512"]
+    if capability == "AVX2":
+        return base + ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2"]
+    return base + ["-DCPU_CAPABILITY_DEFAULT", "-DCPU_CAPABILITY=DEFAULT"]
+
+
+def extension_name(source_text: str, capability: str, torch_version: str, flags: list[str]) -> str:
+    """The extension's name (and so its build directory): ``hf_densessm_scan_cpu_<capability>_<hash>``, the
+    hash (12 hex digits of SHA-256) over the source text, the torch version and the flags. Any change of CPU
+    capability, torch, flags or source gives another name, so a stale or foreign build is never loaded."""
+    key = "\0".join([source_text, torch_version, capability, *flags])
+    tag = "".join(c if c.isalnum() else "_" for c in capability.lower())
+    return f"hf_densessm_scan_cpu_{tag}_{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+
+
+def kernel_enabled() -> bool:
+    """False when the environment variable ``HF_DENSESSM_CPU_KERNEL`` is ``0`` (read at every call)."""
+    return os.environ.get("HF_DENSESSM_CPU_KERNEL", "1").strip() != "0"
+
+
+_fakes_registered = False
+
+
+def _register_fakes() -> None:
+    """Fake (meta) implementations of the two ops, so that ``torch.compile`` / ``opcheck`` can trace them."""
+    global _fakes_registered
+    if _fakes_registered:
+        return
+
+    @torch.library.register_fake("hf_densessm::selective_scan_cpu_fwd")
+    def _fwd_fake(u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, reset):
+        batch, dim, length = u.shape
+        n = A.shape[1]
+        nc = (length + CHECKPOINT - 1) // CHECKPOINT
+        return u.new_empty(batch, dim, length), u.new_empty(batch, dim, n), u.new_empty(batch, dim, nc, n)
+
+    @torch.library.register_fake("hf_densessm::selective_scan_cpu_bwd")
+    def _bwd_fake(dy, dlast, u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, reset,
+                  chunk_states):
+        batch, dim, length = u.shape
+        n = A.shape[1]
+        return (u.new_empty(batch, dim, length), u.new_empty(batch, dim, length), u.new_empty(dim, n),
+                u.new_empty(batch, n, length), u.new_empty(batch, n, length),
+                u.new_empty(dim) if D is not None else u.new_empty(0),
+                u.new_empty(batch, dim, length) if z is not None else u.new_empty(0),
+                u.new_empty(dim) if delta_bias is not None else u.new_empty(0), u.new_empty(batch, dim, n))
+
+    _fakes_registered = True
+
+
+@functools.cache
+def load_kernel() -> bool:
+    """Build (first time on this machine) and load the C++ kernel, once per process.
+
+    Returns:
+        True when the ops ``hf_densessm::selective_scan_cpu_fwd`` / ``_bwd`` are registered; False when the source
+        file is absent (silently) or the build or load failed (one ``RuntimeWarning`` with the reason; the PyTorch
+        path runs instead). Does not read ``HF_DENSESSM_CPU_KERNEL``: see :func:`use_kernel`.
+    """
+    if hasattr(torch.ops.hf_densessm, "selective_scan_cpu_fwd"):  # loaded by another copy of this module
+        _register_fakes()
+        return True
+    return _build(SOURCE)
+
+
+def _build(source: Path) -> bool:
+    """Compile ``source`` (keyed by :func:`extension_name`) and load it; False, silently, when the file is absent,
+    False with one ``RuntimeWarning`` when the build or the load fails."""
+    if not source.is_file():
+        return False
+    try:
+        from torch.utils import cpp_extension
+
+        capability = torch.backends.cpu.get_cpu_capability()
+        flags = capability_flags(capability)
+        name = extension_name(source.read_text(), capability, torch.__version__, flags)
+        cpp_extension.load(name=name, sources=[str(source)], extra_cflags=flags, is_python_module=False,
+                           verbose=False)
+        _register_fakes()
+        return True
+    except Exception as exc:  # noqa: BLE001 -- any build/load failure leaves the PyTorch path
+        lines = str(exc).strip().splitlines()
+        warnings.warn(
+            f"hf_densessm: the C++ CPU kernel of the selective scan could not be built or loaded "
+            f"({type(exc).__name__}: {lines[-1] if lines else repr(exc)}); the PyTorch path runs instead (set "
+            "HF_DENSESSM_CPU_KERNEL=0 to skip the attempt)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return False
+
+
+def use_kernel(u: Tensor, state_size: int) -> bool:
+    """Whether the ops of the PyTorch path run the C++ kernel for these inputs: CPU tensors, a state size up to
+    :data:`MAX_STATE`, ``HF_DENSESSM_CPU_KERNEL`` not ``0``, and the kernel loaded (built on the first call).
+    The forward and backward ops ask the same question, so the ``chunk_states`` one saves is the other's."""
+    return u.device.type == "cpu" and state_size <= MAX_STATE and kernel_enabled() and load_kernel()
+
+
+def _compute_dtype(*tensors) -> torch.dtype:
+    return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+def _cast(t, dtype):
+    return None if t is None else t.to(dtype)
+
+
+def scan_fwd(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False, initial_state=None,
+             reset=None):
+    """Forward selective scan through the C++ kernel; the contract of
+    :func:`hf_densessm.ops.selective_scan.chunked_torch.selective_scan_torch_fwd` (Mamba paper Alg. 2, eq. 2a, 2b,
+    4), except for the layout of the saved states.
+
+    Args:
+        u, delta: (batch, dim, length); A: (dim, state) entries <= 0; B, C: (batch, state, length); D,
+            delta_bias: (dim,) or None; z: (batch, dim, length) or None; initial_state: (batch, dim, state) or
+            None; reset: (batch, length) bool or None. CPU tensors of any float dtypes and strides: they are cast
+            to the compute dtype (float64 if any is float64, else float32; bfloat16 / float16 computed in float32).
+
+    Returns:
+        ``(y, last_state, chunk_states)``: ``y`` (batch, dim, length) in ``u``'s dtype; ``last_state`` (batch, dim,
+        state) and ``chunk_states`` (batch, dim, ceil(length / CHECKPOINT), state) in the compute dtype.
+
+    Raises:
+        RuntimeError: from the kernel's ``TORCH_CHECK`` on a bad shape, a non-CPU tensor, a state size beyond its
+            limit; or when the kernel is not loaded (call :func:`load_kernel` first).
+    """
+    cdt = _compute_dtype(u, delta, A, B, C, D, z, delta_bias, initial_state)
+    y, last, states = torch.ops.hf_densessm.selective_scan_cpu_fwd(
+        u.to(cdt), delta.to(cdt), A.to(cdt), B.to(cdt), C.to(cdt), _cast(D, cdt), _cast(z, cdt),
+        _cast(delta_bias, cdt), bool(delta_softplus), _cast(initial_state, cdt),
+        None if reset is None else reset.bool())
+    return y.to(u.dtype), last, states
+
+
+def scan_bwd(dy, dlast, u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
+             initial_state=None, reset=None, chunk_states=None):
+    """Backward of :func:`scan_fwd` through the C++ kernel (the adjoint recurrence, recomputing each chunk's
+    states from ``chunk_states``); the contract of ``selective_scan_torch_bwd``.
+
+    Args:
+        dy: (batch, dim, length) or None (zero); dlast: (batch, dim, state) or None (zero); the forward's
+            arguments; chunk_states: what :func:`scan_fwd` returned for them.
+
+    Returns:
+        ``(du, ddelta, dA, dB, dC, dD, dz, ddelta_bias, dinitial_state)``, each in its input's dtype (``dD``,
+        ``dz``, ``ddelta_bias`` None when their input is; ``dinitial_state`` in the compute dtype when
+        ``initial_state`` is None).
+
+    Raises:
+        ValueError: ``chunk_states`` is not the forward kernel's ``(batch, dim, n_chunks, state)`` (e.g. the
+            chunked PyTorch path's states).
+    """
+    cdt = _compute_dtype(u, delta, A, B, C, D, z, delta_bias, initial_state)
+    batch, dim, length = u.shape
+    n = A.shape[1]
+    want = (batch, dim, (length + CHECKPOINT - 1) // CHECKPOINT, n)
+    if chunk_states is None or tuple(chunk_states.shape) != want:
+        raise ValueError(
+            f"chunk_states must be the C++ kernel's checkpoints {want} (batch, dim, n_chunks, state), got "
+            f"{None if chunk_states is None else tuple(chunk_states.shape)}: states saved by another path?"
+        )
+    grads = torch.ops.hf_densessm.selective_scan_cpu_bwd(
+        _cast(dy, cdt), _cast(dlast, cdt), u.to(cdt), delta.to(cdt), A.to(cdt), B.to(cdt), C.to(cdt),
+        _cast(D, cdt), _cast(z, cdt), _cast(delta_bias, cdt), bool(delta_softplus), _cast(initial_state, cdt),
+        None if reset is None else reset.bool(), chunk_states.to(cdt))
+    likes = (u, delta, A, B, C, D, z, delta_bias, initial_state)
+    return tuple(None if like is None and i in (5, 6, 7) else g if like is None else g.to(like.dtype)
+                 for i, (g, like) in enumerate(zip(grads, likes)))
