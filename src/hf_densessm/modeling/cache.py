@@ -1,55 +1,6 @@
-"""The recurrent-state cache of both DenseSSM families: how it is built, which slot holds what, how tokens are counted.
-
-**Built.** The cache is transformers' own ``DynamicCache(config=model.config)``: the configs declare every block a
-``"linear_attention"`` layer (``config.layer_types``), so the cache holds one ``LinearAttentionLayer`` per block whose
-conv and recurrent state slots have a fixed size, independent of the sequence length. The one addition is
-:class:`DenseSSMCache`, a ``DynamicCache`` that also counts the tokens processed (:attr:`DenseSSMCache.positions_seen`,
-because ``generate()`` asks a cache for ``get_seq_length()`` and linear-attention layers keep none; and, for
-DenseRetNet, :attr:`DenseSSMCache.real_tokens_seen`, see "Tokens"). Both families build it the same way
-(:func:`new_cache`): ``generate()`` gets one before its prefill, through transformers' hook
-``_prepare_cache_for_generation``, so that it holds a compileable cache when it decides whether to compile the
-decoding steps; a forward with ``use_cache`` and no cache creates one; a cache returned by one ``generate()`` call
-continues in the next (:mod:`.modeling_densessm`).
-
-**Slots** (:data:`CACHE_SLOTS`), one of each kind per block, each holding what its name says, one block state with the
-batch first (as transformers' generic cache checks and tools read every filled slot):
-
-=============  ===========================  ===================================================================
-family         slot                         content
-=============  ===========================  ===================================================================
-densemamba     ``conv_states[0]``           the last ``conv_kernel`` inputs of the causal convolution,
-                                            ``(batch, intermediate_size, conv_kernel)``, the model's dtype
-densemamba     ``recurrent_states[0]``      the SSM state ``h``, ``(batch, intermediate_size, state_size)`` float32
-denseretnet    ``recurrent_states[0]``      the retention state ``S``, ``(batch, heads, key_dim / heads,
-                                            value_dim / heads)`` float32
-=============  ===========================  ===================================================================
-
-DenseRetNet has no convolution: its ``conv_states[0]`` stays empty.
-
-**Autograd.** The cache holds values, never autograd history: a forward that continues a cache starts from its
-states as constants, so its gradients reach back to the first of its own tokens (truncated backpropagation through
-time: training chunk by chunk over a long text, or fine-tuning over a cached prefix, each chunk with its own
-``backward()``), and a cache never keeps a graph alive. The forwards store their new states with
-:func:`store_recurrent_state` and :func:`store_conv_inputs`: with gradients off (generation, decoding, scoring) in
-place, as transformers' own ``update_recurrent_state`` / ``update_conv_state`` do, so that every slot keeps its address
-(CUDA graphs, ``torch.compile``); with gradients on, into a new tensor that the slot is rebound to, because the states
-a forward started from are saved for its backward pass (the selective scan and the chunked retention keep their
-``initial_state``), and writing into them would break that backward.
-
-**Tokens.** :attr:`DenseSSMCache.positions_seen` counts every position given to the model (padding included), which is
-what ``generate()`` compares with the length of ``input_ids``. For the families in :data:`COUNTS_ROW_TOKENS`
-(DenseRetNet), :attr:`DenseSSMCache.real_tokens_seen` also counts the real (non-padding) tokens of each row,
-``(batch,)`` int64: they place the rotary angles and the retention normalization of later tokens, so a left-padded row
-continues from its own position. These families need a :class:`DenseSSMCache` (:func:`check_cache`). The backbone
-counts once per forward, after its blocks (:func:`record_tokens`; the count is advanced in place, so that it keeps its
-address as the slots do). Beam search reorders the slots (transformers' ``reorder_cache``) and the per-row count
-(:meth:`DenseSSMCache.reorder_cache`); ``reset()`` zeroes both counts.
-
-**Names.** Inside this package the cache is always ``cache``. Outside, the installed transformers names it
-(:func:`takes_cache`, :func:`cache_field`): from 5.24 on, ``cache`` everywhere (``forward`` keywords, model outputs,
-``generate()``), the old names accepted through transformers' own ``deprecate_kwarg``; before 5.24, DenseMamba's
-outputs hold it as ``cache_params`` (as ``transformers.MambaOutput``) and DenseRetNet's as ``past_key_values`` (as
-``CausalLMOutputWithPast``), the names these releases use.
+"""The recurrent-state cache of both DenseSSM families: transformers' ``DynamicCache`` of linear-attention layers,
+plus the token counts of :class:`DenseSSMCache`; which slot holds what (:data:`CACHE_SLOTS`), how it is built, stored
+into without autograd history, counted, and named by the installed transformers: docs/design.md §5.
 """
 
 from __future__ import annotations
@@ -62,8 +13,8 @@ from transformers.cache_utils import Cache, DynamicCache, LinearAttentionCacheLa
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.utils.deprecation import deprecate_kwarg
 
-#: The names transformers has given the field of a model output that holds the cache: ``cache`` from 5.24 on; before,
-#: ``past_key_values``, and ``cache_params`` in Mamba's outputs (transformers 5.17-5.23's ``ALL_CACHE_NAMES``).
+#: The names of a model output's cache field: ``cache`` from transformers 5.24; before, ``past_key_values`` (Mamba:
+#: ``cache_params``).
 CACHE_FIELDS = ("cache", "past_key_values", "cache_params")
 
 #: Whether the installed transformers calls the cache ``cache`` (5.24 and later), read off its own output class.
@@ -74,20 +25,13 @@ OLD_CACHE_NAMES_REMOVED_IN = "5.40.0"
 
 
 def takes_cache(*old_names: str):
-    """Decorate a ``forward`` (or ``prepare_inputs_for_generation``) written with a ``cache`` keyword so that it also
-    takes the cache under ``old_names`` (``"past_key_values"``, ``"cache_params"``), as the installed transformers
-    does:
-
-    - transformers 5.24 and later: its own ``deprecate_kwarg(old, "5.40.0", new_name="cache")``, one per old name,
-      as its Mamba and Llama models do (a ``FutureWarning`` for an old name; ``cache`` wins when both are given);
-    - earlier releases, where the old names are the current ones: each is passed on as ``cache``, silently, and the
-      signature lists them (``generate()`` checks its keywords against the signatures of ``forward`` and
-      ``prepare_inputs_for_generation``).
+    """Decorate a function written with a ``cache`` keyword so that it also takes the cache under ``old_names``
+    (``"past_key_values"``, ``"cache_params"``): transformers' ``deprecate_kwarg`` from 5.24, else passed on silently
+    and listed in the signature (docs/design.md §5, "The cache's name").
 
     Raises:
-        ValueError: (when decorating) a name in ``old_names`` that is not one of transformers' old names; (when
-            called, releases before 5.24) two different objects given under two of the names, where 5.24 and later
-            warn and use ``cache``, as transformers does.
+        ValueError: (decorating) a name not among transformers' old names; (called, before 5.24) two different
+            objects under two of the names.
     """
     for name in old_names:
         if name not in CACHE_FIELDS[1:]:
@@ -122,8 +66,7 @@ def takes_cache(*old_names: str):
 
 
 def cache_field(output_class: type) -> str:
-    """The field of ``output_class`` (a transformers ``ModelOutput`` dataclass) that holds the cache, as the installed
-    transformers names it: one of :data:`CACHE_FIELDS`.
+    """The field of ``output_class`` (a ``ModelOutput`` dataclass) that holds the cache, one of :data:`CACHE_FIELDS`.
 
     Raises:
         TypeError: ``output_class`` declares none of them.
@@ -145,34 +88,25 @@ def output_cache(outputs) -> Cache | None:
     return getattr(outputs, cache_field(type(outputs)))
 
 
-#: Which state slots each family uses, and what they hold (see the module docstring).
+#: Which state slots each family uses (contents and shapes: docs/design.md §5).
 CACHE_SLOTS = {
     "densemamba": {"conv": (0,), "recurrent": (0,)},
     "denseretnet": {"conv": (), "recurrent": (0,)},
 }
 
-#: The families whose blocks read the real tokens each row has seen, kept on the cache
-#: (:attr:`DenseSSMCache.real_tokens_seen`; module docstring, "Tokens").
+#: The families whose blocks read each row's real-token count (:attr:`DenseSSMCache.real_tokens_seen`).
 COUNTS_ROW_TOKENS = frozenset({"denseretnet"})
 
 
 class DenseSSMCache(DynamicCache):
-    """transformers' ``DynamicCache`` (one ``LinearAttentionLayer`` per block), plus counts of the tokens seen.
+    """transformers' ``DynamicCache`` (one ``LinearAttentionLayer`` per block), plus counts of the tokens seen
+    (tensors advanced in place, static addresses: docs/design.md §5).
 
     Attributes:
-        model_type: the ``model_type`` of the config it was built for (``None`` without one); a model of another
-            family refuses it (:func:`check_cache`).
-        positions_seen: positions processed so far, padding included, a 0-dim int64 tensor on the model's device
-            (``None`` before the first forward): ``generate()`` asks a cache for ``get_seq_length()`` (to slice a
-            prompt that continues a cache), and transformers' linear-attention layers keep no sequence length.
-        real_tokens_seen: for a family in :data:`COUNTS_ROW_TOKENS`, the real (non-padding) tokens each row has seen,
-            ``(batch,)`` int64 on the model's device, ``None`` before the first forward (and for other families).
-
-    The counts are tensors, made by the first forward and then advanced in place, so that a compiled decoding step
-    neither guards on their values (no recompilation from one token to the next) nor moves them (CUDA graphs; they
-    are marked as static addresses, as transformers marks the states). Every state, its reordering for beam search
-    and its reset stay transformers' own; :meth:`reorder_cache` and :meth:`reset` also reorder and zero the counts.
-    The models update the counts (:func:`record_tokens`).
+        model_type: the ``model_type`` of the config it was built for (``None`` without one).
+        positions_seen: positions processed, padding included, 0-dim int64 (``None`` before the first forward).
+        real_tokens_seen: for a family in :data:`COUNTS_ROW_TOKENS`, each row's real tokens, ``(batch,)`` int64
+            (``None`` before the first forward and for other families).
     """
 
     def __init__(self, config=None, **kwargs):
@@ -189,14 +123,12 @@ class DenseSSMCache(DynamicCache):
         return count
 
     def record_tokens(self, inputs: torch.Tensor, attention_mask: torch.Tensor | None = None) -> None:
-        """Count a forward's tokens: its ``seq_len`` positions (padding included) in :attr:`positions_seen` and, for a
-        family in :data:`COUNTS_ROW_TOKENS`, each row's real tokens in :attr:`real_tokens_seen` (made on the first
-        call; then advanced in place).
+        """Count a forward's positions in :attr:`positions_seen` and each row's real tokens in
+        :attr:`real_tokens_seen` (:data:`COUNTS_ROW_TOKENS` only).
 
         Args:
-            inputs: the forward's ``input_ids`` ``(batch, seq_len)`` or ``inputs_embeds`` ``(batch, seq_len, hidden)``
-                (only their shape and device are read).
-            attention_mask: ``(batch, seq_len)`` 0/1 over these positions, or ``None`` when none is padding.
+            inputs: ``input_ids`` ``(batch, seq_len)`` or ``inputs_embeds`` ``(batch, seq_len, hidden)`` (shape and
+                device only). attention_mask: ``(batch, seq_len)`` 0/1, or ``None`` when nothing is padded.
         """
         batch, count = inputs.shape[:2]
         if self.positions_seen is None:
@@ -209,19 +141,17 @@ class DenseSSMCache(DynamicCache):
         self.real_tokens_seen.add_(count if attention_mask is None else attention_mask.long().sum(-1))
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        """Number of positions processed so far (the recurrent states do not grow with it), an ``int`` (reading it
-        waits for the device)."""
+        """Number of positions processed so far, an ``int`` (reading it waits for the device)."""
         return 0 if self.positions_seen is None else int(self.positions_seen)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        """transformers' reordering of every state for beam search (row ``i`` becomes row ``beam_idx[i]``), and of
-        :attr:`real_tokens_seen` (in place)."""
+        """transformers' beam-search reordering of every state, and of :attr:`real_tokens_seen` (in place)."""
         super().reorder_cache(beam_idx)
         if self.real_tokens_seen is not None:
             self.real_tokens_seen.copy_(self.real_tokens_seen.index_select(0, beam_idx.to(self.real_tokens_seen.device)))
 
     def reset(self) -> None:
-        """transformers' reset (every state zeroed in place, the objects kept), and both counts back to zero."""
+        """transformers' reset (states zeroed in place), and both counts back to zero."""
         super().reset()
         for count in (self.positions_seen, self.real_tokens_seen):
             if count is not None:
@@ -234,8 +164,7 @@ def new_cache(config) -> DenseSSMCache:
 
 
 def record_tokens(cache: Cache | None, inputs: torch.Tensor, attention_mask: torch.Tensor | None = None) -> None:
-    """Count a forward's tokens on ``cache`` if it keeps counts (a :class:`DenseSSMCache`:
-    :meth:`DenseSSMCache.record_tokens`, same arguments)."""
+    """:meth:`DenseSSMCache.record_tokens` on ``cache`` if it is a :class:`DenseSSMCache`."""
     if isinstance(cache, DenseSSMCache):
         cache.record_tokens(inputs, attention_mask)
 
@@ -252,20 +181,14 @@ def _expected_shapes(config, batch: int) -> dict[tuple[str, int], tuple[int, ...
 
 
 def check_cache(cache, config, batch: int) -> None:
-    """Check that ``cache`` (a model's ``cache`` argument) fits a model of ``config`` given ``batch`` rows.
-
-    It must be a transformers ``Cache`` with one linear-attention layer per block, with the state slots of the
-    config's family (:data:`CACHE_SLOTS`), no other slot filled, and states (where already filled) of the shapes this
-    model and batch need. A :class:`DenseSSMCache` must have been built for the config's family; a family that counts
-    each row's tokens (:data:`COUNTS_ROW_TOKENS`) needs a :class:`DenseSSMCache`, whose count (once made) has one entry
-    per row.
+    """Check that ``cache`` fits a model of ``config`` given ``batch`` rows: one linear-attention layer per block,
+    only the family's slots (:data:`CACHE_SLOTS`) filled, with this model's and batch's shapes.
 
     Raises:
-        TypeError: ``cache`` is not a ``Cache``, its layers are not linear-attention layers, or it is not a
-            :class:`DenseSSMCache` where the family needs one (e.g. a plain ``DynamicCache`` given to DenseRetNet).
-        ValueError: wrong number of layers; slots or a :attr:`DenseSSMCache.model_type` of another family (e.g. a
-            DenseMamba cache given to DenseRetNet); states or counts of another batch size or width. Messages name
-            ``cache`` and what was expected.
+        TypeError: not a ``Cache``, layers that are not linear-attention layers, or not a :class:`DenseSSMCache`
+            where the family needs one (:data:`COUNTS_ROW_TOKENS`).
+        ValueError: wrong number of layers; slots or ``model_type`` of another family; states or counts of another
+            batch size or width.
     """
     hint = (
         "leave `cache` unset (the model builds one), pass the cache a previous call returned, or build an empty one "
@@ -324,34 +247,9 @@ def check_cache(cache, config, batch: int) -> None:
         )
 
 
-def is_filled(cache: Cache, model_type: str) -> bool:
-    """Whether every state slot of :data:`CACHE_SLOTS` is filled in every layer of ``cache`` (a cache that passed
-    :func:`check_cache`), and, for a family in :data:`COUNTS_ROW_TOKENS`, the per-row count made: what a one-token
-    step that updates the cache in place needs."""
-    slots = CACHE_SLOTS[model_type]
-    if model_type in COUNTS_ROW_TOKENS and getattr(cache, "real_tokens_seen", None) is None:
-        return False
-    return all(
-        all(layer.is_conv_states_initialized[i] for i in slots["conv"])
-        and all(layer.is_recurrent_states_initialized[i] for i in slots["recurrent"])
-        for layer in cache.layers
-    )
-
-
 def store_recurrent_state(cache: Cache, layer_idx: int, state: torch.Tensor, slot: int = 0) -> None:
-    """Store ``state``, a block's recurrent state after a forward, in recurrent slot ``slot`` of block ``layer_idx``
-    (see :data:`CACHE_SLOTS`), without its autograd history (module docstring, "Autograd").
-
-    With gradients off it is copied into the slot (transformers' ``update_recurrent_state``: the slot is allocated on
-    first use and keeps its address). With gradients on, a filled slot is rebound to ``state`` detached: the state
-    the forward started from may be saved for its backward pass and is left untouched.
-
-    Args:
-        cache: a transformers ``Cache`` of linear-attention layers.
-        layer_idx: the block. slot: the recurrent slot.
-        state: the slot's new content, of the slot's shape and dtype (e.g. ``(batch, intermediate_size, state_size)``
-            float32 for DenseMamba).
-    """
+    """Store ``state`` (the slot's shape and dtype) in recurrent slot ``slot`` of block ``layer_idx``, detached: in
+    place with gradients off, else the filled slot is rebound (docs/design.md §5, "Backpropagating through a cache")."""
     layer = cache.layers[layer_idx]
     if torch.is_grad_enabled() and layer.is_recurrent_states_initialized[slot]:
         layer.recurrent_states[slot] = state.detach()
@@ -360,20 +258,9 @@ def store_recurrent_state(cache: Cache, layer_idx: int, state: torch.Tensor, slo
 
 
 def store_conv_inputs(cache: Cache, layer_idx: int, inputs: torch.Tensor, conv_kernel_size: int) -> None:
-    """Append a forward's convolution inputs to the window of block ``layer_idx`` (conv slot 0), without their autograd
-    history (module docstring, "Autograd"): transformers' ``update_conv_state``, which keeps the last
-    ``conv_kernel_size`` inputs (padding with zeros on the left after a shorter first call).
-
-    With gradients off the window is updated in place (it keeps its address). With gradients on, the slot is first
-    rebound to a copy of the window, which the update then writes: the window the forward read is left untouched,
-    should its backward pass need it (this package's convolutions copy it, but a kernel need not).
-
-    Args:
-        cache: a transformers ``Cache`` of linear-attention layers.
-        layer_idx: the block.
-        inputs: ``(batch, channels, seq_len)``, this call's inputs of the convolution, in the window's dtype.
-        conv_kernel_size: the window's length.
-    """
+    """Append ``inputs`` ``(batch, channels, seq_len)`` (the window's dtype), detached, to the conv window of block
+    ``layer_idx`` (transformers' ``update_conv_state``, keeping the last ``conv_kernel_size``); with gradients on,
+    into a copy of the window (docs/design.md §5, "Backpropagating through a cache")."""
     layer = cache.layers[layer_idx]
     if torch.is_grad_enabled() and layer.is_conv_states_initialized[0]:
         layer.conv_states[0] = layer.conv_states[0].clone()
@@ -381,8 +268,7 @@ def store_conv_inputs(cache: Cache, layer_idx: int, inputs: torch.Tensor, conv_k
 
 
 def recurrent_state(cache: Cache | None, layer_idx: int, slot: int = 0) -> torch.Tensor | None:
-    """The recurrent state in ``slot`` of block ``layer_idx`` (see :data:`CACHE_SLOTS`), or ``None`` before the
-    first update."""
+    """The recurrent state in ``slot`` of block ``layer_idx``, or ``None`` (no cache, or before the first update)."""
     if cache is None:
         return None
     layer = cache.layers[layer_idx]
@@ -390,8 +276,7 @@ def recurrent_state(cache: Cache | None, layer_idx: int, slot: int = 0) -> torch
 
 
 def conv_state(cache: Cache | None, layer_idx: int) -> torch.Tensor | None:
-    """The convolution state ``(batch, channels, conv_kernel)`` of block ``layer_idx``, or ``None`` before the
-    first update."""
+    """The conv window ``(batch, channels, conv_kernel)`` of block ``layer_idx``, or ``None`` (as above)."""
     if cache is None:
         return None
     layer = cache.layers[layer_idx]

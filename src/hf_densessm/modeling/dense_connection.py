@@ -1,18 +1,6 @@
-"""The dense hidden connection of DenseSSM, whole: gate, selective transition, hidden fusion and the layer loop
-that hands each layer's features up to the next ``m`` layers. One module, used by both families.
-
-Source: DenseSSM paper (He et al. 2024, arXiv 2403.00818) §3.3:
-    selective transition (Eq. 10, 15, 16): ``phi(f^{l-i}) = Proj(f^{l-i}) * Gate(x^l)``
-    hidden fusion (Eq. 11, 17):            ``f'^l = f^l + sum_{i=1..m} phi(f^{l-i})``  ("add")
-                                           ``f'^l = W [f^l; phi(f^{l-1}); ...]``       ("concat", Table 8)
-DenseRetNet fuses its keys and values with it (Eq. 20-23), DenseMamba the scan inputs ``u`` and ``B``
-(``docs/design.md`` §2, §4). The features handed up are each layer's *pre-fusion* features.
-
-How features travel (:func:`run_dense_layers`): every block returns ``(hidden_states, *features)`` (e.g. ``(h, k,
-v)``); the loop keeps the features of the last ``m`` layers and calls block ``l`` as ``block(hidden_states,
-*dense_inputs)`` with ``dense_inputs`` grouped by feature, nearest layer first: ``k^{l-1}, ..., k^{l-n}, v^{l-1},
-..., v^{l-n}``. Positional tensors, so that gradient checkpointing (reentrant or not) carries their gradients. The
-mixer splits them once with :func:`split_dense_inputs`.
+"""The dense hidden connection of DenseSSM, whole: gate, selective transition, hidden fusion, init and the layer loop
+that hands each layer's pre-fusion features up to the next ``m`` layers (DenseSSM paper §3.3, Eq. 10-17, Tables 7-9;
+choices and how features travel: docs/design.md §2).
 """
 
 from __future__ import annotations
@@ -28,18 +16,15 @@ GATE_INIT_GAIN = 2**-2.5  # Xavier-uniform gain of DenseMamba's gates (docs/desi
 
 
 def dense_predecessor_count(layer_idx: int, dense_layers: int, dense_every: int) -> int:
-    """Number of preceding layers whose features layer ``layer_idx`` fuses.
-
-    Layer 0 has none; layer ``l`` has ``min(l, m)`` when ``l`` is a multiple of ``dense_every`` (paper Table 9),
-    else none. Returns an ``int`` in ``[0, dense_layers]``.
-    """
+    """Number of preceding layers whose features layer ``layer_idx`` fuses: ``min(l, m)`` when ``l > 0`` is a multiple
+    of ``dense_every`` (Table 9), else 0."""
     if layer_idx == 0 or dense_layers == 0 or layer_idx % dense_every:
         return 0
     return min(layer_idx, dense_layers)
 
 
 def _dense_linear(in_features: int, out_features: int, role: str) -> nn.Linear:
-    """A bias-free ``Linear`` of the dense connection, tagged with how :func:`init_dense_linear` initializes it."""
+    """A bias-free ``Linear`` tagged with its :func:`init_dense_linear` role."""
     layer = nn.Linear(in_features, out_features, bias=False)
     layer.dense_init = role
     return layer
@@ -47,15 +32,9 @@ def _dense_linear(in_features: int, out_features: int, role: str) -> nn.Linear:
 
 @torch.no_grad()
 def init_dense_linear(module: nn.Module, init, gate_std: float | None = None) -> bool:
-    """Initialize ``module`` in place if it is a ``Linear`` of the dense connection; return whether it was one.
-
-    Called from each family's ``_init_weights`` on every module. It works on the leaf ``Linear`` layers, because
-    transformers initializes after loading only the modules whose own parameters were not all loaded, so a parent
-    without parameters of its own would never be visited. ``init`` is ``transformers.initialization`` (which skips
-    loaded weights). Gates: normal(0, ``gate_std``) when given (DenseRetNet: every ``Linear`` of the published
-    models starts so, docs/design.md §3), else Xavier-uniform with gain 2^-2.5 (the gain the published
-    ``reset_parameters`` sets; DenseMamba, docs/design.md §4); ``"linear"`` projections: the identity; the
-    ``"concat"`` reduction: passes ``f^l`` through.
+    """Initialize ``module`` in place (``init``: ``transformers.initialization``) if it is a ``Linear`` of the dense
+    connection, and return whether it was one. Gates normal(0, ``gate_std``) when given, else Xavier-uniform with
+    gain 2^-2.5; projections the identity; the concat reduction passes ``f^l`` through (docs/design.md §2, "Init").
     """
     role = getattr(module, "dense_init", None)
     if role is None:
@@ -75,12 +54,11 @@ def init_dense_linear(module: nn.Module, init, gate_std: float | None = None) ->
 
 
 class DenseGate(nn.Module):
-    """``Gate(x)`` of Eq. 16, computed from a layer's normalized input ``x``.
+    """``Gate(x)`` of Eq. 16: ``"mlp"`` ``SiLU(fc2(SiLU(fc1(x))))``, ``"linear"`` ``SiLU(fc(x))`` (docs/design.md §2).
+    ``(..., hidden_size) -> (..., feature_size)``, same dtype.
 
-    ``"mlp"``: ``SiLU(fc2(SiLU(fc1(x))))`` with bias-free ``fc1: hidden_size -> gate_hidden_size`` and
-    ``fc2: gate_hidden_size -> feature_size`` (the published DenseRetNet's ``k_select``/``v_select``);
-    ``"linear"``: ``SiLU(fc(x))``. Input ``(..., hidden_size)``, output ``(..., feature_size)``, same dtype.
-    A zero ``fc2`` (or ``fc``) weight makes the gate exactly 0, so the dense connection adds nothing.
+    Raises:
+        ValueError: ``selection`` is neither ``"mlp"`` nor ``"linear"``.
     """
 
     def __init__(self, hidden_size: int, feature_size: int, gate_hidden_size: int, selection: str):
@@ -109,23 +87,12 @@ class DenseGate(nn.Module):
 
 
 class DenseHiddenConnection(nn.Module):
-    """Selective transition + hidden fusion of one feature (e.g. ``k``, ``v``, ``u`` or ``B``) in one layer.
+    """Selective transition + hidden fusion (Eq. 10-17) of one feature in one layer, with ``num_predecessors``
+    lower layers; ``projection``, ``selection``, ``shared_gate``, ``fusion``, ``gate_hidden_size``: the config's
+    dense knobs (docs/design.md §2).
 
-    Args:
-        hidden_size: width of the gate input ``x`` (the block's normalized input).
-        feature_size: width of the fused feature.
-        num_predecessors: ``n``, how many lower layers feed this one (``1 <= n <= m``).
-        projection: ``"identity"`` | ``"linear"`` (Eq. 15; one bias-free ``Linear`` per predecessor, initialized to
-            the identity).
-        selection: ``"mlp"`` | ``"linear"`` | ``"none"`` (Eq. 16).
-        shared_gate: one gate for all predecessors, or one per predecessor (Table 7).
-        fusion: ``"add"`` (Eq. 17) | ``"concat"`` (Table 8; ``reduce: (n+1)*feature_size -> feature_size``,
-            initialized to pass ``f^l`` through unchanged).
-        gate_hidden_size: width of the MLP gate.
-
-    Shapes: ``forward(x, feature, predecessors)`` takes ``x`` ``(..., hidden_size)``, ``feature``
-    ``(..., feature_size)`` and a list of ``n`` tensors shaped like ``feature``, nearest layer first
-    (``f^{l-1}, f^{l-2}, ...``); returns the fused feature ``(..., feature_size)`` in ``feature``'s dtype.
+    ``forward(x, feature, predecessors)``: ``x`` ``(..., hidden_size)``, ``feature`` ``(..., feature_size)``, a list
+    of ``n`` tensors like ``feature``, nearest first; returns the fused feature in ``feature``'s dtype.
 
     Raises:
         ValueError: ``predecessors`` does not hold exactly ``num_predecessors`` tensors.
@@ -196,9 +163,8 @@ class DenseHiddenConnection(nn.Module):
 
     @torch.no_grad()
     def zero_gates(self) -> None:
-        """Make the connection an exact no-op while keeping it trainable: zero each gate's output layer
-        (``SiLU(0) = 0``). Used to upcycle a pretrained base model. Raises ``ValueError`` for ``selection="none"``,
-        which has no gate to close."""
+        """Make the connection an exact no-op, still trainable: zero each gate's output layer (``SiLU(0) = 0``).
+        Raises ``ValueError`` for ``selection="none"`` (no gate)."""
         if self.selection == "none":
             raise ValueError("`dense_selection='none'` has no gate, so the dense connection cannot start as a no-op.")
         for gate in self.gate_modules():
@@ -206,8 +172,8 @@ class DenseHiddenConnection(nn.Module):
 
 
 def build_dense_connection(config, layer_idx: int, feature_size: int) -> DenseHiddenConnection | None:
-    """The :class:`DenseHiddenConnection` of ``feature_size`` for layer ``layer_idx`` of a DenseSSM ``config``
-    (any config with the dense knobs), or ``None`` when the layer has no predecessors."""
+    """The :class:`DenseHiddenConnection` of ``feature_size`` for layer ``layer_idx`` of ``config``, or ``None`` when
+    the layer has no predecessors."""
     n = dense_predecessor_count(layer_idx, config.dense_layers, config.dense_every)
     if n == 0:
         return None
@@ -224,8 +190,7 @@ def build_dense_connection(config, layer_idx: int, feature_size: int) -> DenseHi
 
 
 def split_dense_inputs(dense_inputs: tuple[torch.Tensor, ...], num_features: int) -> list[list[torch.Tensor]]:
-    """Split the flat ``dense_inputs`` a block receives from :func:`run_dense_layers` into one list per feature
-    (``num_features`` lists of ``n`` tensors, nearest predecessor first). No predecessors: empty lists.
+    """Split a block's flat ``dense_inputs`` into ``num_features`` lists of ``n`` tensors, nearest first.
 
     Raises:
         ValueError: ``len(dense_inputs)`` is not a multiple of ``num_features``.
@@ -243,20 +208,14 @@ def run_dense_layers(
     output_hidden_states: bool,
     **layer_kwargs,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
-    """Run the blocks with the dense connection (paper Eq. 10-11): block ``l`` receives the pre-fusion features of
-    its ``min(l, m)`` predecessors (:func:`dense_predecessor_count`), grouped by feature, nearest first (module
-    docstring). Only the last ``m`` layers' features are kept.
+    """Run the blocks with the dense connection: ``block(hidden_states, *dense_inputs, **layer_kwargs)`` returns
+    ``(hidden_states, *features)``; ``dense_inputs`` are its predecessors' features grouped by feature, nearest first.
 
     Args:
-        layers: the blocks; each is called ``block(hidden_states, *dense_inputs, **layer_kwargs)`` and returns
-            ``(hidden_states, *features)``.
-        hidden_states: ``(batch, seq_len, hidden_size)``, the embeddings.
-        config: a DenseSSM config (``dense_layers``, ``dense_every``).
-        output_hidden_states: also return every block's input.
+        hidden_states: ``(batch, seq_len, hidden_size)``, the embeddings. config: ``dense_layers``, ``dense_every``.
 
     Returns:
-        The last block's output ``(batch, seq_len, hidden_size)`` and, if ``output_hidden_states``, the input of
-        every block (the embeddings first), without the final norm (the caller appends the normed output).
+        The last block's output and, if ``output_hidden_states``, every block's input (embeddings first).
     """
     m = config.dense_layers
     history: deque[tuple[torch.Tensor, ...]] = deque(maxlen=max(m, 1))

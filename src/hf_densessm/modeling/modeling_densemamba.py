@@ -1,16 +1,6 @@
-"""DenseMamba: Mamba (Gu & Dao 2023) with DenseSSM's dense hidden connection (He et al. 2024, §3.3, §4.2).
-
-The dense connection, ``dense_target="input"`` (the default; docs/design.md §4): Mamba's state ``h_t = sum_s (prod exp(dt A)) dt_s B_s u_s`` is built from ``B``
-and ``u`` as RetNet's ``S`` is built from ``k`` and ``v`` (C~q, B~k, u~v), so DenseMamba fuses the scan inputs:
-``u' = u + sum_i phi_u(u^{l-i})`` and ``B' = B + sum_i phi_B(B^{l-i})`` (Eq. 10-17), gates computed from the block's
-normalized input; ``dt`` and ``C`` come from the un-fused ``u`` (as RetNet's ``q`` is not fused), and the scan runs on
-``(u', dt, A, B', C, D)``. The dense inputs of a step come from the lower layers of the same step, so the cache stays
-the standard Mamba cache and decoding stays O(1) per token.
-
-``dense_target="state"`` is the paper's literal Eq. 14, ``y = C (h + sum_i g_i * h^{l-i}) + D u``: a lower layer's
-state read out with this layer's ``C`` is that layer's own scan read out with ``C^l``, so training runs one extra scan
-per predecessor with the existing op (from the lower layers' ``u, dt, B, A``), and decoding contracts ``C^l_t`` with
-the lower layers' states already in the cache (O(m D N) per token, no new cache). Per-channel gates (width ``D``).
+"""DenseMamba: Mamba (Gu & Dao 2023) with DenseSSM's dense hidden connection (He et al. 2024, §3.3, §4.2), on the
+scan inputs ``u`` and ``B`` (``dense_target="input"``) or on the states read out with each layer's ``C`` (``"state"``,
+Eq. 14): docs/design.md §4.
 """
 
 from __future__ import annotations
@@ -49,13 +39,9 @@ from .modeling_densessm import (
 )
 
 class DenseMambaMixer(nn.Module):
-    """Sequence mixing of one DenseMamba block (Mamba paper Alg. 2 / Fig. 3, plus DenseSSM Eq. 10-17 on ``u`` and ``B``).
-
-    ``in_proj: d -> 2*D`` gives ``(x, z)``; ``u = SiLU(causal depthwise conv1d(x))``; ``x_proj(u) -> (dt_low, B, C)``;
-    ``dt = softplus(dt_proj(dt_low))``; dense fusion of ``u`` and ``B`` (``dense_u``, ``dense_B``, layers with
-    predecessors only); ``y = selective_scan(u', dt, A, B', C, D) * SiLU(z)``; ``out_proj: D -> d``.
-    ``D = intermediate_size``, ``N = state_size``.
-    """
+    """Sequence mixing of one DenseMamba block: transformers' ``MambaMixer`` (Mamba paper Alg. 2, Fig. 3) with the
+    dense connection (``dense_u``, ``dense_B`` or ``dense_h``; docs/design.md §4). ``D = intermediate_size``,
+    ``N = state_size``."""
 
     def __init__(self, config: DenseMambaConfig, layer_idx: int):
         super().__init__()
@@ -90,13 +76,8 @@ class DenseMambaMixer(nn.Module):
             self.dense_h = None
 
     def _read_lower_states(self, dense_inputs, C, cache, decode: bool, continuing: bool, reset=None):
-        """``C^l_t . h^{l-i}_t`` for each predecessor ``i`` (nearest first), ``(batch, seq_len, D)`` each.
-
-        Decoding reads the lower layers' states from the cache (updated for this token already: lower layers run
-        first), O(D N) each; otherwise each lower state is recomputed by one scan of that layer's ``(u, dt, B, A)``
-        read out with this layer's ``C`` (from the lower layer's state before this call when continuing a cache;
-        restarting at each packed document's first token, ``reset``).
-        """
+        """``C^l_t . h^{l-i}_t`` per predecessor ``i`` (nearest first), ``(batch, seq_len, D)`` each: from the cached
+        states when decoding, else one scan of the lower layer's ``(u, dt, B, A)`` read out with ``C^l``."""
         if decode:
             n = len(dense_inputs) // 4
             C_t = C[:, 0, :, None].to(torch.promote_types(C.dtype, torch.float32))
@@ -122,27 +103,18 @@ class DenseMambaMixer(nn.Module):
         attention_mask: torch.Tensor | None = None,
         reset: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-        """One token over a filled cache without gradients is a decoding step (:func:`selective_state_update`,
-        the state updated in place); every other call runs the selective scan. With gradients on, every call (one
-        token included) runs the scan, differentiable on every backend; a call that continues a cache starts from
-        its states as constants (truncated backpropagation, :mod:`hf_densessm.modeling.cache`, "Autograd").
+        """One token over a filled cache without gradients is a decoding step (the state updated in place); every
+        other call runs the scan (docs/design.md §5, "Backpropagating through a cache").
 
         Args:
-            hidden_states: ``(batch, seq_len, hidden_size)``, the block's normalized input ``x^l``.
-            dense_inputs: the predecessors' pre-fusion ``u`` tensors then their ``B`` tensors, nearest first (see
-                :mod:`hf_densessm.modeling.dense_connection`); ``u`` ``(batch, seq_len, D)``,
-                ``B`` ``(batch, seq_len, N)``.
-            cache: a transformers ``Cache`` (see ``hf_densessm.modeling.cache``) or ``None``.
-            attention_mask: ``(batch, seq_len)`` 0/1 or ``None``; padded positions get ``u = 0`` and ``dt = 0``, so
-                they never change the SSM state.
-            reset: ``(batch, seq_len)`` bool or ``None``: True at the first token of each packed document; the
-                convolution window, the SSM state and the readout scans start from zero there.
+            hidden_states: ``(batch, seq_len, hidden_size)``, the block's normalized input.
+            dense_inputs: the predecessors' features, grouped by feature, nearest first (:mod:`.dense_connection`).
+            cache: a transformers ``Cache`` or ``None``. attention_mask: ``(batch, seq_len)`` 0/1 or ``None``.
+            reset: ``(batch, seq_len)`` bool or ``None``, True at each packed document's first token.
 
         Returns:
-            ``(output (batch, seq_len, hidden_size), features)``: this layer's pre-fusion ``(u, B)`` with
-            ``dense_target="input"``; with ``"state"`` its ``(u, dt, B, A)`` (and its state before this call when it
-            continues a cache other than as a gradient-free one-token step), from which a higher layer recomputes
-            this layer's states.
+            ``(output (batch, seq_len, hidden_size), features)``: the pre-fusion ``(u, B)`` (``"input"``) or
+            ``(u, dt, B, A[, state before this call])`` (``"state"``).
         """
         batch, seq_len, _ = hidden_states.shape
         dtype = hidden_states.dtype
@@ -233,12 +205,9 @@ class DenseMambaMixer(nn.Module):
 
 
 class DenseMambaBlock(GradientCheckpointingLayer):
-    """Pre-norm residual block ``x + mixer(RMSNorm(x))`` (``norm``, ``mixer`` as in ``transformers.MambaBlock``).
-
-    ``forward(hidden_states, *dense_inputs, cache=None, attention_mask=None)``: ``dense_inputs`` are the
-    predecessors' ``u`` then ``B`` tensors, nearest first. Returns the flat ``(hidden_states, u, B)``; the residual
-    stream is float32 when ``config.residual_in_fp32``.
-    """
+    """Pre-norm residual block ``x + mixer(RMSNorm(x))`` (as ``transformers.MambaBlock``; the residual in float32
+    with ``config.residual_in_fp32``). ``forward(hidden_states, *dense_inputs, cache, attention_mask, reset)``
+    returns the flat ``(hidden_states, *features)`` (:func:`~.dense_connection.run_dense_layers`)."""
 
     def __init__(self, config: DenseMambaConfig, layer_idx: int):
         super().__init__()
@@ -265,16 +234,14 @@ class DenseMambaPreTrainedModel(DenseSSMSaveMixin, PreTrainedModel):
     config: DenseMambaConfig
     base_model_prefix = "backbone"
     _no_split_modules = ["DenseMambaBlock"]
+    _input_embed_layer = "embeddings"  # transformers' get/set_input_embeddings find them by this name
     supports_gradient_checkpointing = True
     _is_stateful = True
 
     @torch.no_grad()
     def _init_weights(self, module):
-        """Mamba's init (S4D-Real ``A``, ``dt`` bias from log-uniform [time_step_min, time_step_max], Kaiming conv and
-        ``out_proj``, divided by sqrt(num_hidden_layers) with ``rescale_prenorm_residual``; other linear layers
-        normal(0, initializer_range), or PyTorch's default with ``init_scheme="mamba_ssm"``), plus the dense connection's
-        (:func:`~hf_densessm.modeling.dense_connection.init_dense_linear`, on its leaf layers, so that every
-        parameter missing from a checkpoint is initialized). Only weights not loaded from a checkpoint are touched."""
+        """Mamba's init (S4D-Real ``A``, log-uniform ``dt`` bias, Kaiming conv and ``out_proj``) per ``init_scheme``,
+        and the dense connection's (docs/design.md §4); loaded weights are kept."""
         config = self.config
         if init_dense_linear(module, init):
             return
@@ -314,17 +281,8 @@ class DenseMambaPreTrainedModel(DenseSSMSaveMixin, PreTrainedModel):
 
 @dataclass
 class DenseMambaOutput(MambaOutput):
-    """Output of :class:`DenseMambaModel`: transformers' ``MambaOutput``, whose cache field is named as the installed
-    release names it (``cache`` from 5.24, ``cache_params`` before; :mod:`hf_densessm.modeling.cache`), plus
-    ``attentions`` for transformers' generic heads.
-
-    Args:
-        last_hidden_state: ``(batch, seq_len, hidden_size)``, after the final norm.
-        cache: the recurrent-state cache (a :class:`~hf_densessm.modeling.cache.DenseSSMCache`) when ``use_cache``.
-        hidden_states: ``num_hidden_layers + 1`` tensors ``(batch, seq_len, hidden_size)``: the embeddings, the
-            input of every later block, and the final normed output; when ``output_hidden_states``.
-        attentions: always ``None`` (there is no attention), present for transformers' generic heads.
-    """
+    """Output of :class:`DenseMambaModel`: transformers' ``MambaOutput`` (its cache field named by the installed
+    release, docs/design.md §5), plus ``attentions``, always ``None``, for transformers' generic heads."""
 
     attentions: tuple[torch.Tensor, ...] | None = None  # always None (no attention); read by generic heads
 
@@ -335,20 +293,13 @@ if not CACHE_RENAMED:  # transformers < 5.24: its generic heads read every backb
 
 @dataclass
 class DenseMambaCausalLMOutput(MambaCausalLMOutput):
-    """Output of :class:`DenseMambaForCausalLM`: transformers' ``MambaCausalLMOutput`` (cache field named as in
-    :class:`DenseMambaOutput`).
-
-    Args:
-        loss: scalar next-token cross-entropy when ``labels`` are given.
-        logits: ``(batch, kept_positions, vocab_size)`` float32.
-        cache, hidden_states: as in :class:`DenseMambaOutput`.
-    """
+    """Output of :class:`DenseMambaForCausalLM`: transformers' ``MambaCausalLMOutput`` (cache field as in
+    :class:`DenseMambaOutput`)."""
 
 
 class DenseMambaModel(DenseMambaPreTrainedModel):
     """The DenseMamba backbone: embeddings, ``num_hidden_layers`` :class:`DenseMambaBlock` with the dense
     connection, final RMSNorm (``embeddings``, ``layers``, ``norm_f`` as in ``transformers.MambaModel``)."""
-
 
     def __init__(self, config: DenseMambaConfig):
         super().__init__(config)
@@ -357,12 +308,6 @@ class DenseMambaModel(DenseMambaPreTrainedModel):
         self.gradient_checkpointing = False
         self.norm_f = DenseSSMRMSNorm(config.hidden_size, eps=config.layer_norm_epsilon)
         self.post_init()
-
-    def get_input_embeddings(self):
-        return self.embeddings
-
-    def set_input_embeddings(self, new_embeddings):
-        self.embeddings = new_embeddings
 
     @takes_cache("cache_params", "past_key_values")
     def forward(
@@ -378,17 +323,14 @@ class DenseMambaModel(DenseMambaPreTrainedModel):
     ) -> tuple | DenseMambaOutput:
         r"""
         Args:
-            input_ids: ``(batch, seq_len)`` token ids; or ``inputs_embeds`` ``(batch, seq_len, hidden_size)`` (exactly one).
-            cache: a cache from a previous call (or ``DynamicCache(config=model.config)``); the tokens given
-                continue the cached sequence, whatever their number (prefill in chunks works). Also taken as
-                ``cache_params`` (``transformers.MambaModel``'s name before 5.24) or ``past_key_values``
-                (:func:`~hf_densessm.modeling.cache.takes_cache`).
+            input_ids: ``(batch, seq_len)`` token ids; or ``inputs_embeds`` ``(batch, seq_len, hidden_size)``.
+            cache: a cache from a previous call (or ``DynamicCache(config=model.config)``), continued by the tokens
+                given; also taken as ``cache_params`` or ``past_key_values`` (docs/design.md §5).
             use_cache: return the cache (default ``config.use_cache``, off in training).
-            attention_mask: ``(batch, seq_len)`` or ``(batch, cached + seq_len)``, 1 for tokens and 0 for padding
-                (pad on the left for batched generation).
+            attention_mask: ``(batch, seq_len)`` or ``(batch, cached + seq_len)``, 0 for padding (pad on the left).
 
         Raises:
-            ValueError, TypeError: bad inputs (see :func:`hf_densessm.modeling.modeling_densessm.run_backbone`).
+            ValueError, TypeError: bad inputs (:func:`~hf_densessm.modeling.modeling_densessm.run_backbone`).
         """
         hidden_states, cache, all_hidden_states = run_backbone(
             self, self.embeddings, self.norm_f, input_ids, inputs_embeds, cache, use_cache, output_hidden_states,
@@ -409,12 +351,6 @@ class DenseMambaForCausalLM(DenseSSMCausalLMMixin, DenseMambaPreTrainedModel, Ge
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
-    def get_input_embeddings(self):
-        return self.backbone.get_input_embeddings()
-
-    def set_input_embeddings(self, new_embeddings):
-        return self.backbone.set_input_embeddings(new_embeddings)
-
     @takes_cache("cache_params", "past_key_values")
     def forward(
         self,
@@ -431,9 +367,8 @@ class DenseMambaForCausalLM(DenseSSMCausalLMMixin, DenseMambaPreTrainedModel, Ge
     ) -> tuple | DenseMambaCausalLMOutput:
         r"""
         Args:
-            labels: ``(batch, seq_len)``; shifted inside (``labels = input_ids`` works), -100 is ignored.
-            logits_to_keep: an int keeps the last that many positions' logits (0 keeps all); a 1-D tensor keeps
-                those positions.
+            labels: ``(batch, seq_len)``, shifted inside, -100 ignored.
+            logits_to_keep: see :func:`~hf_densessm.modeling.modeling_densessm.check_logits_to_keep`.
             others: see :meth:`DenseMambaModel.forward`.
         """
         outputs = self.backbone(
@@ -450,11 +385,8 @@ class DenseMambaForCausalLM(DenseSSMCausalLMMixin, DenseMambaPreTrainedModel, Ge
 
 
 class DenseMambaForSequenceClassification(DenseSSMForSequenceClassificationMixin, DenseMambaPreTrainedModel):
-    """DenseMamba with a sequence-classification head ``score`` read at the last non-padding token (transformers'
-    ``GenericForSequenceClassification`` conventions; see
-    :class:`~hf_densessm.modeling.modeling_densessm.DenseSSMForSequenceClassificationMixin`). ``forward`` returns a
-    ``SequenceClassifierOutputWithPast`` with ``logits`` ``(batch, num_labels)``.
-    """
+    """DenseMamba with a sequence-classification head (``DenseSSMForSequenceClassificationMixin``, docs/design.md
+    §5): ``forward`` returns a ``SequenceClassifierOutputWithPast`` with ``logits`` ``(batch, num_labels)``."""
 
     base_model_prefix = "backbone"
     backbone_class = DenseMambaModel

@@ -1,19 +1,6 @@
-"""DenseRetNet: RetNet-GAU with DenseSSM's dense KV connection (He et al. 2024, §3.3 "Extension to RetNet", §4.2).
-
-Inside a block (``d`` hidden, ``d_qk`` query/key, ``d_v = v_factor * d``, ``H`` heads):
-``q = SiLU(W_q x)``, ``k = SiLU(W_k x) * (d_qk/H)^-0.5``, ``[v, g] = split(SiLU(W_h x))``; in layers with
-predecessors ``k' = RMSNorm(k + sum_i SiLU(G_k(x)) * k^{l-i})``, ``v' = RMSNorm(v + sum_i SiLU(G_v(x)) * v^{l-i})``
-(Eq. 20-23); theta shift on ``q`` and ``k'``; retention ``o_t = q_t S_t``, ``S_t = gamma_h S_{t-1} + k'_t^T v'_t``
-with ``gamma_h = 1 - 2^(-5-h)`` (Eq. 18, 19, 24); each head's output at position ``t`` divided by ``sqrt(s_t)``,
-``s_t = sum_{j<=t} gamma_h^(t-j)`` (the published models' normalization, :func:`retention_row_sums`); per-head
-RMSNorm with one weight shared by the heads; ``out = W_o(norm(o) * g)``; dropout.
-
-The retention ops (``hf_densessm.ops.chunk_retention`` / ``retention_state_update``) keep fla's plain semantics; the
-normalization is folded exactly into the per-head RMSNorm (``eps * s_t``), in every path (training, prefill, continued prefill, decode,
-left padding: ``t`` counts real tokens, as the rotary angles do). It matters: the per-head RMSNorm is not
-scale-invariant when activations are small against its eps (1e-6), as at the published init scale. The published
-parallel form also divides each row of ``(q k^T) * decay`` by ``max(1, |row sum|)``; its recurrent form does not, and
-neither does this implementation (docs/design.md §3).
+"""DenseRetNet: RetNet-GAU with DenseSSM's dense KV connection (He et al. 2024, §3.3 "Extension to RetNet", Eq. 18-24,
+§4.2); the block's equations, the published retention normalization folded into the group norm, padding and init:
+docs/design.md §3.
 """
 
 from __future__ import annotations
@@ -42,12 +29,9 @@ from .modeling_densessm import (
 
 
 class DenseRetNetThetaShift(nn.Module):
-    """RetNet's rotary "theta shift": rotate every channel pair ``(2j, 2j+1)`` of each head by ``n * theta_j``,
-    ``theta_j = rope_theta^-linspace(0, 1, head_dim/2)_j``, at absolute position ``n``.
-
-    ``forward(x, positions)``: ``x`` ``(batch, seq_len, heads, head_dim)``, ``positions`` ``(batch, seq_len)`` int64;
-    returns ``x`` rotated, same shape and dtype. Only position differences matter for ``q_n . k_m``.
-    """
+    """RetNet's rotary "theta shift": channel pair ``(2j, 2j+1)`` of each head rotated by ``n * theta_j``,
+    ``theta_j = rope_theta^-linspace(0, 1, head_dim/2)_j``, at position ``n``. ``forward(x, positions)``: ``x``
+    ``(batch, seq_len, heads, head_dim)``, ``positions`` ``(batch, seq_len)`` int64; returns ``x``'s shape and dtype."""
 
     def __init__(self, head_dim: int, rope_theta: float):
         super().__init__()
@@ -72,12 +56,10 @@ class DenseRetNetThetaShift(nn.Module):
 
 def retention_row_sums(positions: torch.Tensor, num_heads: int, dtype: torch.dtype) -> torch.Tensor:
     """``s_t = sum_{j<=t} gamma_h^(t-j) = (1 - gamma_h^(t+1)) / (1 - gamma_h)``, ``gamma_h = 1 - 2^(-5-h)``: the
-    published retention divides each head's output at position ``t`` by ``sqrt(s_t)`` (its parallel form normalizes
-    the rows of the decay mask, its recurrent form carries ``s_t = s_{t-1} gamma + 1``; docs/design.md §3).
+    published retention's per-row normalization (docs/design.md §3, "Retention normalization").
 
     Args:
-        positions: ``(batch, seq_len)`` int64, ``t``, the 0-based count of real tokens in the document (padding
-            positions may be -1; they are treated as ``t = 0``, their output is never used).
+        positions: ``(batch, seq_len)`` int64 ``t``, real tokens before in the document (-1 at padding: ``t = 0``).
         num_heads: ``H``. dtype: of the result (computed in float64).
 
     Returns:
@@ -90,12 +72,9 @@ def retention_row_sums(positions: torch.Tensor, num_heads: int, dtype: torch.dty
 
 
 class DenseRetNetRetention(nn.Module):
-    """One GAU-style multi-scale retention unit with the dense KV connection (see the module docstring).
-
-    Parameters: ``q_proj``, ``k_proj`` (``d -> d_qk``), ``hidden_proj`` (``W_h: d -> 2 d_v``), ``o_proj``
-    (``W_o: d_v -> d``), ``group_norm`` (per-head RMSNorm, one ``d_v / H`` weight shared by the heads), and in layers with predecessors ``dense_k``,
-    ``dense_v`` (the gates ``G_k: d -> d/32 -> d_qk``, ``G_v: d -> d/32 -> d_v``) and ``k_norm``, ``v_norm``.
-    """
+    """One GAU-style multi-scale retention unit with the dense KV connection (docs/design.md §3): ``q_proj``,
+    ``k_proj``, ``hidden_proj`` (``W_h``), ``o_proj`` (``W_o``), ``group_norm``, and in layers with predecessors
+    ``dense_k``, ``dense_v``, ``k_norm``, ``v_norm``."""
 
     def __init__(self, config: DenseRetNetConfig, layer_idx: int):
         super().__init__()
@@ -129,26 +108,8 @@ class DenseRetNetRetention(nn.Module):
         attention_mask: torch.Tensor | None = None,
         reset: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        """One token over a filled cache without gradients is a decoding step (:func:`retention_state_update`, the
-        state updated in place); every other call runs the chunked retention. With gradients on, every call (one
-        token included) runs the chunked retention, differentiable on every backend; a call that continues a cache
-        starts from its state as a constant (truncated backpropagation, :mod:`hf_densessm.modeling.cache`,
-        "Autograd").
-
-        Args:
-            hidden_states: ``(batch, seq_len, hidden_size)``, the block's normalized input ``x^l``.
-            dense_inputs: the predecessors' pre-fusion ``k`` tensors then their ``v`` tensors, nearest first (see
-                :mod:`hf_densessm.modeling.dense_connection`): ``(batch, seq_len, d_qk)``,
-                ``(batch, seq_len, d_v)``.
-            cache: a transformers ``Cache`` (see :mod:`hf_densessm.modeling.cache`) or ``None``.
-            attention_mask: ``(batch, seq_len)`` 0/1 or ``None``. Padded positions get ``k = v = 0``, so they add
-                nothing to the state; in a one-token step a padded row's state is left as it was.
-            reset: ``(batch, seq_len)`` bool or ``None``: True at the first token of each packed document; the
-                retention state, the rotary position and the normalization restart there.
-
-        Returns:
-            ``(output (batch, seq_len, hidden_size), (k, v))`` with this layer's pre-fusion ``k`` and ``v``.
-        """
+        """As :meth:`DenseMambaMixer.forward <hf_densessm.modeling.modeling_densemamba.DenseMambaMixer.forward>`, with
+        retention (the features ``(k, v)``, pre-fusion; ``(batch, seq_len, d_qk)``, ``(batch, seq_len, d_v)``)."""
         batch, seq_len, _ = hidden_states.shape
         backend = self.config.kernel_backend
         q = F.silu(self.q_proj(hidden_states))
@@ -204,11 +165,8 @@ class DenseRetNetRetention(nn.Module):
 
 
 class DenseRetNetBlock(GradientCheckpointingLayer):
-    """Pre-norm residual block ``x + self_attn(input_layernorm(x))`` (GAU-style: no separate FFN).
-
-    ``forward(hidden_states, *dense_inputs, cache=None, attention_mask=None)``: ``dense_inputs`` are the
-    predecessors' ``k`` then ``v`` tensors, nearest first. Returns the flat ``(hidden_states, k, v)``.
-    """
+    """Pre-norm residual block ``x + self_attn(input_layernorm(x))`` (GAU-style: no separate FFN); ``forward`` as
+    :class:`~hf_densessm.modeling.modeling_densemamba.DenseMambaBlock`'s."""
 
     def __init__(self, config: DenseRetNetConfig, layer_idx: int):
         super().__init__()
@@ -238,11 +196,8 @@ class DenseRetNetPreTrainedModel(DenseSSMSaveMixin, PreTrainedModel):
 
     @torch.no_grad()
     def _init_weights(self, module):
-        """The init the published DenseRetNet models were trained from (docs/design.md §3): their ``post_init()``
-        draws every ``Linear`` (gates and ``lm_head`` included) and the embeddings from normal(0,
-        ``initializer_range`` = 0.02); norms at 1; the rotary angles; the ``"linear"`` projections and ``"concat"``
-        reduction of the dense ablations as :func:`~hf_densessm.modeling.dense_connection.init_dense_linear`.
-        Leaf modules only, so every parameter missing from a checkpoint is initialized; loaded ones are kept."""
+        """The published models' init (docs/design.md §3): normal(0, ``initializer_range``) for every ``Linear`` and
+        the embeddings, norms at 1, the rotary angles, the dense ablations' layers; loaded weights are kept."""
         std = self.config.initializer_range
         if init_dense_linear(module, init, gate_std=std):
             return
@@ -260,7 +215,6 @@ class DenseRetNetModel(DenseRetNetPreTrainedModel):
     """The DenseRetNet backbone: ``embed_tokens``, ``num_hidden_layers`` :class:`DenseRetNetBlock` with the dense
     KV connection, final RMSNorm ``norm``."""
 
-
     def __init__(self, config: DenseRetNetConfig):
         super().__init__(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
@@ -268,12 +222,6 @@ class DenseRetNetModel(DenseRetNetPreTrainedModel):
         self.norm = DenseSSMRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.gradient_checkpointing = False
         self.post_init()
-
-    def get_input_embeddings(self):
-        return self.embed_tokens
-
-    def set_input_embeddings(self, new_embeddings):
-        self.embed_tokens = new_embeddings
 
     @takes_cache("past_key_values")
     def forward(
@@ -288,23 +236,9 @@ class DenseRetNetModel(DenseRetNetPreTrainedModel):
         **kwargs,
     ) -> tuple | BaseModelOutputWithPast:
         r"""
-        Args:
-            input_ids: ``(batch, seq_len)`` token ids; or ``inputs_embeds`` ``(batch, seq_len, hidden_size)`` (exactly one).
-            cache: a cache from a previous call (or an empty
-                ``hf_densessm.modeling.cache.DenseSSMCache(config=model.config)``; a plain ``DynamicCache`` has nowhere
-                to count each row's tokens and is refused); the tokens given continue the cached sequence, whatever
-                their number (prefill in chunks works). Also taken as ``past_key_values`` (its name before
-                transformers 5.24; :func:`~hf_densessm.modeling.cache.takes_cache`).
-            use_cache: return the cache (default ``config.use_cache``, off in training).
-            attention_mask: ``(batch, seq_len)`` or ``(batch, cached + seq_len)``, 1 for tokens and 0 for padding
-                (pad on the left for batched generation).
-
-        Returns:
-            ``BaseModelOutputWithPast`` (its cache field ``cache`` from transformers 5.24, ``past_key_values``
-            before) with ``hidden_states`` of ``num_hidden_layers + 1`` entries when asked.
-
-        Raises:
-            ValueError, TypeError: bad inputs (see :func:`hf_densessm.modeling.modeling_densessm.run_backbone`).
+        As :meth:`DenseMambaModel.forward <hf_densessm.modeling.modeling_densemamba.DenseMambaModel.forward>`, except:
+        ``cache`` must be a ``DenseSSMCache`` (a plain ``DynamicCache`` is refused), also taken as ``past_key_values``.
+        Returns a ``BaseModelOutputWithPast``.
         """
         hidden_states, cache, all_hidden_states = run_backbone(
             self, self.embed_tokens, self.norm, input_ids, inputs_embeds, cache, use_cache, output_hidden_states,
@@ -324,12 +258,6 @@ class DenseRetNetForCausalLM(DenseSSMCausalLMMixin, DenseRetNetPreTrainedModel, 
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
-    def get_input_embeddings(self):
-        return self.model.get_input_embeddings()
-
-    def set_input_embeddings(self, new_embeddings):
-        return self.model.set_input_embeddings(new_embeddings)
-
     @takes_cache("past_key_values")
     def forward(
         self,
@@ -346,9 +274,8 @@ class DenseRetNetForCausalLM(DenseSSMCausalLMMixin, DenseRetNetPreTrainedModel, 
     ) -> tuple | CausalLMOutputWithPast:
         r"""
         Args:
-            labels: ``(batch, seq_len)``; shifted inside (``labels = input_ids`` works), -100 is ignored.
-            logits_to_keep: an int keeps the last that many positions' logits (0 keeps all); a 1-D tensor keeps
-                those positions.
+            labels: ``(batch, seq_len)``, shifted inside, -100 ignored.
+            logits_to_keep: see :func:`~hf_densessm.modeling.modeling_densessm.check_logits_to_keep`.
             others: see :meth:`DenseRetNetModel.forward`.
         """
         outputs = self.model(
@@ -365,11 +292,8 @@ class DenseRetNetForCausalLM(DenseSSMCausalLMMixin, DenseRetNetPreTrainedModel, 
 
 
 class DenseRetNetForSequenceClassification(DenseSSMForSequenceClassificationMixin, DenseRetNetPreTrainedModel):
-    """DenseRetNet with a sequence-classification head ``score`` read at the last non-padding token (transformers'
-    ``GenericForSequenceClassification`` conventions; see
-    :class:`~hf_densessm.modeling.modeling_densessm.DenseSSMForSequenceClassificationMixin`). ``forward`` returns a
-    ``SequenceClassifierOutputWithPast`` with ``logits`` ``(batch, num_labels)``.
-    """
+    """DenseRetNet with a sequence-classification head, as
+    :class:`~hf_densessm.modeling.modeling_densemamba.DenseMambaForSequenceClassification`."""
 
     base_model_prefix = "model"
     backbone_class = DenseRetNetModel

@@ -1,8 +1,5 @@
-"""What DenseMamba and DenseRetNet share above the block: input checks, the backbone's forward body (embedding,
-cache set-up, the densely connected layers, the final norm), the causal-LM head, the generation glue and the hook
-from ``save_pretrained`` / ``push_to_hub`` to the publishing code. Written once, used by both families; the dense
-connection itself is :mod:`.dense_connection`, the cache :mod:`.cache`.
-"""
+"""What DenseMamba and DenseRetNet share above the block: input checks, the backbone's forward body, the causal-LM
+head, generation glue, ``save_pretrained`` / ``push_to_hub`` and the classification head (docs/design.md §1, §5)."""
 
 from __future__ import annotations
 
@@ -28,11 +25,9 @@ def check_inputs(
     """Check the model's token inputs at ``forward`` entry.
 
     Raises:
-        ValueError: both or neither of ``input_ids`` and ``inputs_embeds`` are given; ``input_ids`` is not
-            ``(batch, sequence_length)`` with ``batch, sequence_length >= 1``; ``inputs_embeds`` is not
-            ``(batch, sequence_length, hidden_size)`` with ``batch, sequence_length >= 1``.
-        TypeError: ``input_ids`` is not an int64 / int32 tensor (what ``nn.Embedding`` takes), or ``inputs_embeds``
-            is not a floating-point tensor.
+        ValueError: both or neither given; ``input_ids`` not ``(batch, seq_len)`` or ``inputs_embeds`` not
+            ``(batch, seq_len, hidden_size)``, with ``batch, seq_len >= 1``.
+        TypeError: ``input_ids`` not an int64 / int32 tensor, ``inputs_embeds`` not a floating-point tensor.
     """
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError("You must specify exactly one of `input_ids` or `inputs_embeds`.")
@@ -57,15 +52,12 @@ def check_inputs(
 
 
 def prepare_attention_mask(attention_mask: torch.Tensor | None, batch: int, seq_len: int) -> torch.Tensor | None:
-    """Return the ``(batch, seq_len)`` 0/1 mask of the current tokens, or ``None`` when nothing is padded.
-
-    ``attention_mask`` may also cover earlier (cached) tokens, as ``generate()`` passes it: ``(batch, past + seq_len)``;
-    only its last ``seq_len`` columns are used. 0 marks padding, which never enters a recurrent state.
+    """The last ``seq_len`` columns of ``attention_mask`` (``(batch, past + seq_len)``, 0 for padding), or ``None``
+    when nothing is padded.
 
     Raises:
-        TypeError: ``attention_mask`` is not a tensor.
-        ValueError: it is not 2-D, its batch differs, it is shorter than the input, or it holds a value other than
-            0 and 1 (bool, integer or float masks are accepted).
+        TypeError: not a tensor.
+        ValueError: not 2-D, another batch, shorter than the input, or a value other than 0 and 1.
     """
     if attention_mask is None:
         return None
@@ -99,24 +91,16 @@ def packed_document_starts(
     seq_idx: torch.Tensor | None = None,
     position_ids: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
-    """The ``(batch, seq_len)`` bool ``reset`` of packed documents (True at each document's first token), from
-    transformers' padding-free inputs (``DataCollatorWithFlattening``), or ``None`` when a row holds one document.
-
-    - ``cu_seq_lens_q``: ``(num_docs + 1,)`` integer cumulative lengths, 0 first, the total last (``batch`` 1);
-    - ``seq_idx``: ``(batch, seq_len)`` integer document index, non-decreasing along a row;
-    - ``position_ids``: ``(batch, seq_len)`` (or ``(seq_len,)``) positions restarting at 0 for each document, rising
-      by 1 inside one: a document starts wherever they restart at 0.
-
-    Each one given is checked, and they must agree. Given none, or describing one document per row, it returns
-    ``None`` and the model behaves exactly as without them. While ``torch.compile`` traces, the checks (which read
-    the values) are skipped and the ``reset`` of the first one given is returned even when it marks one document per
-    row (the same function, with no data-dependent branch).
+    """The ``(batch, seq_len)`` bool ``reset`` of packed documents (True at each document's first token) from
+    transformers' padding-free inputs, or ``None`` when each row holds one document. Inputs (integer tensors, checked,
+    must agree; unchecked while compiling, docs/design.md §5): ``cu_seq_lens_q`` ``(num_docs + 1,)`` cumulative
+    lengths (batch 1); ``seq_idx`` ``(batch, seq_len)`` non-decreasing; ``position_ids`` ``(batch, seq_len)`` or
+    ``(seq_len,)``, restarting at 0 per document and rising by 1 inside one.
 
     Raises:
         TypeError: a non-integer tensor.
-        ValueError: a shape inconsistent with ``input_ids``, cumulative lengths that are not increasing from 0 to
-            the total (an empty document), ``seq_idx`` that decreases, ``position_ids`` that neither restart at 0 nor
-            rise by 1, or inputs that disagree. Messages name the argument.
+        ValueError: a bad shape, lengths not rising strictly from 0 to ``seq_len``, a decreasing ``seq_idx``,
+            ``position_ids`` that neither restart at 0 nor rise by 1, or inputs that disagree.
     """
     starts = {}
     checked = not torch.compiler.is_compiling()
@@ -192,27 +176,17 @@ def run_backbone(
     attention_mask: torch.Tensor | None,
     **packing,
 ):
-    """The body of a DenseSSM backbone's ``forward``, shared by both families: check the inputs, embed, set up
-    the cache (a new :class:`~hf_densessm.modeling.cache.DenseSSMCache` when ``use_cache`` and none is given),
-    run the densely connected blocks (``model.layers``), count the tokens on the cache, apply the final norm.
-
-    Every block takes the cache as ``cache`` (:mod:`.cache`, "Names").
-
-    Gradient checkpointing in training drops the cache only while gradients are computed (a training forward; one
-    warning, as transformers' models give); ``generate()`` runs without gradients and keeps it, so a model in
-    ``train()`` mode generates the same tokens as in ``eval()`` mode.
-
-    ``packing``: transformers' padding-free inputs (``cu_seq_lens_q``, ``seq_idx``, ``position_ids``; other keys are
-    ignored): several documents in one row, every recurrent state starting from zero at each document
-    (:func:`packed_document_starts`). For training and scoring: refused with a cache or with padding.
+    """The body of both families' backbone ``forward``: check the inputs, embed, set up the cache, run the dense
+    blocks (``model.layers``), count the tokens, apply the final norm (docs/design.md §5). ``packing``: the inputs
+    of :func:`packed_document_starts` (other keys ignored), refused with a cache or with padding.
 
     Returns:
         ``(last_hidden_state (batch, seq_len, hidden_size), cache or None, hidden_states or None)``; the
         ``hidden_states`` tuple has ``num_hidden_layers + 1`` entries (block inputs, then the normed output).
 
     Raises:
-        ValueError, TypeError: bad inputs (see :func:`check_inputs`, :func:`prepare_attention_mask`,
-            :func:`~hf_densessm.modeling.cache.check_cache`).
+        ValueError, TypeError: bad inputs (:func:`check_inputs`, :func:`prepare_attention_mask`,
+            :func:`packed_document_starts`, :func:`~hf_densessm.modeling.cache.check_cache`).
     """
     config = model.config
     if output_hidden_states is None:
@@ -265,9 +239,8 @@ def run_backbone(
 
 
 def backbone_output(model, output_class, return_dict, hidden_states, cache, all_hidden_states):
-    """A backbone's return value: ``output_class(last_hidden_state, hidden_states)`` with the cache in its cache field
-    (:func:`~hf_densessm.modeling.cache.model_output`), or the tuple of the ones that are not ``None`` when
-    ``return_dict`` is False (default ``config.return_dict``)."""
+    """``output_class(last_hidden_state, hidden_states, <cache field>)``, or the tuple of those not ``None`` when
+    ``return_dict`` (default ``config.return_dict``) is False."""
     return_dict = return_dict if return_dict is not None else model.config.return_dict
     if not return_dict:
         return tuple(v for v in (hidden_states, cache, all_hidden_states) if v is not None)
@@ -275,8 +248,7 @@ def backbone_output(model, output_class, return_dict, hidden_states, cache, all_
 
 
 def check_logits_to_keep(logits_to_keep, seq_len: int):
-    """Return the index that selects the kept positions: an ``int >= 0`` keeps the last that many (0 keeps all), a
-    1-D integer tensor keeps those positions.
+    """The index of the kept positions: an ``int >= 0`` keeps the last that many (0: all), a 1-D integer tensor those.
 
     Raises:
         TypeError: a ``bool``, a float, or a tensor that is not an integer tensor.
@@ -303,15 +275,8 @@ def check_logits_to_keep(logits_to_keep, seq_len: int):
 
 
 class DenseSSMSaveMixin:
-    """``save_pretrained`` / ``push_to_hub`` of both families' ``PreTrainedModel`` classes (a base class before
-    ``PreTrainedModel``): a complete Hub folder (flat modeling code, ``auto_map``, model card), written kill-safely
-    by the publishing code, :mod:`hf_densessm.hub` (docs/hub_and_conversion.md). Same arguments and return values as
-    transformers' methods.
-
-    The publishing code is not bundled into a saved folder, so it is imported here lazily, absolutely and inside
-    ``try``: transformers' remote-code import check skips imports inside ``try``, and remote code loaded where the
-    package cannot be imported saves with transformers' own methods instead (weights, config, code; no card).
-    """
+    """``save_pretrained`` / ``push_to_hub`` (transformers' arguments and returns) through :mod:`hf_densessm.hub`,
+    imported lazily inside ``try`` (falling back to transformers' methods): docs/design.md §8."""
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         try:
@@ -329,30 +294,17 @@ class DenseSSMSaveMixin:
 
 
 class DenseSSMCausalLMMixin:
-    """The causal-LM head's forward logic and the generation glue shared by both families.
-
-    A subclass has ``self.lm_head`` and ``self.config``. Both families take the cache as ``cache`` and return it in
-    their output class's cache field (named by the installed transformers: :mod:`.cache`, "Names"), build it the same
-    way and continue generation from a returned cache.
-
-    Generation: ``generate()`` gets its :class:`~hf_densessm.modeling.cache.DenseSSMCache` before it decides whether
-    to compile (:meth:`_prepare_cache_for_generation`), so on CUDA transformers' own compile path runs the decoding
-    steps (``torch.compile`` with CUDA graphs, ``generation_config.compile_config``; ``disable_compile=True`` turns it
-    off), and :meth:`compile_decode_step` opts in to the same path on other devices.
-    """
+    """The causal-LM head's forward logic and the generation glue of both families (a subclass has ``lm_head`` and
+    ``config``); cache and compiled decoding: docs/design.md §5."""
 
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:
-        # generate() would build a plain DynamicCache, which cannot tell the sequence length it asks for;
-        # _prepare_cache_for_generation builds a DenseSSMCache instead.
+        # _prepare_cache_for_generation builds a DenseSSMCache instead of a plain DynamicCache
         return False
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
-        """transformers' hook that gives ``generate()`` its cache before the prefill (and before it decides whether to
-        compile the decoding steps): a new, empty :class:`~hf_densessm.modeling.cache.DenseSSMCache` under the
-        installed release's cache name, unless one was passed in or ``use_cache=False``. Its states are allocated by
-        the prefill and updated in place by every later step, so a compiled step (and a CUDA graph) sees the same
-        tensors at every token."""
+        """transformers' hook: ``generate()`` gets a new, empty ``DenseSSMCache`` under the installed release's cache
+        name before the prefill, unless one was passed in or ``use_cache=False``."""
         super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
         if generation_config.use_cache is False or any(model_kwargs.get(name) is not None for name in CACHE_FIELDS):
             return
@@ -368,10 +320,8 @@ class DenseSSMCausalLMMixin:
         logits_to_keep: int | torch.Tensor,
         **kwargs,
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """Logits ``(batch, kept_positions, vocab_size)`` in float32 (float64 for a float64 model) and the next-token
-        loss (``self.loss_function``, transformers' ``ForCausalLMLoss`` by default: labels shifted inside, -100
-        ignored, divided by ``num_items_in_batch`` when ``Trainer`` passes it); ``logits_to_keep`` as
-        :func:`check_logits_to_keep`."""
+        """``(loss or None, logits (batch, kept_positions, vocab_size))``, logits float32 (float64 for a float64 model),
+        loss by ``self.loss_function``; ``logits_to_keep`` as :func:`check_logits_to_keep`."""
         kept = check_logits_to_keep(logits_to_keep, hidden_states.shape[1])
         logits = self.lm_head(hidden_states[:, kept, :].to(self.lm_head.weight.dtype))
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
@@ -381,20 +331,14 @@ class DenseSSMCausalLMMixin:
         return loss, logits
 
     def compile_decode_step(self, enable: bool = True):
-        """Compile the one-token decoding steps of ``generate()`` on every device, through transformers' own
-        generation compile path: ``generation_config.compile_config`` becomes ``CompileConfig(fullgraph=True)``
-        (``mode="reduce-overhead"``, i.e. CUDA graphs on CUDA; Inductor's C++ code on the CPU), allowed on every
-        device. On CUDA that path is already the default; on the CPU this opts in. The prefill runs eagerly; the
-        first decoding step of each new batch size or dtype compiles (tens of seconds on a 2-core CPU, and a C++
-        compiler is needed). A runtime choice: ``save_pretrained`` does not write ``compile_config``.
-
-        The other standard recipe works as well: ``model.forward = torch.compile(model.forward, fullgraph=True)``.
+        """Compile ``generate()``'s one-token decoding steps on every device: ``generation_config.compile_config``
+        becomes ``CompileConfig(fullgraph=True)``, allowed on every device (docs/design.md §5, "Compiled decoding").
 
         Args:
             enable: ``False`` goes back to transformers' default (``compile_config = None``).
 
         Returns:
-            The model (so ``model = Model.from_pretrained(...).compile_decode_step()`` reads naturally).
+            The model.
 
         Raises:
             TypeError: ``enable`` is not a bool.
@@ -409,17 +353,14 @@ class DenseSSMCausalLMMixin:
         return self
 
     def _lm_return(self, loss, logits, cache, hidden_states, return_dict, output_class):
-        """The head's return value: ``output_class(loss, logits, hidden_states)`` with the cache in its cache field
-        (:func:`~hf_densessm.modeling.cache.model_output`), or the tuple of the ones that are not ``None`` when
-        ``return_dict`` is False (default ``config.return_dict``)."""
+        """As :func:`backbone_output`, for ``output_class(loss, logits, hidden_states, <cache field>)``."""
         return_dict = return_dict if return_dict is not None else self.config.return_dict
         if not return_dict:
             return tuple(v for v in (loss, logits, cache, hidden_states) if v is not None)
         return model_output(output_class, cache, loss=loss, logits=logits, hidden_states=hidden_states)
 
     def _causal_lm_output(self, outputs, labels, logits_to_keep, return_dict, output_class, **kwargs):
-        """The head's return value from the backbone's ``outputs``: logits and loss (:meth:`_logits_and_loss`), the
-        cache, the hidden states (:meth:`_lm_return`)."""
+        """The head's return value from the backbone's ``outputs``."""
         loss, logits = self._logits_and_loss(outputs.last_hidden_state, labels, logits_to_keep, **kwargs)
         return self._lm_return(loss, logits, output_cache(outputs), outputs.hidden_states, return_dict, output_class)
 
@@ -434,19 +375,9 @@ class DenseSSMCausalLMMixin:
         is_first_iteration=False,
         **kwargs,
     ):
-        """As transformers' default, with three differences for recurrent models:
-
-        - the 2-D padding mask is passed as its columns of the tokens fed (the blocks read it directly and never
-          need a 4-D attention mask, so the cache is not shown to transformers' mask builder): a decoding step gets
-          a ``(batch, 1)`` mask, the same shape at every token, so a compiled step is not recompiled as the sequence
-          grows;
-        - ``inputs_embeds`` are used for the first step, as transformers' decoder-only models do;
-        - a ``cache`` passed in that already holds ``p`` positions while ``input_ids`` holds more is continued: only
-          ``input_ids[:, p:]`` is fed (the sequence a previous ``generate()`` returned, given back with its cache).
-
-        The cache goes to ``forward`` as ``cache``; ``generate()`` hands it in under the installed transformers' name
-        (:func:`~hf_densessm.modeling.cache.takes_cache`).
-        """
+        """As transformers' default, except: the 2-D padding mask is cut to the columns of the tokens fed (a
+        ``(batch, 1)`` mask per decoding step); a ``cache`` holding ``p < input_ids.shape[1]`` positions is continued
+        with ``input_ids[:, p:]``; the cache goes to ``forward`` as ``cache`` (docs/design.md §5)."""
         if is_first_iteration and next_sequence_length is None and cache is not None:
             seen = cache.get_seq_length()
             length = (inputs_embeds if inputs_embeds is not None else input_ids).shape[1]
@@ -470,15 +401,9 @@ class DenseSSMCausalLMMixin:
 
 
 class DenseSSMForSequenceClassificationMixin(GenericForSequenceClassification):
-    """A sequence-classification head for either family: transformers' ``GenericForSequenceClassification``
-    (a bias-free ``score: hidden_size -> num_labels`` read at the last non-padding token, ``pad_token_id`` required
-    for batches larger than 1, transformers' loss mapping for regression / single- and multi-label), over the
-    family's backbone. A subclass sets ``base_model_prefix`` and ``backbone_class``.
-
-    The backbone is built directly (not through ``AutoModel``), so the head also works from a saved folder loaded
-    with ``trust_remote_code=True``. Padding never enters a recurrent state, so left- and right-padded batches give
-    the same logits.
-    """
+    """transformers' ``GenericForSequenceClassification`` (bias-free ``score`` read at the last non-padding token)
+    over the family's backbone, built directly (not through ``AutoModel``) so that remote code loads it. A subclass
+    sets ``base_model_prefix`` and ``backbone_class``."""
 
     backbone_class: type = None
 

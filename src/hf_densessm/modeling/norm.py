@@ -8,15 +8,9 @@ from torch import nn
 
 class DenseSSMRMSNorm(nn.Module):
     """Root-mean-square layer norm (Zhang & Sennrich 2019, Eq. 4): ``weight * x / sqrt(mean(x^2) + eps)`` over the
-    last dimension.
-
-    Computed in float32 (float64 for float64 inputs) and returned in the input dtype, then multiplied by ``weight``
-    (as ``transformers``' ``MambaRMSNorm`` / ``LlamaRMSNorm``). With ``num_groups > 1`` each of the ``num_groups``
-    equal slices of the last dimension is normalized on its own and multiplied by one ``weight`` of the slice's size,
-    shared by the slices (DenseRetNet's per-head "group norm", as published; docs/design.md §3). Plain PyTorch:
-    ``torch.compile`` fuses it into one loop.
-
-    Shapes: input ``(..., hidden_size)``, output the same. ``weight`` ``(hidden_size // num_groups,)``.
+    last dimension, computed in float32 (float64 for float64 inputs), then cast back and scaled (as ``LlamaRMSNorm``).
+    ``num_groups > 1``: each equal slice normalized alone, one shared ``weight`` (DenseRetNet's group norm, §3).
+    Shapes: ``(..., hidden_size)`` in and out; ``weight`` ``(hidden_size // num_groups,)``.
 
     Raises:
         ValueError: ``hidden_size`` is not divisible by ``num_groups``.
@@ -31,9 +25,8 @@ class DenseSSMRMSNorm(nn.Module):
         self.num_groups = num_groups
 
     def forward(self, hidden_states: torch.Tensor, eps_scale: torch.Tensor | None = None) -> torch.Tensor:
-        """``eps_scale``: optional positive factor on ``eps`` per group, broadcastable to ``(..., num_groups, 1)``;
-        normalizing ``x / sqrt(c)`` equals normalizing ``x`` with ``eps * c`` (how DenseRetNet folds its retention
-        normalization in, docs/design.md §3)."""
+        """``eps_scale``: optional positive factor on ``eps`` per group, broadcastable to ``(..., num_groups, 1)``
+        (DenseRetNet's retention normalization, docs/design.md §3)."""
         input_dtype = hidden_states.dtype
         h = hidden_states.to(torch.promote_types(input_dtype, torch.float32))
         if self.num_groups > 1:

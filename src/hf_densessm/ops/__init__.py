@@ -1,15 +1,6 @@
-"""Sequence-mixing ops of DenseSSM models, each with a PyTorch reference beside its Triton kernel.
-
-- :func:`selective_scan` / :func:`selective_state_update`: Mamba's selective scan (Mamba paper, Alg. 2,
-  §3.3) for training/prefill, and its single-token step for decoding.
-- :func:`chunk_retention` / :func:`retention_state_update`: RetNet's multi-scale retention (DenseSSM
-  paper Eq. 18, 19, 24) in chunkwise form for training/prefill, and its single-token step for decoding.
-- :func:`causal_conv1d`: Mamba's short causal depthwise convolution (Mamba paper §3.4), token-major, SiLU fused.
-
-Every op is a ``torch.library`` op (``torch.ops.hf_densessm.*``) with a fake implementation and a registered autograd
-formula, so ``torch.compile`` traces it; the public functions here check their arguments and call it. Each takes
-``backend="auto" | "triton" | "torch"`` (:mod:`.backend`, the one dispatch): ``"auto"`` runs the Triton kernel on
-CUDA tensors and the PyTorch path elsewhere.
+"""Sequence-mixing ops of DenseSSM models (``torch.ops.hf_densessm.*``): :func:`selective_scan` /
+:func:`selective_state_update` (Mamba paper Alg. 2), :func:`chunk_retention` / :func:`retention_state_update` (DenseSSM
+paper Eq. 18, 19, 24), :func:`causal_conv1d` (Mamba paper §3.4). Layout, forms and backends: docs/kernels.md.
 """
 
 from .causal_conv1d import causal_conv1d

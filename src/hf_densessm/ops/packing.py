@@ -1,10 +1,5 @@
-"""Packed sequences in the ops: the per-token ``reset`` flag both sequence-mixing ops take, and its check.
-
-A row may hold several documents one after another (padding-free training, transformers'
-``DataCollatorWithFlattening``). ``reset[b, t]`` is True at the first token of each document: the recurrent state
-before that token is dropped (``h_{t-1} = 0``; at ``t = 0`` the initial state too), so nothing crosses a document
-boundary, exactly as if each document ran alone. The models build ``reset`` from ``cu_seq_lens_q``, ``seq_idx`` or
-``position_ids`` (``hf_densessm.modeling.modeling_densessm.packed_document_starts``).
+"""Packed sequences in the ops: the per-token ``reset`` flag (True at each packed document's first token; the state
+before it is dropped) and its check (docs/kernels.md, "Packed sequences").
 """
 
 from __future__ import annotations

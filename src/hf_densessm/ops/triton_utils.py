@@ -1,11 +1,5 @@
-"""Triton device functions shared by the kernels of every op (``chunk.py`` and ``fused_recurrent.py`` files).
-
-- :func:`acc`: cast a loaded tile to the accumulation dtype (float32, or float64 for the float64 tests).
-- :func:`softplus`: ``log(1 + exp(x))``, the time-step discretization of Mamba (Mamba paper §3.5, App. D).
-- :func:`silu`: ``x * sigmoid(x)``, the gate of the Mamba block (Mamba paper Fig. 3).
-- :func:`launch`: the launcher of a kernel, ``torch.library.wrap_triton(kernel)`` (what ``torch.compile`` traces).
-
-Imported only by kernel files, which are imported only when a Triton backend runs (:mod:`..backend`).
+"""Triton device functions shared by the kernels of every op (``acc``, ``softplus``, ``silu``) and :func:`launch`.
+Imported only by kernel files, which are imported only when a Triton backend runs (docs/kernels.md).
 """
 
 try:  # triton: needed only when a kernel of this file runs
@@ -22,12 +16,8 @@ __all__ = ["acc", "launch", "silu", "softplus"]
 
 
 def launch(kernel):
-    """``torch.library.wrap_triton(kernel)``, to be indexed with the grid and called: a launch that ``torch.compile``
-    and the ops' fake implementations trace (the ops' bodies launch every kernel through it).
-
-    Under the Triton interpreter (``TRITON_INTERPRET=1``: the tests on the CPU), a kernel is an interpreted function,
-    which torch 2.11's ``wrap_triton`` refuses (RuntimeError) and later releases hand back as it is: it is then
-    launched directly, as those releases do.
+    """``torch.library.wrap_triton(kernel)``, to be indexed with the grid and called (traced by ``torch.compile``).
+    Under the interpreter, where torch 2.11's ``wrap_triton`` refuses the interpreted function, ``kernel`` itself.
 
     Raises:
         RuntimeError: ``wrap_triton``'s, for a kernel that is not a Triton kernel outside the interpreter.

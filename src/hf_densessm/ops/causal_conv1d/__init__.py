@@ -1,27 +1,6 @@
-"""Mamba's causal depthwise convolution (Mamba paper §3.4, Fig. 3: the short convolution before the SSM), with the
-optional SiLU, in token-major memory order, as the ``torch.library`` ops ``hf_densessm::causal_conv1d`` and
-``hf_densessm::causal_conv1d_backward``.
-
-``out_t = act(bias + sum_k weight[:, k] * x_{t - (kernel - 1) + k})``: ``nn.Conv1d(groups=channels)`` with
-``kernel - 1`` zeros (or a cached window) on the left, as ``F.conv1d``. Packed documents (``reset``): tap ``k`` of
-token ``t`` reads ``x_{t - (kernel - 1 - k)}`` only when that token lies in ``t``'s document; the window only
-precedes the row's first document.
-
-Why token-major: the block's projections produce ``(batch, seq_len, channels)`` tensors and ``F.conv1d`` wants
-channels first; on the CPU the two transposes and a backward in mixed layouts cost several times the convolution.
-
-Forms: ``naive.py`` (``causal_conv1d_naive``, float64 token loop, the tests' ground truth) and ``torch_path.py``
-(:func:`causal_conv1d_torch`, :func:`causal_conv1d_backward_torch`: ``kernel`` shifted multiply-adds each way, in
-place into one buffer in eager mode, out of place over a padded copy while ``torch.compile`` traces; the backward
-written by hand, the pre-activation recomputed rather than stored). There is no Triton kernel: on every device the
-ops run the PyTorch path, so ``backend`` is checked but does not change the computation, and the ops take no
-``backend`` argument.
-
-The ops are ``torch.library.triton_op``s with no Triton kernel inside, rather than ``custom_op``s: a ``triton_op``
-is a ``custom_op`` whose body is also its fake (meta) implementation and which ``torch.compile`` decomposes into its
-body, so Inductor fuses the shifted multiply-adds, the SiLU and the masks with the code around them (a
-``custom_op`` stays an opaque call in the compiled graph); in eager mode the two are the same. Autograd is
-registered on ``hf_densessm::causal_conv1d`` and calls ``hf_densessm::causal_conv1d_backward``.
+"""Mamba's causal depthwise convolution (Mamba paper §3.4, Fig. 3), SiLU optional, token-major, as the
+``torch.library`` ops ``hf_densessm::causal_conv1d`` / ``_backward`` (autograd registered; ``triton_op``s with only
+the PyTorch path, ``torch_path.py``, on every device). Formulas and why token-major: docs/kernels.md.
 """
 
 from typing import Optional
@@ -39,7 +18,7 @@ _ACTIVATIONS = (None, "silu")
 
 
 def _tracing(x: torch.Tensor) -> bool:
-    """Whether data-dependent checks must be skipped: ``torch.compile`` traces, or a CUDA graph is captured."""
+    """Whether value-reading checks must be skipped: ``torch.compile`` traces, or a CUDA graph is captured."""
     if torch.compiler.is_compiling():
         return True
     return x.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
@@ -54,9 +33,7 @@ def _causal_conv1d_op(
     reset: Optional[torch.Tensor],
     silu: bool,
 ) -> torch.Tensor:
-    """``hf_densessm::causal_conv1d(Tensor x, Tensor taps, Tensor? bias, Tensor? window, Tensor? reset, bool silu)
-    -> Tensor``: :func:`causal_conv1d_torch` (shapes there; ``taps`` is ``(channels, kernel)``). No checks: call
-    :func:`causal_conv1d`."""
+    """:func:`causal_conv1d_torch`, no checks (``taps``: ``(channels, kernel)``)."""
     with own_precision(x.device):
         return causal_conv1d_torch(x, taps, bias, window, reset, silu)
 
@@ -71,9 +48,7 @@ def _causal_conv1d_backward_op(
     reset: Optional[torch.Tensor],
     silu: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``hf_densessm::causal_conv1d_backward(Tensor grad_out, Tensor x, Tensor taps, Tensor? bias, Tensor? window,
-    Tensor? reset, bool silu) -> (Tensor, Tensor, Tensor, Tensor)``: :func:`causal_conv1d_backward_torch`, the
-    gradients of ``x``, ``taps``, ``bias`` and ``window`` (empty ``(0,)`` tensors for an absent bias / window)."""
+    """:func:`causal_conv1d_backward_torch`: the gradients of ``x``, ``taps``, ``bias``, ``window``."""
     with own_precision(x.device):
         return causal_conv1d_backward_torch(grad_out, x, taps, bias, window, reset, silu)
 
@@ -106,32 +81,27 @@ def causal_conv1d(
     activation: str | None = None,
     backend: str = "auto",
 ) -> torch.Tensor:
-    """Causal depthwise convolution over tokens, then ``activation`` (module docstring): ``hf_densessm::causal_conv1d``.
+    """``act(bias + sum_k weight[:, k] * x_{t - (kernel - 1) + k})``: ``nn.Conv1d(groups=channels)`` with ``kernel - 1``
+    zeros (or a cached window) on the left, over tokens.
 
     Args:
-        x: ``(batch, seq_len, channels)`` float tensor, any strides (token-major: the layout of ``nn.Linear``'s
-            output, e.g. a slice of the input projection).
-        weight: ``(channels, 1, kernel)`` (``nn.Conv1d``'s) or ``(channels, kernel)``.
-        bias: ``(channels,)`` or ``None``.
-        window: ``(batch, channels, kernel)`` cached inputs before this call (transformers' Mamba conv state, the
-            newest last; its last ``kernel - 1`` columns are used), or ``None`` (zeros: the sequence's start). Read
-            at the call: the caller may update it in place afterwards (the op keeps a copy for the backward pass).
-        reset: ``(batch, seq_len)`` bool (or 0/1 integer), True at each packed document's first token, or ``None``.
-            With a ``window``, the window precedes the row's first document only.
+        x: ``(batch, seq_len, channels)`` float, any strides. weight: ``(channels, 1, kernel)`` or ``(channels,
+            kernel)``. bias: ``(channels,)`` or ``None``.
+        window: ``(batch, channels, kernel)`` cached inputs, newest last (its last ``kernel - 1`` columns are used),
+            or ``None`` (zeros); copied, so the caller may update it in place afterwards.
+        reset: ``(batch, seq_len)`` bool (or 0/1 integer) or ``None``: a tap reads only its token's packed document;
+            the window precedes the row's first document only.
         activation: ``None`` or ``"silu"``.
-        backend: one of :data:`hf_densessm.ops.backend.BACKENDS`; checked (``"triton"`` on CPU tensors needs the
-            Triton interpreter, as for every op), but every value runs the PyTorch path: the op has no Triton kernel.
+        backend: checked as every op's, but every value runs the PyTorch path.
 
     Returns:
         ``(batch, seq_len, channels)`` contiguous in ``x``'s dtype (computed in float32, float64 for float64 ``x``),
         differentiable in ``x``, ``weight``, ``bias`` and ``window``.
 
     Raises:
-        ValueError: a shape that does not match, ``activation`` not ``None``/``"silu"``, a bad ``backend``, a
-            ``reset`` on another device or an integer ``reset`` with values other than 0/1 (the last one not checked
-            while ``torch.compile`` traces or a CUDA graph is captured).
-        TypeError: a non-tensor or non-float ``x``, ``weight``, ``bias`` or ``window``, a ``reset`` that is not a
-            bool/integer tensor.
+        ValueError: a shape that does not match, a bad ``activation`` or ``backend``, a ``reset`` on another device
+            or (unless tracing or capturing) with values other than 0/1.
+        TypeError: a non-tensor or non-float ``x``, ``weight``, ``bias`` or ``window``, a non-bool/integer ``reset``.
         RuntimeError: ``backend="triton"`` without triton, or on CPU tensors without the Triton interpreter.
     """
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():

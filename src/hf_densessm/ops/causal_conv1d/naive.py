@@ -1,10 +1,4 @@
-"""The causal depthwise convolution as plainly as it can be written: the ground truth the other forms are tested
-against.
-
-One Python step per token and tap, in float64 (Mamba paper §3.4: the short causal convolution before the SSM, as
-``nn.Conv1d(channels, channels, kernel, groups=channels, padding=kernel - 1)`` cut to the sequence's length). Slow
-and never used by the models: ``torch_path.py`` is the PyTorch path the op runs.
-"""
+"""The causal depthwise convolution token by token in float64 (Mamba paper §3.4): the ground truth of the tests."""
 
 from __future__ import annotations
 

@@ -1,46 +1,21 @@
-"""The PyTorch path of the causal depthwise convolution: forward and hand-written backward, token-major.
-
-The convolution is linear in each of its inputs and has ``K`` taps (``conv_kernel``, 4 in the models), so both
-passes are ``K`` shifted multiply-adds over ``(batch, seq_len, channels)`` tensors. In eager mode each is an
-in-place ``addcmul_`` into one buffer (one pass over memory per tap, no padded copy of ``x``, no transposes); while
-``torch.compile`` traces, the same sums are written out of place over a padded copy, which Inductor fuses into a
-loop or two (it would turn in-place updates of slices into chains of scatters). With the shift
-``s = K - 1 - k`` of tap ``k`` (Mamba paper §3.4; the notation of :mod:`.naive`)::
-
-    pre_t    = bias + sum_k w_k * x_{t - s_k}                    (x_p, p < 0: the window's newest K - 1 inputs)
-    out_t    = silu(pre_t)  or  pre_t
-    g_t      = dL/dpre_t = silu'(pre_t) * dL/dout_t              (pre recomputed, never stored)
-    dL/dx_p  = sum_k w_k * g_{p + s_k}                           (p + s_k < seq_len)
-    dL/dw_k  = sum_{b, t} g_t * x_{t - s_k},   dL/dbias = sum_{b, t} g_t
-    dL/dwindow[:, :, K + p] = sum_k w_k * g_{p + s_k}            (p = -(K - 1) .. -1; column 0 is never read)
-
-Packed documents (``reset``): tap ``k`` of token ``t`` counts only when ``x_{t - s_k}`` lies in ``t``'s document,
-i.e. ``position_t >= s_k`` (:func:`~hf_densessm.ops.packing.document_positions`); the window is read only by the
-row's first document (the tokens before its first reset), as the selective scan reads its initial state. The
-backward pass applies the same masks to ``g``.
-
-These functions are the bodies of the ``hf_densessm::causal_conv1d`` ops (``__init__.py``) and, as such, are
-traced by ``torch.compile`` with FakeTensors: only static-shape Python branches (``K`` is specialized), no
-data-dependent ones.
+"""The PyTorch path of the causal depthwise convolution, token-major: ``K`` shifted multiply-adds each way (in place
+in eager mode, out of place while ``torch.compile`` traces), the backward written by hand, ``pre`` recomputed, taps
+masked to packed documents. Formulas: docs/kernels.md, "Causal convolution". Static-shape branches only.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..backend import compute_dtype
 from ..packing import document_positions
 
 __all__ = ["causal_conv1d_backward_torch", "causal_conv1d_torch"]
 
 
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def _masks(reset: torch.Tensor | None, kernel: int, cdt: torch.dtype) -> dict | None:
-    """Per shift ``s`` (1 .. K-1), the ``(batch, seq_len, 1)`` 0/1 mask of the tokens whose tap at distance ``s``
-    counts: ``x_{t - s}`` lies in ``t``'s document, or ``t - s < 0`` and ``t`` is in the row's first document (the
-    window precedes it); ``None`` without ``reset``."""
+    """Per shift ``s`` (1 .. K-1), the ``(batch, seq_len, 1)`` 0/1 mask of tokens whose tap at distance ``s`` counts
+    (same document, or the window before the row's first document); ``None`` without ``reset``."""
     if reset is None:
         return None
     first_document = ~reset.cummax(dim=1).values  # no reset at or before t: every tap counts
@@ -56,20 +31,13 @@ def _padded(x, window, kernel, cdt) -> torch.Tensor:
 
 
 def _tap_rows(taps: torch.Tensor, cdt: torch.dtype) -> torch.Tensor:
-    """``(K, channels)`` contiguous copy of ``taps`` for the compiled form. The ``as_strided`` view makes Inductor
-    write the copy to memory (its lowering of ``as_strided`` realizes the input) instead of inlining the transpose
-    into the loops, where a stride-``K`` load of each tap keeps the C++ backend from vectorizing them (measured at
-    batch 2, seq 1024, dim 1024, K 4: about 10x slower)."""
+    """``(K, channels)`` copy of ``taps`` for the compiled form, materialized via ``as_strided`` (docs/kernels.md)."""
     rows = taps.to(cdt).t().contiguous()
     return rows.as_strided(rows.shape, rows.stride())
 
 
 def _pre_activation(x, taps, bias, window, reset, cdt) -> torch.Tensor:
-    """``pre`` of the module docstring: ``(batch, seq_len, channels)`` contiguous, in ``cdt``.
-
-    Eager: one buffer, the taps added in place (one pass over memory per tap). While ``torch.compile`` traces (the
-    op decomposed into this body): the same sum written out of place over a padded copy, which Inductor fuses into
-    one loop (it turns in-place updates of slices into chains of scatters instead)."""
+    """``pre`` ``(batch, seq_len, channels)`` contiguous in ``cdt``: in place eager, out of place while compiling."""
     length, kernel = x.shape[1], int(taps.shape[1])  # the taps unrolled: K is static (specialized under compile)
     masks = _masks(reset, kernel, cdt)
     if torch.compiler.is_compiling():
@@ -106,19 +74,10 @@ def _pre_activation(x, taps, bias, window, reset, cdt) -> torch.Tensor:
 
 
 def causal_conv1d_torch(x, taps, bias=None, window=None, reset=None, silu=False) -> torch.Tensor:
-    """The forward pass of :func:`hf_densessm.ops.causal_conv1d` (module docstring), no checks.
-
-    Args:
-        x: ``(batch, seq_len, channels)`` float, any strides. taps: ``(channels, K)``. bias: ``(channels,)`` or
-            ``None``. window: ``(batch, channels, K)`` or ``None``. reset: ``(batch, seq_len)`` bool or ``None``.
-        silu: apply SiLU.
-
-    Returns:
-        ``(batch, seq_len, channels)`` contiguous in ``x``'s dtype, computed in float32 (float64 for float64 ``x``).
-        Plain PyTorch operations: autograd can differentiate it too, but the op uses
-        :func:`causal_conv1d_backward_torch`.
-    """
-    cdt = _compute_dtype(x.dtype)
+    """The forward pass of :func:`hf_densessm.ops.causal_conv1d`, no checks: ``taps`` ``(channels, K)``, ``reset``
+    bool or ``None``, ``silu`` a bool, the rest as there. Returns ``(batch, seq_len, channels)`` contiguous in ``x``'s
+    dtype, computed in float32 (float64 for float64 ``x``)."""
+    cdt = compute_dtype(x.dtype)
     pre = _pre_activation(x, taps, bias, window, reset, cdt)
     if silu:
         torch.nn.functional.silu(pre, inplace=True)
@@ -126,11 +85,8 @@ def causal_conv1d_torch(x, taps, bias=None, window=None, reset=None, silu=False)
 
 
 def causal_conv1d_backward_torch(grad_out, x, taps, bias=None, window=None, reset=None, silu=False):
-    """The backward pass of :func:`causal_conv1d_torch` (module docstring); recomputes ``pre`` when ``silu``.
-
-    Args:
-        grad_out: ``(batch, seq_len, channels)``, any strides (an expanded gradient is fine).
-        x, taps, bias, window, reset, silu: as in :func:`causal_conv1d_torch`.
+    """The backward pass of :func:`causal_conv1d_torch` given ``grad_out`` ``(batch, seq_len, channels)`` (any strides)
+    and its arguments; recomputes ``pre`` when ``silu``.
 
     Returns:
         ``(grad_x, grad_taps, grad_bias, grad_window)``: ``(batch, seq_len, channels)`` in ``x``'s dtype,
@@ -140,7 +96,7 @@ def causal_conv1d_backward_torch(grad_out, x, taps, bias=None, window=None, rese
     """
     batch, length, channels = x.shape
     kernel = int(taps.shape[1])
-    cdt = _compute_dtype(x.dtype)
+    cdt = compute_dtype(x.dtype)
     if silu:
         pre = _pre_activation(x, taps, bias, window, reset, cdt)
         g = torch.ops.aten.silu_backward(grad_out.to(cdt), pre)
@@ -172,8 +128,7 @@ def causal_conv1d_backward_torch(grad_out, x, taps, bias=None, window=None, rese
 
 
 def _backward_in_place(g, x, taps, window, masks, cdt):
-    """Eager backward: ``grad_x`` (one buffer, the taps added in place), the window's ``(batch, K - 1, channels)``
-    gradient (or ``None``) and the ``K`` columns of the taps' gradient, each ``(channels,)``."""
+    """Eager backward: ``grad_x``, the window's ``(batch, K - 1, channels)`` gradient (or ``None``), the taps' columns."""
     batch, length, channels = x.shape
     kernel = int(taps.shape[1])
     xc, tc = x.to(cdt), taps.to(cdt).t().contiguous().t()  # each tap's column unit-strided

@@ -1,42 +1,7 @@
-"""Multi-scale retention (DenseSSM paper Eq. 18, 19, 24; RetNet) as ``torch.library`` ops, with the public functions
-that check their arguments and call them.
-
-- :func:`chunk_retention`: training / prefill, chunkwise form, ``(batch, length, heads, dim)`` layout; calls
-  ``hf_densessm::chunk_retention`` (autograd: ``hf_densessm::chunk_retention_backward``);
-- :func:`retention_state_update`: one decoding step, the recurrent state updated in place; calls
-  ``hf_densessm::retention_state_update`` (``mutates_args=("state",)``).
-
-The ops (``torch.library.triton_op``; schemas in :data:`OP_SCHEMAS`)::
-
-    hf_densessm::chunk_retention(Tensor q, Tensor k, Tensor v, float scale, Tensor? initial_state,
-                                 Tensor? reset, str backend) -> (Tensor o, Tensor final_state)
-    hf_densessm::chunk_retention_backward(Tensor d_o, Tensor? d_final_state, Tensor q, Tensor k, Tensor v,
-                                          float scale, Tensor? initial_state, Tensor? reset, str backend)
-                                          -> (Tensor dq, Tensor dk, Tensor dv, Tensor d_initial_state)
-    hf_densessm::retention_state_update(Tensor(a!) state, Tensor q, Tensor k, Tensor v, float scale,
-                                        str backend) -> Tensor o
-
-Each op body is the one dispatch: :func:`hf_densessm.ops.backend.resolve_backend` picks the Triton kernels
-(``chunk.py``, ``fused_recurrent.py``, launched through ``torch.library.wrap_triton``) or the PyTorch path
-(``chunked_torch.py``, run in its own precision under autocast). The bodies trace with FakeTensors (no host syncs,
-no data-dependent branches, outputs never alias inputs), so they are also the ops' fake implementations, and under
-``torch.compile`` each op decomposes into its body: Inductor sees the Triton kernels on CUDA. The whole-sequence
-PyTorch path is an opaque ``custom_op`` (``hf_densessm::chunk_retention_torch`` and its backward), run eagerly inside
-a compiled graph rather than unrolled into it; the step's PyTorch path is fused. ``chunk_retention`` always returns the final state (the public function drops it unless asked);
-its backward always returns the gradient of the initial state (of a zero one when there is none).
-
-The forms of the op, one file each (the layout of flash-linear-attention's ``fla/ops/retention/``):
-
-- ``naive.py``: ``chunk_retention_naive``, the quadratic parallel form (Eq. 24), the ground truth of the tests,
-  and the per-head decay :func:`retention_gamma` / :func:`retention_log2_gamma` that every form and the model use;
-- ``chunked_torch.py``: ``chunk_retention_torch`` / ``chunk_retention_torch_backward`` /
-  ``retention_state_update_torch``, the vectorized PyTorch path (chunkwise form; loop over chunks), what the
-  models run on the CPU;
-- ``chunk.py``: ``chunk_retention_fwd_triton`` / ``chunk_retention_bwd_triton``, the chunkwise Triton kernels;
-- ``fused_recurrent.py``: ``retention_state_update_triton``, the Triton decode step.
-
-``backend="auto"`` runs the Triton kernels on CUDA tensors and the PyTorch path otherwise. Triton is imported only
-when a Triton branch runs, so the package and the PyTorch path work where triton is not installed.
+"""Multi-scale retention (DenseSSM paper Eq. 18, 19, 24; RetNet) as the ``torch.library`` ops
+``hf_densessm::chunk_retention`` (+ ``_backward``) and ``hf_densessm::retention_state_update``, and the public
+functions that check their arguments and call them. Forms (``naive.py``, ``chunked_torch.py``, ``chunk.py``,
+``fused_recurrent.py``), dispatch and compile behaviour: docs/kernels.md, "The ops" and "The forms of an op".
 """
 
 import math
@@ -45,16 +10,12 @@ from typing import Optional
 
 import torch
 
-from ..backend import own_precision, resolve_backend
+from ..backend import check_backend, compute_dtype, own_precision, resolve_backend
 from ..packing import check_reset
 from .chunked_torch import chunk_retention_torch, chunk_retention_torch_backward, retention_state_update_torch
 from .naive import retention_gamma, retention_log2_gamma
 
-__all__ = ["OP_SCHEMAS", "chunk_retention", "retention_gamma", "retention_log2_gamma", "retention_state_update"]
-
-#: The values of the ops' ``backend`` argument.
-BACKENDS = ("auto", "triton", "torch")
-
+__all__ = ["chunk_retention", "retention_gamma", "retention_log2_gamma", "retention_state_update"]
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
@@ -109,11 +70,6 @@ def _check_state(name, state, q, v):
         raise ValueError(f"{name} must be on the device of q ({q.device}), got {state.device}")
 
 
-def _check_backend(backend):
-    if not isinstance(backend, str) or backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got backend={backend!r}")
-
-
 # ---------------------------------------------------------------------------------------------------- the ops
 
 
@@ -133,9 +89,8 @@ def _retention_torch_backward(
         return chunk_retention_torch_backward(d_o, d_final_state, q, k, v, scale, initial_state, reset=reset)
 
 
-# ``hf_densessm::chunk_retention_torch`` / ``chunk_retention_torch_backward``: the whole-sequence PyTorch path as
-# opaque ops (their fake implementations the same functions, which read no values), so that ``torch.compile`` runs
-# them eagerly inside a graph instead of unrolling their loop over chunks into it (as the selective scan's).
+# The whole-sequence PyTorch path as opaque ops (fake: the same functions), run eagerly inside a compiled graph
+# rather than its loop over chunks unrolled into it.
 torch.library.custom_op("hf_densessm::chunk_retention_torch", mutates_args=())(_retention_torch).register_fake(
     _retention_torch
 )
@@ -163,10 +118,8 @@ def _chunk_retention_backward_op(
     d_o: torch.Tensor, d_final_state: Optional[torch.Tensor], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     scale: float, initial_state: Optional[torch.Tensor], reset: Optional[torch.Tensor], backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dq, dk, dv, d_initial_state)`` of ``hf_densessm::chunk_retention``: the Triton backward kernels or the
-    PyTorch path's written-out backward. ``d_final_state`` None means zero; ``d_initial_state`` is the gradient of
-    the state before token 0 (of a zero one without ``initial_state``), in ``initial_state``'s dtype (else the
-    state dtype)."""
+    """``(dq, dk, dv, d_initial_state)`` of ``hf_densessm::chunk_retention`` (``d_final_state`` None: zero);
+    ``d_initial_state`` in ``initial_state``'s dtype, else the state dtype."""
     if resolve_backend(backend, q.device) == "triton":
         from .chunk import chunk_retention_bwd_triton
 
@@ -176,13 +129,7 @@ def _chunk_retention_backward_op(
         dq, dk, dv, d_initial_state = torch.ops.hf_densessm.chunk_retention_torch_backward(
             d_o, d_final_state, q, k, v, scale, initial_state, reset
         )
-    return dq, dk, dv, d_initial_state.to(_state_dtype(v, initial_state))
-
-
-def _state_dtype(v, initial_state):
-    if initial_state is not None:
-        return initial_state.dtype
-    return torch.float64 if v.dtype == torch.float64 else torch.float32
+    return dq, dk, dv, d_initial_state.to(compute_dtype(v.dtype) if initial_state is None else initial_state.dtype)
 
 
 def _chunk_retention_setup(ctx, inputs, output):
@@ -218,51 +165,25 @@ def _retention_state_update_op(
         return retention_state_update_torch(state, q, k, v, scale)
 
 
-#: The schemas of the three ops, as registered.
-OP_SCHEMAS = {
-    name: str(getattr(torch.ops.hf_densessm, name).default._schema)
-    for name in ("chunk_retention", "chunk_retention_backward", "retention_state_update")
-}
-
-
 # ---------------------------------------------------------------------------------------------- public functions
 
 
 def chunk_retention(q, k, v, scale=None, initial_state=None, output_final_state=False, backend="auto", reset=None):
-    """Multi-scale retention over a sequence, chunkwise form (DenseSSM paper Eq. 18, 19, 24; RetNet).
-
-    Per head ``h`` with decay ``gamma_h = 1 - 2**(-5 - h)`` (``h = 0 .. heads-1``, from the number of heads):
-
-        S_t = gamma_h S_{t-1} + k_t^T v_t,    S_0 = initial_state (or 0)        (Eq. 18)
-        o_t = (scale q_t) S_t                                                  (Eq. 19)
-            = scale sum_{s<=t} gamma_h^(t-s) (q_t . k_s) v_s + scale gamma_h^t q_t S_0    (Eq. 24)
-
-    so token ``t`` sees itself. The sequence is cut into chunks of ``C`` tokens (64 in the Triton kernel; the
-    torch path picks ``C`` from ``key_dim * value_dim``, see ``chunked_torch.default_chunk_size``): inside a chunk,
-    ``((q k^T) * D) v`` with ``D[i, j] = gamma^(i-j)`` for ``j <= i``; from earlier chunks,
-    ``gamma^(i+1) q_i S_prev``, with ``S_prev`` carried chunk to chunk (``S <- gamma^C S + sum_j gamma^(C-1-j)
-    k_j^T v_j``). This is the same sum as Eq. 24 and as the recurrence, accumulated in float32 (float64 for
-    float64 inputs).
-
-    Relation to the published RetNet parallel form: it also divides each row ``t`` of the decay mask by the
-    square root of its sum, and each row of ``(q k^T) * D`` by ``max(1, sum of its absolute values)``. Both are
-    positive factors per token and head, and the model applies a per-head RMSNorm to ``o`` right after
-    retention, which is invariant to a positive factor per row (up to its eps). So this op, like fast retention
-    kernels, leaves them out; its chunked form, ``naive.chunk_retention_naive`` (Eq. 24 with the plain decay mask)
-    and the recurrent step :func:`retention_state_update` agree exactly with each other (docs/design.md, on DenseRetNet's retention).
+    """Multi-scale retention over a sequence in chunkwise form, accumulated in float32 (float64 for float64 inputs).
+    Per head ``h``, ``gamma_h = 1 - 2**(-5 - h)``: ``S_t = gamma_h S_{t-1} + k_t^T v_t`` (Eq. 18, ``S_0 =
+    initial_state`` or 0), ``o_t = (scale q_t) S_t`` (Eq. 19, equal to Eq. 24). fla's plain semantics, without the
+    published row normalizations (docs/design.md §3).
 
     Args:
-        q (Tensor): queries ``(batch, length, heads, key_dim)``.
-        k (Tensor): keys ``(batch, length, heads, key_dim)``.
-        v (Tensor): values ``(batch, length, heads, value_dim)``. q, k, v share one dtype among float16,
-            bfloat16, float32, float64 (meant for tests) and one device.
+        q, k (Tensor): ``(batch, length, heads, key_dim)``; v (Tensor): ``(batch, length, heads, value_dim)``; one
+            dtype among float16, bfloat16, float32, float64, one device.
         scale (float, optional): positive factor on ``q``; defaults to ``key_dim ** -0.5``.
         initial_state (Tensor, optional): ``(batch, heads, key_dim, value_dim)`` float32 (float64 allowed with
             float64 inputs), the state before token 0; gradients flow into it if it requires grad.
-        output_final_state (bool): also return the state after the last token (to fill a decoding cache).
-        backend (str): ``"auto"`` (Triton on CUDA tensors, PyTorch otherwise), ``"triton"`` or ``"torch"``.
-        reset (Tensor, optional): ``(batch, length)`` bool, True at the first token of each packed document: the
-            state before it is dropped (the initial state too at ``t = 0``), so nothing crosses a document boundary.
+        output_final_state (bool): also return the state after the last token.
+        backend (str): ``"auto"``, ``"triton"`` or ``"torch"`` (docs/kernels.md, "The backend switch").
+        reset (Tensor, optional): ``(batch, length)`` bool, True at the first token of each packed document (the
+            state before it is dropped; docs/kernels.md, "Packed sequences").
 
     Returns:
         o (Tensor): ``(batch, length, heads, value_dim)`` in ``v``'s dtype.
@@ -280,25 +201,20 @@ def chunk_retention(q, k, v, scale=None, initial_state=None, output_final_state=
     if initial_state is not None:
         _check_state("initial_state", initial_state, q, v)
     reset = check_reset(reset, q.shape[0], q.shape[1], q.device)
-    _check_backend(backend)
+    check_backend(backend)
     o, final_state = torch.ops.hf_densessm.chunk_retention(q, k, v, scale, initial_state, reset, backend)
     return o, (final_state if output_final_state else None)
 
 
 def retention_state_update(state, q, k, v, scale=None, backend="auto"):
-    """One decoding step of multi-scale retention (DenseSSM paper Eq. 18, 19), the state updated in place.
-
-    ``state <- gamma_h state + k^T v`` and then ``o = (scale q) state``, per head ``h`` with
-    ``gamma_h = 1 - 2**(-5 - h)``: the step that continues :func:`chunk_retention`'s ``final_state`` by one token.
+    """One decoding step of multi-scale retention (Eq. 18, 19): ``state <- gamma_h state + k^T v``, then
+    ``o = (scale q) state``; continues :func:`chunk_retention`'s ``final_state`` by one token.
 
     Args:
-        state (Tensor): ``(batch, heads, key_dim, value_dim)`` float32 (float64 allowed with float64 inputs);
-            overwritten with the new state.
-        q (Tensor): ``(batch, heads, key_dim)``.
-        k (Tensor): ``(batch, heads, key_dim)``.
-        v (Tensor): ``(batch, heads, value_dim)``; q, k, v share one dtype and device.
-        scale (float, optional): positive factor on ``q``; defaults to ``key_dim ** -0.5``.
-        backend (str): ``"auto"`` (Triton on CUDA tensors, PyTorch otherwise), ``"triton"`` or ``"torch"``.
+        state (Tensor): ``(batch, heads, key_dim, value_dim)`` float32 (float64 allowed with float64 inputs),
+            updated in place.
+        q, k (Tensor): ``(batch, heads, key_dim)``; v (Tensor): ``(batch, heads, value_dim)``; one dtype and device.
+        scale, backend: as :func:`chunk_retention`.
 
     Returns:
         o (Tensor): ``(batch, heads, value_dim)`` in ``v``'s dtype.
@@ -310,5 +226,5 @@ def retention_state_update(state, q, k, v, scale=None, backend="auto"):
     _check_qkv(q, k, v, ("batch", "heads"))
     scale = _check_scale(scale, q.shape[-1])
     _check_state("state", state, q, v)
-    _check_backend(backend)
+    check_backend(backend)
     return torch.ops.hf_densessm.retention_state_update(state, q, k, v, scale, backend)

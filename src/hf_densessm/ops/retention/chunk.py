@@ -1,38 +1,6 @@
-"""Chunkwise multi-scale retention in Triton: the forward and backward kernels of ``hf_densessm::chunk_retention``
-and ``hf_densessm::chunk_retention_backward`` (``backend="triton"``), launched through ``torch.library.wrap_triton``.
-
-Maths (DenseSSM paper Eq. 18, 19, 24; RetNet chunkwise form), per head with decay ``gamma`` and chunks of
-``BT`` tokens, ``q~ = scale q``, ``D[i, j] = gamma^(i-j)`` for ``j <= i`` (0 above the diagonal), ``n`` the
-number of tokens in the chunk (``BT``, or fewer in the last one):
-
-    forward   o     = ((q~ k^T) * D) v + gamma^(i+1) q~ S                   (S: state before the chunk)
-              S    <- gamma^n S + sum_j gamma^(n-1-j) k_j^T v_j
-    backward  dq~   = ((dO v^T) * D) k + gamma^(i+1) dO S^T                 (forward in time, S recomputed)
-              dk    = ((dO v^T) * D)^T q~ + gamma^(n-1-j) v dH^T           (backward in time)
-              dv    = ((q~ k^T) * D)^T dO + gamma^(n-1-j) k dH
-              dH   <- gamma^n dH + sum_i gamma^(i+1) q~_i^T dO_i            (dH: gradient of the state after
-                                                                            the chunk; starts at d final_state,
-                                                                            ends as d initial_state)
-
-Each program owns one ``(BK, BV)`` tile of the state (or of ``dH``) in registers and walks the chunks of one
-``(batch, head)``: the grid is ``(value tiles, key tiles, batch * heads)``, so no ``(length, K, V)`` state ever
-reaches memory (states are recomputed in the backward pass). Every output that sums over the other axis
-(``o`` and ``dq`` over value tiles or key tiles, ``dk`` over value tiles, ``dv`` over key tiles) is written
-as float32 partial sums, one per tile, and added on the host. Key and value sizes that are not powers of two
-(key 320 of the 1.3B preset) are masked. Products run through ``tl.dot`` in the input dtype (tensor cores for
-float16 / bfloat16; exact, not TF32, for float32) with float32 accumulation (float64 for float64 inputs).
-
-**Packed sequences** (``reset``, issue 11; constexpr ``HAS_RESET``): the host turns the ``(batch, length)`` reset
-flags into ``(batch, 1 + length)`` int32 document indices, 0 for the initial state's document and then
-``cumsum(reset)``, and every kernel masks per chunk, as ``chunked_torch.py`` does: ``D[i, j]`` where ``i`` and
-``j`` lie in one document; ``gamma^(i+1)`` (the read of the carried state, and the matching term of ``dH``) where
-token ``i`` is in the document of the token before the chunk; ``gamma^(n-1-j)`` (the write into the next state,
-and the ``dH`` terms of ``dk``, ``dv``) where token ``j`` is in the chunk's last document; ``gamma^n`` (the carried
-state, or ``dH``) where the chunk's last token is still in the carried state's document. So nothing crosses a
-boundary, inside a chunk or at its edges, and ``d initial_state`` is 0 when the row starts a document at token 0.
-
-Tiles, warps and stages of each kernel come from :func:`chunk_retention_config`, per GPU (compute capability,
-shared memory per block) and dtype; ``tests/ops/test_compile.py`` compiles every choice it can make.
+"""Chunkwise multi-scale retention in Triton (DenseSSM paper Eq. 18, 19, 24; RetNet chunkwise form): the forward
+and backward kernels of ``hf_densessm::chunk_retention`` / ``_backward`` (``backend="triton"``), launched through
+``torch.library.wrap_triton``. Formulas, tiling, packed documents: docs/kernels.md, "How the kernels work".
 """
 
 from dataclasses import dataclass
@@ -45,7 +13,7 @@ try:  # triton: needed only when a kernel of this file runs
 except ImportError as error:
     raise ImportError(f"{__name__} holds Triton kernels and needs the `triton` package") from error
 
-from ..backend import GPUArch, device_arch
+from ..backend import GPUArch, compute_dtype, device_arch
 from ..triton_utils import launch
 from .naive import retention_log2_gamma
 
@@ -83,30 +51,8 @@ class ChunkRetentionConfig:
 
 
 def chunk_retention_config(arch: GPUArch, dtype: torch.dtype, key_dim: int, value_dim: int) -> ChunkRetentionConfig:
-    """Tiles, warps and stages of the chunkwise kernels for one GPU, input dtype and head size.
-
-    Each program keeps a ``(block_k, block_v)`` state tile, ``(block_t, block_t)`` scores and decay mask and the
-    ``(block_t, block_k | block_v)`` input tiles in registers. The choices below are the largest the compile test
-    (``tests/ops/test_compile.py``) found to run without register spills at the presets' head sizes:
-
-    - float32 (float64): every kernel on 32-token chunks with 32 x 32 (forward) or 32 x 64 (backward) state tiles
-      and 8 warps, at most 29 KB of shared memory and about 200 registers. float32 ``tl.dot`` with exact ("ieee")
-      products runs on the FMA units and holds its operands in registers: the first version's 64-token, 64 x 64
-      tiles at 4 warps and 3 stages spilled 8-10 KB per thread in every kernel on sm_80, and its backward
-      ``dk/dv`` kernel asked for 176 KB of shared memory, over an A100's 163 KB (the launch failed there);
-    - float16 / bfloat16 on sm_90 (H100), measured there (``benchmarks/sweep_triton_tiles.py``, 24 candidates per
-      kernel at DenseRetNet-350M's heads, 8 x 2048 tokens, ``benchmarks/results/sweep_triton_tiles.json``):
-      the forward and ``dq`` kernels keep the first choice, 64-token chunks and 64 x 64 (key x value) state
-      tiles at 8 warps; the faster candidates compiled here (forward 1.25-1.60 ms against 2.38 ms, ``dq`` 9.5 ms
-      against 10.7 ms of forward + backward) spill registers in the compile test. ``dk/dv``: 32-token chunks, 64 x 64
-      tiles at 4 warps, where the first choice had 32 x 64 tiles at 8 warps: forward + backward 8.0 ms against
-      10.7 ms (three faster ones on 64-token chunks, 6.7-7.6 ms, spill; 32-token chunks with 128-wide tiles,
-      7.2-7.3 ms, were not tried). On sm_8x the float32 choice (the 64-wide tiles spill there).
-
-    Stages: for float16 / bfloat16, 2 (loads of the next chunk pipelined through shared memory) where a block may
-    use at least 160 KB of shared memory (A100, H100), 1 elsewhere (99 KB: RTX 3090 / 4090, A10, L4, L40); for
-    float32 always 1 (2 stages made the backward kernels spill on sm_80 and sm_90). Every choice needs at most
-    a few tens of KB of shared memory, under every limit in :data:`~hf_densessm.ops.backend.ARCHS`.
+    """Tiles, warps and stages of the chunkwise kernels for one GPU, input dtype and head size: the largest that
+    compile without spills (docs/kernels.md, "Tile, warp and stage choices", with the measurements behind them).
 
     Args:
         arch: the GPU's limits (:func:`hf_densessm.ops.backend.device_arch`).
@@ -123,8 +69,7 @@ def chunk_retention_config(arch: GPUArch, dtype: torch.dtype, key_dim: int, valu
         dkv = RetentionTiles(32, 64, 64, 4, stages)
     else:
         fwd, dq = RetentionTiles(32, 32, 32, 8, stages), RetentionTiles(32, 32, 64, 8, stages)
-        # heads smaller than one 32 x 64 tile: 4 warps for dk/dv (8 warps on its 16 x 32 tile made ptxas spill the
-        # float32 kernel with packed-sequence resets on sm_90, at 128 registers)
+        # heads smaller than one 32 x 64 tile: 4 warps for dk/dv (8 spilled with resets on sm_90; docs/kernels.md)
         dkv = RetentionTiles(32, 32, 64, 8 if key_dim * value_dim >= 32 * 64 else 4, stages)
     return ChunkRetentionConfig(*(tiles.fit(key_dim, value_dim) for tiles in (fwd, dq, dkv)))
 
@@ -141,12 +86,9 @@ def _decay_masks(log2_gamma, BT: tl.constexpr, ACC: tl.constexpr):
 
 @triton.jit
 def _document_masks(doc_base, start, t, mask_t, n):
-    """Packed documents (``docs``: ``(batch, 1 + L)`` int32; ``doc_base``: this sequence's row). Reads the
-    document index of each token ``t`` of the chunk (``doc_base[1 + t]``), of the token before the chunk
-    (``doc_base[start]``; 0 before the first token: the initial state's document) and of the chunk's last token.
-    Returns ``same`` (BT, BT): tokens i, j in one document; ``reads`` (BT,): token in the document of the carried
-    state; ``writes`` (BT,): token in the document of the chunk's last token (the state after the chunk);
-    ``carries`` (scalar): the carried state's document goes on to the chunk's end."""
+    """From this row's document indices ``doc_base`` (``(1 + L)``): ``same`` (tokens i, j in one document),
+    ``reads`` (token in the carried state's document), ``writes`` (in the chunk's last token's), ``carries`` (the
+    carried state's document reaches the chunk's end)."""
     seg = tl.load(doc_base + 1 + t, mask=mask_t, other=-1)
     before = tl.load(doc_base + start)
     last = tl.load(doc_base + start + n)
@@ -349,24 +291,21 @@ def _retention_bwd_dkv_kernel(
 
 
 def _kernel_dtypes(dtype):
-    """Accumulator dtype (torch, triton) and ``tl.dot`` input precision for inputs of ``dtype``: float32 inputs
-    get exact float32 products ("ieee"), not TF32; float16 / bfloat16 products run on tensor cores."""
+    """Accumulator dtype (torch, triton) and ``tl.dot`` input precision: exact ("ieee") for float32 and float64."""
     if dtype == torch.float64:
         return torch.float64, tl.float64, "ieee"
     return torch.float32, tl.float32, "ieee" if dtype == torch.float32 else "tf32"
 
 
 def _document_indices(reset):
-    """``(batch, 1 + length)`` int32 document index of the token before the first one (0, the initial state's
-    document) and of every token (``cumsum(reset)``), contiguous; None without ``reset``."""
+    """``(batch, 1 + length)`` int32 document indices, 0 then ``cumsum(reset)``; None without ``reset``."""
     if reset is None:
         return None
     return torch.nn.functional.pad(torch.cumsum(reset.to(torch.int32), dim=1, dtype=torch.int32), (1, 0))
 
 
 def _launch(kernel, tiles, key_dim, value_dim, batch_heads, *args, **meta):
-    """Launch one chunkwise kernel over ``(value tiles, key tiles, batch * heads)`` with its tiles, through
-    ``torch.library.wrap_triton`` (so that ``torch.compile`` sees the kernel)."""
+    """Launch one chunkwise kernel over ``(value tiles, key tiles, batch * heads)`` through ``wrap_triton``."""
     grid = (triton.cdiv(value_dim, tiles.block_v), triton.cdiv(key_dim, tiles.block_k), batch_heads)
     launch(kernel)[grid](
         *args, K=key_dim, V=value_dim, BT=tiles.block_t, BK=tiles.block_k, BV=tiles.block_v,
@@ -374,13 +313,8 @@ def _launch(kernel, tiles, key_dim, value_dim, batch_heads, *args, **meta):
     )
 
 
-def _state_dtype(dtype):
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def _prepare(q, k, v, initial_state, config):
-    """What both passes start from: the launch choice (``config``, or the one for this GPU and shape), contiguous
-    ``q``, ``k``, ``v`` and initial state, the accumulation dtypes and the per-head ``log2(gamma)``."""
+    """Config, contiguous ``q, k, v, initial_state``, accumulation dtypes and per-head ``log2(gamma)``."""
     if config is None:
         config = chunk_retention_config(device_arch(q.device), q.dtype, q.shape[-1], v.shape[-1])
     acc_torch, acc_tl, precision = _kernel_dtypes(v.dtype)
@@ -390,29 +324,15 @@ def _prepare(q, k, v, initial_state, config):
 
 
 def chunk_retention_fwd_triton(q, k, v, scale, initial_state=None, reset=None, config=None):
-    """Forward pass of chunkwise retention with the Triton kernel: the Triton branch of
-    ``hf_densessm::chunk_retention`` (arguments checked by :func:`hf_densessm.ops.retention.chunk_retention`).
-
-    Args:
-        q, k (Tensor): ``(batch, length, heads, key_dim)``; v (Tensor): ``(batch, length, heads, value_dim)``;
-            float16, bfloat16, float32 (float64 where the device allows it).
-        scale (float): positive factor on ``q``.
-        initial_state (Tensor, optional): ``(batch, heads, key_dim, value_dim)`` float32 (float64 with float64
-            inputs).
-        reset (Tensor, optional): ``(batch, length)`` bool, True at the first token of each packed document.
-        config (ChunkRetentionConfig, optional): the kernels' tiles; by default :func:`chunk_retention_config`
-            for ``q``'s device.
-
-    Returns:
-        o ``(batch, length, heads, value_dim)`` in ``v``'s dtype and the final state ``(batch, heads, key_dim,
-        value_dim)`` float32 (float64 for float64 inputs).
-    """
+    """The Triton branch of ``hf_densessm::chunk_retention``, no checks: arguments and ``(o, final_state)`` as
+    :func:`hf_densessm.ops.retention.chunk_retention` (``scale`` a float), plus ``config`` (a
+    :class:`ChunkRetentionConfig`; default :func:`chunk_retention_config` for ``q``'s device)."""
     batch, length, heads, key_dim = q.shape
     value_dim = v.shape[-1]
     config, q, k, v, initial_state, acc_torch, acc_tl, precision, log2_gamma = _prepare(q, k, v, initial_state, config)
     num_k = triton.cdiv(key_dim, config.fwd.block_k)
     o_partial = q.new_empty(num_k, batch, length, heads, value_dim, dtype=acc_torch)
-    final_state = q.new_empty(batch, heads, key_dim, value_dim, dtype=_state_dtype(v.dtype))
+    final_state = q.new_empty(batch, heads, key_dim, value_dim, dtype=compute_dtype(v.dtype))
     docs = _document_indices(reset)
     _launch(
         _retention_fwd_kernel, config.fwd, key_dim, value_dim, batch * heads,
@@ -423,19 +343,9 @@ def chunk_retention_fwd_triton(q, k, v, scale, initial_state=None, reset=None, c
 
 
 def chunk_retention_bwd_triton(d_o, d_final_state, q, k, v, scale, initial_state=None, reset=None, config=None):
-    """Backward pass of chunkwise retention with the Triton kernels (states recomputed, never stored): the Triton
-    branch of ``hf_densessm::chunk_retention_backward``.
-
-    Args:
-        d_o (Tensor): ``(batch, length, heads, value_dim)``, the gradient of ``o``.
-        d_final_state (Tensor, optional): ``(batch, heads, key_dim, value_dim)``, the gradient of the final state
-            (None: zero).
-        q, k, v, scale, initial_state, reset, config: as :func:`chunk_retention_fwd_triton`.
-
-    Returns:
-        dq, dk, dv in the dtypes of q, k, v, and the gradient of the initial state ``(batch, heads, key_dim,
-        value_dim)`` (of a zero one without ``initial_state``) float32 (float64 for float64 inputs).
-    """
+    """The Triton branch of ``hf_densessm::chunk_retention_backward`` (states recomputed): given ``d_o`` and
+    ``d_final_state`` (None: zero) and the forward's arguments, ``dq, dk, dv`` in the dtypes of q, k, v and the
+    gradient of the initial state (of a zero one without it) in the state dtype."""
     batch, length, heads, key_dim = q.shape
     value_dim = v.shape[-1]
     config, q, k, v, initial_state, acc_torch, acc_tl, precision, log2_gamma = _prepare(q, k, v, initial_state, config)
@@ -455,7 +365,7 @@ def chunk_retention_bwd_triton(d_o, d_final_state, q, k, v, scale, initial_state
                              dtype=acc_torch)
     dv_partial = q.new_empty(triton.cdiv(key_dim, config.dkv.block_k), batch, length, heads, value_dim,
                              dtype=acc_torch)
-    d_initial_state = q.new_empty(batch, heads, key_dim, value_dim, dtype=_state_dtype(v.dtype))
+    d_initial_state = q.new_empty(batch, heads, key_dim, value_dim, dtype=compute_dtype(v.dtype))
     _launch(
         _retention_bwd_dkv_kernel, config.dkv, key_dim, value_dim, batch * heads,
         q, k, v, d_o, dk_partial, dv_partial, d_final_state, d_initial_state, docs, log2_gamma, scale, length,

@@ -1,22 +1,12 @@
-"""Multi-scale retention in vectorized PyTorch (DenseSSM paper Eq. 18, 19, 24; RetNet): the path the models take
-on the CPU (``backend="torch"``).
-
-- :func:`chunk_retention_torch`: RetNet's chunkwise form (training, prefill); the Python loop runs over chunks.
-- :func:`retention_state_update_torch`: one decoding step of Eq. 18-19, the state updated in place.
-
-Per head ``h`` with decay ``gamma_h = 1 - 2**(-5 - h)`` (:func:`.naive.retention_gamma`)::
-
-    S_t = gamma * S_{t-1} + k_t^T v_t          (Eq. 18; S_0 = initial_state or 0)
-    o_t = (scale * q_t) S_t                     (Eq. 19)
-        = scale * sum_{s<=t} gamma^{t-s} (q_t . k_s) v_s + scale * gamma^t q_t S_0     (Eq. 24)
-
-the last line written out as one quadratic product in ``naive.py`` (the ground truth of the tests). Both forms
-accumulate in float32 (float64 when the inputs are float64).
+"""Multi-scale retention in vectorized PyTorch (DenseSSM paper Eq. 18, 19, 24; RetNet chunkwise form): the
+``backend="torch"`` path, accumulated in float32 (float64 for float64 inputs). Contracts as
+:func:`hf_densessm.ops.retention.chunk_retention` / ``retention_state_update``; docs/kernels.md.
 """
 
 import torch
 import torch.nn.functional as F
 
+from ..backend import compute_dtype
 from .naive import retention_log2_gamma
 
 __all__ = [
@@ -25,33 +15,14 @@ __all__ = [
 
 
 def default_chunk_size(key_dim, value_dim):
-    """Chunk length of the chunkwise reference: 64, or 256 for states above 2**18 elements per head.
-
-    Measured (CPU time of forward + backward, float32, 1 thread): 64 is fastest, or within 5% of it, from
-    16 x 64 up to key x value = 256 x 1024 per head; above that the per-chunk states dominate and 256 is fastest
-    (the 1.3B preset's 320 x 1280: 1061 ms at 64, 813 ms at 128, 745 ms at 256, batch 1, length 2048, 4 heads).
-    ``benchmarks/bench_retention.py --device cpu`` measures it again.
-    """
+    """Chunk length of the PyTorch path: 64, or 256 for states above 2**18 elements per head (docs/benchmarks.md)."""
     return 64 if key_dim * value_dim <= 2**18 else 256
 
 
-def _compute_dtype(dtype):
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def _block_masks(log2_gamma, C, n, segments, dtype):
-    """Decay masks of ``n`` chunks of ``C`` tokens (RetNet chunkwise form), with packed documents applied.
-
-    Args:
-        log2_gamma: ``(H,)``. segments: ``(B, n, C + 1)`` document index of the token before each chunk, then of
-            each of its tokens, or None (one document): token ``i`` sees token ``j`` (and the carried state) only
-            within its document.
-
-    Returns:
-        ``intra`` ``(H or B, ..., C, C)``: ``gamma^(i-j)`` for ``j <= i`` (same document); ``q_decay``
-        ``(.., C, 1)``: ``gamma^(i+1)``, the read of the carried state; ``k_decay`` ``(.., C, 1)``:
-        ``gamma^(C-1-j)``, the write into the next state; ``chunk_decay`` ``(B or 1, H, n, 1, 1)``: ``gamma^C``.
-    """
+    """``(intra, q_decay, k_decay, chunk_decay)`` of ``n`` chunks of ``C`` tokens: ``gamma^(i-j)`` (``j <= i``),
+    ``gamma^(i+1)``, ``gamma^(C-1-j)``, ``gamma^C``, masked to documents by ``segments`` ``(B, n, C + 1)`` (the
+    document of the token before each chunk, then of its tokens) or None (docs/kernels.md, "Packed sequences")."""
     lg = log2_gamma[:, None]  # (H, 1)
     i = torch.arange(C, device=log2_gamma.device, dtype=dtype)
     distance = i[:, None] - i[None, :]
@@ -71,15 +42,8 @@ def _block_masks(log2_gamma, C, n, segments, dtype):
 
 
 def _block_forward(q, k, v, state, masks):
-    """Chunkwise retention over ``n`` chunks of equal length ``C``.
-
-    Args:
-        q, k: ``(B, H, n, C, K)`` (``q`` already scaled); v: ``(B, H, n, C, V)``; all in the compute dtype.
-        state: ``(B, H, K, V)``, the state before the first chunk. masks: :func:`_block_masks`.
-
-    Returns:
-        o ``(B, H, n, C, V)``, the state before each chunk ``(B, H, n, K, V)`` and after the last ``(B, H, K, V)``.
-    """
+    """Retention over ``n`` chunks of ``C``: ``q`` (scaled), ``k`` ``(B, H, n, C, K)``, ``v`` ``(B, H, n, C, V)``,
+    ``state`` ``(B, H, K, V)``; returns ``o``, the states before each chunk ``(B, H, n, K, V)`` and the last one."""
     intra, q_decay, k_decay, chunk_decay = masks
     o = (q @ k.transpose(-1, -2) * intra) @ v  # intra-chunk ((q k^T) * D) v, all chunks at once
     updates = (k * k_decay).transpose(-1, -2) @ v  # (B, H, n, K, V): sum_j gamma^(C-1-j) k_j^T v_j
@@ -93,20 +57,8 @@ def _block_forward(q, k, v, state, masks):
 
 
 def _block_backward(q, k, v, previous, masks, d_o, d_state):
-    """Gradients of :func:`_block_forward`, written out (the backward of ``chunk.py``'s kernels, in PyTorch).
-
-    With ``A = (q k^T) * D`` and ``dH`` the gradient of the state after each chunk (``d_state`` after the last)::
-
-        dq = ((dO v^T) * D) k + gamma^(i+1) dO S_prev^T       dk = ((dO v^T) * D)^T q + gamma^(C-1-j) v dH^T
-        dv = A^T dO + gamma^(C-1-j) k dH                     dH_prev = gamma^C dH + (gamma^(i+1) q)^T dO
-
-    Args:
-        q, k, v, masks: as :func:`_block_forward`; previous: its states before each chunk; d_o: ``(B, H, n, C, V)``;
-        d_state: ``(B, H, K, V)``, the gradient of the state after the last chunk.
-
-    Returns:
-        dq (of the scaled ``q``), dk, dv like q, k, v, and the gradient of the state before the first chunk.
-    """
+    """Gradients of :func:`_block_forward` (the formulas of docs/kernels.md, "Chunkwise retention"): ``dq`` (of the
+    scaled ``q``), ``dk``, ``dv`` and the gradient of the state before the first chunk."""
     intra, q_decay, k_decay, chunk_decay = masks
     q_read = q * q_decay
     read_grads = q_read.transpose(-1, -2) @ d_o  # (B, H, n, K, V): what o adds to dH_prev of each chunk
@@ -133,7 +85,7 @@ def _prepare(q, k, v, scale, initial_state, reset):
     zeros), the per-head ``log2(gamma)`` and the document index of every token, 0 for the initial state's
     document (``(B, 1 + L)``, or None)."""
     batch, _, heads, key_dim = q.shape
-    cdt = _compute_dtype(v.dtype)
+    cdt = compute_dtype(v.dtype)
     q, k, v = (x.transpose(1, 2).to(dtype=cdt, memory_format=torch.contiguous_format) for x in (q, k, v))
     q = q * scale
     if initial_state is None:
@@ -157,30 +109,9 @@ def _split(x, start, stop, size):
 
 def chunk_retention_torch(q, k, v, scale=None, initial_state=None, output_final_state=False, chunk_size=None,
                           reset=None):
-    """Chunkwise retention in PyTorch (DenseSSM paper Eq. 18, 19, 24; RetNet chunkwise form): the forward pass of
-    ``hf_densessm::chunk_retention`` with ``backend="torch"``.
-
-    Splits the sequence into chunks of ``chunk_size`` tokens: inside a chunk, ``((q k^T) * D) v`` with the
-    decay mask ``D[i, j] = gamma^(i-j)``; across chunks, ``gamma^(i+1) q_i S_prev`` with the state carried
-    chunk to chunk. The Python loop runs over chunks, never over tokens; everything else is batched over
-    batch, heads and chunks. Plain PyTorch operations: autograd works through it too (the tests compare that
-    with :func:`chunk_retention_torch_backward`).
-
-    Args:
-        q, k (Tensor): ``(batch, length, heads, key_dim)``.
-        v (Tensor): ``(batch, length, heads, value_dim)``.
-        scale (float, optional): multiplies ``q``; defaults to ``key_dim ** -0.5``.
-        initial_state (Tensor, optional): ``(batch, heads, key_dim, value_dim)``, the state before token 0.
-        output_final_state (bool): also return the state after the last token.
-        chunk_size (int, optional): tokens per chunk; defaults to :func:`default_chunk_size`.
-        reset (Tensor, optional): ``(batch, length)`` bool, True at the first token of each packed document:
-            the state before it is dropped (the initial state too at ``t = 0``).
-
-    Returns:
-        o (Tensor): ``(batch, length, heads, value_dim)`` in ``v``'s dtype.
-        final_state (Tensor or None): ``(batch, heads, key_dim, value_dim)`` float32 (float64 for float64
-        inputs), or None unless ``output_final_state``.
-    """
+    """The forward pass of ``hf_densessm::chunk_retention`` with ``backend="torch"``, no checks: arguments and
+    returns as :func:`hf_densessm.ops.retention.chunk_retention`, plus ``chunk_size`` (default
+    :func:`default_chunk_size`). A Python loop over chunks only; autograd works through it too."""
     length, key_dim, value_dim = q.shape[1], q.shape[-1], v.shape[-1]
     scale = key_dim**-0.5 if scale is None else scale
     chunk_size = default_chunk_size(key_dim, value_dim) if chunk_size is None else chunk_size
@@ -199,21 +130,9 @@ def chunk_retention_torch(q, k, v, scale=None, initial_state=None, output_final_
 
 def chunk_retention_torch_backward(d_o, d_final_state, q, k, v, scale, initial_state=None, chunk_size=None,
                                    reset=None):
-    """Gradients of :func:`chunk_retention_torch`, written out (``hf_densessm::chunk_retention_backward`` with
-    ``backend="torch"``): the forward states are recomputed chunk by chunk, then the chunkwise backward runs
-    backward in time (``chunk.py`` has the same formulas as kernels).
-
-    Args:
-        d_o (Tensor): ``(batch, length, heads, value_dim)``, the gradient of ``o``.
-        d_final_state (Tensor, optional): ``(batch, heads, key_dim, value_dim)``, the gradient of the final state
-            (None: zero).
-        q, k, v, scale, initial_state, chunk_size, reset: as :func:`chunk_retention_torch` (``scale`` a float).
-
-    Returns:
-        dq, dk, dv in the dtypes of q, k, v, and the gradient of the initial state ``(batch, heads, key_dim,
-        value_dim)`` (of a zero one when ``initial_state`` is None) in the compute dtype: float32 (float64 for
-        float64 inputs).
-    """
+    """Gradients of :func:`chunk_retention_torch` (states recomputed per chunk, then backward in time), given
+    ``d_o`` and ``d_final_state`` (None: zero): ``dq, dk, dv`` in the dtypes of q, k, v and the gradient of the
+    initial state (of a zero one without ``initial_state``) in the compute dtype."""
     length, key_dim, value_dim = q.shape[1], q.shape[-1], v.shape[-1]
     chunk_size = default_chunk_size(key_dim, value_dim) if chunk_size is None else chunk_size
     dtypes = (q.dtype, k.dtype, v.dtype)
@@ -243,23 +162,9 @@ def chunk_retention_torch_backward(d_o, d_final_state, q, k, v, scale, initial_s
 
 
 def retention_state_update_torch(state, q, k, v, scale=None):
-    """One decoding step of retention, DenseSSM paper Eq. 18-19: ``S <- gamma S + k^T v``, ``o = (scale q) S``
-    (``hf_densessm::retention_state_update`` with ``backend="torch"``).
-
-    Three operations on the state (a decode step is bound by their count, not by arithmetic): ``S *= gamma``,
-    ``S += k^T v`` (one ``baddbmm_``), ``o = q S`` (one ``bmm``). The per-head decay ``gamma_h = 1 - 2**(-5 - h)``
-    (:func:`.naive.retention_gamma`) is computed on ``state``'s device from an ``arange`` (exact in float32 and
-    float64; no host-to-device copy, nothing cached between calls, so ``torch.compile`` traces it as constants).
-
-    Args:
-        state (Tensor): ``(batch, heads, key_dim, value_dim)`` float32 (float64 allowed), updated in place.
-        q, k (Tensor): ``(batch, heads, key_dim)``.
-        v (Tensor): ``(batch, heads, value_dim)``.
-        scale (float, optional): multiplies ``q``; defaults to ``key_dim ** -0.5``.
-
-    Returns:
-        o (Tensor): ``(batch, heads, value_dim)`` in ``v``'s dtype.
-    """
+    """``hf_densessm::retention_state_update`` with ``backend="torch"``, no checks: arguments and returns as
+    :func:`hf_densessm.ops.retention.retention_state_update`. Three operations on the state; the decay is computed
+    on its device from an ``arange`` (exact, no host copy)."""
     batch, heads, key_dim = q.shape
     value_dim = v.shape[-1]
     scale = key_dim**-0.5 if scale is None else scale

@@ -1,16 +1,5 @@
-"""One decoding step of multi-scale retention in Triton, the state updated in place: the Triton branch of
-``hf_densessm::retention_state_update``, launched through ``torch.library.wrap_triton``.
-
-DenseSSM paper Eq. 18-19 for a single token, per head with decay ``gamma``:
-``S <- gamma S + k^T v``, then ``o = (scale q) S``. Each program owns a ``BV``-wide column strip of one
-``(batch, head)`` state and walks its key rows in ``BK`` tiles: it reads and writes every state element once
-(the step is bound by memory traffic, O(1) in the context length) and sums ``o`` in registers, so no partial
-outputs reach memory. Key and value sizes that are not powers of two are masked.
-
-The per-head decay ``gamma_h = 1 - 2**(-5 - h)`` is computed in the kernel from the head index (no decay tensor
-to build or copy per step), and every scalar the kernel receives is cast to the accumulator dtype first: under
-``torch.compile`` on CUDA, Inductor's launcher passes a Python float such as ``scale`` as fp64, which made the
-float32 loop-carried ``o_acc`` an fp64 value ("Loop-carried variable o_acc fp32 re-assigned to fp64").
+"""One decoding step of multi-scale retention in Triton (DenseSSM paper Eq. 18-19), the state updated in place: the
+Triton branch of ``hf_densessm::retention_state_update`` (docs/kernels.md, "How the kernels work").
 """
 
 import torch
@@ -28,20 +17,8 @@ __all__ = ["retention_state_update_config", "retention_state_update_triton"]
 
 
 def retention_state_update_config(arch: GPUArch, key_dim: int, value_dim: int) -> tuple[int, int, int]:
-    """Key rows per tile, value columns per program and warps of the decode step: ``(block_k, block_v, warps)``.
-
-    A program streams ``(block_k, block_v)`` float32 tiles of the state (32 values per thread at 64 x 64 and 4
-    warps) and uses no shared memory for them, so one choice serves every architecture of
-    :data:`~hf_densessm.ops.backend.ARCHS` (``tests/ops/test_compile.py`` checks it on each); tiles shrink to the
-    next power of 2 of a smaller head (at least 16).
-
-    Args:
-        arch: the GPU's limits (:func:`hf_densessm.ops.backend.device_arch`).
-        key_dim, value_dim: per-head sizes.
-
-    Returns:
-        ``(block_k, block_v, num_warps)``.
-    """
+    """``(block_k, block_v, num_warps)`` of the decode step: 64 x 64 tiles on 4 warps for every ``arch``, shrunk to a
+    smaller head's ``key_dim`` / ``value_dim`` (docs/kernels.md, "Tile, warp and stage choices")."""
     del arch
     block_k = min(64, max(16, triton.next_power_of_2(key_dim)))
     block_v = min(64, max(16, triton.next_power_of_2(value_dim)))
@@ -78,19 +55,8 @@ def _retention_step_kernel(
 
 
 def retention_state_update_triton(state, q, k, v, scale, config=None):
-    """One retention decoding step with the Triton kernel: the Triton branch of ``hf_densessm::retention_state_update``
-    (arguments checked by :func:`hf_densessm.ops.retention.retention_state_update`).
-
-    Args:
-        state (Tensor): ``(batch, heads, key_dim, value_dim)`` float32 (float64 with float64 inputs), updated in place.
-        q, k (Tensor): ``(batch, heads, key_dim)``; v (Tensor): ``(batch, heads, value_dim)``.
-        scale (float): positive factor on ``q``.
-        config (tuple, optional): ``(block_k, block_v, num_warps)``; by default
-            :func:`retention_state_update_config` for the state's device.
-
-    Returns:
-        o (Tensor): ``(batch, heads, value_dim)`` in ``v``'s dtype.
-    """
+    """No checks: arguments and ``o`` as :func:`hf_densessm.ops.retention.retention_state_update` (``scale`` a
+    float), plus ``config`` ``(block_k, block_v, num_warps)`` (default :func:`retention_state_update_config`)."""
     batch, heads, key_dim = q.shape
     value_dim = v.shape[-1]
     acc = tl.float64 if state.dtype == torch.float64 else tl.float32

@@ -1,32 +1,18 @@
-"""Multi-scale retention as plainly as it can be written: the decay of each head and the quadratic parallel form,
-the ground truth the other forms are tested against (DenseSSM paper Eq. 24; RetNet's parallel form).
-
-Per head ``h`` with decay ``gamma_h = 1 - 2**(-5 - h)``::
-
-    o_t = scale * sum_{s<=t} gamma^{t-s} (q_t . k_s) v_s            (Eq. 24, S_0 = 0)
-
-which equals the recurrence ``S_t = gamma S_{t-1} + k_t^T v_t``, ``o_t = (scale q_t) S_t`` (Eq. 18, 19) that
-``chunked_torch.py`` (PyTorch) and ``chunk.py`` / ``fused_recurrent.py`` (Triton) evaluate. The decay is defined
-here once, for every form and for the model.
+"""Multi-scale retention as plainly as it can be written: the per-head decay, defined here once for every form and
+the model, and the quadratic parallel form (DenseSSM paper Eq. 24), the ground truth of the tests.
 """
 
 import math
 
 import torch
 
+from ..backend import compute_dtype
+
 __all__ = ["chunk_retention_naive", "retention_gamma", "retention_log2_gamma"]
 
 
 def retention_gamma(heads, device=None, dtype=torch.float32):
-    """Per-head decay of multi-scale retention, ``gamma_h = 1 - 2**(-5 - h)`` for ``h = 0 .. heads-1``.
-
-    Args:
-        heads (int): number of heads ``H``.
-        device, dtype: of the returned tensor.
-
-    Returns:
-        Tensor of shape ``(H,)``.
-    """
+    """Per-head decay ``gamma_h = 1 - 2**(-5 - h)``, ``h = 0 .. heads-1``: ``(heads,)`` of ``device``, ``dtype``."""
     return torch.tensor([1.0 - 2.0 ** (-5 - h) for h in range(heads)], device=device, dtype=dtype)
 
 
@@ -38,25 +24,12 @@ def retention_log2_gamma(heads, device=None, dtype=torch.float32):
 
 
 def chunk_retention_naive(q, k, v, scale=None, reset=None):
-    """Parallel (quadratic) form of retention, DenseSSM paper Eq. 24, without the published row rescalings.
-
-    ``o = scale * ((q k^T) * D) v`` with the causal decay mask ``D[t, s] = gamma_h^(t-s)`` for ``s <= t``, else 0.
-    Memory is ``O(L^2)`` per head: a reference for tests, not a training path.
-
-    Args:
-        q, k (Tensor): ``(batch, length, heads, key_dim)``.
-        v (Tensor): ``(batch, length, heads, value_dim)``.
-        scale (float, optional): multiplies ``q``; defaults to ``key_dim ** -0.5``.
-        reset (Tensor, optional): ``(batch, length)`` bool, True at the first token of each packed document;
-            ``D[t, s] = 0`` when ``s`` and ``t`` lie in different documents.
-
-    Returns:
-        o (Tensor): ``(batch, length, heads, value_dim)`` in ``v``'s dtype.
-    """
+    """Eq. 24, ``o = scale * ((q k^T) * D) v`` with ``D[t, s] = gamma_h^(t-s)`` for ``s <= t`` within one document
+    (``reset``), else 0; ``O(L^2)`` memory. Arguments and ``o`` as :func:`hf_densessm.ops.retention.chunk_retention`."""
     batch, length, heads, key_dim = q.shape
     scale = key_dim**-0.5 if scale is None else scale
     v_dtype = v.dtype
-    cdt = torch.float64 if v_dtype == torch.float64 else torch.float32
+    cdt = compute_dtype(v_dtype)
     q, k, v = (x.transpose(1, 2).to(cdt) for x in (q, k, v))  # (B, H, L, *)
     pos = torch.arange(length, device=q.device)
     distance = (pos[:, None] - pos[None, :]).to(cdt)  # t - s

@@ -1,45 +1,7 @@
-"""Fused Triton selective scan, forward and backward (Mamba paper §3.3.2 and Appendix D).
-
-**Forward** (:func:`_selective_scan_fwd_kernel`): one program per (sequence, block of ``BLOCK_D`` channels). It
-walks the sequence in chunks of ``BLOCK_L`` tokens with the state ``h`` (``BLOCK_D x state``) in registers.
-Per chunk it loads ``delta, u, z`` (``BLOCK_D x BLOCK_L``) and ``B, C`` (``state x BLOCK_L``), discretizes
-(``dt = softplus(delta + delta_bias)``, ``exp(dt A)``, ``dt B u``) in registers, runs a parallel associative
-scan over the chunk (the "parallel scan" of §3.3.2) started from the carried state, contracts with ``C``,
-adds ``D u``, multiplies by ``silu(z)`` and writes ``y``. Only ``(batch, dim, length)`` tensors cross global
-memory; the expanded state ``(batch, length, dim, state)`` never does.
-
-**Backward** (:func:`_selective_scan_bwd_kernel`), recomputation as in App. D: the forward pass stores only
-the state entering each chunk, ``(batch, n_chunks, dim, state)`` float32 (``1 / BLOCK_L`` of the expanded
-state, and only when a gradient is needed). The backward program walks the chunks in reverse; per chunk it
-
-1. recomputes ``h_{t-1}`` for every position with one forward associative scan whose first element is the
-   stored entry state (the scan runs on the inputs of position ``t - 1``, loaded shifted by one), then
-   ``h_t = exp(dt_t A) h_{t-1} + dt_t B_t u_t`` elementwise;
-2. recomputes ``y`` for the gate's gradient, and runs the adjoint recurrence
-   ``g_t = C_t gy_t + exp(dt_{t+1} A) g_{t+1}`` as a reverse associative scan (inputs of position ``t + 1``
-   loaded shifted by one) started from the adjoint carried from the next chunk (or ``d last_state``);
-3. forms every gradient from ``g_t``, ``h_{t-1}`` and the decay: ``d(dt A) = g exp(dt A) h_{t-1}``.
-
-Gradients that sum over channels (``dB``, ``dC``) are added by each block of channels into one
-``(batch, state, length)`` float32 buffer with atomic adds (so their summation order, and their last bits, may
-vary from run to run); ``dA``, ``dD`` are accumulated in registers per sequence and summed over the batch in
-PyTorch.
-
-**Packed sequences** (``reset``, issue 11): a ``(batch, length)`` int8 flag, 1 at the first token of each
-document, and the constexpr ``HAS_RESET``. The state before such a token is dropped by zeroing that position's
-decay, ``a_t = exp(dt_t A) * (1 - reset_t)``: the associative scan then restarts there, inside a chunk or at its
-first position (which also drops the carried state, or the initial state at ``t = 0``). The backward pass uses
-the same kept decays in its three places: the recomputation of ``h_{t-1}`` (decay of position ``t - 1``), the
-adjoint scan (decay of position ``t + 1``), and the gradients ``d(dt A) = g a h_{t-1}`` and ``d initial_state``,
-which are therefore 0 through a dropped state.
-
-**Launching.** :func:`selective_scan_triton_fwd` and :func:`selective_scan_triton_bwd` launch the kernels through
-``torch.library.wrap_triton``: they are the Triton bodies of the ops ``hf_densessm::selective_scan`` and
-``hf_densessm::selective_scan_backward`` (``__init__.py``), which ``torch.compile`` traces down to the kernel calls.
-They allocate their outputs and never read tensor values on the host. The kernels receive no float scalars (only
-tensors, integer sizes and strides, and constexprs).
-
-Accumulation is in float32 (float64 when an input is float64, for tests). Runs under ``TRITON_INTERPRET=1``.
+"""Fused Triton selective scan, forward and backward by recomputation (Mamba paper Alg. 2, §3.3.2, App. D): the
+Triton bodies of ``hf_densessm::selective_scan`` / ``_backward``, launched through ``torch.library.wrap_triton``,
+accumulating in float32 (float64 for float64 inputs). How the kernels work, packed documents and tile choices:
+docs/kernels.md.
 """
 
 from __future__ import annotations
@@ -62,15 +24,8 @@ __all__ = ["SelectiveScanConfig", "selective_scan_config", "selective_scan_trito
 
 @dataclass(frozen=True)
 class SelectiveScanConfig:
-    """Launch choices of the fused scan (see :func:`selective_scan_config`).
-
-    Attributes:
-        chunk: tokens per chunk, ``BLOCK_L`` of both passes (a power of 2): the backward pass restarts from the
-            states the forward pass stored at chunk boundaries, so the two must agree.
-        fwd_block_d, fwd_warps: channels per program and warps of the forward kernel (powers of 2).
-        bwd_block_d, bwd_warps: the same for the backward kernel.
-        num_stages: software-pipelining stages of the loads in the chunk loop.
-    """
+    """Launch choices of the fused scan: ``chunk`` tokens (``BLOCK_L``, a power of 2, the same in both passes),
+    channels per program and warps of each kernel (powers of 2), pipelining stages."""
 
     chunk: int = 16
     fwd_block_d: int = 8
@@ -81,34 +36,17 @@ class SelectiveScanConfig:
 
 
 def selective_scan_config(arch: GPUArch, dtype: torch.dtype, nstate: int) -> SelectiveScanConfig:
-    """Tiles, warps and stages of the fused scan for one GPU, input dtype and state size.
-
-    Both kernels hold ``(block_d, state, chunk)`` tiles in registers (the associative scan, Mamba paper
-    §3.3.2); each program walks the whole sequence, chunk after chunk, so the time is the latency of one chunk's
-    loads and scan times the number of chunks, and many small programs hide it better than few large ones.
-
-    Measured on an H100 (``benchmarks/sweep_triton_tiles.py``, state 16, bfloat16, 1 x 2048 channels x 8192
-    tokens, 33 candidates, ``benchmarks/results/sweep_triton_tiles.json``): the forward kernel is fastest with
-    2 channels per program: 0.85 ms with one warp, 1.04 ms with two (the first choice, 8 channels x 4 warps,
-    took 1.87 ms); one warp is not taken, as its kernel keeps an 8-16 B stack frame. The backward kernel is
-    fastest with 4 channels and 2 warps (forward + backward 5.7 ms, against 7.6 ms), both on 16-token chunks. A
-    thread holds at most 16 elements of each tile, as in the first choice's backward kernel (32-token chunks were
-    as fast, but with them the backward kernel of a state of 4, at 16 channels, spilled registers with
-    packed-sequence resets on sm_80). The other
-    architectures take the same choice: ``tests/ops/test_compile.py`` compiles it for each and checks it spills
-    nothing; it is not timed there (no such GPU was lent). Other state sizes get proportionally fewer or more
-    channels per program (at least 2, as before), so that a thread holds as many elements.
+    """Tiles, warps and stages of the fused scan (docs/kernels.md, "Tile, warp and stage choices"): the same for
+    every ``arch`` and ``dtype`` (registers bind, and every architecture has the same register file); channels per
+    program scale with the state size ``nstate`` (``A.shape[1]``).
 
     Args:
-        arch: the GPU's limits (:func:`hf_densessm.ops.backend.device_arch`); unused beyond documenting that
-            the choice holds for every architecture listed there.
-        dtype: the dtype of ``u`` (the kernels accumulate in float32 whatever it is; float64 for tests).
-        nstate: the state size ``N`` (``A.shape[1]``).
+        arch: the GPU's limits (:func:`hf_densessm.ops.backend.device_arch`). dtype: of ``u``. nstate: ``N``.
 
     Returns:
         A :class:`SelectiveScanConfig`.
     """
-    del arch, dtype  # see the docstring: registers per SM and per-thread work are the same for all of them
+    del arch, dtype
     block_n = triton.next_power_of_2(nstate)
     fwd_block_d = max(2, 2 * 16 // block_n)
     bwd_block_d = max(2, 4 * 16 // block_n)
@@ -356,19 +294,14 @@ def _config(config, u, nstate) -> SelectiveScanConfig:
 
 def selective_scan_triton_fwd(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
                               initial_state=None, reset=None, save_states=True, config=None):
-    """Forward pass of the fused Triton scan (Mamba paper Algorithm 2, kernel of §3.3.2 / App. D): the Triton body
-    of the op ``hf_densessm::selective_scan``. Launches :func:`_selective_scan_fwd_kernel` through
-    ``torch.library.wrap_triton``, so that ``torch.compile`` traces it.
+    """The Triton body of ``hf_densessm::selective_scan``, no checks.
 
     Args:
-        u, delta, z: (batch, dim, length); B, C: (batch, state, length); float32, bfloat16 or float16 (float64 for
-            tests), any strides. A: (dim, state), entries <= 0 (not checked here). D, delta_bias: (dim,) or None
-            (zeros). initial_state: (batch, dim, state) or None (zeros). delta_softplus: apply softplus to
-            ``delta + delta_bias``. reset: (batch, length) bool, True where a packed document starts (the state
-            before that token is dropped), or None.
+        u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, reset: as
+            :func:`hf_densessm.ops.selective_scan` (any strides; ``A`` not checked).
         save_states: store the state entering each chunk, which :func:`selective_scan_triton_bwd` starts from.
-        config: a :class:`SelectiveScanConfig`, by default :func:`selective_scan_config` for ``u``'s device; it
-            changes speed and register use only (the backward pass must be given the same one).
+        config: a :class:`SelectiveScanConfig` (default :func:`selective_scan_config`); the backward pass must
+            be given the same one.
 
     Returns:
         ``(y, last_state, chunk_states)``: ``y`` (batch, dim, length) in ``u``'s dtype; ``last_state``
@@ -411,9 +344,7 @@ def selective_scan_triton_fwd(u, delta, A, B, C, D=None, z=None, delta_bias=None
 
 def selective_scan_triton_bwd(dy, dlast, u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
                               initial_state=None, reset=None, chunk_states=None, config=None):
-    """Backward pass of :func:`selective_scan_triton_fwd` (recomputation from the chunk entry states, App. D): the
-    Triton body of the op ``hf_densessm::selective_scan_backward``; launches :func:`_selective_scan_bwd_kernel`
-    through ``torch.library.wrap_triton``.
+    """The Triton body of ``hf_densessm::selective_scan_backward``: recomputation from the chunk entry states.
 
     Args:
         dy: (batch, dim, length) gradient of ``y`` or None (zero); dlast: (batch, dim, state) gradient of
@@ -425,8 +356,7 @@ def selective_scan_triton_bwd(dy, dlast, u, delta, A, B, C, D=None, z=None, delt
     Returns:
         ``(du, ddelta, dA, dB, dC, dD, dz, ddelta_bias, dinitial_state)``, each in the dtype of its input; ``dD``,
         ``dz``, ``ddelta_bias`` are None when ``D``, ``z``, ``delta_bias`` are; ``dinitial_state`` is float32
-        (float64) when ``initial_state`` is None. ``dB`` and ``dC`` are summed over channel blocks with atomic
-        adds (their last bits may vary from run to run).
+        (float64) when ``initial_state`` is None. ``dB``, ``dC``: atomic adds, last bits may vary between runs.
 
     Raises:
         ValueError: ``config.chunk`` is not a power of 2, or ``chunk_states`` does not hold

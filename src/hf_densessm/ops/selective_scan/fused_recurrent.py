@@ -1,10 +1,5 @@
-"""Fused Triton decode step of the selective SSM (Mamba paper eq. 2a/2b in recurrent mode).
-
-One program per (sequence, block of ``BLOCK_D`` channels) loads the state block, discretizes
-(``dt = softplus(dt + dt_bias)``, ``exp(dt A)``, ``dt B x``), updates the state IN PLACE and writes
-``y = (sum_n C_n h_n + D x) * silu(z)``: one read and one write of the state, O(1) in the context length.
-Computes in float32 (float64 for a float64 state, for tests); the kernel receives no float scalars. Runs under
-``TRITON_INTERPRET=1``.
+"""Fused Triton decode step of the selective SSM (Mamba paper eq. 2a/2b in recurrent mode), the state updated in
+place, in float32 (float64 for a float64 state): the Triton body of ``hf_densessm::selective_state_update``.
 """
 
 from __future__ import annotations
@@ -17,26 +12,15 @@ try:  # triton: needed only when a kernel of this file runs
 except ImportError as error:
     raise ImportError(f"{__name__} holds Triton kernels and needs the `triton` package") from error
 
-from ..backend import GPUArch, device_arch
+from ..backend import GPUArch, compute_dtype, device_arch
 from ..triton_utils import acc, launch, silu, softplus
 
 __all__ = ["selective_state_update_config", "selective_state_update_triton"]
 
 
 def selective_state_update_config(arch: GPUArch, nstate: int) -> tuple[int, int]:
-    """Channels per program and warps of the decode step: ``(block_d, num_warps)``.
-
-    A program holds a ``(block_d, state)`` tile of the state: 512 elements over 4 warps (4 per thread), far from
-    any register or shared-memory limit on every architecture of :data:`~hf_densessm.ops.backend.ARCHS`, so
-    the choice depends on the state size only (``tests/ops/test_compile.py`` checks it on each of them).
-
-    Args:
-        arch: the GPU's limits (:func:`hf_densessm.ops.backend.device_arch`).
-        nstate: the state size ``N``.
-
-    Returns:
-        ``(block_d, num_warps)``, powers of 2.
-    """
+    """``(block_d, num_warps)`` of the decode step, powers of 2: a 512-element state tile on 4 warps, for every
+    ``arch`` (docs/kernels.md); ``nstate``: the state size ``N``."""
     del arch
     return max(4, min(32, 512 // triton.next_power_of_2(nstate))), 4
 
@@ -85,20 +69,13 @@ def _selective_state_update_kernel(
 
 def selective_state_update_triton(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False,
                                   config=None):
-    """One selective-SSM decode step in one Triton kernel; ``state`` (batch, dim, state) is updated in place. The
-    Triton body of the op ``hf_densessm::selective_state_update`` (launched through ``torch.library.wrap_triton``,
-    so that ``torch.compile`` traces it).
-
-    Args and return as :func:`hf_densessm.ops.selective_state_update` (which checks the arguments and should be
-    called instead): ``x, dt, z`` (batch, dim); ``A`` (dim, state); ``B, C`` (batch, state); ``D, dt_bias``
-    (dim,), zeros when None; any strides. ``config``: ``(block_d, num_warps)``, by default
-    :func:`selective_state_update_config` for the state's device. Returns ``y`` (batch, dim) in ``x``'s dtype.
-    Not differentiable (decoding only).
-    """
+    """One decode step, ``state`` (batch, dim, state) updated in place, no checks: arguments and ``y`` as
+    :func:`hf_densessm.ops.selective_state_update` (any strides), plus ``config`` ``(block_d, num_warps)`` (default
+    :func:`selective_state_update_config`). Not differentiable."""
     batch, dim, nstate = state.shape
     block_d, num_warps = config or selective_state_update_config(device_arch(state.device), nstate)
     block_d = min(block_d, triton.next_power_of_2(dim))
-    cdt = torch.float64 if state.dtype == torch.float64 else torch.float32
+    cdt = compute_dtype(state.dtype)
     # the kernel indexes the (dim,) vectors as contiguous
     D = torch.zeros(dim, dtype=cdt, device=x.device) if D is None else D.contiguous()
     dt_bias = torch.zeros(dim, dtype=cdt, device=x.device) if dt_bias is None else dt_bias.contiguous()

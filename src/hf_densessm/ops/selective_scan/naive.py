@@ -1,9 +1,5 @@
-"""The selective scan as plainly as it can be written: the ground truth the other forms are tested against.
-
-Mamba's recurrence one token at a time, in float64 (Mamba paper Algorithm 2; eq. 2a/2b with the
-discretization of eq. 4 as the authors' code applies it, ZOH for ``A`` and Euler for ``B``). Slow (one Python
-step per token) and never used by the models: ``chunked_torch.py`` is the PyTorch path, ``chunk.py`` and
-``fused_recurrent.py`` are the Triton kernels.
+"""The selective scan token by token in float64 (Mamba paper Alg. 2; eq. 2a/2b, discretized as eq. 4 as the authors'
+code does: ZOH for ``A``, Euler for ``B``): the ground truth of the tests.
 """
 
 from __future__ import annotations
