@@ -111,24 +111,25 @@ class ChunkHRetentionConfig:
 def chunk_h_retention_config(arch: GPUArch, dtype: torch.dtype, key_dim: int, value_dim: int) -> ChunkHRetentionConfig:
     """Chunk length, tiles, warps and stages of the five kernels for one GPU, input dtype and head size.
 
-    Reasoning (every choice compiles without register spills for sm_80 / 86 / 89 / 90 at the presets' head sizes:
-    ``tests/ops/test_retention_chunk_h.py``; none is measured on a GPU yet):
+    Reasoning (every choice compiles without register spills for sm_80 / 86 / 89 / 90 at the presets' head sizes
+    and a small one, ``tests/ops/test_retention_chunk_h.py``; none is timed on a GPU yet):
 
-    - chunks of 64 tokens for float16 / bfloat16: the intra-chunk ``(64, 64)`` scores are one tensor-core tile, and
-      the stored states cost ``key_dim * value_dim`` floats per 64 tokens (``2 * 384 * 1536 * 4`` B = 4.7 MB per
-      chunk of a 350M layer at batch 1; twice that in the backward pass). float32 (float64) inputs use 32-token
-      chunks: exact float32 ``tl.dot`` runs on the FMA units with its operands in registers, and the
-      ``(BT, BT)`` score accumulators of the output kernels join ``(BT, BK | BV)`` ones;
+    - chunks of 64 tokens for every dtype: the intra-chunk ``(64, 64)`` scores are whole tensor-core tiles, and the
+      stored states cost ``key_dim * value_dim`` floats per (batch, head) per 64 tokens (384 x 1536 x 4 B =
+      2.4 MB per chunk per head of DenseRetNet-350M; the backward pass holds the states and their gradients);
     - the walks (``h``, ``dh``) hold one ``(BK, BV)`` state accumulator and load ``(BT, BK)`` + ``(BT, BV)`` tiles
-      per chunk: 64 x 64 tiles at 4 warps for half precision (the grid is ``NK * NV * batch * heads``, 144 programs
-      per (batch, head) at 384 x 1536, enough to fill an H100's 132 SMs at batch 1), 32 x 64 in float32;
-    - the output kernels (``o``, ``dv`` over value tiles, ``dqk`` over key tiles) hold the ``(BT, BT)`` scores and
-      one or two ``(BT, BK | BV)`` accumulators and loop over the other axis: 64-wide tiles of the parallel axis
-      and 64-wide reduction blocks for half precision; ``dqk`` (two accumulators plus the scores, three products
-      per step) gets 8 warps;
+      per chunk: 64 x 64 tiles at 4 warps for float16 / bfloat16 (144 programs per (batch, head) at 384 x 1536,
+      enough to fill an H100's 132 SMs at batch 1); 32 x 64 at 8 warps for float32 (float64), whose exact
+      ``tl.dot`` runs on the FMA units with its operands in registers (64 x 64 spilled 7 KB per thread on sm_80;
+      32 x 64 at 4 warps spilled 8 B on sm_86 / sm_89);
+    - the output kernels (``o`` and ``dv`` over value tiles, ``dqk`` over key tiles) hold the ``(64, 64)`` scores
+      and one (``o``, ``dv``) or two (``dqk``) ``(BT, BK | BV)`` accumulators while looping over the other axis:
+      64-wide tiles at 4 warps (``dqk``, three products per step: 8 warps, and 32-wide value blocks where there is
+      one stage: 64 x 64 at 1 stage spilled 336 B on sm_86 / sm_89) for half precision; 32 x 32 at 8 warps for
+      float32 (64-wide tiles reached 255 registers and spilled on sm_80 and sm_90);
     - stages: 2 for float16 / bfloat16 where a block may use at least 160 KB of shared memory (A100, H100): the
-      loads of the next reduction block (or chunk) overlap the products; 1 elsewhere (99 KB: sm_86 / sm_89) and for
-      float32.
+      loads of the next reduction block (or chunk) overlap the products; 1 elsewhere (99 KB: sm_86 / sm_89) and
+      for float32.
 
     Args:
         arch: the GPU's limits (:func:`hf_densessm.ops.backend.device_arch`).
@@ -141,13 +142,12 @@ def chunk_h_retention_config(arch: GPUArch, dtype: torch.dtype, key_dim: int, va
     half = dtype in (torch.float16, torch.bfloat16)
     if half:
         stages = 2 if arch.shared_per_block >= 160 * 1024 else 1
-        walk = StateTiles(64, 64, 4, stages)
-        config = ChunkHRetentionConfig(64, walk, StateTiles(64, 64, 4, stages), walk, StateTiles(64, 64, 8, stages),
-                                       StateTiles(64, 64, 4, stages))
+        walk, out = StateTiles(64, 64, 4, stages), StateTiles(64, 64, 4, stages)
+        dqk = StateTiles(64, 64 if stages == 2 else 32, 8, stages)
+        config = ChunkHRetentionConfig(64, walk, out, walk, dqk, out)
     else:
-        walk = StateTiles(32, 64, 4, 1)
-        out = StateTiles(32, 32, 4, 1)
-        config = ChunkHRetentionConfig(32, walk, out, walk, out, out)
+        walk, out = StateTiles(32, 64, 8), StateTiles(32, 32, 8)
+        config = ChunkHRetentionConfig(64, walk, out, walk, out, out)
     return config.fit(key_dim, value_dim)
 
 
