@@ -1,0 +1,548 @@
+"""Chunkwise multi-scale retention in Triton, state-then-output decomposition: the per-chunk states are written to
+memory by one kernel, and the outputs (``o``; ``dq``, ``dk``, ``dv``) are computed by kernels parallel over chunks
+that hold the whole reduction axis, so no partial sums go through the host (the design of flash-linear-attention's
+``fla/ops/common/chunk_h.py`` / ``chunk_o.py``, written anew for this package's semantics: packed documents,
+non-power-of-two head sizes, float32 / float64 accumulation). Same entry points, arguments and results as
+``chunk.py``'s kernels (one program per state tile walking every chunk, outputs as float32 partial sums).
+
+Maths (DenseSSM paper Eq. 18, 19, 24; RetNet chunkwise form), per head with decay ``gamma`` and chunks of
+``BT`` tokens, ``q~ = scale q``, ``D[i, j] = gamma^(i-j)`` for ``j <= i`` (0 above the diagonal), ``n`` the
+number of tokens in the chunk (``BT``, or fewer in the last one), ``S_c`` the state entering chunk ``c`` (``S_0``
+the initial state) and ``dH_c`` the gradient of the state leaving chunk ``c`` (``dH`` of the last chunk: the
+gradient of the final state):
+
+    states    S_{c+1} = gamma^n S_c + sum_j gamma^(n-1-j) k_j^T v_j                    (Eq. 18, by chunks)
+    output    o      = ((q~ k^T) * D) v + gamma^(i+1) q~ S_c                           (Eq. 19 / 24)
+    backward  dH_{c-1} = gamma^n dH_c + sum_i gamma^(i+1) q~_i^T dO_i                  (dH_{-1}: d initial_state)
+              dq~    = ((dO v^T) * D) k + gamma^(i+1) dO S_c^T
+              dk     = ((dO v^T) * D)^T q~ + gamma^(n-1-j) v dH_c^T
+              dv     = ((q~ k^T) * D)^T dO + gamma^(n-1-j) k dH_c
+
+Kernels (grid in brackets; ``NT = ceil(length / BT)`` chunks, ``NK`` / ``NV`` key / value tiles):
+
+- ``_chunk_h_kernel`` [NV, NK, batch * heads]: one ``(BK, BV)`` state tile in registers walks the chunks forward
+  and stores ``S_c`` for every chunk, ``(batch, heads, NT, key_dim, value_dim)`` float32 (float64 for float64
+  inputs), and the final state. Run by the forward pass and again by the backward pass (the forward op returns
+  no per-chunk states);
+- ``_chunk_o_kernel`` [NV, NT, batch * heads]: the output of one chunk and value tile; loops over the key tiles,
+  accumulating ``q k^T`` and ``q S_c`` in registers;
+- ``_chunk_dh_kernel`` [NV, NK, batch * heads]: the backward walk, stores ``dH_c`` for every chunk and, at the
+  end, the gradient of the initial state;
+- ``_chunk_dqk_kernel`` [NK, NT, batch * heads]: ``dq`` and ``dk`` of one chunk and key tile; loops over the
+  value tiles (``dO v^T``, ``dO S_c^T``, ``v dH_c^T``);
+- ``_chunk_dv_kernel`` [NV, NT, batch * heads]: ``dv`` of one chunk and value tile; loops over the key tiles
+  (``k q^T``, ``k dH_c``).
+
+Every output is written once, in its final dtype. Products run through ``tl.dot`` in the input dtype (tensor
+cores for float16 / bfloat16; exact, not TF32, for float32) with float32 accumulation (float64 for float64 inputs);
+stored states are cast to the input dtype as they enter a product (as ``chunk.py`` casts its register state), and
+the decays ``gamma^(i+1)`` / ``gamma^(n-1-j)`` and ``scale`` multiply the float32 accumulators. Key and value sizes
+that are not powers of two (key 320 of the 1.3B preset) are masked. The cost is memory: the per-chunk states are
+``length / BT * key_dim * value_dim`` floats per (batch, head) (the backward pass holds ``S_c`` and ``dH_c``).
+
+**Packed sequences** (``reset``; constexpr ``HAS_RESET``): as in ``chunk.py`` (and ``chunked_torch.py``), the host
+turns the ``(batch, length)`` reset flags into ``(batch, 1 + length)`` int32 document indices and every kernel masks
+per chunk: ``D[i, j]`` where ``i`` and ``j`` lie in one document; ``gamma^(i+1)`` (the read of ``S_c``, and the
+matching term of ``dH``) where token ``i`` is in the document of the token before the chunk; ``gamma^(n-1-j)`` (the
+write into ``S_{c+1}``, and the ``dH_c`` terms of ``dk``, ``dv``) where token ``j`` is in the chunk's last
+document; ``gamma^n`` where the chunk's last token is still in the document of the token before the chunk. The
+stored ``S_c`` is the carried state itself (the reads mask it), so nothing crosses a document boundary, inside a
+chunk or at its edges, and ``d initial_state`` is 0 when the row starts a document at token 0.
+
+Tiles, warps and stages per kernel come from :func:`chunk_h_retention_config` (per GPU and dtype).
+"""
+
+from dataclasses import dataclass, replace
+
+import torch
+
+try:  # triton: needed only when a kernel of this file runs
+    import triton
+    import triton.language as tl
+except ImportError as error:
+    raise ImportError(f"{__name__} holds Triton kernels and needs the `triton` package") from error
+
+from ..backend import GPUArch, device_arch
+from ..triton_utils import launch
+from .chunk import _document_indices, _document_masks, _dot, _kernel_dtypes, _state_dtype
+from .naive import retention_log2_gamma
+
+__all__ = [
+    "ChunkHRetentionConfig", "StateTiles", "chunk_h_retention_config", "chunk_retention_bwd_triton",
+    "chunk_retention_fwd_triton",
+]
+
+
+@dataclass(frozen=True)
+class StateTiles:
+    """Launch choices of one kernel: a ``(block_k, block_v)`` tile of the state (powers of 2, at least 16: the
+    smallest ``tl.dot`` operand), warps, pipeline stages."""
+
+    block_k: int
+    block_v: int
+    num_warps: int
+    num_stages: int = 1
+
+    def fit(self, key_dim: int, value_dim: int) -> "StateTiles":
+        """The tiles shrunk to the next power of 2 of ``key_dim`` / ``value_dim`` where those are smaller."""
+        block_k = min(self.block_k, max(16, triton.next_power_of_2(key_dim)))
+        block_v = min(self.block_v, max(16, triton.next_power_of_2(value_dim)))
+        return replace(self, block_k=block_k, block_v=block_v)
+
+
+@dataclass(frozen=True)
+class ChunkHRetentionConfig:
+    """``block_t`` tokens per chunk (one for every kernel: the stored states are per chunk; a power of 2, at least
+    16) and the tiles of the five kernels: ``h`` (state walk), ``o`` (output), ``dh`` (backward walk), ``dqk``,
+    ``dv``."""
+
+    block_t: int
+    h: StateTiles
+    o: StateTiles
+    dh: StateTiles
+    dqk: StateTiles
+    dv: StateTiles
+
+    def fit(self, key_dim: int, value_dim: int) -> "ChunkHRetentionConfig":
+        tiles = (self.h, self.o, self.dh, self.dqk, self.dv)
+        return ChunkHRetentionConfig(self.block_t, *(t.fit(key_dim, value_dim) for t in tiles))
+
+
+def chunk_h_retention_config(arch: GPUArch, dtype: torch.dtype, key_dim: int, value_dim: int) -> ChunkHRetentionConfig:
+    """Chunk length, tiles, warps and stages of the five kernels for one GPU, input dtype and head size.
+
+    Reasoning (every choice compiles without register spills for sm_80 / 86 / 89 / 90 at the presets' head sizes
+    and a small one, ``tests/ops/test_retention_chunk_h.py``; none is timed on a GPU yet):
+
+    - chunks of 64 tokens for every dtype: the intra-chunk ``(64, 64)`` scores are whole tensor-core tiles, and the
+      stored states cost ``key_dim * value_dim`` floats per (batch, head) per 64 tokens (384 x 1536 x 4 B =
+      2.4 MB per chunk per head of DenseRetNet-350M; the backward pass holds the states and their gradients);
+    - the walks (``h``, ``dh``) hold one ``(BK, BV)`` state accumulator and load ``(BT, BK)`` + ``(BT, BV)`` tiles
+      per chunk: 64 x 64 tiles at 4 warps for float16 / bfloat16 (144 programs per (batch, head) at 384 x 1536,
+      enough to fill an H100's 132 SMs at batch 1); 32 x 64 at 8 warps for float32 (float64), whose exact
+      ``tl.dot`` runs on the FMA units with its operands in registers (64 x 64 spilled 7 KB per thread on sm_80;
+      32 x 64 at 4 warps spilled 8 B on sm_86 / sm_89);
+    - the output kernels (``o`` and ``dv`` over value tiles, ``dqk`` over key tiles) hold the ``(64, 64)`` scores
+      and one (``o``, ``dv``) or two (``dqk``) ``(BT, BK | BV)`` accumulators while looping over the other axis:
+      64-wide tiles at 4 warps (``dqk``, three products per step: 8 warps, and 32-wide value blocks where there is
+      one stage: 64 x 64 at 1 stage spilled 336 B on sm_86 / sm_89) for half precision; 32 x 32 at 8 warps for
+      float32 (64-wide tiles reached 255 registers and spilled on sm_80 and sm_90);
+    - stages: 2 for float16 / bfloat16 where a block may use at least 160 KB of shared memory (A100, H100): the
+      loads of the next reduction block (or chunk) overlap the products; 1 elsewhere (99 KB: sm_86 / sm_89) and
+      for float32.
+
+    Args:
+        arch: the GPU's limits (:func:`hf_densessm.ops.backend.device_arch`).
+        dtype: the dtype of ``q``, ``k``, ``v``.
+        key_dim, value_dim: per-head sizes; tiles shrink to them where they are smaller.
+
+    Returns:
+        A :class:`ChunkHRetentionConfig`.
+    """
+    half = dtype in (torch.float16, torch.bfloat16)
+    if half:
+        stages = 2 if arch.shared_per_block >= 160 * 1024 else 1
+        walk, out = StateTiles(64, 64, 4, stages), StateTiles(64, 64, 4, stages)
+        dqk = StateTiles(64, 64 if stages == 2 else 32, 8, stages)
+        config = ChunkHRetentionConfig(64, walk, out, walk, dqk, out)
+    else:
+        walk, out = StateTiles(32, 64, 8), StateTiles(32, 32, 8)
+        config = ChunkHRetentionConfig(64, walk, out, walk, out, out)
+    return config.fit(key_dim, value_dim)
+
+
+# ------------------------------------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _chunk_decays(log2_gamma, docs, i_b, start, L, HAS_RESET: tl.constexpr, TRANSPOSED: tl.constexpr,
+                  BT: tl.constexpr, ACC: tl.constexpr):
+    """Decays of the chunk starting at token ``start`` of row ``i_b``, document masks applied (``docs``: ``(batch,
+    1 + L)`` int32 document indices, read where ``HAS_RESET``). Returns ``intra`` (BT, BT) ``D[i, j] = gamma^(i-j)``
+    for ``j <= i`` in one document, else 0 (its transpose if ``TRANSPOSED``); ``q_decay`` (BT,) ``gamma^(i+1)``, the
+    read of the carried state; ``k_decay`` (BT,) ``gamma^(n-1-j)``, the write into the next state (0 past the
+    sequence); ``state_decay`` (scalar) ``gamma^n``. A kernel that uses only some of them compiles only those."""
+    offs_t = tl.arange(0, BT)
+    t = start + offs_t
+    mask_t = t < L
+    n = tl.minimum(L - start, BT)
+    if TRANSPOSED:
+        distance = (offs_t[None, :] - offs_t[:, None]).to(ACC)
+    else:
+        distance = (offs_t[:, None] - offs_t[None, :]).to(ACC)
+    intra = tl.where(distance >= 0, tl.exp2(tl.maximum(distance, 0) * log2_gamma), 0.0)
+    q_decay = tl.exp2((offs_t + 1).to(ACC) * log2_gamma)
+    k_decay = tl.where(mask_t, tl.exp2((n - 1 - offs_t).to(ACC) * log2_gamma), 0.0)
+    state_decay = tl.exp2(n.to(ACC) * log2_gamma)
+    if HAS_RESET:  # nothing crosses a document boundary (``same`` is symmetric)
+        same, reads, writes, carries = _document_masks(docs + i_b * (L + 1), start, t, mask_t, n)
+        intra = tl.where(same, intra, 0.0)
+        q_decay = tl.where(reads, q_decay, 0.0)
+        k_decay = tl.where(writes, k_decay, 0.0)
+        state_decay = tl.where(carries, state_decay, 0.0)
+    return intra, q_decay, k_decay, state_decay
+
+
+@triton.jit
+def _chunk_h_kernel(
+    k, v, h, initial_state, final_state, docs, log2_gamma_ptr, L,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    HAS_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_RESET: tl.constexpr,
+):
+    """Grid (value tiles, key tiles, batch * heads), forward in time: ``h[b, h, c] = S_c`` (the state entering
+    chunk ``c``) for every chunk, and the final state."""
+    i_v, i_k, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h = (i_bh // H).to(tl.int64), i_bh % H
+    NT = tl.cdiv(L, BT)
+    log2_gamma = tl.load(log2_gamma_ptr + i_h)
+    offs_t = tl.arange(0, BT)
+    offs_k = i_k * BK + tl.arange(0, BK)
+    offs_v = i_v * BV + tl.arange(0, BV)
+    mask_k, mask_v = offs_k < K, offs_v < V
+    mask_kv = mask_k[:, None] & mask_v[None, :]
+    # (batch, length, heads, dim) layout, contiguous: token stride H * dim; h: (batch * heads, NT, K, V).
+    k_base = k + i_b * L * H * K + i_h * K
+    v_base = v + i_b * L * H * V + i_h * V
+    tile_offs = offs_k[:, None] * V + offs_v[None, :]
+    h_base = h + i_bh.to(tl.int64) * NT * K * V
+    state_offs = i_bh.to(tl.int64) * K * V + tile_offs
+
+    state = tl.zeros([BK, BV], dtype=ACC)
+    if HAS_INITIAL_STATE:
+        state += tl.load(initial_state + state_offs, mask=mask_kv, other=0.0).to(ACC)
+    for i_t in range(0, NT):
+        start = i_t * BT
+        tl.store(h_base + i_t * K * V + tile_offs, state.to(h.dtype.element_ty), mask=mask_kv)
+        t = start + offs_t
+        mask_t = t < L
+        k_blk = tl.load(k_base + t[:, None] * (H * K) + offs_k[None, :], mask=mask_t[:, None] & mask_k[None, :],
+                        other=0.0)
+        v_blk = tl.load(v_base + t[:, None] * (H * V) + offs_v[None, :], mask=mask_t[:, None] & mask_v[None, :],
+                        other=0.0)
+        _, _, k_decay, state_decay = _chunk_decays(log2_gamma, docs, i_b, start, L, HAS_RESET, False, BT, ACC)
+        # S <- gamma^n S + sum_j gamma^(n-1-j) k_j^T v_j
+        k_blk = (k_blk * k_decay[:, None]).to(v_blk.dtype)
+        state = state * state_decay + _dot(tl.trans(k_blk), v_blk, ACC, PRECISION)
+    if STORE_FINAL_STATE:
+        tl.store(final_state + state_offs, state.to(final_state.dtype.element_ty), mask=mask_kv)
+
+
+@triton.jit
+def _chunk_o_kernel(
+    q, k, v, h, o, docs, log2_gamma_ptr, scale, L,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    ACC: tl.constexpr, PRECISION: tl.constexpr, HAS_RESET: tl.constexpr,
+):
+    """Grid (value tiles, chunks, batch * heads): ``o = ((q~ k^T) * D) v + gamma^(i+1) q~ S_c`` of one chunk and
+    value tile, the key axis summed inside the program."""
+    i_v, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h = (i_bh // H).to(tl.int64), i_bh % H
+    NT = tl.cdiv(L, BT)
+    log2_gamma = tl.load(log2_gamma_ptr + i_h)
+    scale = tl.full((), scale, ACC)  # fp32 from Triton's launcher, fp64 from Inductor's: cast to one dtype
+    start = i_t * BT
+    t = start + tl.arange(0, BT)
+    mask_t = t < L
+    offs_v = i_v * BV + tl.arange(0, BV)
+    mask_tv = mask_t[:, None] & (offs_v < V)[None, :]
+    q_base = q + i_b * L * H * K + i_h * K
+    k_base = k + i_b * L * H * K + i_h * K
+    h_base = h + (i_bh.to(tl.int64) * NT + i_t) * K * V
+    dt = v.dtype.element_ty
+
+    scores = tl.zeros([BT, BT], dtype=ACC)
+    o_state = tl.zeros([BT, BV], dtype=ACC)
+    for k_start in range(0, K, BK):
+        offs_k = k_start + tl.arange(0, BK)
+        mask_k = offs_k < K
+        mask_tk = mask_t[:, None] & mask_k[None, :]
+        q_blk = tl.load(q_base + t[:, None] * (H * K) + offs_k[None, :], mask=mask_tk, other=0.0)
+        k_blk = tl.load(k_base + t[:, None] * (H * K) + offs_k[None, :], mask=mask_tk, other=0.0)
+        h_blk = tl.load(h_base + offs_k[:, None] * V + offs_v[None, :], mask=mask_k[:, None] & (offs_v < V)[None, :],
+                        other=0.0)
+        scores += _dot(q_blk, tl.trans(k_blk), ACC, PRECISION)
+        o_state += _dot(q_blk, h_blk.to(dt), ACC, PRECISION)
+    intra, q_decay, _, _ = _chunk_decays(log2_gamma, docs, i_b, start, L, HAS_RESET, False, BT, ACC)
+    scores = scores * scale * intra
+    v_blk = tl.load(v + i_b * L * H * V + i_h * V + t[:, None] * (H * V) + offs_v[None, :], mask=mask_tv, other=0.0)
+    out = _dot(scores.to(dt), v_blk, ACC, PRECISION) + o_state * (scale * q_decay)[:, None]
+    tl.store(o + i_b * L * H * V + i_h * V + t[:, None] * (H * V) + offs_v[None, :], out.to(dt), mask=mask_tv)
+
+
+@triton.jit
+def _chunk_dh_kernel(
+    q, do, dh, d_final_state, d_initial_state, docs, log2_gamma_ptr, scale, L,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    HAS_D_FINAL_STATE: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr, HAS_RESET: tl.constexpr,
+):
+    """Grid (value tiles, key tiles, batch * heads), backward in time: ``dh[b, h, c] = dH_c`` (the gradient of the
+    state leaving chunk ``c``) for every chunk, and the gradient of the initial state."""
+    i_v, i_k, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h = (i_bh // H).to(tl.int64), i_bh % H
+    NT = tl.cdiv(L, BT)
+    log2_gamma = tl.load(log2_gamma_ptr + i_h)
+    scale = tl.full((), scale, ACC)  # fp32 from Triton's launcher, fp64 from Inductor's: cast to one dtype
+    offs_t = tl.arange(0, BT)
+    offs_k = i_k * BK + tl.arange(0, BK)
+    offs_v = i_v * BV + tl.arange(0, BV)
+    mask_k, mask_v = offs_k < K, offs_v < V
+    mask_kv = mask_k[:, None] & mask_v[None, :]
+    q_base = q + i_b * L * H * K + i_h * K
+    do_base = do + i_b * L * H * V + i_h * V
+    tile_offs = offs_k[:, None] * V + offs_v[None, :]
+    dh_base = dh + i_bh.to(tl.int64) * NT * K * V
+    state_offs = i_bh.to(tl.int64) * K * V + tile_offs
+
+    d_state = tl.zeros([BK, BV], dtype=ACC)
+    if HAS_D_FINAL_STATE:
+        d_state += tl.load(d_final_state + state_offs, mask=mask_kv, other=0.0).to(ACC)
+    for i in range(0, NT):
+        i_t = NT - 1 - i
+        start = i_t * BT
+        tl.store(dh_base + i_t * K * V + tile_offs, d_state.to(dh.dtype.element_ty), mask=mask_kv)
+        t = start + offs_t
+        mask_t = t < L
+        q_blk = tl.load(q_base + t[:, None] * (H * K) + offs_k[None, :], mask=mask_t[:, None] & mask_k[None, :],
+                        other=0.0)
+        do_blk = tl.load(do_base + t[:, None] * (H * V) + offs_v[None, :], mask=mask_t[:, None] & mask_v[None, :],
+                         other=0.0)
+        _, q_decay, _, state_decay = _chunk_decays(log2_gamma, docs, i_b, start, L, HAS_RESET, False, BT, ACC)
+        # dH <- gamma^n dH + sum_i gamma^(i+1) q~_i^T dO_i
+        q_blk = (q_blk * (scale * q_decay)[:, None]).to(do_blk.dtype)
+        d_state = d_state * state_decay + _dot(tl.trans(q_blk), do_blk, ACC, PRECISION)
+    tl.store(d_initial_state + state_offs, d_state.to(d_initial_state.dtype.element_ty), mask=mask_kv)
+
+
+@triton.jit
+def _chunk_dqk_kernel(
+    q, k, v, do, h, dh, dq, dk, docs, log2_gamma_ptr, scale, L,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    ACC: tl.constexpr, PRECISION: tl.constexpr, HAS_RESET: tl.constexpr,
+):
+    """Grid (key tiles, chunks, batch * heads): ``dq = scale (((dO v^T) * D) k + gamma^(i+1) dO S_c^T)`` and
+    ``dk = ((dO v^T) * D)^T q~ + gamma^(n-1-j) v dH_c^T`` of one chunk and key tile, the value axis summed inside
+    the program."""
+    i_k, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h = (i_bh // H).to(tl.int64), i_bh % H
+    NT = tl.cdiv(L, BT)
+    log2_gamma = tl.load(log2_gamma_ptr + i_h)
+    scale = tl.full((), scale, ACC)  # fp32 from Triton's launcher, fp64 from Inductor's: cast to one dtype
+    start = i_t * BT
+    t = start + tl.arange(0, BT)
+    mask_t = t < L
+    offs_k = i_k * BK + tl.arange(0, BK)
+    mask_k = offs_k < K
+    mask_tk = mask_t[:, None] & mask_k[None, :]
+    v_base = v + i_b * L * H * V + i_h * V
+    do_base = do + i_b * L * H * V + i_h * V
+    state_base = (i_bh.to(tl.int64) * NT + i_t) * K * V
+    dt = v.dtype.element_ty
+
+    d_scores = tl.zeros([BT, BT], dtype=ACC)  # dO v^T
+    dq_state = tl.zeros([BT, BK], dtype=ACC)  # dO S_c^T
+    dk_state = tl.zeros([BT, BK], dtype=ACC)  # v dH_c^T
+    for v_start in range(0, V, BV):
+        offs_v = v_start + tl.arange(0, BV)
+        mask_v = offs_v < V
+        mask_tv = mask_t[:, None] & mask_v[None, :]
+        mask_kv = mask_k[:, None] & mask_v[None, :]
+        v_blk = tl.load(v_base + t[:, None] * (H * V) + offs_v[None, :], mask=mask_tv, other=0.0)
+        do_blk = tl.load(do_base + t[:, None] * (H * V) + offs_v[None, :], mask=mask_tv, other=0.0)
+        state_offs = state_base + offs_k[:, None] * V + offs_v[None, :]
+        h_blk = tl.load(h + state_offs, mask=mask_kv, other=0.0).to(dt)
+        dh_blk = tl.load(dh + state_offs, mask=mask_kv, other=0.0).to(dt)
+        d_scores += _dot(do_blk, tl.trans(v_blk), ACC, PRECISION)
+        dq_state += _dot(do_blk, tl.trans(h_blk), ACC, PRECISION)
+        dk_state += _dot(v_blk, tl.trans(dh_blk), ACC, PRECISION)
+    intra, q_decay, k_decay, _ = _chunk_decays(log2_gamma, docs, i_b, start, L, HAS_RESET, False, BT, ACC)
+    d_scores = (d_scores * intra).to(dt)
+    tk_offs = t[:, None] * (H * K) + offs_k[None, :]
+    q_blk = tl.load(q + i_b * L * H * K + i_h * K + tk_offs, mask=mask_tk, other=0.0)
+    k_blk = tl.load(k + i_b * L * H * K + i_h * K + tk_offs, mask=mask_tk, other=0.0)
+    dq_blk = (_dot(d_scores, k_blk, ACC, PRECISION) + dq_state * q_decay[:, None]) * scale
+    dk_blk = _dot(tl.trans(d_scores), q_blk, ACC, PRECISION) * scale + dk_state * k_decay[:, None]
+    tl.store(dq + i_b * L * H * K + i_h * K + tk_offs, dq_blk.to(dq.dtype.element_ty), mask=mask_tk)
+    tl.store(dk + i_b * L * H * K + i_h * K + tk_offs, dk_blk.to(dk.dtype.element_ty), mask=mask_tk)
+
+
+@triton.jit
+def _chunk_dv_kernel(
+    q, k, do, dh, dv, docs, log2_gamma_ptr, scale, L,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    ACC: tl.constexpr, PRECISION: tl.constexpr, HAS_RESET: tl.constexpr,
+):
+    """Grid (value tiles, chunks, batch * heads): ``dv = ((q~ k^T) * D)^T dO + gamma^(n-1-j) k dH_c`` of one chunk
+    and value tile, the key axis summed inside the program."""
+    i_v, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h = (i_bh // H).to(tl.int64), i_bh % H
+    NT = tl.cdiv(L, BT)
+    log2_gamma = tl.load(log2_gamma_ptr + i_h)
+    scale = tl.full((), scale, ACC)  # fp32 from Triton's launcher, fp64 from Inductor's: cast to one dtype
+    start = i_t * BT
+    t = start + tl.arange(0, BT)
+    mask_t = t < L
+    offs_v = i_v * BV + tl.arange(0, BV)
+    mask_v = offs_v < V
+    mask_tv = mask_t[:, None] & mask_v[None, :]
+    q_base = q + i_b * L * H * K + i_h * K
+    k_base = k + i_b * L * H * K + i_h * K
+    dh_base = dh + (i_bh.to(tl.int64) * NT + i_t) * K * V
+    dt = k.dtype.element_ty
+
+    scores_t = tl.zeros([BT, BT], dtype=ACC)  # (k q^T)[j, i] = k_j . q_i
+    dv_state = tl.zeros([BT, BV], dtype=ACC)  # k dH_c
+    for k_start in range(0, K, BK):
+        offs_k = k_start + tl.arange(0, BK)
+        mask_k = offs_k < K
+        mask_tk = mask_t[:, None] & mask_k[None, :]
+        q_blk = tl.load(q_base + t[:, None] * (H * K) + offs_k[None, :], mask=mask_tk, other=0.0)
+        k_blk = tl.load(k_base + t[:, None] * (H * K) + offs_k[None, :], mask=mask_tk, other=0.0)
+        dh_blk = tl.load(dh_base + offs_k[:, None] * V + offs_v[None, :], mask=mask_k[:, None] & mask_v[None, :],
+                         other=0.0)
+        scores_t += _dot(k_blk, tl.trans(q_blk), ACC, PRECISION)
+        dv_state += _dot(k_blk, dh_blk.to(dt), ACC, PRECISION)
+    intra_t, _, k_decay, _ = _chunk_decays(log2_gamma, docs, i_b, start, L, HAS_RESET, True, BT, ACC)
+    scores_t = scores_t * scale * intra_t
+    do_blk = tl.load(do + i_b * L * H * V + i_h * V + t[:, None] * (H * V) + offs_v[None, :], mask=mask_tv,
+                     other=0.0)
+    dv_blk = _dot(scores_t.to(dt), do_blk, ACC, PRECISION) + dv_state * k_decay[:, None]
+    tl.store(dv + i_b * L * H * V + i_h * V + t[:, None] * (H * V) + offs_v[None, :], dv_blk.to(dv.dtype.element_ty),
+             mask=mask_tv)
+
+
+# ---------------------------------------------------------------------------------------------------------- host
+
+
+def _launch(kernel, grid, block_t, tiles, key_dim, value_dim, *args, **meta):
+    """Launch one kernel over ``grid`` with its tiles, through ``torch.library.wrap_triton`` (so that
+    ``torch.compile`` sees the kernel)."""
+    launch(kernel)[grid](
+        *args, K=key_dim, V=value_dim, BT=block_t, BK=tiles.block_k, BV=tiles.block_v,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **meta,
+    )
+
+
+def _prepare(q, k, v, initial_state, config):
+    """The launch choice (``config``, or the one for this GPU and shape), contiguous ``q``, ``k``, ``v`` and initial
+    state, the accumulation dtypes and the per-head ``log2(gamma)``."""
+    if config is None:
+        config = chunk_h_retention_config(device_arch(q.device), q.dtype, q.shape[-1], v.shape[-1])
+    acc_torch, acc_tl, precision = _kernel_dtypes(v.dtype)
+    log2_gamma = retention_log2_gamma(q.shape[2], q.device, acc_torch)
+    initial_state = None if initial_state is None else initial_state.contiguous()
+    return config, q.contiguous(), k.contiguous(), v.contiguous(), initial_state, acc_tl, precision, log2_gamma
+
+
+def _chunk_states(k, v, initial_state, final_state, docs, log2_gamma, config, acc_tl, precision):
+    """Run ``_chunk_h_kernel``: the states entering every chunk, ``(batch, heads, NT, key_dim, value_dim)`` in the
+    state dtype; the final state is written to ``final_state`` unless it is None."""
+    batch, length, heads, key_dim = k.shape
+    value_dim = v.shape[-1]
+    tiles = config.h
+    h = k.new_empty(batch, heads, triton.cdiv(length, config.block_t), key_dim, value_dim,
+                    dtype=_state_dtype(v.dtype))
+    grid = (triton.cdiv(value_dim, tiles.block_v), triton.cdiv(key_dim, tiles.block_k), batch * heads)
+    _launch(
+        _chunk_h_kernel, grid, config.block_t, tiles, key_dim, value_dim,
+        k, v, h, initial_state, final_state, docs, log2_gamma, length, H=heads,
+        HAS_INITIAL_STATE=initial_state is not None, STORE_FINAL_STATE=final_state is not None, ACC=acc_tl,
+        PRECISION=precision, HAS_RESET=docs is not None,
+    )
+    return h
+
+
+def chunk_retention_fwd_triton(q, k, v, scale, initial_state=None, reset=None, config=None):
+    """Forward pass of chunkwise retention, states then outputs: the per-chunk states (``_chunk_h_kernel``), then
+    the output of every chunk in parallel (``_chunk_o_kernel``). A drop-in for ``chunk.py``'s function of the same
+    name (the Triton branch of ``hf_densessm::chunk_retention``, whose wrapper checks the arguments).
+
+    Args:
+        q, k (Tensor): ``(batch, length, heads, key_dim)``; v (Tensor): ``(batch, length, heads, value_dim)``;
+            one dtype among float16, bfloat16, float32 (float64 where the device allows it: the interpreter).
+        scale (float): positive factor on ``q`` (a Python float, a scalar kernel argument).
+        initial_state (Tensor, optional): ``(batch, heads, key_dim, value_dim)`` float32 (float64 with float64
+            inputs).
+        reset (Tensor, optional): ``(batch, length)`` bool, True at the first token of each packed document.
+        config (ChunkHRetentionConfig, optional): chunk length and tiles; by default
+            :func:`chunk_h_retention_config` for ``q``'s device.
+
+    Returns:
+        o ``(batch, length, heads, value_dim)`` in ``v``'s dtype and the final state ``(batch, heads, key_dim,
+        value_dim)`` float32 (float64 for float64 inputs).
+
+    Memory: besides the outputs, the per-chunk states, ``batch * heads * ceil(length / block_t) * key_dim *
+    value_dim`` floats, freed on return.
+    """
+    batch, length, heads, key_dim = q.shape
+    value_dim = v.shape[-1]
+    config, q, k, v, initial_state, acc_tl, precision, log2_gamma = _prepare(q, k, v, initial_state, config)
+    docs = _document_indices(reset)
+    final_state = q.new_empty(batch, heads, key_dim, value_dim, dtype=_state_dtype(v.dtype))
+    h = _chunk_states(k, v, initial_state, final_state, docs, log2_gamma, config, acc_tl, precision)
+    o = torch.empty_like(v)
+    num_chunks = h.shape[2]
+    if num_chunks:
+        tiles = config.o
+        grid = (triton.cdiv(value_dim, tiles.block_v), num_chunks, batch * heads)
+        _launch(
+            _chunk_o_kernel, grid, config.block_t, tiles, key_dim, value_dim,
+            q, k, v, h, o, docs, log2_gamma, scale, length, H=heads, ACC=acc_tl, PRECISION=precision,
+            HAS_RESET=docs is not None,
+        )
+    return o, final_state
+
+
+def chunk_retention_bwd_triton(d_o, d_final_state, q, k, v, scale, initial_state=None, reset=None, config=None):
+    """Backward pass of chunkwise retention, states then gradients: the per-chunk states again
+    (``_chunk_h_kernel``), their gradients walking backward (``_chunk_dh_kernel``, which also gives the gradient of
+    the initial state), then ``dq`` / ``dk`` (``_chunk_dqk_kernel``) and ``dv`` (``_chunk_dv_kernel``) of every
+    chunk in parallel. A drop-in for ``chunk.py``'s function of the same name (the Triton branch of
+    ``hf_densessm::chunk_retention_backward``).
+
+    Args:
+        d_o (Tensor): ``(batch, length, heads, value_dim)``, the gradient of ``o`` (cast to ``v``'s dtype).
+        d_final_state (Tensor, optional): ``(batch, heads, key_dim, value_dim)``, the gradient of the final state
+            (None: zero).
+        q, k, v, scale, initial_state, reset, config: as :func:`chunk_retention_fwd_triton`.
+
+    Returns:
+        dq, dk, dv in the dtypes of q, k, v, and the gradient of the initial state ``(batch, heads, key_dim,
+        value_dim)`` (of a zero one without ``initial_state``) float32 (float64 for float64 inputs).
+
+    Memory: besides the gradients, the per-chunk states and their gradients, twice the forward pass's.
+    """
+    batch, length, heads, key_dim = q.shape
+    value_dim = v.shape[-1]
+    config, q, k, v, initial_state, acc_tl, precision, log2_gamma = _prepare(q, k, v, initial_state, config)
+    d_o = d_o.to(v.dtype).contiguous()
+    if d_final_state is not None:
+        d_final_state = d_final_state.contiguous()
+    docs = _document_indices(reset)
+    meta = dict(H=heads, ACC=acc_tl, PRECISION=precision, HAS_RESET=docs is not None)
+    h = _chunk_states(k, v, initial_state, None, docs, log2_gamma, config, acc_tl, precision)
+    num_chunks = h.shape[2]
+    dh = torch.empty_like(h)
+    d_initial_state = q.new_empty(batch, heads, key_dim, value_dim, dtype=_state_dtype(v.dtype))
+    tiles = config.dh
+    grid = (triton.cdiv(value_dim, tiles.block_v), triton.cdiv(key_dim, tiles.block_k), batch * heads)
+    _launch(
+        _chunk_dh_kernel, grid, config.block_t, tiles, key_dim, value_dim,
+        q, d_o, dh, d_final_state, d_initial_state, docs, log2_gamma, scale, length,
+        HAS_D_FINAL_STATE=d_final_state is not None, **meta,
+    )
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    if num_chunks:
+        tiles = config.dqk
+        grid = (triton.cdiv(key_dim, tiles.block_k), num_chunks, batch * heads)
+        _launch(
+            _chunk_dqk_kernel, grid, config.block_t, tiles, key_dim, value_dim,
+            q, k, v, d_o, h, dh, dq, dk, docs, log2_gamma, scale, length, **meta,
+        )
+        tiles = config.dv
+        grid = (triton.cdiv(value_dim, tiles.block_v), num_chunks, batch * heads)
+        _launch(
+            _chunk_dv_kernel, grid, config.block_t, tiles, key_dim, value_dim,
+            q, k, d_o, dh, dv, docs, log2_gamma, scale, length, **meta,
+        )
+    return dq, dk, dv, d_initial_state
