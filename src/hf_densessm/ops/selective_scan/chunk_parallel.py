@@ -105,7 +105,7 @@ class ChunkParallelScanConfig:
     fwd_warps: int = 4
     bwd_block_d: int = 2
     bwd_d_steps: int = 4
-    bwd_warps: int = 4
+    bwd_warps: int = 8
     carry_block: int = 512
     carry_warps: int = 4
     num_stages: int = 2
@@ -117,8 +117,13 @@ def chunk_parallel_scan_config(arch: GPUArch, dtype: torch.dtype, nstate: int) -
     Registers bound the tile: the per-chunk kernels hold ``block_d x state x chunk`` tiles (the decays, the inputs
     ``b``, the scan's two outputs; the backward kernel about ten of them) in registers at once. :mod:`.chunk`'s
     sweep on an H100 found its kernels fastest, and spill-free, with 16 elements of a tile per thread (2 x 16 x 16
-    over 64 threads forward, 4 x 16 x 16 backward); the same budget is kept here: ``block_d * state * chunk =
-    16 x 32 x warps``. With state 16 that is 64-token chunks, 2 channels per tile and 4 warps.
+    over 64 threads forward, 4 x 16 x 16 backward); the same tile is kept here, ``block_d * state * chunk =
+    2048`` elements: with state 16, 64-token chunks and 2 channels per tile. The forward-side kernels spread it
+    over 4 warps (16 elements per thread; 119-127 registers for :func:`_chunk_output_kernel`, 25-33 %
+    occupancy). The backward kernel over 8 warps (8 per thread): with 4 warps it compiled to 249-255 registers,
+    at the 255 cap (no spill, but no margin either), as it also keeps ``B``, ``C``, ``B`` shifted and the ``dB``,
+    ``dC`` sums as ``(state, chunk)`` tiles across its channel tiles; with 8 it takes about 195 (12-17 %
+    occupancy, as with 4 warps). One channel per tile with 4 warps (168 registers) kept an 8-byte stack frame.
 
     Parallelism: ``batch x ceil(dim / (block_d d_steps)) x ceil(length / chunk)`` programs per per-chunk kernel.
     With 8 channels per program (``d_steps = 8 / block_d``), 1 x 2048 channels x 2048 tokens gives 256 x 32 = 8192
@@ -132,7 +137,8 @@ def chunk_parallel_scan_config(arch: GPUArch, dtype: torch.dtype, nstate: int) -
     Every architecture listed in :mod:`..backend` has 64 K registers per SM and at most 255 per thread, so they take
     the same choice; ``tests/ops/test_selective_scan_chunk_parallel.py`` compiles it for sm_80, sm_86, sm_89 and
     sm_90 and checks that nothing spills. It has not been timed (no GPU was lent when it was written).
-    Larger states get shorter chunks (32 tokens from state 64, 16 from state 128) and one channel per tile.
+    Larger states get shorter chunks (32 tokens from state 64, 16 from state 128) and one channel per tile (from
+    state 256 the tile grows past 2048 elements).
 
     Args:
         arch: the GPU's limits (:func:`hf_densessm.ops.backend.device_arch`); unused, see above.
@@ -146,10 +152,10 @@ def chunk_parallel_scan_config(arch: GPUArch, dtype: torch.dtype, nstate: int) -
     block_n = triton.next_power_of_2(nstate)
     warps = 4
     chunk = 64 if block_n <= 32 else 32 if block_n <= 64 else 16
-    block_d = max(1, 16 * 32 * warps // (block_n * chunk))
+    block_d = max(1, 2048 // (block_n * chunk))
     d_steps = max(1, 8 // block_d)
     return ChunkParallelScanConfig(chunk=chunk, fwd_block_d=block_d, fwd_d_steps=d_steps, fwd_warps=warps,
-                                   bwd_block_d=block_d, bwd_d_steps=d_steps, bwd_warps=warps)
+                                   bwd_block_d=block_d, bwd_d_steps=d_steps, bwd_warps=2 * warps)
 
 
 @triton.jit
