@@ -1,50 +1,11 @@
-"""Selective scan of Mamba (Mamba paper, Algorithm 2, §3.3, App. D): public entry points, argument checks, and the
-``torch.library`` ops they call.
-
-- :func:`selective_scan`: the whole sequence at once (training, prefill); layout and arguments as
-  ``mamba_ssm``'s ``selective_scan_fn``.
-- :func:`selective_state_update`: one token (decoding), updating the state in place; as ``mamba_ssm``'s
-  ``selective_state_update``.
-
-The forms of the op, one file each (the layout of flash-linear-attention's ``fla/ops/<op>/``):
-
-- ``naive.py``: ``selective_scan_naive``, the token-by-token loop in float64, the ground truth of the tests;
-- ``chunked_torch.py``: ``selective_scan_torch_fwd`` / ``selective_scan_torch_bwd`` /
-  ``selective_state_update_torch``, the vectorized PyTorch path (chunked over the length, hand-written backward),
-  what runs on the CPU; the whole-sequence functions are the opaque ops ``hf_densessm::selective_scan_torch`` /
-  ``selective_scan_torch_backward``, run eagerly inside a compiled graph (see "the ops" below), whose bodies run
-  the C++ CPU kernel instead on CPU tensors when it is built (``../cpu_kernel.py``,
-  ``csrc/selective_scan_cpu.cpp``; ``HF_DENSESSM_CPU_KERNEL=0`` keeps the chunked path);
-- ``chunk.py``: ``selective_scan_triton_fwd`` / ``selective_scan_triton_bwd``, the fused Triton kernels for
-  training and prefill;
-- ``fused_recurrent.py``: ``selective_state_update_triton``, the Triton decode step.
-
-The ops (``torch.library.triton_op``; each body is the one dispatch between the two forms, and its fake
-implementation; ``torch.compile`` traces them whole, down to the Triton kernels on CUDA):
-
-- ``hf_densessm::selective_scan(Tensor u, Tensor delta, Tensor A, Tensor B, Tensor C, Tensor? D, Tensor? z,
-  Tensor? delta_bias, bool delta_softplus, Tensor? initial_state, Tensor? reset, bool save_states, str backend)
-  -> (Tensor y, Tensor last_state, Tensor chunk_states)``, with its autograd formula registered, which calls
-- ``hf_densessm::selective_scan_backward(Tensor? dy, Tensor? dlast, <the forward's tensors and flags>,
-  Tensor chunk_states, str backend) -> (du, ddelta, dA, dB, dC, dD, dz, ddelta_bias, dinitial_state)``;
-- ``hf_densessm::selective_state_update(Tensor(a!) state, Tensor x, Tensor dt, Tensor A, Tensor B, Tensor C,
-  Tensor? D, Tensor? z, Tensor? dt_bias, bool dt_softplus, str backend) -> Tensor y`` (``state`` mutated; no
-  autograd formula: decoding only).
-
-Backends (``backend=``, resolved by :func:`hf_densessm.ops.backend.resolve_backend`): ``"auto"`` runs the Triton
-kernel on CUDA tensors (when triton is installed) and the PyTorch path otherwise; ``"triton"`` forces the Triton
-kernel (on CPU tensors only under ``TRITON_INTERPRET=1``, the interpreter, for tests); ``"torch"`` forces the
-PyTorch path. The Triton files are imported only when a kernel runs.
-
-Choices made here:
-
-- Inputs may have any strides: the Triton kernels take strides (no copy is made for e.g. ``B`` and ``C``
-  sliced and transposed out of ``x_proj``'s output), and the reference does not care.
-- ``A`` must be ``<= 0`` (a decay). Checking it reads ``A`` on the host: a reduction on the CPU, a device
-  synchronization on CUDA. :func:`selective_scan` checks on every call (one sync next to a whole-sequence
-  kernel), except while ``torch.compile`` traces or a CUDA graph is being captured. :func:`selective_state_update` does not check: it runs
-  per token and layer, where the check would cost as much as the step, and a decode step follows a prefill
-  :func:`selective_scan` with the same ``A``.
+"""Selective scan of Mamba (Mamba paper, Algorithm 2, §3.3, App. D): the public entry points :func:`selective_scan`
+(whole sequence; ``mamba_ssm``'s ``selective_scan_fn`` layout) and :func:`selective_state_update` (one decoding
+token, state updated in place), their argument checks, and the ``torch.library`` ops ``hf_densessm::selective_scan``
+(+ ``_backward``) and ``hf_densessm::selective_state_update`` they call. Each op's body is the one dispatch
+(:func:`hf_densessm.ops.backend.resolve_backend`) between the Triton kernels (``chunk.py``, ``fused_recurrent.py``)
+and the PyTorch path (``chunked_torch.py``, or on CPU tensors the C++ kernel of ``../cpu_kernel.py``); the forms,
+schemas and backends are in docs/kernels.md ("Layout", "The ops"). ``A <= 0`` is checked by :func:`selective_scan`
+(a host read: skipped while compiling or capturing a CUDA graph), not per decoding step.
 """
 
 from typing import Optional

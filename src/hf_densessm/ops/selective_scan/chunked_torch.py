@@ -1,53 +1,8 @@
-"""The selective scan in vectorized PyTorch (Mamba paper, Algorithm 2 and §3.3): the path the models take on
-the CPU (``backend="torch"``), chunked over the length so that it costs ``O(sqrt(length))`` Python steps.
-
-- :func:`selective_scan_torch_fwd` / :func:`selective_scan_torch_bwd`: the whole sequence, forward and the
-  hand-written recompute backward; the PyTorch bodies of the ops ``hf_densessm::selective_scan`` and
-  ``hf_densessm::selective_scan_backward`` (registered in ``__init__.py``, which chooses between this path and
-  the Triton kernels).
-- :func:`selective_state_update_torch`: one decoding step, the state updated in place (the PyTorch body of
-  ``hf_densessm::selective_state_update``).
-
-Every function here is traceable by ``torch.compile`` (static shapes, no reads of tensor values on the host):
-the ops' bodies are also their fake (meta) implementations, and Inductor fuses this path on the CPU.
-
-The recurrence (Mamba paper eq. 2a/2b with the discretization of eq. 4 as the authors' code applies it,
-ZOH for ``A`` and Euler for ``B``)::
-
-    dt_t = softplus(delta_t + delta_bias)                 (bias and softplus optional)
-    h_t  = exp(dt_t * A) * h_{t-1} + dt_t * B_t * u_t     (h_0 = initial_state or 0; per channel d, state n)
-    y_t  = sum_n C_{t,n} h_{t,n} + D * u_t                then y_t *= silu(z_t)
-
-written out token by token in ``naive.py`` (:func:`.naive.selective_scan_naive`, the ground truth of the tests).
-
-**Chunked evaluation.** A loop over tokens costs ``length`` Python steps on tiny tensors. Here the length is
-split into ``n_chunks`` chunks of ``chunk_size`` tokens and every chunk runs at once:
-
-1. a local recurrence from a zero state, one Python step per position in the chunk and vectorized over all
-   chunks, gives each chunk's end state;
-2. a recurrence over chunks, ``S_c = exp(A * sum_{t in c} dt_t) * S_{c-1} + local_end_c``, gives the true
-   state entering each chunk (``n_chunks`` steps on ``(batch, state, dim)`` tensors);
-3. the local recurrence runs again from those entry states and contracts each state with ``C`` at once.
-
-Every decay that is multiplied in is ``exp(dt * A)`` with ``dt >= 0`` and ``A <= 0``, a number in ``(0, 1]``:
-nothing is divided and nothing can overflow. Python-level steps: ``2 * chunk_size + n_chunks`` (``chunk_size``
-about ``sqrt(length)``), and no tensor of shape ``(batch, length, dim, state)`` is formed in the forward
-pass; states are kept in a ``(batch * n_chunks, state, dim)`` layout so that the ``C`` contraction is one
-batched matrix product per step, and every step works in place in preallocated buffers (fresh allocations of
-large tensors cost page faults). Positions padded onto the last chunk have ``dt = 0``: their decay is 1 and
-their input 0, so they leave the state unchanged. The ``D`` skip and the ``silu(z)`` gate are applied in place
-on the output.
-
-**Backward** (:func:`selective_scan_torch_bwd`). The forward pass returns the chunk entry states
-``(batch, n_chunks, state, dim)``, which the op saves with the inputs. The backward pass recomputes the states of a block of channels from the
-entry states (one forward sweep), runs the adjoint recurrence ``g_t = exp(dt_{t+1} A) g_{t+1} + C_t gy_t``
-the same chunked way in reverse (a local sweep, a sweep over chunks, a sweep with the true adjoints) and
-reads every gradient off ``g_t``, ``h_{t-1}`` and the decay (``d(dt_t A) = g_t exp(dt_t A) h_{t-1}``).
-Channels are processed in blocks so that the recomputed states take at most ``_BWD_BLOCK_ELEMENTS`` elements.
-The backward pass does form ``(length, state, dim)`` states (for one block of channels at a time): on the CPU,
-recomputing them per chunk a third time would cost more than the memory saves.
-
-Accumulation is in float32 whatever the input dtype (float64 inputs are computed in float64, for tests).
+"""The selective scan in vectorized PyTorch (Mamba paper, Algorithm 2, eq. 2a/2b and 4), chunked over the length
+(``O(sqrt(length))`` Python steps, no ``(batch, length, dim, state)`` tensor in the forward pass), with a hand-written
+recompute backward; the algorithm is in docs/kernels.md ("The PyTorch path of the scan"), the ground truth in
+``naive.py``. Traceable by ``torch.compile`` (static shapes, no host reads of tensor values). Accumulation in float32
+(float64 for float64 inputs).
 """
 
 from __future__ import annotations
