@@ -1,8 +1,8 @@
 """Multi-scale retention: parallel, chunked and recurrent references against each other, the PyTorch path's written-out
 backward against autograd, the Triton kernels against the references (under ``TRITON_INTERPRET=1`` on the CPU, set
-by ``tests/conftest.py``; a float64 quadratic reference with initial and final states and packed documents), and the three ``torch.library`` ops (``hf_densessm::chunk_retention``,
-``hf_densessm::chunk_retention_backward``, ``hf_densessm::retention_state_update``) under ``opcheck`` and
-``torch.compile``."""
+by ``tests/conftest.py``; a float64 quadratic reference with initial and final states and packed documents), and
+the three ``torch.library`` ops (``hf_densessm::chunk_retention``, ``hf_densessm::chunk_retention_backward``,
+``hf_densessm::retention_state_update``) under ``opcheck`` and ``torch.compile``."""
 
 import logging
 import os

@@ -135,7 +135,7 @@ def _chunk_decays(log2_gamma, docs, i_b, start, L, HAS_RESET: tl.constexpr, TRAN
 
 
 @triton.jit
-def _chunk_h_kernel(
+def _retention_chunk_h_kernel(
     k, v, h, initial_state, final_state, docs, log2_gamma_ptr, L,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     HAS_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr,
@@ -180,7 +180,7 @@ def _chunk_h_kernel(
 
 
 @triton.jit
-def _chunk_o_kernel(
+def _retention_chunk_o_kernel(
     q, k, v, h, o, docs, log2_gamma_ptr, scale, L,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     ACC: tl.constexpr, PRECISION: tl.constexpr, HAS_RESET: tl.constexpr,
@@ -222,7 +222,7 @@ def _chunk_o_kernel(
 
 
 @triton.jit
-def _chunk_dh_kernel(
+def _retention_chunk_dh_kernel(
     q, do, dh, d_final_state, d_initial_state, docs, log2_gamma_ptr, scale, L,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     HAS_D_FINAL_STATE: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr, HAS_RESET: tl.constexpr,
@@ -266,7 +266,7 @@ def _chunk_dh_kernel(
 
 
 @triton.jit
-def _chunk_dqk_kernel(
+def _retention_chunk_dqk_kernel(
     q, k, v, do, h, dh, dq, dk, docs, log2_gamma_ptr, scale, L,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     ACC: tl.constexpr, PRECISION: tl.constexpr, HAS_RESET: tl.constexpr,
@@ -307,18 +307,19 @@ def _chunk_dqk_kernel(
         dq_state += _dot(do_blk, tl.trans(h_blk), ACC, PRECISION)
         dk_state += _dot(v_blk, tl.trans(dh_blk), ACC, PRECISION)
     intra, q_decay, k_decay, _ = _chunk_decays(log2_gamma, docs, i_b, start, L, HAS_RESET, False, BT, ACC)
-    d_scores = (d_scores * intra).to(dt)
+    # scale here, not on the (BT, BK) results: that crashed LLVM's SLP vectorizer (float32, fp64 scale, sm_90)
+    d_scores = (d_scores * scale * intra).to(dt)
     tk_offs = t[:, None] * (H * K) + offs_k[None, :]
     q_blk = tl.load(q + i_b * L * H * K + i_h * K + tk_offs, mask=mask_tk, other=0.0)
     k_blk = tl.load(k + i_b * L * H * K + i_h * K + tk_offs, mask=mask_tk, other=0.0)
-    dq_blk = (_dot(d_scores, k_blk, ACC, PRECISION) + dq_state * q_decay[:, None]) * scale
-    dk_blk = _dot(tl.trans(d_scores), q_blk, ACC, PRECISION) * scale + dk_state * k_decay[:, None]
+    dq_blk = _dot(d_scores, k_blk, ACC, PRECISION) + dq_state * (scale * q_decay)[:, None]
+    dk_blk = _dot(tl.trans(d_scores), q_blk, ACC, PRECISION) + dk_state * k_decay[:, None]
     tl.store(dq + i_b * L * H * K + i_h * K + tk_offs, dq_blk.to(dq.dtype.element_ty), mask=mask_tk)
     tl.store(dk + i_b * L * H * K + i_h * K + tk_offs, dk_blk.to(dk.dtype.element_ty), mask=mask_tk)
 
 
 @triton.jit
-def _chunk_dv_kernel(
+def _retention_chunk_dv_kernel(
     q, k, do, dh, dv, docs, log2_gamma_ptr, scale, L,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     ACC: tl.constexpr, PRECISION: tl.constexpr, HAS_RESET: tl.constexpr,
@@ -400,8 +401,8 @@ def _prepare(q, k, v, initial_state, config):
 
 
 def _chunk_states(k, v, initial_state, final_state, docs, log2_gamma, config, acc_tl, precision):
-    """Run ``_chunk_h_kernel``: the states entering every chunk, ``(batch, heads, NT, key_dim, value_dim)`` in the
-    state dtype; the final state is written to ``final_state`` unless it is None."""
+    """Run ``_retention_chunk_h_kernel``: the states entering every chunk, ``(batch, heads, NT, key_dim,
+    value_dim)`` in the state dtype; the final state is written to ``final_state`` unless it is None."""
     batch, length, heads, key_dim = k.shape
     value_dim = v.shape[-1]
     tiles = config.h
@@ -409,7 +410,7 @@ def _chunk_states(k, v, initial_state, final_state, docs, log2_gamma, config, ac
                     dtype=compute_dtype(v.dtype))
     grid = (triton.cdiv(value_dim, tiles.block_v), triton.cdiv(key_dim, tiles.block_k), batch * heads)
     _launch(
-        _chunk_h_kernel, grid, config.block_t, tiles, key_dim, value_dim,
+        _retention_chunk_h_kernel, grid, config.block_t, tiles, key_dim, value_dim,
         k, v, h, initial_state, final_state, docs, log2_gamma, length, H=heads,
         HAS_INITIAL_STATE=initial_state is not None, STORE_FINAL_STATE=final_state is not None, ACC=acc_tl,
         PRECISION=precision, HAS_RESET=docs is not None,
@@ -421,8 +422,8 @@ def chunk_retention_fwd_triton(q, k, v, scale, initial_state=None, reset=None, c
     """The Triton branch of ``hf_densessm::chunk_retention``, no checks: arguments and ``(o, final_state)`` as
     :func:`hf_densessm.ops.retention.chunk_retention` (``scale`` a float), plus ``config`` (a
     :class:`ChunkRetentionConfig`; default :func:`chunk_retention_config` for ``q``'s device). The per-chunk
-    states (``_chunk_h_kernel``), ``batch * heads * ceil(length / block_t) * key_dim * value_dim`` floats, live
-    until the outputs (``_chunk_o_kernel``) are written."""
+    states (``_retention_chunk_h_kernel``), ``batch * heads * ceil(length / block_t) * key_dim * value_dim``
+    floats, live until the outputs (``_retention_chunk_o_kernel``) are written."""
     batch, length, heads, key_dim = q.shape
     value_dim = v.shape[-1]
     config, q, k, v, initial_state, acc_tl, precision, log2_gamma = _prepare(q, k, v, initial_state, config)
@@ -435,7 +436,7 @@ def chunk_retention_fwd_triton(q, k, v, scale, initial_state=None, reset=None, c
         tiles = config.o
         grid = (triton.cdiv(value_dim, tiles.block_v), num_chunks, batch * heads)
         _launch(
-            _chunk_o_kernel, grid, config.block_t, tiles, key_dim, value_dim,
+            _retention_chunk_o_kernel, grid, config.block_t, tiles, key_dim, value_dim,
             q, k, v, h, o, docs, log2_gamma, scale, length, H=heads, ACC=acc_tl, PRECISION=precision,
             HAS_RESET=docs is not None,
         )
@@ -445,9 +446,10 @@ def chunk_retention_fwd_triton(q, k, v, scale, initial_state=None, reset=None, c
 def chunk_retention_bwd_triton(d_o, d_final_state, q, k, v, scale, initial_state=None, reset=None, config=None):
     """The Triton branch of ``hf_densessm::chunk_retention_backward``: given ``d_o`` and ``d_final_state`` (None:
     zero) and the forward's arguments, ``dq, dk, dv`` in the dtypes of q, k, v and the gradient of the initial state
-    (of a zero one without it) in the state dtype. The per-chunk states are recomputed (``_chunk_h_kernel``), their
-    gradients walk backward (``_chunk_dh_kernel``), then ``_chunk_dqk_kernel`` and ``_chunk_dv_kernel`` run
-    parallel over chunks; states and their gradients together take twice the forward's memory."""
+    (of a zero one without it) in the state dtype. The per-chunk states are recomputed
+    (``_retention_chunk_h_kernel``), their gradients walk backward (``_retention_chunk_dh_kernel``), then
+    ``_retention_chunk_dqk_kernel`` and ``_retention_chunk_dv_kernel`` run parallel over chunks; states and their
+    gradients together take twice the forward's memory."""
     batch, length, heads, key_dim = q.shape
     value_dim = v.shape[-1]
     config, q, k, v, initial_state, acc_tl, precision, log2_gamma = _prepare(q, k, v, initial_state, config)
@@ -463,7 +465,7 @@ def chunk_retention_bwd_triton(d_o, d_final_state, q, k, v, scale, initial_state
     tiles = config.dh
     grid = (triton.cdiv(value_dim, tiles.block_v), triton.cdiv(key_dim, tiles.block_k), batch * heads)
     _launch(
-        _chunk_dh_kernel, grid, config.block_t, tiles, key_dim, value_dim,
+        _retention_chunk_dh_kernel, grid, config.block_t, tiles, key_dim, value_dim,
         q, d_o, dh, d_final_state, d_initial_state, docs, log2_gamma, scale, length,
         HAS_D_FINAL_STATE=d_final_state is not None, **meta,
     )
@@ -472,13 +474,13 @@ def chunk_retention_bwd_triton(d_o, d_final_state, q, k, v, scale, initial_state
         tiles = config.dqk
         grid = (triton.cdiv(key_dim, tiles.block_k), num_chunks, batch * heads)
         _launch(
-            _chunk_dqk_kernel, grid, config.block_t, tiles, key_dim, value_dim,
+            _retention_chunk_dqk_kernel, grid, config.block_t, tiles, key_dim, value_dim,
             q, k, v, d_o, h, dh, dq, dk, docs, log2_gamma, scale, length, **meta,
         )
         tiles = config.dv
         grid = (triton.cdiv(value_dim, tiles.block_v), num_chunks, batch * heads)
         _launch(
-            _chunk_dv_kernel, grid, config.block_t, tiles, key_dim, value_dim,
+            _retention_chunk_dv_kernel, grid, config.block_t, tiles, key_dim, value_dim,
             q, k, d_o, dh, dv, docs, log2_gamma, scale, length, **meta,
         )
     return dq, dk, dv, d_initial_state
