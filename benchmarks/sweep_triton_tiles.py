@@ -24,6 +24,7 @@ before the sweep, :data:`FIRST_CHOICE`), in turns (``--repeats`` pairs, median o
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import os
@@ -42,12 +43,10 @@ RETENTION_SHAPES = {"gpu": [(8, 2048, 2, 384, 1536)], "dry": [(1, 32, 2, 16, 32)
 
 def _first_choice():
     """The tables before the sweep (sm_90, bfloat16, state 16 / the presets' heads): the selective scan with 16-token
-    chunks, 8 channels and 4 warps in both kernels; retention's dk/dv kernel on 32-token chunks with 32 x 64 tiles
-    at 8 warps (its forward and dq kernels are unchanged)."""
-    from hf_densessm.ops.retention.chunk import RetentionTiles
+    chunks, 8 channels and 4 warps in both kernels (retention's kernels have been replaced since: not compared)."""
     from hf_densessm.ops.selective_scan.chunk import SelectiveScanConfig
 
-    return dict(scan=SelectiveScanConfig(16, 8, 4, 8, 4, 2), dkv=RetentionTiles(32, 32, 64, 8, 2))
+    return dict(scan=SelectiveScanConfig(16, 8, 4, 8, 4, 2))
 
 
 def _time_ms(fn, dry):
@@ -158,20 +157,15 @@ def sweep_scan(device, dtype, dry, record):
 
 
 def _retention_candidates(dry, default):
-    from hf_densessm.ops.retention.chunk import ChunkRetentionConfig, RetentionTiles
+    from hf_densessm.ops.retention.chunk import StateTiles
 
     if dry:
-        tiles = [RetentionTiles(16, 16, 16, 4, 1), RetentionTiles(32, 16, 32, 4, 1)]
+        tiles = [StateTiles(16, 16, 4, 1), StateTiles(16, 32, 4, 1)]
     else:
-        tiles = [RetentionTiles(bt, bk, bv, w, s) for bt, (bk, bv), w, s in itertools.product(
-            (32, 64, 128), ((32, 64), (64, 64), (64, 128), (128, 64)), (4, 8), (2,))]
-    out = []
-    for kernel in ("fwd", "dq", "dkv"):
-        for t in tiles:
-            parts = dict(fwd=default.fwd, dq=default.dq, dkv=default.dkv)
-            parts[kernel] = t
-            out.append((kernel, ChunkRetentionConfig(**parts)))
-    return out
+        tiles = [StateTiles(bk, bv, w, s) for (bk, bv), w, s in itertools.product(
+            ((32, 32), (32, 64), (64, 64), (64, 128), (128, 64)), (4, 8), (1, 2))]
+    return [(kernel, dataclasses.replace(default, **{kernel: t})) for kernel in ("h", "o", "dh", "dqk", "dv")
+            for t in tiles]
 
 
 def sweep_retention(device, dtype, dry, record):
@@ -184,13 +178,13 @@ def sweep_retention(device, dtype, dry, record):
         reference = run(default, True)
         for kernel, config in _retention_candidates(dry, default):
             tiles = getattr(config, kernel).fit(key_dim, value_dim)
-            config = type(config)(**{**config.__dict__, kernel: tiles})
+            config = dataclasses.replace(config, **{kernel: tiles})
             row = dict(kernel=f"retention_{kernel}", shape=[batch, length, heads, key_dim, value_dim],
                        dtype=str(dtype), config=tiles.__dict__, default=tiles == getattr(default, kernel))
             try:
                 outs = run(config, True)
                 row["max_rel_dev"] = max(_rel(a, b) for a, b in zip(outs, reference))
-                if kernel == "fwd":
+                if kernel in ("h", "o"):
                     row["fwd_ms"] = _time_ms(lambda: run(config, False), dry)
                 row["fwd_bwd_ms"] = _time_ms(lambda: run(config, True), dry)
             except Exception as error:
@@ -201,7 +195,6 @@ def sweep_retention(device, dtype, dry, record):
 def compare(device, dtype, dry, record, repeats):
     """The tables' choice against :func:`_first_choice`, forward and forward + backward, in alternating turns."""
     from hf_densessm.ops.backend import device_arch
-    from hf_densessm.ops.retention.chunk import chunk_retention_config
     from hf_densessm.ops.selective_scan.chunk import selective_scan_config
 
     first = _first_choice()
@@ -209,11 +202,6 @@ def compare(device, dtype, dry, record, repeats):
     for shape in SCAN_SHAPES["dry" if dry else "gpu"]:
         new = selective_scan_config(device_arch(device), dtype, shape[2])
         cases.append(("selective_scan", list(shape), _scan_runner(shape, device, dtype), first["scan"], new))
-    shapes = RETENTION_SHAPES["dry" if dry else "gpu"] + ([] if dry else [(4, 2048, 4, 320, 1280)])
-    for shape in shapes:
-        new = chunk_retention_config(device_arch(device), dtype, shape[3], shape[4])
-        old = type(new)(fwd=new.fwd, dq=new.dq, dkv=first["dkv"].fit(shape[3], shape[4]))
-        cases.append(("retention", list(shape), _retention_runner(shape, device, dtype), old, new))
     for kernel, shape, fn, old, new in cases:
         for backward in (False, True):
             times = {"first": [], "table": []}

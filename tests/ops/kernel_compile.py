@@ -340,8 +340,8 @@ def format_table(rows: list[tuple[dict, dict]]) -> str:
              "| spills (stack + local B) | occupancy |", "|---" * 11 + "|"]
     for job, r in rows:
         if "error" in r:
-            lines.append(f"| {r['kernel']} | {job['shape']} | {job['dtype']} | {job['arch']} | {r['constexprs']} "
-                         f"| | | | | | error: {r['error'][:80]} |")
+            lines.append(f"| {r['kernel']} | {job['shape']} | {job['dtype']} | {job['arch']} | {r.get('constexprs', '')}"
+                         f" | | | | | | error: {r['error'][:80]} |")
             continue
         lines.append(
             f"| {r['kernel'].strip('_')} | {job['shape']} | {job['dtype']} | {job['arch']} | {r['constexprs']} "

@@ -87,11 +87,15 @@ def test_kernels_compile_within_the_architecture_limits(compiled, job):
     results = compiled[kernel_compile.job_id(job)]
     arch = ARCHS[job["arch"]]
     expected = {"selective_scan": {"_selective_scan_fwd_kernel", "_selective_state_update_kernel"},
-                "retention": {"_retention_fwd_kernel", "_retention_step_kernel"}}[job["op"]]
+                "retention": {"_retention_chunk_h_kernel", "_retention_chunk_o_kernel",
+                              "_retention_step_kernel"}}[job["op"]]
     if "grad" in job["flags"]:
         expected |= {"selective_scan": {"_selective_scan_bwd_kernel"},
-                     "retention": {"_retention_bwd_dq_kernel", "_retention_bwd_dkv_kernel"}}[job["op"]]
+                     "retention": {"_retention_chunk_dh_kernel", "_retention_chunk_dqk_kernel",
+                                   "_retention_chunk_dv_kernel"}}[job["op"]]
     assert {r["kernel"] for r in results} == expected, results
+    if job["op"] == "retention" and "grad" in job["flags"]:  # the forward's state walk and the backward's recompute
+        assert [r["kernel"] for r in results].count("_retention_chunk_h_kernel") == 2, results
     for r in results:
         assert "error" not in r, f"{r['kernel']} {r.get('constexprs', '')}: {r['error']}"
         name = f"{r['kernel']} ({r['constexprs']}, {r['num_warps']} warps, {r['num_stages']} stages)"

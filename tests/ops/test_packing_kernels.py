@@ -179,11 +179,11 @@ RET_RESETS = {
 
 
 def retention_config(block_t=16):
-    from hf_densessm.ops.retention.chunk import ChunkRetentionConfig, RetentionTiles
+    from hf_densessm.ops.retention.chunk import ChunkRetentionConfig, StateTiles
 
-    # 16 x 16 state tiles on key 16 / value 32: two value tiles, whose partial sums add up
-    tiles = RetentionTiles(block_t, 16, 16, 1)
-    return ChunkRetentionConfig(tiles, tiles, tiles)
+    # 16 x 16 state tiles on key 16 / value 32: two value tiles
+    tiles = StateTiles(16, 16, 1)
+    return ChunkRetentionConfig(block_t, tiles, tiles, tiles, tiles, tiles)
 
 
 def retention_inputs(length, initial_state, seed=0, dtype=torch.float64):

@@ -1,8 +1,8 @@
 """Multi-scale retention: parallel, chunked and recurrent references against each other, the PyTorch path's written-out
 backward against autograd, the Triton kernels against the references (under ``TRITON_INTERPRET=1`` on the CPU, set
-by ``tests/conftest.py``), and the three ``torch.library`` ops (``hf_densessm::chunk_retention``,
-``hf_densessm::chunk_retention_backward``, ``hf_densessm::retention_state_update``) under ``opcheck`` and
-``torch.compile``."""
+by ``tests/conftest.py``; a float64 quadratic reference with initial and final states and packed documents), and
+the three ``torch.library`` ops (``hf_densessm::chunk_retention``, ``hf_densessm::chunk_retention_backward``,
+``hf_densessm::retention_state_update``) under ``opcheck`` and ``torch.compile``."""
 
 import logging
 import os
@@ -70,6 +70,8 @@ def _recurrent(q, k, v, initial_state=None, scale=None, backend="torch"):
 
 
 def _rel_err(a, b):
+    if b.numel() == 0:
+        return 0.0
     return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp(min=1e-30)).item()
 
 
@@ -212,6 +214,9 @@ def test_torch_low_precision_dtypes(dtype):
 
 # --------------------------------------------------------------------------------------------------- Triton
 
+SCALE = 0.6
+NAMES = ["o", "final_state", "dq", "dk", "dv", "d_initial_state"]
+
 TRITON_CASES = [
     # batch, length, heads, key_dim, value_dim, initial_state
     (1, 1, 1, 8, 8, False),
@@ -241,58 +246,139 @@ def test_triton_matches_reference(case):
         )
         ((o * grad_out).sum() + (final_state * grad_state).sum()).backward()
         results[backend] = [o, final_state] + [x.grad for x in inputs]
-    names = ["o", "final_state", "dq", "dk", "dv", "d_initial_state"]
-    for name, got, expected in zip(names, results["triton"], results["torch"]):
+    for name, got, expected in zip(NAMES, results["triton"], results["torch"]):
         _assert_matches(got, expected, name)
 
 
 @needs_triton
 def test_triton_many_small_tiles(monkeypatch):
-    """Tiles of 16 on key 40 / value 24: three key tiles and two value tiles whose partial sums add up."""
+    """Through the op, chunks of 16 and tiles of 16 on key 40 / value 24: five chunks, three key tiles and two value
+    tiles per reduction loop."""
     from hf_densessm.ops.retention import chunk
 
-    tiles = chunk.RetentionTiles(64, 16, 16, 4)
-    monkeypatch.setattr(chunk, "chunk_retention_config", lambda *args: chunk.ChunkRetentionConfig(tiles, tiles, tiles))
+    monkeypatch.setattr(chunk, "chunk_retention_config", lambda *args: _small_config())
     test_triton_matches_reference((2, 70, 2, 40, 24, True))
 
 
-def _retention_configs(key_dim, value_dim):
-    """Every configuration ``chunk_retention_config`` can choose for this head size, over the architectures and
-    dtypes it distinguishes, deduplicated."""
-    from hf_densessm.ops.backend import ARCHS
-    from hf_densessm.ops.retention.chunk import chunk_retention_config
+def _small_config(block=16):
+    """Chunks of 16 tokens and ``block``-wide tiles: several chunks at lengths 40 and 80, and key 20 / value 24 split
+    in two masked tiles each, so every loop over the reduction axis runs more than once."""
+    from hf_densessm.ops.retention.chunk import ChunkRetentionConfig, StateTiles
 
-    dtypes = (torch.float32, torch.bfloat16, torch.float16)
-    configs = {chunk_retention_config(arch, dtype, key_dim, value_dim) for arch in ARCHS.values() for dtype in dtypes}
-    return sorted(configs, key=repr)
+    tiles = StateTiles(block, block, 4)
+    return ChunkRetentionConfig(16, tiles, tiles, tiles, tiles, tiles)
+
+
+def _reference(q, k, v, scale, initial_state=None, reset=None):
+    """o and the final state in float64, written plainly: the quadratic form (``chunk_retention_naive``, Eq. 24
+    with a same-document mask), plus ``scale gamma^(t+1) q_t S_0`` for the tokens of the initial state's document,
+    and ``S_L = sum_s gamma^(L-1-s) k_s^T v_s`` over the last document (plus ``gamma^L S_0`` if that is the first).
+    Differentiable: autograd through it gives the reference gradients."""
+    batch, length, heads, key_dim = q.shape
+    o = chunk_retention_naive(q, k, v, scale=scale, reset=reset)
+    lg = retention_log2_gamma(heads, q.device, torch.float64)  # (H,)
+    pos = torch.arange(length, device=q.device, dtype=torch.float64)
+    if reset is None:
+        docs = torch.zeros(batch, length, dtype=torch.long, device=q.device)
+    else:
+        docs = reset.long().cumsum(-1)
+    first = (docs == 0).to(torch.float64)  # (B, L): tokens of the initial state's document
+    last = (docs == docs[:, -1:]).to(torch.float64) if length else first  # (B, L): tokens of the last document
+    write = torch.exp2(lg[None, :, None] * (length - 1 - pos)[None, None, :]) * last[:, None, :]  # (B, H, L)
+    final_state = torch.einsum("bhl,blhk,blhv->bhkv", write, k, v)
+    if initial_state is not None:
+        read = torch.exp2(lg[None, :, None] * (pos + 1)[None, None, :]) * first[:, None, :]  # (B, H, L)
+        o = o + scale * torch.einsum("bhl,blhk,bhkv->blhv", read, q, initial_state)
+        carries = first[:, -1] if length else torch.ones(batch, dtype=torch.float64, device=q.device)
+        final_state = final_state + torch.exp2(lg * length)[None, :, None, None] * carries[:, None, None, None] * \
+            initial_state
+    return o, final_state
+
+
+def _expected(q, k, v, s0, reset, d_o, d_final_state):
+    """Reference o, final state and the gradients of ``sum(o * d_o) + sum(final_state * d_final_state)``
+    (the last of them the initial state's, a zero one where there is none)."""
+    leaves = [x.detach().double().clone().requires_grad_() for x in (q, k, v)]
+    if s0 is None:  # the op's backward returns the gradient of a zero initial state
+        s0 = q.new_zeros(q.shape[0], q.shape[2], q.shape[3], v.shape[3], dtype=torch.float64)
+    s0_leaf = s0.detach().double().clone().requires_grad_()
+    o, final_state = _reference(*leaves, SCALE, s0_leaf, reset)
+    loss = (o * d_o.double()).sum()
+    if d_final_state is not None:
+        loss = loss + (final_state * d_final_state.double()).sum()
+    loss.backward()
+    return [o, final_state] + [x.grad for x in leaves] + [s0_leaf.grad]
+
+
+def _check_kernels(case_inputs, reset=None, with_d_final=True, config=None):
+    """The Triton forward and backward (called directly, with ``config``, by default :func:`_small_config`)
+    against :func:`_expected`: dtypes, shapes, values."""
+    from hf_densessm.ops.retention.chunk import chunk_retention_bwd_triton, chunk_retention_fwd_triton
+
+    q, k, v, s0 = case_inputs
+    config = _small_config() if config is None else config
+    gen = torch.Generator().manual_seed(7)
+    d_o = torch.randn(v.shape, generator=gen, dtype=torch.float64).to(DEVICE, v.dtype)
+    state_dtype = torch.float64 if v.dtype == torch.float64 else torch.float32
+    d_final = torch.randn(q.shape[0], q.shape[2], q.shape[3], v.shape[3], generator=gen, dtype=torch.float64)
+    d_final = d_final.to(DEVICE, state_dtype) if with_d_final else None
+    o, final_state = chunk_retention_fwd_triton(q, k, v, SCALE, s0, reset, config=config)
+    got = [o, final_state, *chunk_retention_bwd_triton(d_o, d_final, q, k, v, SCALE, s0, reset, config=config)]
+    expected = _expected(q, k, v, s0, reset, d_o, d_final)
+    for name, a, b, dtype in zip(NAMES, got, expected, [v.dtype, state_dtype, q.dtype, k.dtype, v.dtype, state_dtype]):
+        assert a.dtype == dtype and a.shape == b.shape, (name, a.dtype, a.shape, b.shape)
+        _assert_matches(a, b.to(dtype), f"{name} {config}")
+
+
+def test_reference_matches_the_chunked_torch_path():
+    """The plain reference above, with an initial state and resets, against ``chunked_torch.py``."""
+    q, k, v, s0 = _inputs(2, 37, 2, 6, 5, initial_state=True)
+    reset = _reset(2, 37, [(0, 9, 10), (20,)])
+    for r in (None, reset):
+        o, final_state = _reference(q, k, v, SCALE, s0, r)
+        o_ref, final_ref = chunk_retention_torch(q, k, v, SCALE, s0, True, chunk_size=8, reset=r)
+        torch.testing.assert_close(o, o_ref, rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(final_state, final_ref, rtol=1e-10, atol=1e-10)
+
+
+@needs_triton
+@pytest.mark.parametrize("initial_state", [False, True], ids=["zero-state", "initial-state"])
+@pytest.mark.parametrize("length", [0, 7, 40, 80])  # empty; under one chunk; 2.5 chunks; 5 whole chunks
+def test_triton_kernels_match_reference(length, initial_state):
+    _check_kernels(_inputs(2, length, 2, 20, 24, dtype=KERNEL_DTYPE, initial_state=initial_state))
+
+
+@needs_triton
+def test_triton_kernels_without_final_state_gradient():
+    _check_kernels(_inputs(1, 40, 2, 20, 24, dtype=KERNEL_DTYPE, initial_state=True), with_d_final=False)
+
+
+@needs_triton
+@pytest.mark.parametrize("length", [40, 80])
+def test_triton_kernels_packed_documents(length):
+    """Documents starting at t = 0 (the initial state is dropped: its gradient is 0 in that row), inside a chunk,
+    at a chunk's last token and at the next chunk's first (one-token documents 15 and 16), at 32 (a chunk edge),
+    and at the last token; the second row keeps its initial state for 20 tokens."""
+    starts = [(0, 5, 15, 16, 17, 32, 47, 48, 79), (20, 64)]
+    reset = _reset(2, length, [[t for t in row if t < length] for row in starts])
+    _check_kernels(_inputs(2, length, 2, 20, 24, dtype=KERNEL_DTYPE, initial_state=True), reset=reset)
 
 
 @needs_triton
 def test_triton_every_config_choice():
-    """The tiles each GPU gets, run under the interpreter (float64) against the PyTorch path: several chunks of
-    every chunk size chosen, and masked key and value tiles (key 40, value 72)."""
-    from hf_densessm.ops.retention.chunk import chunk_retention_bwd_triton, chunk_retention_fwd_triton
+    """32-wide tiles (one masked key tile of 20, one masked value tile of 24), then every configuration
+    ``chunk_retention_config`` chooses over the architectures and dtypes, run in float64 (chunks of 64: two chunks
+    at length 80), with packed documents."""
+    from hf_densessm.ops.backend import ARCHS
+    from hf_densessm.ops.retention.chunk import chunk_retention_config
 
-    batch, length, heads, key_dim, value_dim = 1, 67, 2, 40, 72
-    q, k, v, s0 = _inputs(batch, length, heads, key_dim, value_dim, dtype=KERNEL_DTYPE, initial_state=True)
-    grad_out = torch.randn_like(v)
-    grad_state = torch.randn(batch, heads, key_dim, value_dim, dtype=KERNEL_DTYPE, device=DEVICE)
-
-    def run(fn):
-        leaves = [x.clone().requires_grad_() for x in (q, k, v, s0)]
-        o, final_state = fn(*leaves)
-        ((o * grad_out).sum() + (final_state * grad_state).sum()).backward()
-        return [o, final_state] + [x.grad for x in leaves]
-
-    expected = run(lambda *x: chunk_retention_torch(*x[:3], 0.6, x[3], True))
-    configs = _retention_configs(key_dim, value_dim)
-    assert len(configs) >= 2  # the sm_90 half-precision tiles differ from the rest
-    for config in configs:
-        o, final_state = chunk_retention_fwd_triton(q, k, v, 0.6, s0, config=config)
-        grads = chunk_retention_bwd_triton(grad_out, grad_state, q, k, v, 0.6, s0, config=config)
-        got = [o, final_state, *grads]
-        for name, a, b in zip(["o", "final_state", "dq", "dk", "dv", "d_initial_state"], got, expected):
-            _assert_matches(a, b, f"{name} {config}")
+    inputs = _inputs(1, 80, 2, 20, 24, dtype=KERNEL_DTYPE, initial_state=True)
+    reset = _reset(1, 80, [(3, 64)])
+    configs = {chunk_retention_config(arch, dtype, 20, 24) for arch in ARCHS.values()
+               for dtype in (torch.float32, torch.bfloat16, torch.float16)}
+    assert len(configs) >= 2  # half precision and float32 differ
+    for config in [_small_config(32)] + sorted(configs, key=repr):
+        _check_kernels(inputs, reset=reset, config=config)
 
 
 @needs_triton
@@ -301,18 +387,20 @@ def test_triton_low_precision(dtype):
     if dtype == torch.bfloat16 and not ON_CUDA:
         pytest.skip("the Triton interpreter computes bfloat16 tl.dot and arithmetic wrongly (numpy has no bfloat16)")
     q, k, v, s0 = _inputs(2, 70, 2, 16, 32, initial_state=True)
+    reset = _reset(2, 70, [(0, 17), (64,)])
     grad_out = torch.randn_like(v)
     leaves64 = [x.clone().requires_grad_() for x in (q, k, v, s0)]
-    o64, state64 = chunk_retention(*leaves64[:3], initial_state=leaves64[3], output_final_state=True, backend="torch")
+    o64, state64 = chunk_retention(*leaves64[:3], initial_state=leaves64[3], output_final_state=True, backend="torch",
+                                   reset=reset)
     (o64 * grad_out).sum().backward()
     leaves = [x.to(dtype).detach().requires_grad_() for x in (q, k, v)] + [s0.float().requires_grad_()]
-    o, state = chunk_retention(*leaves[:3], initial_state=leaves[3], output_final_state=True, backend="triton")
+    o, state = chunk_retention(*leaves[:3], initial_state=leaves[3], output_final_state=True, backend="triton",
+                               reset=reset)
     (o * grad_out.to(dtype)).sum().backward()
     assert o.dtype == dtype and state.dtype == torch.float32
     tolerance = 3e-3 if dtype == torch.float32 else 2e-2
-    names = ["o", "final_state", "dq", "dk", "dv", "d_initial_state"]
     got_all, expected_all = [o, state] + [x.grad for x in leaves], [o64, state64] + [x.grad for x in leaves64]
-    for name, got, expected in zip(names, got_all, expected_all):
+    for name, got, expected in zip(NAMES, got_all, expected_all):
         assert _rel_err(got, expected) < tolerance, name
 
 
@@ -576,8 +664,8 @@ def test_compile_aot_eager_traces_the_triton_branch(traceable_interpreter):
     for a, b in zip(got, expected):
         _assert_matches(a, b)
     forward, backward = recorder.fw_graphs[0].code, recorder.bw_graphs[0].code
-    assert forward.count("higher_order.triton_kernel_wrapper") == 1, forward  # the forward kernel
-    assert backward.count("higher_order.triton_kernel_wrapper") == 2, backward  # the dq and dk/dv kernels
+    assert forward.count("higher_order.triton_kernel_wrapper") == 2, forward  # the states, then the outputs
+    assert backward.count("higher_order.triton_kernel_wrapper") == 4, backward  # states, their gradients, dq/dk, dv
 
     torch._dynamo.reset()
     recorder = AotEagerAndRecordGraphs()

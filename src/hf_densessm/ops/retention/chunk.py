@@ -1,9 +1,11 @@
-"""Chunkwise multi-scale retention in Triton (DenseSSM paper Eq. 18, 19, 24; RetNet chunkwise form): the forward
-and backward kernels of ``hf_densessm::chunk_retention`` / ``_backward`` (``backend="triton"``), launched through
-``torch.library.wrap_triton``. Formulas, tiling, packed documents: docs/kernels.md, "How the kernels work".
+"""Chunkwise multi-scale retention in Triton (DenseSSM paper Eq. 18, 19, 24; RetNet chunkwise form), states then
+outputs: the forward and backward kernels of ``hf_densessm::chunk_retention`` / ``_backward`` (``backend="triton"``),
+launched through ``torch.library.wrap_triton``. One kernel walks the chunks and stores the state entering each; the
+outputs and gradients come from kernels parallel over chunks (flash-linear-attention's ``common/chunk_h.py`` /
+``chunk_o.py`` design). Formulas, kernels, packed documents: docs/kernels.md, "How the kernels work".
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -18,41 +20,49 @@ from ..triton_utils import launch
 from .naive import retention_log2_gamma
 
 __all__ = [
-    "ChunkRetentionConfig", "RetentionTiles", "chunk_retention_bwd_triton", "chunk_retention_config",
+    "ChunkRetentionConfig", "StateTiles", "chunk_retention_bwd_triton", "chunk_retention_config",
     "chunk_retention_fwd_triton",
 ]
 
 
 @dataclass(frozen=True)
-class RetentionTiles:
-    """Launch choices of one chunkwise kernel: ``block_t`` tokens per chunk, a ``(block_k, block_v)`` tile of the
-    state per program (all powers of 2, at least 16: the smallest ``tl.dot`` operand), warps, pipeline stages."""
+class StateTiles:
+    """Launch choices of one kernel: a ``(block_k, block_v)`` tile of the state (powers of 2, at least 16: the
+    smallest ``tl.dot`` operand), warps, pipeline stages."""
 
-    block_t: int
     block_k: int
     block_v: int
     num_warps: int
     num_stages: int = 1
 
-    def fit(self, key_dim: int, value_dim: int) -> "RetentionTiles":
+    def fit(self, key_dim: int, value_dim: int) -> "StateTiles":
         """The tiles shrunk to the next power of 2 of ``key_dim`` / ``value_dim`` where those are smaller."""
         block_k = min(self.block_k, max(16, triton.next_power_of_2(key_dim)))
         block_v = min(self.block_v, max(16, triton.next_power_of_2(value_dim)))
-        return RetentionTiles(self.block_t, block_k, block_v, self.num_warps, self.num_stages)
+        return replace(self, block_k=block_k, block_v=block_v)
 
 
 @dataclass(frozen=True)
 class ChunkRetentionConfig:
-    """Tiles of the three chunkwise kernels: forward, backward ``dq``, backward ``dk``/``dv``."""
+    """``block_t`` tokens per chunk (one for every kernel: the stored states are per chunk; a power of 2, at least
+    16) and the tiles of the five kernels: ``h`` (state walk), ``o`` (output), ``dh`` (backward walk), ``dqk``,
+    ``dv``."""
 
-    fwd: RetentionTiles
-    dq: RetentionTiles
-    dkv: RetentionTiles
+    block_t: int
+    h: StateTiles
+    o: StateTiles
+    dh: StateTiles
+    dqk: StateTiles
+    dv: StateTiles
+
+    def fit(self, key_dim: int, value_dim: int) -> "ChunkRetentionConfig":
+        tiles = (self.h, self.o, self.dh, self.dqk, self.dv)
+        return ChunkRetentionConfig(self.block_t, *(t.fit(key_dim, value_dim) for t in tiles))
 
 
 def chunk_retention_config(arch: GPUArch, dtype: torch.dtype, key_dim: int, value_dim: int) -> ChunkRetentionConfig:
-    """Tiles, warps and stages of the chunkwise kernels for one GPU, input dtype and head size: the largest that
-    compile without spills (docs/kernels.md, "Tile, warp and stage choices", with the measurements behind them).
+    """Chunk length, tiles, warps and stages of the five kernels for one GPU, input dtype and head size: choices
+    that compile without spills (docs/kernels.md, "Tile, warp and stage choices").
 
     Args:
         arch: the GPU's limits (:func:`hf_densessm.ops.backend.device_arch`).
@@ -63,25 +73,24 @@ def chunk_retention_config(arch: GPUArch, dtype: torch.dtype, key_dim: int, valu
         A :class:`ChunkRetentionConfig`.
     """
     half = dtype in (torch.float16, torch.bfloat16)
-    stages = 2 if half and arch.shared_per_block >= 160 * 1024 else 1
-    if half and arch.capability >= (9, 0):
-        fwd = dq = RetentionTiles(64, 64, 64, 8, stages)
-        dkv = RetentionTiles(32, 64, 64, 4, stages)
+    if half:
+        stages = 2 if arch.shared_per_block >= 160 * 1024 else 1
+        walk = out = StateTiles(64, 64, 4, stages)
+        dqk = StateTiles(64, 64 if stages == 2 else 32, 8, stages)
+        config = ChunkRetentionConfig(64, walk, out, walk, dqk, out)
     else:
-        fwd, dq = RetentionTiles(32, 32, 32, 8, stages), RetentionTiles(32, 32, 64, 8, stages)
-        # heads smaller than one 32 x 64 tile: 4 warps for dk/dv (8 spilled with resets on sm_90; docs/kernels.md)
-        dkv = RetentionTiles(32, 32, 64, 8 if key_dim * value_dim >= 32 * 64 else 4, stages)
-    return ChunkRetentionConfig(*(tiles.fit(key_dim, value_dim) for tiles in (fwd, dq, dkv)))
+        walk, out = StateTiles(32, 64, 8), StateTiles(32, 32, 8)
+        config = ChunkRetentionConfig(64, walk, out, walk, out, out)
+    return config.fit(key_dim, value_dim)
+
+
+# ------------------------------------------------------------------------------------------------------- kernels
 
 
 @triton.jit
-def _decay_masks(log2_gamma, BT: tl.constexpr, ACC: tl.constexpr):
-    """``D[i, j] = gamma^(i-j)`` for ``j <= i`` else 0, and ``gamma^(i+1)``, both in the accumulator dtype."""
-    offs_t = tl.arange(0, BT)
-    distance = (offs_t[:, None] - offs_t[None, :]).to(ACC)
-    decay = tl.where(distance >= 0, tl.exp2(tl.maximum(distance, 0) * log2_gamma), 0.0)
-    q_decay = tl.exp2((offs_t + 1).to(ACC) * log2_gamma)
-    return decay, q_decay
+def _dot(a, b, ACC: tl.constexpr, PRECISION: tl.constexpr):
+    """``a @ b`` in the operands' dtype, accumulated in ``ACC``."""
+    return tl.dot(a, b, out_dtype=ACC, input_precision=PRECISION)
 
 
 @triton.jit
@@ -97,197 +106,264 @@ def _document_masks(doc_base, start, t, mask_t, n):
 
 
 @triton.jit
-def _dot(a, b, ACC: tl.constexpr, PRECISION: tl.constexpr):
-    """``a @ b`` in the operands' dtype, accumulated in ``ACC``."""
-    return tl.dot(a, b, out_dtype=ACC, input_precision=PRECISION)
+def _chunk_decays(log2_gamma, docs, i_b, start, L, HAS_RESET: tl.constexpr, TRANSPOSED: tl.constexpr,
+                  BT: tl.constexpr, ACC: tl.constexpr):
+    """Decays of the chunk starting at token ``start`` of row ``i_b``, document masks applied (``docs``: ``(batch,
+    1 + L)`` int32 document indices, read where ``HAS_RESET``). Returns ``intra`` (BT, BT) ``D[i, j] = gamma^(i-j)``
+    for ``j <= i`` in one document, else 0 (its transpose if ``TRANSPOSED``); ``q_decay`` (BT,) ``gamma^(i+1)``, the
+    read of the carried state; ``k_decay`` (BT,) ``gamma^(n-1-j)``, the write into the next state (0 past the
+    sequence); ``state_decay`` (scalar) ``gamma^n``. A kernel that uses only some of them compiles only those."""
+    offs_t = tl.arange(0, BT)
+    t = start + offs_t
+    mask_t = t < L
+    n = tl.minimum(L - start, BT)
+    if TRANSPOSED:
+        distance = (offs_t[None, :] - offs_t[:, None]).to(ACC)
+    else:
+        distance = (offs_t[:, None] - offs_t[None, :]).to(ACC)
+    intra = tl.where(distance >= 0, tl.exp2(tl.maximum(distance, 0) * log2_gamma), 0.0)
+    q_decay = tl.exp2((offs_t + 1).to(ACC) * log2_gamma)
+    k_decay = tl.where(mask_t, tl.exp2((n - 1 - offs_t).to(ACC) * log2_gamma), 0.0)
+    state_decay = tl.exp2(n.to(ACC) * log2_gamma)
+    if HAS_RESET:  # nothing crosses a document boundary (``same`` is symmetric)
+        same, reads, writes, carries = _document_masks(docs + i_b * (L + 1), start, t, mask_t, n)
+        intra = tl.where(same, intra, 0.0)
+        q_decay = tl.where(reads, q_decay, 0.0)
+        k_decay = tl.where(writes, k_decay, 0.0)
+        state_decay = tl.where(carries, state_decay, 0.0)
+    return intra, q_decay, k_decay, state_decay
 
 
 @triton.jit
-def _retention_fwd_kernel(
-    q, k, v, o_partial, initial_state, final_state, docs, log2_gamma_ptr, scale, L,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    HAS_INITIAL_STATE: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr, HAS_RESET: tl.constexpr,
+def _retention_chunk_h_kernel(
+    k, v, h, initial_state, final_state, docs, log2_gamma_ptr, L,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    HAS_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_RESET: tl.constexpr,
 ):
-    """Grid (value tiles, key tiles, batch * heads): o partial sums over key tiles, and the final state."""
+    """Grid (value tiles, key tiles, batch * heads), forward in time: ``h[b, h, c] = S_c`` (the state entering
+    chunk ``c``) for every chunk, and the final state."""
     i_v, i_k, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    BH = tl.num_programs(2)
     i_b, i_h = (i_bh // H).to(tl.int64), i_bh % H
+    NT = tl.cdiv(L, BT)
     log2_gamma = tl.load(log2_gamma_ptr + i_h)
-    scale = tl.full((), scale, ACC)  # fp32 from Triton's launcher, fp64 from Inductor's: cast to one dtype
     offs_t = tl.arange(0, BT)
     offs_k = i_k * BK + tl.arange(0, BK)
     offs_v = i_v * BV + tl.arange(0, BV)
     mask_k, mask_v = offs_k < K, offs_v < V
-    # (batch, length, heads, dim) layout, contiguous: token stride H * dim; o_partial: (key tiles, B, L, H, V).
+    mask_kv = mask_k[:, None] & mask_v[None, :]
+    # (batch, length, heads, dim) layout, contiguous: token stride H * dim; h: (batch * heads, NT, K, V).
+    k_base = k + i_b * L * H * K + i_h * K
+    v_base = v + i_b * L * H * V + i_h * V
+    tile_offs = offs_k[:, None] * V + offs_v[None, :]
+    h_base = h + i_bh.to(tl.int64) * NT * K * V
+    state_offs = i_bh.to(tl.int64) * K * V + tile_offs
+
+    state = tl.zeros([BK, BV], dtype=ACC)
+    if HAS_INITIAL_STATE:
+        state += tl.load(initial_state + state_offs, mask=mask_kv, other=0.0).to(ACC)
+    for i_t in range(0, NT):
+        start = i_t * BT
+        tl.store(h_base + i_t * K * V + tile_offs, state.to(h.dtype.element_ty), mask=mask_kv)
+        t = start + offs_t
+        mask_t = t < L
+        k_blk = tl.load(k_base + t[:, None] * (H * K) + offs_k[None, :], mask=mask_t[:, None] & mask_k[None, :],
+                        other=0.0)
+        v_blk = tl.load(v_base + t[:, None] * (H * V) + offs_v[None, :], mask=mask_t[:, None] & mask_v[None, :],
+                        other=0.0)
+        _, _, k_decay, state_decay = _chunk_decays(log2_gamma, docs, i_b, start, L, HAS_RESET, False, BT, ACC)
+        # S <- gamma^n S + sum_j gamma^(n-1-j) k_j^T v_j
+        k_blk = (k_blk * k_decay[:, None]).to(v_blk.dtype)
+        state = state * state_decay + _dot(tl.trans(k_blk), v_blk, ACC, PRECISION)
+    if STORE_FINAL_STATE:
+        tl.store(final_state + state_offs, state.to(final_state.dtype.element_ty), mask=mask_kv)
+
+
+@triton.jit
+def _retention_chunk_o_kernel(
+    q, k, v, h, o, docs, log2_gamma_ptr, scale, L,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    ACC: tl.constexpr, PRECISION: tl.constexpr, HAS_RESET: tl.constexpr,
+):
+    """Grid (value tiles, chunks, batch * heads): ``o = ((q~ k^T) * D) v + gamma^(i+1) q~ S_c`` of one chunk and
+    value tile, the key axis summed inside the program."""
+    i_v, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h = (i_bh // H).to(tl.int64), i_bh % H
+    NT = tl.cdiv(L, BT)
+    log2_gamma = tl.load(log2_gamma_ptr + i_h)
+    scale = tl.full((), scale, ACC)  # fp32 from Triton's launcher, fp64 from Inductor's: cast to one dtype
+    start = i_t * BT
+    t = start + tl.arange(0, BT)
+    mask_t = t < L
+    offs_v = i_v * BV + tl.arange(0, BV)
+    mask_tv = mask_t[:, None] & (offs_v < V)[None, :]
     q_base = q + i_b * L * H * K + i_h * K
     k_base = k + i_b * L * H * K + i_h * K
-    v_base = v + i_b * L * H * V + i_h * V
-    o_base = o_partial + (i_k * BH).to(tl.int64) * L * V + i_b * L * H * V + i_h * V
-    state_offs = (i_bh * K + offs_k[:, None]).to(tl.int64) * V + offs_v[None, :]
-    mask_kv = mask_k[:, None] & mask_v[None, :]
+    h_base = h + (i_bh.to(tl.int64) * NT + i_t) * K * V
+    dt = v.dtype.element_ty
 
-    decay, q_decay = _decay_masks(log2_gamma, BT, ACC)
-    state = tl.zeros([BK, BV], dtype=ACC)
-    if HAS_INITIAL_STATE:
-        state += tl.load(initial_state + state_offs, mask=mask_kv, other=0.0).to(ACC)
-    for start in range(0, L, BT):
-        t = start + offs_t
-        mask_t = t < L
-        n = tl.minimum(L - start, BT)
+    scores = tl.zeros([BT, BT], dtype=ACC)
+    o_state = tl.zeros([BT, BV], dtype=ACC)
+    for k_start in range(0, K, BK):
+        offs_k = k_start + tl.arange(0, BK)
+        mask_k = offs_k < K
         mask_tk = mask_t[:, None] & mask_k[None, :]
-        mask_tv = mask_t[:, None] & mask_v[None, :]
         q_blk = tl.load(q_base + t[:, None] * (H * K) + offs_k[None, :], mask=mask_tk, other=0.0)
         k_blk = tl.load(k_base + t[:, None] * (H * K) + offs_k[None, :], mask=mask_tk, other=0.0)
-        v_blk = tl.load(v_base + t[:, None] * (H * V) + offs_v[None, :], mask=mask_tv, other=0.0)
-        dt = v_blk.dtype
-        q_blk = q_blk * scale
-        decay_c, q_decay_c = decay, q_decay
-        k_decay = tl.where(mask_t, tl.exp2((n - 1 - offs_t).to(ACC) * log2_gamma), 0.0)
-        state_decay = tl.exp2(n.to(ACC) * log2_gamma)
-        if HAS_RESET:  # nothing crosses a document boundary
-            same, reads, writes, carries = _document_masks(docs + i_b * (L + 1), start, t, mask_t, n)
-            decay_c = tl.where(same, decay, 0.0)
-            q_decay_c = tl.where(reads, q_decay, 0.0)
-            k_decay = tl.where(writes, k_decay, 0.0)
-            state_decay = tl.where(carries, state_decay, 0.0)
-        # Intra-chunk ((q~ k^T) * D) v, plus the earlier chunks through the state: gamma^(i+1) q~ S.
-        scores = _dot(q_blk.to(dt), tl.trans(k_blk), ACC, PRECISION) * decay_c
-        o = _dot(scores.to(dt), v_blk, ACC, PRECISION)
-        o += _dot((q_blk * q_decay_c[:, None]).to(dt), state.to(dt), ACC, PRECISION)
-        tl.store(o_base + t[:, None] * (H * V) + offs_v[None, :], o, mask=mask_tv)
-        # S <- gamma^n S + sum_j gamma^(n-1-j) k_j^T v_j.
-        k_blk = (k_blk * k_decay[:, None]).to(dt)
-        state = state * state_decay + _dot(tl.trans(k_blk), v_blk, ACC, PRECISION)
-    tl.store(final_state + state_offs, state.to(final_state.dtype.element_ty), mask=mask_kv)
+        h_blk = tl.load(h_base + offs_k[:, None] * V + offs_v[None, :], mask=mask_k[:, None] & (offs_v < V)[None, :],
+                        other=0.0)
+        scores += _dot(q_blk, tl.trans(k_blk), ACC, PRECISION)
+        o_state += _dot(q_blk, h_blk.to(dt), ACC, PRECISION)
+    intra, q_decay, _, _ = _chunk_decays(log2_gamma, docs, i_b, start, L, HAS_RESET, False, BT, ACC)
+    scores = scores * scale * intra
+    v_blk = tl.load(v + i_b * L * H * V + i_h * V + t[:, None] * (H * V) + offs_v[None, :], mask=mask_tv, other=0.0)
+    out = _dot(scores.to(dt), v_blk, ACC, PRECISION) + o_state * (scale * q_decay)[:, None]
+    tl.store(o + i_b * L * H * V + i_h * V + t[:, None] * (H * V) + offs_v[None, :], out.to(dt), mask=mask_tv)
 
 
 @triton.jit
-def _retention_bwd_dq_kernel(
-    k, v, do, dq_partial, initial_state, docs, log2_gamma_ptr, scale, L,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    HAS_INITIAL_STATE: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr, HAS_RESET: tl.constexpr,
-):
-    """Grid (value tiles, key tiles, batch * heads), forward in time: dq partial sums over value tiles."""
-    i_v, i_k, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    BH = tl.num_programs(2)
-    i_b, i_h = (i_bh // H).to(tl.int64), i_bh % H
-    log2_gamma = tl.load(log2_gamma_ptr + i_h)
-    scale = tl.full((), scale, ACC)  # fp32 from Triton's launcher, fp64 from Inductor's: cast to one dtype
-    offs_t = tl.arange(0, BT)
-    offs_k = i_k * BK + tl.arange(0, BK)
-    offs_v = i_v * BV + tl.arange(0, BV)
-    mask_k, mask_v = offs_k < K, offs_v < V
-    k_base = k + i_b * L * H * K + i_h * K
-    v_base = v + i_b * L * H * V + i_h * V
-    do_base = do + i_b * L * H * V + i_h * V
-    dq_base = dq_partial + (i_v * BH).to(tl.int64) * L * K + i_b * L * H * K + i_h * K
-    mask_kv = mask_k[:, None] & mask_v[None, :]
-
-    decay, q_decay = _decay_masks(log2_gamma, BT, ACC)
-    state = tl.zeros([BK, BV], dtype=ACC)
-    if HAS_INITIAL_STATE:
-        state_offs = (i_bh * K + offs_k[:, None]).to(tl.int64) * V + offs_v[None, :]
-        state += tl.load(initial_state + state_offs, mask=mask_kv, other=0.0).to(ACC)
-    for start in range(0, L, BT):
-        t = start + offs_t
-        mask_t = t < L
-        n = tl.minimum(L - start, BT)
-        mask_tk = mask_t[:, None] & mask_k[None, :]
-        mask_tv = mask_t[:, None] & mask_v[None, :]
-        k_blk = tl.load(k_base + t[:, None] * (H * K) + offs_k[None, :], mask=mask_tk, other=0.0)
-        v_blk = tl.load(v_base + t[:, None] * (H * V) + offs_v[None, :], mask=mask_tv, other=0.0)
-        do_blk = tl.load(do_base + t[:, None] * (H * V) + offs_v[None, :], mask=mask_tv, other=0.0)
-        dt = v_blk.dtype
-        decay_c, q_decay_c = decay, q_decay
-        k_decay = tl.where(mask_t, tl.exp2((n - 1 - offs_t).to(ACC) * log2_gamma), 0.0)
-        state_decay = tl.exp2(n.to(ACC) * log2_gamma)
-        if HAS_RESET:  # the forward pass's document masks
-            same, reads, writes, carries = _document_masks(docs + i_b * (L + 1), start, t, mask_t, n)
-            decay_c = tl.where(same, decay, 0.0)
-            q_decay_c = tl.where(reads, q_decay, 0.0)
-            k_decay = tl.where(writes, k_decay, 0.0)
-            state_decay = tl.where(carries, state_decay, 0.0)
-        # dq~ = ((dO v^T) * D) k + gamma^(i+1) dO S^T; dq = scale dq~.
-        scores = _dot(do_blk, tl.trans(v_blk), ACC, PRECISION) * decay_c
-        dq = _dot(scores.to(dt), k_blk, ACC, PRECISION)
-        dq += _dot((do_blk * q_decay_c[:, None]).to(dt), tl.trans(state.to(dt)), ACC, PRECISION)
-        tl.store(dq_base + t[:, None] * (H * K) + offs_k[None, :], dq * scale, mask=mask_tk)
-        # The forward state update, recomputed.
-        k_blk = (k_blk * k_decay[:, None]).to(dt)
-        state = state * state_decay + _dot(tl.trans(k_blk), v_blk, ACC, PRECISION)
-
-
-@triton.jit
-def _retention_bwd_dkv_kernel(
-    q, k, v, do, dk_partial, dv_partial, d_final_state, d_initial_state, docs, log2_gamma_ptr, scale, L,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+def _retention_chunk_dh_kernel(
+    q, do, dh, d_final_state, d_initial_state, docs, log2_gamma_ptr, scale, L,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     HAS_D_FINAL_STATE: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr, HAS_RESET: tl.constexpr,
 ):
-    """Grid (value tiles, key tiles, batch * heads), backward in time: dk partial sums over value tiles,
-    dv partial sums over key tiles, and the gradient of the initial state."""
+    """Grid (value tiles, key tiles, batch * heads), backward in time: ``dh[b, h, c] = dH_c`` (the gradient of the
+    state leaving chunk ``c``) for every chunk, and the gradient of the initial state."""
     i_v, i_k, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    BH = tl.num_programs(2)
     i_b, i_h = (i_bh // H).to(tl.int64), i_bh % H
+    NT = tl.cdiv(L, BT)
     log2_gamma = tl.load(log2_gamma_ptr + i_h)
     scale = tl.full((), scale, ACC)  # fp32 from Triton's launcher, fp64 from Inductor's: cast to one dtype
     offs_t = tl.arange(0, BT)
     offs_k = i_k * BK + tl.arange(0, BK)
     offs_v = i_v * BV + tl.arange(0, BV)
     mask_k, mask_v = offs_k < K, offs_v < V
-    q_base = q + i_b * L * H * K + i_h * K
-    k_base = k + i_b * L * H * K + i_h * K
-    v_base = v + i_b * L * H * V + i_h * V
-    do_base = do + i_b * L * H * V + i_h * V
-    dk_base = dk_partial + (i_v * BH).to(tl.int64) * L * K + i_b * L * H * K + i_h * K
-    dv_base = dv_partial + (i_k * BH).to(tl.int64) * L * V + i_b * L * H * V + i_h * V
-    state_offs = (i_bh * K + offs_k[:, None]).to(tl.int64) * V + offs_v[None, :]
     mask_kv = mask_k[:, None] & mask_v[None, :]
+    q_base = q + i_b * L * H * K + i_h * K
+    do_base = do + i_b * L * H * V + i_h * V
+    tile_offs = offs_k[:, None] * V + offs_v[None, :]
+    dh_base = dh + i_bh.to(tl.int64) * NT * K * V
+    state_offs = i_bh.to(tl.int64) * K * V + tile_offs
 
-    decay, q_decay = _decay_masks(log2_gamma, BT, ACC)
-    d_state = tl.zeros([BK, BV], dtype=ACC)  # dH: gradient of the state after the current chunk
+    d_state = tl.zeros([BK, BV], dtype=ACC)
     if HAS_D_FINAL_STATE:
         d_state += tl.load(d_final_state + state_offs, mask=mask_kv, other=0.0).to(ACC)
-    num_chunks = tl.cdiv(L, BT)
-    for i in range(0, num_chunks):
-        start = (num_chunks - 1 - i) * BT
+    for i in range(0, NT):
+        i_t = NT - 1 - i
+        start = i_t * BT
+        tl.store(dh_base + i_t * K * V + tile_offs, d_state.to(dh.dtype.element_ty), mask=mask_kv)
         t = start + offs_t
         mask_t = t < L
-        n = tl.minimum(L - start, BT)
-        mask_tk = mask_t[:, None] & mask_k[None, :]
-        mask_tv = mask_t[:, None] & mask_v[None, :]
-        q_blk = tl.load(q_base + t[:, None] * (H * K) + offs_k[None, :], mask=mask_tk, other=0.0)
-        k_blk = tl.load(k_base + t[:, None] * (H * K) + offs_k[None, :], mask=mask_tk, other=0.0)
-        v_blk = tl.load(v_base + t[:, None] * (H * V) + offs_v[None, :], mask=mask_tv, other=0.0)
-        do_blk = tl.load(do_base + t[:, None] * (H * V) + offs_v[None, :], mask=mask_tv, other=0.0)
-        dt = v_blk.dtype
-        q_blk = q_blk * scale
-        decay_c, q_decay_c = decay, q_decay
-        k_decay = tl.where(mask_t, tl.exp2((n - 1 - offs_t).to(ACC) * log2_gamma), 0.0)
-        state_decay = tl.exp2(n.to(ACC) * log2_gamma)
-        if HAS_RESET:  # the forward pass's document masks
-            same, reads, writes, carries = _document_masks(docs + i_b * (L + 1), start, t, mask_t, n)
-            decay_c = tl.where(same, decay, 0.0)
-            q_decay_c = tl.where(reads, q_decay, 0.0)
-            k_decay = tl.where(writes, k_decay, 0.0)
-            state_decay = tl.where(carries, state_decay, 0.0)
-        d_state_dt = d_state.to(dt)
-        # dk = ((dO v^T) * D)^T q~ + gamma^(n-1-j) v dH^T
-        scores = _dot(do_blk, tl.trans(v_blk), ACC, PRECISION) * decay_c
-        dk = _dot(tl.trans(scores.to(dt)), q_blk.to(dt), ACC, PRECISION)
-        dk += _dot((v_blk * k_decay[:, None]).to(dt), tl.trans(d_state_dt), ACC, PRECISION)
-        tl.store(dk_base + t[:, None] * (H * K) + offs_k[None, :], dk, mask=mask_tk)
-        # dv = ((q~ k^T) * D)^T dO + gamma^(n-1-j) k dH
-        scores = _dot(q_blk.to(dt), tl.trans(k_blk), ACC, PRECISION) * decay_c
-        dv = _dot(tl.trans(scores.to(dt)), do_blk, ACC, PRECISION)
-        dv += _dot((k_blk * k_decay[:, None]).to(dt), d_state_dt, ACC, PRECISION)
-        tl.store(dv_base + t[:, None] * (H * V) + offs_v[None, :], dv, mask=mask_tv)
+        q_blk = tl.load(q_base + t[:, None] * (H * K) + offs_k[None, :], mask=mask_t[:, None] & mask_k[None, :],
+                        other=0.0)
+        do_blk = tl.load(do_base + t[:, None] * (H * V) + offs_v[None, :], mask=mask_t[:, None] & mask_v[None, :],
+                         other=0.0)
+        _, q_decay, _, state_decay = _chunk_decays(log2_gamma, docs, i_b, start, L, HAS_RESET, False, BT, ACC)
         # dH <- gamma^n dH + sum_i gamma^(i+1) q~_i^T dO_i
-        q_blk = (q_blk * q_decay_c[:, None]).to(dt)
+        q_blk = (q_blk * (scale * q_decay)[:, None]).to(do_blk.dtype)
         d_state = d_state * state_decay + _dot(tl.trans(q_blk), do_blk, ACC, PRECISION)
     tl.store(d_initial_state + state_offs, d_state.to(d_initial_state.dtype.element_ty), mask=mask_kv)
+
+
+@triton.jit
+def _retention_chunk_dqk_kernel(
+    q, k, v, do, h, dh, dq, dk, docs, log2_gamma_ptr, scale, L,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    ACC: tl.constexpr, PRECISION: tl.constexpr, HAS_RESET: tl.constexpr,
+):
+    """Grid (key tiles, chunks, batch * heads): ``dq = scale (((dO v^T) * D) k + gamma^(i+1) dO S_c^T)`` and
+    ``dk = ((dO v^T) * D)^T q~ + gamma^(n-1-j) v dH_c^T`` of one chunk and key tile, the value axis summed inside
+    the program."""
+    i_k, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h = (i_bh // H).to(tl.int64), i_bh % H
+    NT = tl.cdiv(L, BT)
+    log2_gamma = tl.load(log2_gamma_ptr + i_h)
+    scale = tl.full((), scale, ACC)  # fp32 from Triton's launcher, fp64 from Inductor's: cast to one dtype
+    start = i_t * BT
+    t = start + tl.arange(0, BT)
+    mask_t = t < L
+    offs_k = i_k * BK + tl.arange(0, BK)
+    mask_k = offs_k < K
+    mask_tk = mask_t[:, None] & mask_k[None, :]
+    v_base = v + i_b * L * H * V + i_h * V
+    do_base = do + i_b * L * H * V + i_h * V
+    state_base = (i_bh.to(tl.int64) * NT + i_t) * K * V
+    dt = v.dtype.element_ty
+
+    d_scores = tl.zeros([BT, BT], dtype=ACC)  # dO v^T
+    dq_state = tl.zeros([BT, BK], dtype=ACC)  # dO S_c^T
+    dk_state = tl.zeros([BT, BK], dtype=ACC)  # v dH_c^T
+    for v_start in range(0, V, BV):
+        offs_v = v_start + tl.arange(0, BV)
+        mask_v = offs_v < V
+        mask_tv = mask_t[:, None] & mask_v[None, :]
+        mask_kv = mask_k[:, None] & mask_v[None, :]
+        v_blk = tl.load(v_base + t[:, None] * (H * V) + offs_v[None, :], mask=mask_tv, other=0.0)
+        do_blk = tl.load(do_base + t[:, None] * (H * V) + offs_v[None, :], mask=mask_tv, other=0.0)
+        state_offs = state_base + offs_k[:, None] * V + offs_v[None, :]
+        h_blk = tl.load(h + state_offs, mask=mask_kv, other=0.0).to(dt)
+        dh_blk = tl.load(dh + state_offs, mask=mask_kv, other=0.0).to(dt)
+        d_scores += _dot(do_blk, tl.trans(v_blk), ACC, PRECISION)
+        dq_state += _dot(do_blk, tl.trans(h_blk), ACC, PRECISION)
+        dk_state += _dot(v_blk, tl.trans(dh_blk), ACC, PRECISION)
+    intra, q_decay, k_decay, _ = _chunk_decays(log2_gamma, docs, i_b, start, L, HAS_RESET, False, BT, ACC)
+    # scale here, not on the (BT, BK) results: that crashed LLVM's SLP vectorizer (float32, fp64 scale, sm_90)
+    d_scores = (d_scores * scale * intra).to(dt)
+    tk_offs = t[:, None] * (H * K) + offs_k[None, :]
+    q_blk = tl.load(q + i_b * L * H * K + i_h * K + tk_offs, mask=mask_tk, other=0.0)
+    k_blk = tl.load(k + i_b * L * H * K + i_h * K + tk_offs, mask=mask_tk, other=0.0)
+    dq_blk = _dot(d_scores, k_blk, ACC, PRECISION) + dq_state * (scale * q_decay)[:, None]
+    dk_blk = _dot(tl.trans(d_scores), q_blk, ACC, PRECISION) + dk_state * k_decay[:, None]
+    tl.store(dq + i_b * L * H * K + i_h * K + tk_offs, dq_blk.to(dq.dtype.element_ty), mask=mask_tk)
+    tl.store(dk + i_b * L * H * K + i_h * K + tk_offs, dk_blk.to(dk.dtype.element_ty), mask=mask_tk)
+
+
+@triton.jit
+def _retention_chunk_dv_kernel(
+    q, k, do, dh, dv, docs, log2_gamma_ptr, scale, L,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    ACC: tl.constexpr, PRECISION: tl.constexpr, HAS_RESET: tl.constexpr,
+):
+    """Grid (value tiles, chunks, batch * heads): ``dv = ((q~ k^T) * D)^T dO + gamma^(n-1-j) k dH_c`` of one chunk
+    and value tile, the key axis summed inside the program."""
+    i_v, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h = (i_bh // H).to(tl.int64), i_bh % H
+    NT = tl.cdiv(L, BT)
+    log2_gamma = tl.load(log2_gamma_ptr + i_h)
+    scale = tl.full((), scale, ACC)  # fp32 from Triton's launcher, fp64 from Inductor's: cast to one dtype
+    start = i_t * BT
+    t = start + tl.arange(0, BT)
+    mask_t = t < L
+    offs_v = i_v * BV + tl.arange(0, BV)
+    mask_v = offs_v < V
+    mask_tv = mask_t[:, None] & mask_v[None, :]
+    q_base = q + i_b * L * H * K + i_h * K
+    k_base = k + i_b * L * H * K + i_h * K
+    dh_base = dh + (i_bh.to(tl.int64) * NT + i_t) * K * V
+    dt = k.dtype.element_ty
+
+    scores_t = tl.zeros([BT, BT], dtype=ACC)  # (k q^T)[j, i] = k_j . q_i
+    dv_state = tl.zeros([BT, BV], dtype=ACC)  # k dH_c
+    for k_start in range(0, K, BK):
+        offs_k = k_start + tl.arange(0, BK)
+        mask_k = offs_k < K
+        mask_tk = mask_t[:, None] & mask_k[None, :]
+        q_blk = tl.load(q_base + t[:, None] * (H * K) + offs_k[None, :], mask=mask_tk, other=0.0)
+        k_blk = tl.load(k_base + t[:, None] * (H * K) + offs_k[None, :], mask=mask_tk, other=0.0)
+        dh_blk = tl.load(dh_base + offs_k[:, None] * V + offs_v[None, :], mask=mask_k[:, None] & mask_v[None, :],
+                         other=0.0)
+        scores_t += _dot(k_blk, tl.trans(q_blk), ACC, PRECISION)
+        dv_state += _dot(k_blk, dh_blk.to(dt), ACC, PRECISION)
+    intra_t, _, k_decay, _ = _chunk_decays(log2_gamma, docs, i_b, start, L, HAS_RESET, True, BT, ACC)
+    scores_t = scores_t * scale * intra_t
+    do_blk = tl.load(do + i_b * L * H * V + i_h * V + t[:, None] * (H * V) + offs_v[None, :], mask=mask_tv,
+                     other=0.0)
+    dv_blk = _dot(scores_t.to(dt), do_blk, ACC, PRECISION) + dv_state * k_decay[:, None]
+    tl.store(dv + i_b * L * H * V + i_h * V + t[:, None] * (H * V) + offs_v[None, :], dv_blk.to(dv.dtype.element_ty),
+             mask=mask_tv)
+
+
+# ---------------------------------------------------------------------------------------------------------- host
 
 
 def _kernel_dtypes(dtype):
@@ -304,74 +380,107 @@ def _document_indices(reset):
     return torch.nn.functional.pad(torch.cumsum(reset.to(torch.int32), dim=1, dtype=torch.int32), (1, 0))
 
 
-def _launch(kernel, tiles, key_dim, value_dim, batch_heads, *args, **meta):
-    """Launch one chunkwise kernel over ``(value tiles, key tiles, batch * heads)`` through ``wrap_triton``."""
-    grid = (triton.cdiv(value_dim, tiles.block_v), triton.cdiv(key_dim, tiles.block_k), batch_heads)
+def _launch(kernel, grid, block_t, tiles, key_dim, value_dim, *args, **meta):
+    """Launch one kernel over ``grid`` with its tiles, through ``torch.library.wrap_triton`` (so that
+    ``torch.compile`` sees the kernel)."""
     launch(kernel)[grid](
-        *args, K=key_dim, V=value_dim, BT=tiles.block_t, BK=tiles.block_k, BV=tiles.block_v,
+        *args, K=key_dim, V=value_dim, BT=block_t, BK=tiles.block_k, BV=tiles.block_v,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, **meta,
     )
 
 
 def _prepare(q, k, v, initial_state, config):
-    """Config, contiguous ``q, k, v, initial_state``, accumulation dtypes and per-head ``log2(gamma)``."""
+    """The launch choice (``config``, or the one for this GPU and shape), contiguous ``q``, ``k``, ``v`` and initial
+    state, the accumulation dtypes and the per-head ``log2(gamma)``."""
     if config is None:
         config = chunk_retention_config(device_arch(q.device), q.dtype, q.shape[-1], v.shape[-1])
     acc_torch, acc_tl, precision = _kernel_dtypes(v.dtype)
     log2_gamma = retention_log2_gamma(q.shape[2], q.device, acc_torch)
     initial_state = None if initial_state is None else initial_state.contiguous()
-    return config, q.contiguous(), k.contiguous(), v.contiguous(), initial_state, acc_torch, acc_tl, precision, log2_gamma
+    return config, q.contiguous(), k.contiguous(), v.contiguous(), initial_state, acc_tl, precision, log2_gamma
+
+
+def _chunk_states(k, v, initial_state, final_state, docs, log2_gamma, config, acc_tl, precision):
+    """Run ``_retention_chunk_h_kernel``: the states entering every chunk, ``(batch, heads, NT, key_dim,
+    value_dim)`` in the state dtype; the final state is written to ``final_state`` unless it is None."""
+    batch, length, heads, key_dim = k.shape
+    value_dim = v.shape[-1]
+    tiles = config.h
+    h = k.new_empty(batch, heads, triton.cdiv(length, config.block_t), key_dim, value_dim,
+                    dtype=compute_dtype(v.dtype))
+    grid = (triton.cdiv(value_dim, tiles.block_v), triton.cdiv(key_dim, tiles.block_k), batch * heads)
+    _launch(
+        _retention_chunk_h_kernel, grid, config.block_t, tiles, key_dim, value_dim,
+        k, v, h, initial_state, final_state, docs, log2_gamma, length, H=heads,
+        HAS_INITIAL_STATE=initial_state is not None, STORE_FINAL_STATE=final_state is not None, ACC=acc_tl,
+        PRECISION=precision, HAS_RESET=docs is not None,
+    )
+    return h
 
 
 def chunk_retention_fwd_triton(q, k, v, scale, initial_state=None, reset=None, config=None):
     """The Triton branch of ``hf_densessm::chunk_retention``, no checks: arguments and ``(o, final_state)`` as
     :func:`hf_densessm.ops.retention.chunk_retention` (``scale`` a float), plus ``config`` (a
-    :class:`ChunkRetentionConfig`; default :func:`chunk_retention_config` for ``q``'s device)."""
+    :class:`ChunkRetentionConfig`; default :func:`chunk_retention_config` for ``q``'s device). The per-chunk
+    states (``_retention_chunk_h_kernel``), ``batch * heads * ceil(length / block_t) * key_dim * value_dim``
+    floats, live until the outputs (``_retention_chunk_o_kernel``) are written."""
     batch, length, heads, key_dim = q.shape
     value_dim = v.shape[-1]
-    config, q, k, v, initial_state, acc_torch, acc_tl, precision, log2_gamma = _prepare(q, k, v, initial_state, config)
-    num_k = triton.cdiv(key_dim, config.fwd.block_k)
-    o_partial = q.new_empty(num_k, batch, length, heads, value_dim, dtype=acc_torch)
-    final_state = q.new_empty(batch, heads, key_dim, value_dim, dtype=compute_dtype(v.dtype))
+    config, q, k, v, initial_state, acc_tl, precision, log2_gamma = _prepare(q, k, v, initial_state, config)
     docs = _document_indices(reset)
-    _launch(
-        _retention_fwd_kernel, config.fwd, key_dim, value_dim, batch * heads,
-        q, k, v, o_partial, initial_state, final_state, docs, log2_gamma, scale, length, H=heads,
-        HAS_INITIAL_STATE=initial_state is not None, ACC=acc_tl, PRECISION=precision, HAS_RESET=docs is not None,
-    )
-    return o_partial.sum(0).to(v.dtype), final_state
+    final_state = q.new_empty(batch, heads, key_dim, value_dim, dtype=compute_dtype(v.dtype))
+    h = _chunk_states(k, v, initial_state, final_state, docs, log2_gamma, config, acc_tl, precision)
+    o = torch.empty_like(v)
+    num_chunks = h.shape[2]
+    if num_chunks:
+        tiles = config.o
+        grid = (triton.cdiv(value_dim, tiles.block_v), num_chunks, batch * heads)
+        _launch(
+            _retention_chunk_o_kernel, grid, config.block_t, tiles, key_dim, value_dim,
+            q, k, v, h, o, docs, log2_gamma, scale, length, H=heads, ACC=acc_tl, PRECISION=precision,
+            HAS_RESET=docs is not None,
+        )
+    return o, final_state
 
 
 def chunk_retention_bwd_triton(d_o, d_final_state, q, k, v, scale, initial_state=None, reset=None, config=None):
-    """The Triton branch of ``hf_densessm::chunk_retention_backward`` (states recomputed): given ``d_o`` and
-    ``d_final_state`` (None: zero) and the forward's arguments, ``dq, dk, dv`` in the dtypes of q, k, v and the
-    gradient of the initial state (of a zero one without it) in the state dtype."""
+    """The Triton branch of ``hf_densessm::chunk_retention_backward``: given ``d_o`` and ``d_final_state`` (None:
+    zero) and the forward's arguments, ``dq, dk, dv`` in the dtypes of q, k, v and the gradient of the initial state
+    (of a zero one without it) in the state dtype. The per-chunk states are recomputed
+    (``_retention_chunk_h_kernel``), their gradients walk backward (``_retention_chunk_dh_kernel``), then
+    ``_retention_chunk_dqk_kernel`` and ``_retention_chunk_dv_kernel`` run parallel over chunks; states and their
+    gradients together take twice the forward's memory."""
     batch, length, heads, key_dim = q.shape
     value_dim = v.shape[-1]
-    config, q, k, v, initial_state, acc_torch, acc_tl, precision, log2_gamma = _prepare(q, k, v, initial_state, config)
+    config, q, k, v, initial_state, acc_tl, precision, log2_gamma = _prepare(q, k, v, initial_state, config)
     d_o = d_o.to(v.dtype).contiguous()
     if d_final_state is not None:
         d_final_state = d_final_state.contiguous()
     docs = _document_indices(reset)
     meta = dict(H=heads, ACC=acc_tl, PRECISION=precision, HAS_RESET=docs is not None)
-    dq_partial = q.new_empty(triton.cdiv(value_dim, config.dq.block_v), batch, length, heads, key_dim,
-                             dtype=acc_torch)
-    _launch(
-        _retention_bwd_dq_kernel, config.dq, key_dim, value_dim, batch * heads,
-        k, v, d_o, dq_partial, initial_state, docs, log2_gamma, scale, length,
-        HAS_INITIAL_STATE=initial_state is not None, **meta,
-    )
-    dk_partial = q.new_empty(triton.cdiv(value_dim, config.dkv.block_v), batch, length, heads, key_dim,
-                             dtype=acc_torch)
-    dv_partial = q.new_empty(triton.cdiv(key_dim, config.dkv.block_k), batch, length, heads, value_dim,
-                             dtype=acc_torch)
+    h = _chunk_states(k, v, initial_state, None, docs, log2_gamma, config, acc_tl, precision)
+    num_chunks = h.shape[2]
+    dh = torch.empty_like(h)
     d_initial_state = q.new_empty(batch, heads, key_dim, value_dim, dtype=compute_dtype(v.dtype))
+    tiles = config.dh
+    grid = (triton.cdiv(value_dim, tiles.block_v), triton.cdiv(key_dim, tiles.block_k), batch * heads)
     _launch(
-        _retention_bwd_dkv_kernel, config.dkv, key_dim, value_dim, batch * heads,
-        q, k, v, d_o, dk_partial, dv_partial, d_final_state, d_initial_state, docs, log2_gamma, scale, length,
+        _retention_chunk_dh_kernel, grid, config.block_t, tiles, key_dim, value_dim,
+        q, d_o, dh, d_final_state, d_initial_state, docs, log2_gamma, scale, length,
         HAS_D_FINAL_STATE=d_final_state is not None, **meta,
     )
-    dq = dq_partial.sum(0).to(q.dtype)
-    dk = dk_partial.sum(0).to(k.dtype)
-    dv = dv_partial.sum(0).to(v.dtype)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    if num_chunks:
+        tiles = config.dqk
+        grid = (triton.cdiv(key_dim, tiles.block_k), num_chunks, batch * heads)
+        _launch(
+            _retention_chunk_dqk_kernel, grid, config.block_t, tiles, key_dim, value_dim,
+            q, k, v, d_o, h, dh, dq, dk, docs, log2_gamma, scale, length, **meta,
+        )
+        tiles = config.dv
+        grid = (triton.cdiv(value_dim, tiles.block_v), num_chunks, batch * heads)
+        _launch(
+            _retention_chunk_dv_kernel, grid, config.block_t, tiles, key_dim, value_dim,
+            q, k, d_o, dh, dv, docs, log2_gamma, scale, length, **meta,
+        )
     return dq, dk, dv, d_initial_state
