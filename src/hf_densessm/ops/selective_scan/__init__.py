@@ -15,8 +15,8 @@ The forms of the op, one file each (the layout of flash-linear-attention's ``fla
   ``selective_scan_torch_backward``, run eagerly inside a compiled graph (see "the ops" below), whose bodies run
   the C++ CPU kernel instead on CPU tensors when it is built (``../cpu_kernel.py``,
   ``csrc/selective_scan_cpu.cpp``; ``HF_DENSESSM_CPU_KERNEL=0`` keeps the chunked path);
-- ``chunk.py``: ``selective_scan_triton_fwd`` / ``selective_scan_triton_bwd``, the fused Triton kernels for
-  training and prefill;
+- ``chunk.py``: ``selective_scan_triton_fwd`` / ``selective_scan_triton_bwd``, the chunk-parallel Triton
+  kernels for training and prefill;
 - ``fused_recurrent.py``: ``selective_state_update_triton``, the Triton decode step.
 
 The ops (``torch.library.triton_op``; each body is the one dispatch between the two forms, and its fake
