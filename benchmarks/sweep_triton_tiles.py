@@ -46,7 +46,8 @@ def _first_choice():
     chunks, 8 channels and 4 warps in both kernels (retention's kernels have been replaced since: not compared)."""
     from hf_densessm.ops.selective_scan.chunk import SelectiveScanConfig
 
-    return dict(scan=SelectiveScanConfig(16, 8, 4, 8, 4, 2))
+    return dict(scan=SelectiveScanConfig(chunk=16, fwd_block_d=8, fwd_d_steps=1, fwd_warps=4, bwd_block_d=8,
+                                         bwd_d_steps=1, bwd_warps=4))
 
 
 def _time_ms(fn, dry):
@@ -131,7 +132,9 @@ def _scan_candidates(dry):
     for chunk, block_d, warps, stages in itertools.product((16, 32, 64), (2, 4, 8, 16), (1, 2, 4, 8), (2,)):
         per_thread = block_d * 16 * chunk / (32 * warps)  # elements of one (block_d, state, chunk) tile per thread
         if 8 <= per_thread <= 64:
-            out.append(SelectiveScanConfig(chunk, block_d, warps, block_d, warps, stages))
+            out.append(SelectiveScanConfig(chunk=chunk, fwd_block_d=block_d, fwd_d_steps=max(1, 8 // block_d),
+                                           fwd_warps=warps, bwd_block_d=block_d, bwd_d_steps=max(1, 8 // block_d),
+                                           bwd_warps=warps, num_stages=stages))
     return out
 
 

@@ -55,7 +55,9 @@ def main():
                t(d), True, t(b, d, n), reset]
         kernels = traced_kernels(lambda *a: torch.ops.hf_densessm.selective_scan(*a, True, "triton"), *fwd)
         print("kernels selective_scan", *kernels)
-        chunk_states = t(b, 2, d, n)  # ceil(20 / 16) chunks
+        chunk = importlib.import_module("hf_densessm.ops.selective_scan.chunk").selective_scan_config(
+            ARCHS["sm_90"], torch.float32, n).chunk
+        chunk_states = t(b, -(-length // chunk), d, n)  # ceil(length / chunk) chunks
         kernels = traced_kernels(lambda *a: torch.ops.hf_densessm.selective_scan_backward(*a, "triton"),
                                  t(b, d, length), t(b, d, n), *fwd, chunk_states)
         print("kernels selective_scan_backward", *kernels)

@@ -86,11 +86,12 @@ def compiled(request):
 def test_kernels_compile_within_the_architecture_limits(compiled, job):
     results = compiled[kernel_compile.job_id(job)]
     arch = ARCHS[job["arch"]]
-    expected = {"selective_scan": {"_selective_scan_fwd_kernel", "_selective_state_update_kernel"},
+    expected = {"selective_scan": {"_selective_scan_chunk_state_kernel", "_selective_scan_carry_kernel",
+                                   "_selective_scan_chunk_output_kernel", "_selective_state_update_kernel"},
                 "retention": {"_retention_chunk_h_kernel", "_retention_chunk_o_kernel",
                               "_retention_step_kernel"}}[job["op"]]
     if "grad" in job["flags"]:
-        expected |= {"selective_scan": {"_selective_scan_bwd_kernel"},
+        expected |= {"selective_scan": {"_selective_scan_chunk_adjoint_kernel", "_selective_scan_chunk_bwd_kernel"},
                      "retention": {"_retention_chunk_dh_kernel", "_retention_chunk_dqk_kernel",
                                    "_retention_chunk_dv_kernel"}}[job["op"]]
     assert {r["kernel"] for r in results} == expected, results

@@ -113,7 +113,8 @@ def scan_naive(reset=None):
 def small_scan_config():
     from hf_densessm.ops.selective_scan.chunk import SelectiveScanConfig
 
-    return SelectiveScanConfig(chunk=SCAN_CHUNK, fwd_block_d=2, fwd_warps=1, bwd_block_d=2, bwd_warps=1)
+    return SelectiveScanConfig(chunk=SCAN_CHUNK, fwd_block_d=2, fwd_d_steps=1, fwd_warps=1, bwd_block_d=2,
+                               bwd_d_steps=1, bwd_warps=1, carry_block=4)
 
 
 @pytest.mark.parametrize("full", [True, False], ids=["initial-state-gate-softplus", "plain"])
@@ -132,10 +133,11 @@ def test_triton_scan_with_reset_equals_reference(pattern, full):
 
 
 def test_triton_scan_with_reset_default_config_through_public_op():
-    """The public op, its default chunk (16): boundaries at 15, 16 (a chunk edge), 31, 32 and a one-token document."""
-    length = 37
+    """The public op, its default chunk (64): boundaries at 63, 64 (a chunk edge), the last token, one-token
+    documents."""
+    length = 70
     kw = scan_inputs(length, full=True, seed=3)
-    reset = reset_of(length, (15, 16, 17, 31, 32, 36), (0, 9, 30))
+    reset = reset_of(length, (15, 16, 17, 63, 64, 69), (0, 9, 62))
 
     def public(**k):
         return selective_scan(**k, return_last_state=True, backend="triton", reset=reset)

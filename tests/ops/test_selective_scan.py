@@ -151,29 +151,63 @@ def test_reference_long_decay_is_stable():
 # ---------------------------------------------------------------------------------------------- Triton
 
 
-@needs_triton
-@pytest.mark.parametrize(
-    "batch,dim,state,length,chunk,full",
-    [
-        (2, 8, 4, 1, 8, True),
-        (2, 8, 4, 7, 8, False),  # one partial chunk
-        (1, 8, 4, 16, 8, True),  # exact multiple of the chunk
-        (2, 12, 5, 37, 8, True),  # prime length, masked channels and states
-        (2, 8, 4, 23, 16, False),
-        (1, 20, 3, 13, 4, True),  # two channel blocks
-    ],
-)
-def test_triton_scan_matches_reference_float64(batch, dim, state, length, chunk, full):
+def _small_config(**changes):
+    """A test configuration: 16-token chunks (several chunks at lengths 40 and 80), channel tiles smaller than the
+    tests' dims, several tiles per program."""
     from hf_densessm.ops.selective_scan.chunk import SelectiveScanConfig
 
-    kw = make_inputs(batch, dim, state, length, full=full, seed=length)
-    config = SelectiveScanConfig(chunk=chunk, fwd_block_d=16, bwd_block_d=8)
+    base = dict(chunk=16, fwd_block_d=4, fwd_d_steps=2, bwd_block_d=2, bwd_d_steps=2, carry_block=32)
+    return SelectiveScanConfig(**dict(base, **changes))
+
+
+def _reset(batch, length, starts):
+    """(batch, length) bool, True at ``starts[b]``."""
+    reset = torch.zeros(batch, length, dtype=torch.bool)
+    for b, positions in enumerate(starts):
+        reset[b, list(positions)] = True
+    return reset
+
+
+def _check_triton_against_naive(kw, config, rtol, rtol_grad=None):
     y, last, grads = grads_of(explicit("triton", config=config), kw)
-    y0, last0, grads0 = grads_of(explicit("torch"), kw)
-    assert_close(y, y0, 1e-10, "y")
-    assert_close(last, last0, 1e-10, "last_state")
+    y0, last0, grads0 = grads_of(seq_fn, kw)
+    assert y.dtype == kw["u"].dtype
+    assert_close(y, y0, rtol, "y")
+    assert_close(last, last0, rtol, "last_state")
+    assert grads.keys() == grads0.keys()
     for k in grads0:
-        assert_close(grads[k], grads0[k], 1e-10, f"d{k}")
+        assert grads[k].dtype == kw[k].dtype, k
+        assert_close(grads[k], grads0[k], rtol_grad or rtol, f"d{k}")
+
+
+# resets with 16-token chunks: at chunk edges (16, 32), inside chunks, at t = 0, one-token documents (5, 6 and 31, 32)
+RESETS_40 = [(0, 16, 20, 39), (5, 6, 31, 32)]
+
+
+@needs_triton
+@pytest.mark.parametrize(
+    "batch,dim,state,length,drop,starts",
+    [
+        (2, 12, 3, 40, (), RESETS_40),  # every input, 3 chunks, masked channels and states
+        (2, 12, 3, 40, ("D", "z", "delta_bias", "delta_softplus", "initial_state"), RESETS_40),
+        (1, 8, 4, 80, (), None),  # 5 chunks, an exact multiple, no reset
+        (2, 8, 4, 80, ("z", "delta_softplus"), [(0, 1, 47, 48, 79), (64,)]),  # initial state dropped at t = 0
+        (2, 6, 4, 7, (), [(3,), ()]),  # one partial chunk
+        (1, 5, 2, 1, (), None),  # one token
+        (2, 20, 4, 33, ("D", "initial_state"), [(15, 16, 17), (32,)]),  # a one-token last chunk, 3 programs per row
+    ],
+)
+def test_triton_scan_matches_naive_float64(batch, dim, state, length, drop, starts):
+    """Forward, last state and every gradient against the float64 token loop, small chunks (``_small_config``)."""
+    kw = make_inputs(batch, dim, state, length, seed=length)
+    for name in drop:
+        kw[name] = False if name == "delta_softplus" else None
+    if "delta_softplus" in drop:
+        kw["delta"] = kw["delta"].abs()  # keep dt >= 0 without softplus
+    kw = {k: v for k, v in kw.items() if v is not None}
+    if starts is not None:
+        kw["reset"] = _reset(batch, length, starts)
+    _check_triton_against_naive(kw, _small_config(), 1e-10)
 
 
 def _scan_configs():
@@ -190,15 +224,78 @@ def _scan_configs():
 @pytest.mark.parametrize("state", [4, 16])
 def test_triton_scan_every_config_choice(state):
     """The configurations ``selective_scan_config`` picks on each GPU, run under the interpreter against the
-    PyTorch path in float64 (forward and every gradient), over several chunks and channel blocks."""
-    kw = make_inputs(2, 20, state, 37, seed=state)
-    y0, last0, grads0 = grads_of(explicit("torch"), kw)
+    float64 token loop (forward and every gradient), over 2 chunks of 64 tokens, with resets."""
+    kw = make_inputs(1, 20, state, 80, seed=state)
+    kw["reset"] = _reset(1, 80, [(0, 30, 64, 65)])
     for config in _scan_configs():
-        y, last, grads = grads_of(explicit("triton", config=config), kw)
-        assert_close(y, y0, 1e-10, f"y {config}")
-        assert_close(last, last0, 1e-10, f"last_state {config}")
-        for k in grads0:
-            assert_close(grads[k], grads0[k], 1e-10, f"d{k} {config}")
+        _check_triton_against_naive(kw, config, 1e-10)
+
+
+@needs_triton
+def test_triton_chunk_states_are_the_states_entering_each_chunk():
+    from hf_densessm.ops.selective_scan.chunk import selective_scan_triton_fwd
+
+    kw = make_inputs(2, 6, 3, 40, seed=3)
+    kw["reset"] = _reset(2, 40, RESETS_40)
+    config = _small_config()
+    y, last, states = selective_scan_triton_fwd(**kw, config=config)
+    assert states.shape == (2, 3, 6, 3) and states.dtype == torch.float64 and states.is_contiguous()
+    assert_close(states[:, 0], kw["initial_state"], 1e-12, "chunk 0")
+    for c in (1, 2):
+        prefix = {k: (v[..., :16 * c] if k in ("u", "delta", "z", "B", "C", "reset") else v) for k, v in kw.items()}
+        assert_close(states[:, c], selective_scan_naive(**prefix)[1], 1e-10, f"chunk {c}")
+    y2, last2, none = selective_scan_triton_fwd(**kw, save_states=False, config=config)
+    assert none.shape == (2, 0, 6, 3)
+    assert torch.equal(y, y2) and torch.equal(last, last2)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_triton_scan_low_precision_non_contiguous(dtype):
+    """bfloat16 / float32 inputs, u, z, B and C sliced and transposed out of projections as in the Mamba block (not
+    contiguous), resets: y in the input dtype, states float32, gradients in their inputs' dtypes."""
+    batch, dim, state, length = 2, 8, 4, 40
+    kw = make_inputs(batch, dim, state, length, dtype=dtype, seed=7)
+    g = torch.Generator().manual_seed(8)
+    xz = torch.randn(batch, length, 2 * dim, generator=g).to(dtype)
+    bc = torch.randn(batch, length, 2 * state, generator=g).to(dtype)
+    kw.update(u=xz[..., :dim].transpose(1, 2), z=xz[..., dim:].transpose(1, 2), B=bc[..., :state].transpose(1, 2),
+              C=bc[..., state:].transpose(1, 2))
+    assert not kw["B"].is_contiguous() and not kw["u"].is_contiguous()
+    kw["reset"] = _reset(batch, length, RESETS_40)
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+    _check_triton_against_naive(kw, _small_config(), tol, 2 * tol)
+
+
+@needs_triton
+def test_triton_scan_bad_config_and_chunk_states():
+    from hf_densessm.ops.selective_scan.chunk import selective_scan_triton_bwd, selective_scan_triton_fwd
+
+    kw = make_inputs(1, 4, 2, 20)
+    with pytest.raises(ValueError, match="chunk must be a power of 2"):
+        selective_scan_triton_fwd(**kw, config=_small_config(chunk=24))
+    with pytest.raises(ValueError, match="d_steps"):
+        selective_scan_triton_fwd(**kw, config=_small_config(bwd_d_steps=0))
+    y, last, _ = selective_scan_triton_fwd(**kw, save_states=False, config=_small_config())
+    with pytest.raises(ValueError, match="chunk_states must hold the 2 chunk states"):
+        selective_scan_triton_bwd(torch.ones_like(y), None, **kw, chunk_states=torch.zeros(1, 0, 4, 2),
+                                  config=_small_config())
+
+
+@needs_triton
+def test_triton_scan_grid_has_several_programs_per_sm_on_h100():
+    """With the sm_90 choice at state 16, batch 1 x 2048 channels x 2048 tokens: several programs per SM of an
+    H100 (132 SMs) in every per-chunk kernel."""
+    from hf_densessm.ops.backend import ARCHS
+    from hf_densessm.ops.selective_scan.chunk import _grid, selective_scan_config
+
+    config = selective_scan_config(ARCHS["sm_90"], torch.bfloat16, 16)
+    n_chunks = 2048 // config.chunk
+    for block_d, d_steps in ((config.fwd_block_d, config.fwd_d_steps), (config.bwd_block_d, config.bwd_d_steps)):
+        programs = 1
+        for size in _grid(1, 2048, n_chunks, block_d, d_steps):
+            programs *= size
+        assert programs >= 8 * 132, programs
 
 
 @needs_triton
@@ -283,10 +380,10 @@ def test_op_backward_without_saved_states_recomputes_them(backend):
 @pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_triton)])
 def test_public_op_every_gradient_against_naive(backend):
     """The public function (the op and its registered autograd formula) against the float64 token loop: resets,
-    an initial state, gate, skip, bias and softplus, several chunks of either form (37 tokens)."""
-    kw = make_inputs(2, 6, 5, 37, seed=11)
-    kw["reset"] = torch.zeros(2, 37, dtype=torch.bool)
-    kw["reset"][0, [9, 16]] = kw["reset"][1, 31] = True
+    an initial state, gate, skip, bias and softplus, several chunks of either form (70 tokens)."""
+    kw = make_inputs(2, 6, 5, 70, seed=11)
+    kw["reset"] = torch.zeros(2, 70, dtype=torch.bool)
+    kw["reset"][0, [9, 16]] = kw["reset"][1, 64] = True
     y, last, grads = grads_of(lambda **k: selective_scan(**k, backend=backend), kw)
     y0, last0, grads0 = grads_of(seq_fn, kw)
     assert_close(y, y0, 1e-10, "y")
@@ -474,8 +571,10 @@ def test_triton_branch_traces_on_fake_cuda_tensors():
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = [line for line in done.stdout.splitlines() if line.startswith("kernels ")]
-    assert lines == ["kernels selective_scan _selective_scan_fwd_kernel",
-                     "kernels selective_scan_backward _selective_scan_bwd_kernel",
+    assert lines == ["kernels selective_scan _selective_scan_chunk_state_kernel _selective_scan_carry_kernel "
+                     "_selective_scan_chunk_output_kernel",
+                     "kernels selective_scan_backward _selective_scan_chunk_adjoint_kernel _selective_scan_carry_kernel "
+                     "_selective_scan_chunk_bwd_kernel",
                      "kernels selective_state_update _selective_state_update_kernel"], done.stdout
 
 

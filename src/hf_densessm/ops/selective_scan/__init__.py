@@ -2,7 +2,7 @@
 (whole sequence; ``mamba_ssm``'s ``selective_scan_fn`` layout) and :func:`selective_state_update` (one decoding
 token, state updated in place), their argument checks, and the ``torch.library`` ops ``hf_densessm::selective_scan``
 (+ ``_backward``) and ``hf_densessm::selective_state_update`` they call. Each op's body is the one dispatch
-(:func:`hf_densessm.ops.backend.resolve_backend`) between the Triton kernels (``chunk.py``, ``fused_recurrent.py``)
+(:func:`hf_densessm.ops.backend.resolve_backend`) between the chunk-parallel Triton kernels (``chunk.py``, ``fused_recurrent.py``)
 and the PyTorch path (``chunked_torch.py``, or on CPU tensors the C++ kernel of ``../cpu_kernel.py``); the forms,
 schemas and backends are in docs/kernels.md ("Layout", "The ops"). ``A <= 0`` is checked by :func:`selective_scan`
 (a host read: skipped while compiling or capturing a CUDA graph), not per decoding step.
