@@ -1,7 +1,8 @@
 """The C++ CPU kernel of the selective scan (``csrc/selective_scan_cpu.cpp``, loaded by ``ops/cpu_kernel.py``)
 against the float64 token loop (``naive.py``): through the public ``selective_scan(..., backend="torch")`` and
 through its ops directly; every gradient, float32 / float64 / bfloat16, lengths across checkpoints, packed
-documents, strided inputs; ``opcheck`` on its ops; the fallback to the chunked PyTorch path; the build key."""
+documents, strided inputs and the token-major views the model passes (read in place: no copy, token-major
+outputs); ``opcheck`` on its ops; the fallback to the chunked PyTorch path; the build key."""
 
 import shutil
 
@@ -111,6 +112,105 @@ def test_kernel_non_contiguous_inputs(enabled):
     check_all(kw)
 
 
+def _token_major(kw, seed=0):
+    """``kw`` with u, delta, z given as the model passes them: (batch, dim, length) views of token-major tensors
+    (channel stride 1; z a slice of a wider projection, token stride 2 * dim), B and C slices of one projection."""
+    batch, dim, L = kw["u"].shape
+    n = kw["A"].shape[1]
+    g = torch.Generator().manual_seed(seed)
+    out = dict(kw)
+    for name in ("u", "delta"):
+        out[name] = kw[name].transpose(1, 2).contiguous().transpose(1, 2)
+    if kw.get("z") is not None:
+        wide = torch.randn(batch, L, 2 * dim, generator=g, dtype=torch.float64).to(kw["z"].dtype)
+        wide[:, :, dim:] = kw["z"].transpose(1, 2)
+        out["z"] = wide.chunk(2, dim=-1)[1].transpose(1, 2)
+    proj = torch.randn(batch, L, 2 * n + 3, generator=g, dtype=torch.float64).to(kw["B"].dtype)
+    proj[:, :, 3:3 + n] = kw["B"].transpose(1, 2)
+    proj[:, :, 3 + n:] = kw["C"].transpose(1, 2)
+    out["B"], out["C"] = proj[:, :, 3:3 + n].transpose(1, 2), proj[:, :, 3 + n:].transpose(1, 2)
+    for name in ("u", "delta", "z", "B", "C"):
+        if out.get(name) is not None:
+            assert torch.equal(out[name], kw[name]) and out[name].stride(1) == 1, name
+    return out
+
+
+@pytest.mark.parametrize("dim,state,dtype", [(6, 5, torch.float64), (21, 16, torch.float64),
+                                             (40, 16, torch.float32), (19, 33, torch.float32)])
+def test_kernel_token_major_inputs(enabled, dim, state, dtype):
+    """Token-major views (read in place by the kernel) give the results of contiguous inputs, across channel
+    blocks, partial last blocks and padded state sizes; with packed documents."""
+    kw = packed(make_inputs(2, dim, state, K + 9, dtype=dtype, seed=dim), {0: [0, 5], 1: [K]})
+    tol = (1e-10, 1e-10) if dtype == torch.float64 else (1e-5, 1e-4)
+    check_all(_token_major(kw, seed=dim), *tol)
+    y, last, grads = grads_of(public, _token_major(kw, seed=dim))
+    y1, last1, grads1 = grads_of(public, kw)
+    assert_close(y, y1, 1e-12 if dtype == torch.float64 else 1e-6, "y")
+    for k in grads1:
+        assert_close(grads[k], grads1[k], 1e-12 if dtype == torch.float64 else 1e-6, f"d{k}")
+
+
+def _raw_inputs(dtype, token_major, b=2, d=24, n=16, L=K + 7, seed=0):
+    g = torch.Generator().manual_seed(seed)
+
+    def r(*shape):
+        return torch.randn(*shape, generator=g, dtype=dtype)
+
+    def seq(channels):  # (b, channels, L)
+        return r(b, L, channels).transpose(1, 2) if token_major else r(b, channels, L)
+
+    A = -torch.rand(d, n, generator=g, dtype=dtype) - 0.1
+    reset = torch.zeros(b, L, dtype=torch.bool)
+    reset[1, 3] = True
+    fwd = (seq(d), seq(d), A, seq(n), seq(n), r(d), seq(d), r(d), True, r(b, d, n), reset)
+    return fwd, (seq(d), r(b, d, n))
+
+
+def test_kernel_outputs_are_token_major_and_strided_dy(enabled):
+    """y, du, ddelta, dz, dB, dC are (batch, channels, length) views of contiguous token-major tensors; a token-major
+    dy gives the gradients of a contiguous one."""
+    b, d, n, L = 2, 24, 16, K + 7
+    fwd, (dy, dlast) = _raw_inputs(torch.float64, token_major=True)
+    y, last, states = torch.ops.hf_densessm.selective_scan_cpu_fwd(*fwd)
+    assert y.stride() == (L * d, 1, d) and y.transpose(1, 2).is_contiguous()
+    assert last.is_contiguous() and states.is_contiguous()
+    grads = torch.ops.hf_densessm.selective_scan_cpu_bwd(dy, dlast, *fwd, states)
+    for i in (0, 1, 3, 4, 6):
+        assert grads[i].transpose(1, 2).is_contiguous(), i
+    contiguous = tuple(a.contiguous() if isinstance(a, torch.Tensor) else a for a in fwd)
+    y1, _, states1 = torch.ops.hf_densessm.selective_scan_cpu_fwd(*contiguous)
+    grads1 = torch.ops.hf_densessm.selective_scan_cpu_bwd(dy.contiguous(), dlast, *contiguous, states1)
+    assert torch.equal(y, y1) and torch.equal(states, states1)
+    for a, a1 in zip(grads, grads1):
+        assert torch.equal(a, a1)
+
+
+def _large_copies(fn, numel):
+    """The aten::copy_ calls of ``fn()`` on a tensor of at least ``numel`` elements."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
+        fn()
+    found = []
+    for e in prof.events():
+        if e.name == "aten::copy_":
+            sizes = [s for s in e.input_shapes if s]
+            if any(torch.Size(s).numel() >= numel for s in sizes):
+                found.append(sizes)
+    return found
+
+
+def test_kernel_makes_no_copy_of_token_major_inputs(enabled):
+    """Token-major u, delta, z, dy and sliced B, C: no full-size copy in either op (the layout conversions around
+    the kernel are gone); contiguous (batch, dim, length) inputs are copied (to the token-major layout)."""
+    b, d, n, L = 2, 48, 16, 2 * K
+    fwd, (dy, dlast) = _raw_inputs(torch.float32, token_major=True, b=b, d=d, n=n, L=L)
+    states = torch.ops.hf_densessm.selective_scan_cpu_fwd(*fwd)[2]
+    assert _large_copies(lambda: torch.ops.hf_densessm.selective_scan_cpu_fwd(*fwd), b * n * L) == []
+    assert _large_copies(lambda: torch.ops.hf_densessm.selective_scan_cpu_bwd(dy, dlast, *fwd, states),
+                         b * n * L) == []
+    contiguous = tuple(a.contiguous() if isinstance(a, torch.Tensor) else a for a in fwd)
+    assert len(_large_copies(lambda: torch.ops.hf_densessm.selective_scan_cpu_fwd(*contiguous), b * d * L)) == 3
+
+
 def test_kernel_float32(enabled):
     kw = packed(make_inputs(2, 8, 16, 2 * K + 3, dtype=torch.float32, seed=2), {1: [0, K]})
     y, last, grads = grads_of(public, kw)
@@ -168,6 +268,11 @@ def test_opcheck_cpu_kernel_ops(enabled):
     fwd, bwd = _op_inputs()
     torch.library.opcheck(torch.ops.hf_densessm.selective_scan_cpu_fwd.default, fwd)
     torch.library.opcheck(torch.ops.hf_densessm.selective_scan_cpu_bwd.default, bwd)
+    # token-major inputs (read in place), dy included
+    fwd_tm, (dy, dlast) = _raw_inputs(torch.float32, token_major=True)
+    torch.library.opcheck(torch.ops.hf_densessm.selective_scan_cpu_fwd.default, fwd_tm)
+    states = torch.ops.hf_densessm.selective_scan_cpu_fwd(*fwd_tm)[2]
+    torch.library.opcheck(torch.ops.hf_densessm.selective_scan_cpu_bwd.default, (dy, dlast) + fwd_tm + (states,))
     # optional arguments absent
     none_fwd = fwd[:5] + (None, None, None, False, None, None)
     torch.library.opcheck(torch.ops.hf_densessm.selective_scan_cpu_fwd.default, none_fwd)

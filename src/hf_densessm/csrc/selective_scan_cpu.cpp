@@ -14,20 +14,34 @@
 //   y_t  = (sum_n C_{t,n} h_{t,n} + D u_t) * silu(z_t)     (D and z optional)
 //
 // Every floating tensor must have one dtype, float32 or float64 (the Python wrapper, hf_densessm/ops/cpu_kernel.py,
-// casts to the compute dtype and back). Inputs may have any strides (copied to the layouts below).
+// casts to the compute dtype and back).
 //
-// Work split: at::parallel_for over (batch x channel) in the forward pass and over (batch x channel block) in the
-// backward pass; within a channel the sequence is walked once with the state vector h[0:n] held in
-// at::vec::Vectorized registers (n padded to a multiple of the vector width with A = B = C = 0, which keeps the
-// padded lanes at 0). The forward pass saves the state entering every kCheckpoint-token chunk:
-// chunk_states (batch, dim, n_chunks, state). The backward pass walks the chunks in reverse, recomputes the states
-// of one chunk from its checkpoint into a per-thread buffer, and runs the adjoint recurrence
+// Layout: token-major. The kernel works on blocks of W channels (W = one at::vec::Vectorized<T>: 16 floats on
+// AVX-512, 8 on AVX2) and walks the tokens; at each token it loads u, delta, z (and dy) of the block, contiguous in
+// memory, broadcasts B[t, n] and C[t, n] per state n and keeps h as `state` vectors of the block (state padded to
+// a power of two with A = B = C = 0, which keeps the padded states at 0). So the (batch, dim, length) tensors u,
+// delta, z, dy are read in place, without a copy, when their channel stride is 1 (the transposed views of
+// (batch, length, dim) tensors the model passes), with any batch and token strides; others are copied to that
+// layout once. B and C (batch, state, length) are read in place when their state stride is 1 and the state size
+// is a power of two, else copied to a padded (batch, length, state) buffer. The outputs y, du, ddelta, dz are
+// (batch, dim, length) views of fresh (batch, length, dim) tensors (stride (length * dim, 1, dim)), dB and dC
+// views of (batch, length, state) tensors: their `.transpose(1, 2)` is contiguous. last_state, dinitial_state
+// are contiguous (batch, dim, state); chunk_states, the state entering every kCheckpoint-token chunk (before a
+// reset at the chunk's first token), contiguous (batch, dim, n_chunks, state).
+//
+// Work split: at::parallel_for over (batch x channel block) in the forward pass and over (batch x group of
+// channel blocks) in the backward pass. The backward pass walks the chunks in reverse, recomputes the states and
+// decays of one chunk from its checkpoint into a per-thread buffer, and runs the adjoint recurrence
 //   g_t = dL/dh_t = exp(dt_{t+1} A) g_{t+1} + C_t gy_t      (0 across a reset)
-// reading every gradient off g_t, h_{t-1} and the decay. dB and dC (sums over channels), dA, dD and ddelta_bias
-// (sums over the batch) are accumulated in per-task partial buffers and reduced at the end (deterministic).
+// reading every gradient off g_t, h_{t-1} and the decay: du, ddelta, dz are per channel (sums over the state,
+// vector FMAs); dB and dC sum over the channels of the block (a transposing reduction of the `state` vectors)
+// into per-task (length, state) partials; dA, dD, ddelta_bias into per-(batch row, channel) partials. The
+// partials are reduced at the end in a fixed order (deterministic).
 //
 // The instruction set is the one PyTorch detected (torch.backends.cpu.get_cpu_capability()); the Python loader
-// passes -DCPU_CAPABILITY_<ISA> and the matching -m flags, which select ATen's vec256/vec512 implementation.
+// passes -DCPU_CAPABILITY_<ISA> and the matching -m flags, which select ATen's vec256/vec512 implementation. The
+// exp of the decay is an inlined Cephes-style polynomial (about 1 ulp) on AVX-512 / AVX2 floats, so that the state
+// vectors stay in registers across the states of a token; ATen's (Sleef's) exp elsewhere.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -41,29 +55,68 @@
 #include <tuple>
 #include <vector>
 
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+#include <immintrin.h>
+#endif
+
 namespace {
 
 using at::Tensor;
 
 // Tokens per checkpoint; hf_densessm/ops/cpu_kernel.py's CHECKPOINT must be the same (the fake implementations).
 constexpr int64_t kCheckpoint = 64;
-// Largest supported number of vectors per state (n <= kMaxVecs * Vectorized<T>::size(), at least 64 states).
-constexpr int kMaxVecs = 16;
+// Largest supported state size (hf_densessm/ops/cpu_kernel.py's MAX_STATE).
+constexpr int64_t kMaxState = 64;
 
+// exp of the decay: inlined on AVX-512 / AVX2 floats (Cephes expf: x = k ln2 + r, |r| <= ln2 / 2, degree-6
+// polynomial, about 1 ulp; inputs below -103 give 0 or a denormal, as exp does), ATen's exp otherwise.
 template <typename T>
-inline at::vec::Vectorized<T> vexp(const at::vec::Vectorized<T>& x) {
-  return x.exp();  // Sleef's 1-ULP exp on AVX2 / AVX512
+inline at::vec::Vectorized<T> fexp(const at::vec::Vectorized<T>& x) {
+  return x.exp();
 }
 
-// out[t] = f(in[t] + shift) for t < L, vectorized (the tail through a partial load/store).
-template <typename T, typename F>
-inline void map_row(T* out, const T* in, T shift, int64_t L, const F& f) {
-  using Vec = at::vec::Vectorized<T>;
-  constexpr int64_t W = Vec::size();
-  int64_t t = 0;
-  for (; t + W <= L; t += W) f(Vec::loadu(in + t) + Vec(shift)).store(out + t);
-  if (t < L) f(Vec::loadu(in + t, L - t) + Vec(shift)).store(out + t, L - t);
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+#if defined(CPU_CAPABILITY_AVX512)
+using VF = __m512;
+#define VOP(name) _mm512_##name
+#else
+using VF = __m256;
+#define VOP(name) _mm256_##name
+#endif
+template <>
+inline at::vec::Vectorized<float> fexp<float>(const at::vec::Vectorized<float>& xv) {
+  VF x = xv;
+#if defined(CPU_CAPABILITY_AVX512)
+  x = VOP(max_ps)(x, VOP(set1_ps)(-103.9f));
+#else
+  x = VOP(max_ps)(x, VOP(set1_ps)(-87.33654f));  // 2^k stays a normal number below
+#endif
+  x = VOP(min_ps)(x, VOP(set1_ps)(88.72283f));
+#if defined(CPU_CAPABILITY_AVX512)
+  const VF k = _mm512_roundscale_ps(VOP(mul_ps)(x, VOP(set1_ps)(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#else
+  const VF k = _mm256_round_ps(VOP(mul_ps)(x, VOP(set1_ps)(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#endif
+  VF r = VOP(fnmadd_ps)(k, VOP(set1_ps)(0.693359375f), x);
+  r = VOP(fnmadd_ps)(k, VOP(set1_ps)(-2.12194440e-4f), r);
+  VF p = VOP(set1_ps)(1.9875691500e-4f);
+  p = VOP(fmadd_ps)(p, r, VOP(set1_ps)(1.3981999507e-3f));
+  p = VOP(fmadd_ps)(p, r, VOP(set1_ps)(8.3334519073e-3f));
+  p = VOP(fmadd_ps)(p, r, VOP(set1_ps)(4.1665795894e-2f));
+  p = VOP(fmadd_ps)(p, r, VOP(set1_ps)(1.6666665459e-1f));
+  p = VOP(fmadd_ps)(p, r, VOP(set1_ps)(5.0000001201e-1f));
+  const VF y = VOP(fmadd_ps)(p, VOP(mul_ps)(r, r), VOP(add_ps)(r, VOP(set1_ps)(1.0f)));
+#if defined(CPU_CAPABILITY_AVX512)
+  return _mm512_scalef_ps(y, k);
+#else
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+#endif
 }
+#undef VOP
+#endif
 
 template <typename T>
 inline at::vec::Vectorized<T> vsigmoid(const at::vec::Vectorized<T>& x) {
@@ -78,33 +131,72 @@ inline at::vec::Vectorized<T> vsoftplus(const at::vec::Vectorized<T>& x) {
   return Vec::blendv(x.exp().log1p(), x, x > Vec(T(20)));
 }
 
-// dt row of one channel: softplus(delta + bias) (or delta + bias) into out[0:L].
-template <typename T>
-inline void dt_row(T* out, const T* delta, T bias, bool softplus, int64_t L) {
-  using Vec = at::vec::Vectorized<T>;
-  if (softplus) {
-    map_row(out, delta, bias, L, [](const Vec& x) { return vsoftplus(x); });
-  } else {
-    map_row(out, delta, bias, L, [](const Vec& x) { return x; });
-  }
-}
-
 template <typename T>
 inline T hsum(const at::vec::Vectorized<T>& v) {
   using Vec = at::vec::Vectorized<T>;
   return at::vec::vec_reduce_all<T>([](Vec& a, Vec& b) { return a + b; }, v);
 }
 
+// out[k] += (sum of the lanes of v[k]) for k < NS: the sum over the channels of a block, for dB and dC.
+template <typename T, int NS>
+inline void reduce_lanes_add(const at::vec::Vectorized<T>* v, T* out) {
+  for (int k = 0; k < NS; ++k) out[k] += hsum(v[k]);
+}
+
+#if defined(CPU_CAPABILITY_AVX512)
+// 16 vectors of 16 floats -> one vector of their 16 lane sums (a transposing butterfly: 45 shuffles and adds
+// instead of 16 horizontal sums).
+inline __m512 transpose_sum16(const __m512* v) {
+  __m512 s[8], q[4], r[2];
+  for (int i = 0; i < 8; ++i)  // (a0+a2, b0+b2, a1+a3, b1+b3) per 128-bit lane
+    s[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {  // (a, b, c, d) per 128-bit lane
+    const __m512d x = _mm512_castps_pd(s[2 * i]), y = _mm512_castps_pd(s[2 * i + 1]);
+    q[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  for (int i = 0; i < 2; ++i)
+    r[i] = _mm512_add_ps(_mm512_shuffle_f32x4(q[2 * i], q[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(q[2 * i], q[2 * i + 1], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(r[0], r[1], 0x88), _mm512_shuffle_f32x4(r[0], r[1], 0xDD));
+}
+template <>
+inline void reduce_lanes_add<float, 16>(const at::vec::Vectorized<float>* v, float* out) {
+  __m512 x[16];
+  for (int k = 0; k < 16; ++k) x[k] = v[k];
+  _mm512_storeu_ps(out, _mm512_add_ps(_mm512_loadu_ps(out), transpose_sum16(x)));
+}
+template <>
+inline void reduce_lanes_add<float, 32>(const at::vec::Vectorized<float>* v, float* out) {
+  reduce_lanes_add<float, 16>(v, out);
+  reduce_lanes_add<float, 16>(v + 16, out + 16);
+}
+template <>
+inline void reduce_lanes_add<float, 64>(const at::vec::Vectorized<float>* v, float* out) {
+  reduce_lanes_add<float, 32>(v, out);
+  reduce_lanes_add<float, 32>(v + 32, out + 32);
+}
+#endif
+
 struct Shapes {
-  int64_t batch, dim, length, n, np, nc;
+  int64_t batch, dim, length, n, ns, nc, nb, dimp;  // ns: padded state; nb: channel blocks; dimp = nb * W
 };
 
-// Raw pointers of the prepared inputs (contiguous; B, C token-major (batch, length, np); A (dim, np)).
+// A (batch, dim, length) tensor read token-major: element (b, d, t) at p[b * sb + t * st + d].
+template <typename T>
+struct TM {
+  const T* p;
+  int64_t sb, st;
+  const T* at(int64_t b, int64_t t) const { return p + b * sb + t * st; }
+};
+
+// The prepared inputs: u, delta, z token-major; B, C as (b, t, k) at p[b * sb + t * st + k] (k < ns);
+// A transposed and padded, (ns, dimp); D, bias padded (dimp,); init (batch, dim, n) contiguous.
 template <typename T>
 struct Inputs {
-  const T *u, *delta, *A, *B, *C, *D, *z, *bias, *init;
+  TM<T> u, delta, z, B, C;
+  const T *A, *D, *bias, *init;
   const bool* reset;
-  bool softplus;
+  bool softplus, has_z;
 };
 
 void check_same(const Tensor& t, const char* name, const Tensor& u) {
@@ -117,7 +209,7 @@ void check_shape(const Tensor& t, const char* name, at::IntArrayRef shape) {
   TORCH_CHECK(t.sizes() == shape, "selective_scan_cpu: ", name, " must have shape ", shape, ", got ", t.sizes());
 }
 
-// Checks every argument and returns the shapes; the padded state width np depends on the vector width.
+// Checks every argument and returns the shapes; the channel block width depends on the vector width.
 Shapes check_args(const Tensor& u, const Tensor& delta, const Tensor& A, const Tensor& B, const Tensor& C,
                   const std::optional<Tensor>& D, const std::optional<Tensor>& z,
                   const std::optional<Tensor>& delta_bias, const std::optional<Tensor>& initial_state,
@@ -133,7 +225,9 @@ Shapes check_args(const Tensor& u, const Tensor& delta, const Tensor& A, const T
   s.length = u.size(2);
   s.n = A.size(1);
   TORCH_CHECK(s.length >= 1, "selective_scan_cpu: length must be >= 1");
+  TORCH_CHECK(s.dim >= 1, "selective_scan_cpu: dim must be >= 1");
   TORCH_CHECK(s.n >= 1, "selective_scan_cpu: state size must be >= 1");
+  TORCH_CHECK(s.n <= kMaxState, "selective_scan_cpu: state size ", s.n, " exceeds the supported ", kMaxState);
   check_same(delta, "delta", u);
   check_shape(delta, "delta", u.sizes());
   check_same(A, "A", u);
@@ -166,25 +260,46 @@ Shapes check_args(const Tensor& u, const Tensor& delta, const Tensor& A, const T
   }
   const int64_t width = u.scalar_type() == at::kFloat ? at::vec::Vectorized<float>::size()
                                                       : at::vec::Vectorized<double>::size();
-  int64_t nv = 1;
-  while (nv * width < s.n) nv *= 2;
-  TORCH_CHECK(nv <= kMaxVecs, "selective_scan_cpu: state size ", s.n, " exceeds the supported ",
-              kMaxVecs * width);
-  s.np = nv * width;
+  s.ns = 1;
+  while (s.ns < s.n) s.ns *= 2;
+  s.nb = (s.dim + width - 1) / width;
+  s.dimp = s.nb * width;
   s.nc = (s.length + kCheckpoint - 1) / kCheckpoint;
   return s;
 }
 
-// (batch, n, length) -> contiguous (batch, length, np), zero-padded states.
-Tensor token_major(const Tensor& x, int64_t np) {
-  auto out = at::zeros({x.size(0), x.size(2), np}, x.options());
+// A (batch, dim, length) tensor with channel stride 1 (read in place), or a token-major copy of it.
+Tensor channel_contiguous(const Tensor& x) {
+  if (x.stride(1) == 1 || x.size(1) == 1) return x;
+  return x.transpose(1, 2).contiguous().transpose(1, 2);
+}
+
+template <typename T>
+TM<T> tm_of(const Tensor& x) {
+  return {x.const_data_ptr<T>(), x.stride(0), x.stride(2)};
+}
+
+// B or C (batch, n, length): in place when its state stride is 1 and n is the padded width, else a zero-padded
+// contiguous (batch, length, ns) copy. Returns the tensor to keep alive.
+Tensor state_major(const Tensor& x, int64_t ns) {
+  if (x.size(1) == ns && (x.stride(1) == 1 || ns == 1)) return x;
+  auto out = at::zeros({x.size(0), x.size(2), ns}, x.options());
   out.narrow(2, 0, x.size(1)).copy_(x.transpose(1, 2));
+  return out.transpose(1, 2);
+}
+
+// A (dim, n) -> (ns, dimp) transposed, zero-padded.
+Tensor padded_AT(const Tensor& A, const Shapes& s) {
+  auto out = at::zeros({s.ns, s.dimp}, A.options());
+  out.narrow(0, 0, s.n).narrow(1, 0, s.dim).copy_(A.t());
   return out;
 }
 
-Tensor padded_A(const Tensor& A, int64_t np) {
-  auto out = at::zeros({A.size(0), np}, A.options());
-  out.narrow(1, 0, A.size(1)).copy_(A);
+// (dim,) -> (dimp,) zero-padded (so a full vector can be loaded at the last block).
+std::optional<Tensor> padded_vec(const std::optional<Tensor>& v, const Shapes& s) {
+  if (!v) return std::nullopt;
+  auto out = at::zeros({s.dimp}, v->options());
+  out.narrow(0, 0, s.dim).copy_(*v);
   return out;
 }
 
@@ -193,233 +308,285 @@ const T* ptr_or_null(const std::optional<Tensor>& t) {
   return t.has_value() ? t->const_data_ptr<T>() : nullptr;
 }
 
+template <typename T>
+Inputs<T> make_inputs(const Tensor& u, const Tensor& delta, const Tensor& AT, const Tensor& B, const Tensor& C,
+                      const std::optional<Tensor>& D, const std::optional<Tensor>& z,
+                      const std::optional<Tensor>& bias, const std::optional<Tensor>& init,
+                      const std::optional<Tensor>& reset, bool softplus) {
+  Inputs<T> in;
+  in.u = tm_of<T>(u);
+  in.delta = tm_of<T>(delta);
+  in.z = z ? tm_of<T>(*z) : TM<T>{nullptr, 0, 0};
+  in.B = tm_of<T>(B);
+  in.C = tm_of<T>(C);
+  in.A = AT.const_data_ptr<T>();
+  in.D = ptr_or_null<T>(D);
+  in.bias = ptr_or_null<T>(bias);
+  in.init = ptr_or_null<T>(init);
+  in.reset = reset ? reset->const_data_ptr<bool>() : nullptr;
+  in.softplus = softplus;
+  in.has_z = z.has_value();
+  return in;
+}
+
+// (batch, dim, n) row-major state <-> the ns vectors of one channel block (buf[k * W + lane], zero-padded).
+template <typename T>
+inline void gather_state(const T* src, int64_t b, int64_t d0, int64_t cnt, const Shapes& s, int64_t W, T* buf) {
+  std::fill(buf, buf + s.ns * W, T(0));
+  if (!src) return;
+  for (int64_t l = 0; l < cnt; ++l)
+    for (int64_t k = 0; k < s.n; ++k) buf[k * W + l] = src[(b * s.dim + d0 + l) * s.n + k];
+}
+
+template <typename T>
+inline void scatter_state(const T* buf, int64_t cnt, int64_t n, int64_t W, T* dst, int64_t row_stride) {
+  for (int64_t l = 0; l < cnt; ++l)
+    for (int64_t k = 0; k < n; ++k) dst[l * row_stride + k] = buf[k * W + l];
+}
+
+// dt of one block for tokens t0 .. t0 + cl: softplus(delta + bias) (or delta + bias) into out[i * W].
+template <typename T>
+inline void dt_chunk(const Inputs<T>& in, int64_t b, int64_t d0, int64_t cnt, int64_t t0, int64_t cl, T* out) {
+  using Vec = at::vec::Vectorized<T>;
+  constexpr int64_t W = Vec::size();
+  const Vec vb = in.bias ? Vec::loadu(in.bias + d0) : Vec(T(0));
+  for (int64_t i = 0; i < cl; ++i) {
+    const Vec x = Vec::loadu(in.delta.at(b, t0 + i) + d0, cnt) + vb;
+    (in.softplus ? vsoftplus(x) : x).store(out + i * W);
+  }
+}
+
 // ------------------------------------------------------------------------------------------------ forward
 
-template <typename T, int NV>
+template <typename T, int NS>
 void forward_kernel(const Inputs<T>& in, const Shapes& s, T* y, T* last, T* ck) {
   using Vec = at::vec::Vectorized<T>;
   constexpr int64_t W = Vec::size();
-  const int64_t L = s.length, np = s.np, n = s.n, nc = s.nc;
-  const int64_t grain = std::max<int64_t>(1, 16384 / (L * NV * W));
-  at::parallel_for(0, s.batch * s.dim, grain, [&](int64_t begin, int64_t end) {
-    alignas(64) T tmp[NV * W];
-    std::vector<T> dtb(L);  // this channel's time steps
-    for (int64_t bd = begin; bd < end; ++bd) {
-      const int64_t b = bd / s.dim, d = bd % s.dim;
-      Vec h[NV], a[NV];
-      std::fill(tmp, tmp + NV * W, T(0));
-      if (in.init) std::memcpy(tmp, in.init + bd * n, n * sizeof(T));
-      for (int j = 0; j < NV; ++j) {
-        h[j] = Vec::loadu(tmp + j * W);
-        a[j] = Vec::loadu(in.A + d * np + j * W);
-      }
-      const T* ur = in.u + bd * L;
-      const T* dr = in.delta + bd * L;
-      const T* zr = in.z ? in.z + bd * L : nullptr;
+  const int64_t L = s.length, dim = s.dim, n = s.n, nc = s.nc, dimp = s.dimp;
+  at::parallel_for(0, s.batch * s.nb, 1, [&](int64_t begin, int64_t end) {
+    std::vector<T> dtb(kCheckpoint * W);
+    alignas(64) T hb[NS * W];
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / s.nb, d0 = (task % s.nb) * W, cnt = std::min(W, dim - d0);
+      Vec h[NS];
+      gather_state(in.init, b, d0, cnt, s, W, hb);
+      for (int k = 0; k < NS; ++k) h[k] = Vec::loadu(hb + k * W);
+      const T* Ab = in.A + d0;
       const bool* rr = in.reset ? in.reset + b * L : nullptr;
-      const T bias = in.bias ? in.bias[d] : T(0);
-      const T Dd = in.D ? in.D[d] : T(0);
-      T* yr = y + bd * L;
-      T* ckr = ck + bd * nc * n;
-      dt_row(dtb.data(), dr, bias, in.softplus, L);
-      for (int64_t t = 0; t < L; ++t) {
-        if (t % kCheckpoint == 0) {  // the state entering this chunk (before its reset)
-          for (int j = 0; j < NV; ++j) h[j].store(tmp + j * W);
-          std::memcpy(ckr + (t / kCheckpoint) * n, tmp, n * sizeof(T));
+      const Vec vD = in.D ? Vec::loadu(in.D + d0) : Vec(T(0));
+      for (int64_t c = 0; c < nc; ++c) {
+        const int64_t t0 = c * kCheckpoint, cl = std::min(kCheckpoint, L - t0);
+        // the state entering this chunk (before its reset)
+        for (int k = 0; k < NS; ++k) h[k].store(hb + k * W);
+        scatter_state(hb, cnt, n, W, ck + ((b * dim + d0) * nc + c) * n, nc * n);
+        dt_chunk(in, b, d0, cnt, t0, cl, dtb.data());
+        for (int64_t i = 0; i < cl; ++i) {
+          const int64_t t = t0 + i;
+          const Vec vdt = Vec::loadu(dtb.data() + i * W);
+          const Vec vdtu = vdt * Vec::loadu(in.u.at(b, t) + d0, cnt);
+          const T* Bt = in.B.at(b, t);
+          const T* Ct = in.C.at(b, t);
+          Vec acc(T(0));
+          if (rr && rr[t]) {
+            for (int k = 0; k < NS; ++k) {
+              h[k] = vdtu * Vec(Bt[k]);
+              acc = at::vec::fmadd(Vec(Ct[k]), h[k], acc);
+            }
+          } else {
+            for (int k = 0; k < NS; ++k) {
+              const Vec decay = fexp(vdt * Vec::loadu(Ab + k * dimp));
+              h[k] = at::vec::fmadd(decay, h[k], vdtu * Vec(Bt[k]));
+              acc = at::vec::fmadd(Vec(Ct[k]), h[k], acc);
+            }
+          }
+          acc.store(dtb.data() + i * W);  // dt is no longer needed: the pre-skip output
         }
-        const T dt = dtb[t];
-        const Vec vdt(dt), vdtu(dt * ur[t]);
-        const T* Bt = in.B + (b * L + t) * np;
-        const T* Ct = in.C + (b * L + t) * np;
-        const bool rs = rr && rr[t];
-        Vec acc(T(0));
-        for (int j = 0; j < NV; ++j) {
-          const Vec decay = vexp(vdt * a[j]);
-          const Vec hin = vdtu * Vec::loadu(Bt + j * W);
-          h[j] = rs ? hin : at::vec::fmadd(decay, h[j], hin);
-          acc = at::vec::fmadd(Vec::loadu(Ct + j * W), h[j], acc);
-        }
-        yr[t] = hsum(acc);
-      }
-      // the skip and the gate, vectorized over the row: y = (y + D u) * silu(z)
-      {
-        int64_t t = 0;
-        const Vec vD(Dd);
-        auto finish = [&](const Vec& y, int64_t t0, int64_t cnt) {
-          Vec out = at::vec::fmadd(vD, Vec::loadu(ur + t0, cnt), y);
-          if (zr) {
-            const Vec zv = Vec::loadu(zr + t0, cnt);
+        // the skip and the gate: y = (y + D u) * silu(z)
+        for (int64_t i = 0; i < cl; ++i) {
+          const int64_t t = t0 + i;
+          Vec out = at::vec::fmadd(vD, Vec::loadu(in.u.at(b, t) + d0, cnt), Vec::loadu(dtb.data() + i * W));
+          if (in.has_z) {
+            const Vec zv = Vec::loadu(in.z.at(b, t) + d0, cnt);
             out = out * zv * vsigmoid(zv);
           }
-          return out;
-        };
-        for (; t + W <= L; t += W) finish(Vec::loadu(yr + t), t, W).store(yr + t);
-        if (t < L) finish(Vec::loadu(yr + t, L - t), t, L - t).store(yr + t, L - t);
+          out.store(y + (b * L + t) * dim + d0, cnt);
+        }
       }
-      for (int j = 0; j < NV; ++j) h[j].store(tmp + j * W);
-      std::memcpy(last + bd * n, tmp, n * sizeof(T));
+      for (int k = 0; k < NS; ++k) h[k].store(hb + k * W);
+      scatter_state(hb, cnt, n, W, last + (b * dim + d0) * n, n);
     }
   });
 }
 
+#define DISPATCH_NS(ns, KERNEL, ...)                                                  \
+  switch (ns) {                                                                       \
+    case 1: KERNEL<T, 1>(__VA_ARGS__); break;                                         \
+    case 2: KERNEL<T, 2>(__VA_ARGS__); break;                                         \
+    case 4: KERNEL<T, 4>(__VA_ARGS__); break;                                         \
+    case 8: KERNEL<T, 8>(__VA_ARGS__); break;                                         \
+    case 16: KERNEL<T, 16>(__VA_ARGS__); break;                                       \
+    case 32: KERNEL<T, 32>(__VA_ARGS__); break;                                       \
+    case 64: KERNEL<T, 64>(__VA_ARGS__); break;                                       \
+    default: TORCH_CHECK(false, "selective_scan_cpu: unsupported padded state ", ns); \
+  }
+
 std::tuple<Tensor, Tensor, Tensor> selective_scan_cpu_fwd(
-    const Tensor& u_, const Tensor& delta_, const Tensor& A, const Tensor& B, const Tensor& C,
+    const Tensor& u_, const Tensor& delta_, const Tensor& A, const Tensor& B_, const Tensor& C_,
     const std::optional<Tensor>& D_, const std::optional<Tensor>& z_, const std::optional<Tensor>& delta_bias_,
     bool delta_softplus, const std::optional<Tensor>& initial_state_, const std::optional<Tensor>& reset_) {
-  const Shapes s = check_args(u_, delta_, A, B, C, D_, z_, delta_bias_, initial_state_, reset_);
-  const Tensor u = u_.contiguous(), delta = delta_.contiguous();
-  const Tensor Bt = token_major(B, s.np), Ct = token_major(C, s.np), Ap = padded_A(A, s.np);
-  std::optional<Tensor> D, z, bias, init, reset;
-  if (D_) D = D_->contiguous();
-  if (z_) z = z_->contiguous();
-  if (delta_bias_) bias = delta_bias_->contiguous();
+  const Shapes s = check_args(u_, delta_, A, B_, C_, D_, z_, delta_bias_, initial_state_, reset_);
+  const Tensor u = channel_contiguous(u_), delta = channel_contiguous(delta_);
+  const Tensor B = state_major(B_, s.ns), C = state_major(C_, s.ns), AT = padded_AT(A, s);
+  std::optional<Tensor> z, init, reset;
+  const std::optional<Tensor> D = padded_vec(D_, s), bias = padded_vec(delta_bias_, s);
+  if (z_) z = channel_contiguous(*z_);
   if (initial_state_) init = initial_state_->contiguous();
   if (reset_) reset = reset_->contiguous();
-  auto y = at::empty({s.batch, s.dim, s.length}, u.options());
-  auto last = at::empty({s.batch, s.dim, s.n}, u.options());
-  auto ck = at::empty({s.batch, s.dim, s.nc, s.n}, u.options());
+  const auto opt = u.options();
+  auto y = at::empty({s.batch, s.length, s.dim}, opt);  // token-major; returned as its (batch, dim, length) view
+  auto last = at::empty({s.batch, s.dim, s.n}, opt);
+  auto ck = at::empty({s.batch, s.dim, s.nc, s.n}, opt);
   AT_DISPATCH_FLOATING_TYPES(u.scalar_type(), "selective_scan_cpu_fwd", [&] {
     using T = scalar_t;
-    Inputs<T> in{u.const_data_ptr<T>(), delta.const_data_ptr<T>(), Ap.const_data_ptr<T>(),
-                 Bt.const_data_ptr<T>(), Ct.const_data_ptr<T>(), ptr_or_null<T>(D), ptr_or_null<T>(z),
-                 ptr_or_null<T>(bias), ptr_or_null<T>(init),
-                 reset ? reset->const_data_ptr<bool>() : nullptr, delta_softplus};
-    const int64_t nv = s.np / at::vec::Vectorized<T>::size();
+    const Inputs<T> in = make_inputs<T>(u, delta, AT, B, C, D, z, bias, init, reset, delta_softplus);
     T *py = y.mutable_data_ptr<T>(), *pl = last.mutable_data_ptr<T>(), *pc = ck.mutable_data_ptr<T>();
-    switch (nv) {
-      case 1: forward_kernel<T, 1>(in, s, py, pl, pc); break;
-      case 2: forward_kernel<T, 2>(in, s, py, pl, pc); break;
-      case 4: forward_kernel<T, 4>(in, s, py, pl, pc); break;
-      case 8: forward_kernel<T, 8>(in, s, py, pl, pc); break;
-      case 16: forward_kernel<T, 16>(in, s, py, pl, pc); break;
-      default: TORCH_CHECK(false, "selective_scan_cpu: unsupported state width ", s.np);
-    }
+    DISPATCH_NS(s.ns, forward_kernel, in, s, py, pl, pc);
   });
-  return {y, last, ck};
+  return {y.transpose(1, 2), last, ck};
 }
 
 // ----------------------------------------------------------------------------------------------- backward
 
 template <typename T>
 struct Grads {
-  const T *dy, *dlast, *ck;
-  T *du, *ddelta, *dz, *dBp, *dCp, *dAp, *dDp, *dbiasp, *dinit;  // *p: partial buffers
-  int64_t nblk, blk;  // channel blocks per batch row, channels per block
+  TM<T> dy;
+  const T *dlast, *ck;
+  T *du, *ddelta, *dz, *dBp, *dCp, *dAp, *dDp, *dbiasp, *dinit;  // du, ddelta, dz (batch, length, dim); *p: partials
+  int64_t ngroups, per_group;  // channel-block groups per batch row (one task each), blocks per group
 };
 
-template <typename T, int NV>
+template <typename T, int NS>
 void backward_kernel(const Inputs<T>& in, const Shapes& s, const Grads<T>& gr) {
   using Vec = at::vec::Vectorized<T>;
   constexpr int64_t W = Vec::size();
-  constexpr int64_t S = NV * W;  // padded state width
-  const int64_t L = s.length, n = s.n, nc = s.nc, K = kCheckpoint;
-  at::parallel_for(0, s.batch * gr.nblk, 1, [&](int64_t begin, int64_t end) {
-    // per-thread buffers: the states and decays of one chunk, its time steps and pre-gate outputs
-    std::vector<T> Hs(K * S), Ex(K * S), ypre(K);
-    // per-channel rows: time steps, softplus'(delta + bias) = sigmoid, sigmoid(z)
-    std::vector<T> dtb(L), sgb(in.softplus ? L : 0), zsg(in.z ? L : 0);
-    alignas(64) T tmp[S];
-    alignas(64) T entry[S];
+  constexpr int64_t K = kCheckpoint;
+  constexpr int64_t SW = NS * W;  // one token's states of a block
+  const int64_t L = s.length, dim = s.dim, n = s.n, nc = s.nc, dimp = s.dimp;
+  at::parallel_for(0, s.batch * gr.ngroups, 1, [&](int64_t begin, int64_t end) {
+    // per-thread buffers: one chunk's states and decays; its time steps, softplus'(delta + bias) = sigmoid,
+    // sigmoid(z) and pre-gate outputs
+    std::vector<T> Hs(K * SW), Ex(K * SW), dtb(K * W), sgb(K * W), szb(K * W), ypre(K * W);
+    alignas(64) T entry[SW];
+    alignas(64) T tmp[SW];
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / gr.nblk, blk = task % gr.nblk;
-      const int64_t d0 = blk * gr.blk, d1 = std::min(s.dim, d0 + gr.blk);
-      T* dBp = gr.dBp + task * L * S;  // (L, S) partial sums over this block's channels
-      T* dCp = gr.dCp + task * L * S;
-      std::fill(dBp, dBp + L * S, T(0));
-      std::fill(dCp, dCp + L * S, T(0));
+      const int64_t b = task / gr.ngroups, grp = task % gr.ngroups;
+      const int64_t blk0 = grp * gr.per_group, blk1 = std::min(s.nb, blk0 + gr.per_group);
+      T* dBp = gr.dBp + task * L * NS;  // (L, NS) partial sums over this group's channels
+      T* dCp = gr.dCp + task * L * NS;
+      std::fill(dBp, dBp + L * NS, T(0));
+      std::fill(dCp, dCp + L * NS, T(0));
       const bool* rr = in.reset ? in.reset + b * L : nullptr;
-      for (int64_t d = d0; d < d1; ++d) {
-        const int64_t bd = b * s.dim + d;
-        const T* ur = in.u + bd * L;
-        const T* dr = in.delta + bd * L;
-        const T* zr = in.z ? in.z + bd * L : nullptr;
-        const T* dyr = gr.dy ? gr.dy + bd * L : nullptr;
-        const T bias = in.bias ? in.bias[d] : T(0);
-        const T Dd = in.D ? in.D[d] : T(0);
-        Vec a[NV], g[NV], dA[NV];
-        std::fill(tmp, tmp + S, T(0));
-        if (gr.dlast) std::memcpy(tmp, gr.dlast + bd * n, n * sizeof(T));
-        for (int j = 0; j < NV; ++j) {
-          a[j] = Vec::loadu(in.A + d * S + j * W);
-          g[j] = Vec::loadu(tmp + j * W);
-          dA[j] = Vec(T(0));
+      for (int64_t blk = blk0; blk < blk1; ++blk) {
+        const int64_t d0 = blk * W, cnt = std::min(W, dim - d0);
+        const T* Ab = in.A + d0;
+        const Vec vD = in.D ? Vec::loadu(in.D + d0) : Vec(T(0));
+        const Vec vb = in.bias ? Vec::loadu(in.bias + d0) : Vec(T(0));
+        Vec g[NS], dA[NS];
+        gather_state(gr.dlast, b, d0, cnt, s, W, tmp);
+        for (int k = 0; k < NS; ++k) {
+          g[k] = Vec::loadu(tmp + k * W);
+          dA[k] = Vec(T(0));
         }
-        T dD = 0, dbias = 0;
-        dt_row(dtb.data(), dr, bias, in.softplus, L);
-        if (in.softplus) map_row(sgb.data(), dr, bias, L, [](const Vec& x) { return vsigmoid(x); });
-        if (zr) map_row(zsg.data(), zr, T(0), L, [](const Vec& x) { return vsigmoid(x); });
+        Vec dD(T(0)), dbias(T(0));
         for (int64_t c = nc - 1; c >= 0; --c) {
           const int64_t t0 = c * K, cl = std::min(K, L - t0);
-          // 1. recompute the chunk's states from its checkpoint
-          std::fill(entry, entry + S, T(0));
-          std::memcpy(entry, gr.ck + (bd * nc + c) * n, n * sizeof(T));
-          Vec h[NV];
-          for (int j = 0; j < NV; ++j) h[j] = Vec::loadu(entry + j * W);
+          // 1. the chunk's time steps and sigmoids, its states and decays recomputed from its checkpoint
+          dt_chunk(in, b, d0, cnt, t0, cl, dtb.data());
           for (int64_t i = 0; i < cl; ++i) {
-            const int64_t t = t0 + i;
-            const T dt = dtb[t];
-            const Vec vdt(dt), vdtu(dt * ur[t]);
-            const T* Bt = in.B + (b * L + t) * S;
-            const T* Ct = in.C + (b * L + t) * S;
-            const bool rs = rr && rr[t];
-            Vec acc(T(0));
-            for (int j = 0; j < NV; ++j) {
-              const Vec decay = vexp(vdt * a[j]);
-              decay.store(Ex.data() + i * S + j * W);
-              const Vec hin = vdtu * Vec::loadu(Bt + j * W);
-              h[j] = rs ? hin : at::vec::fmadd(decay, h[j], hin);
-              h[j].store(Hs.data() + i * S + j * W);
-              if (zr) acc = at::vec::fmadd(Vec::loadu(Ct + j * W), h[j], acc);
+            if (in.softplus)
+              vsigmoid(Vec::loadu(in.delta.at(b, t0 + i) + d0, cnt) + vb).store(sgb.data() + i * W);
+            if (in.has_z) vsigmoid(Vec::loadu(in.z.at(b, t0 + i) + d0, cnt)).store(szb.data() + i * W);
+          }
+          std::fill(entry, entry + SW, T(0));  // the state entering the chunk, from its checkpoint
+          for (int64_t l = 0; l < cnt; ++l)
+            for (int64_t k = 0; k < n; ++k) entry[k * W + l] = gr.ck[((b * dim + d0 + l) * nc + c) * n + k];
+          {
+            Vec h[NS];
+            for (int k = 0; k < NS; ++k) h[k] = Vec::loadu(entry + k * W);
+            for (int64_t i = 0; i < cl; ++i) {
+              const int64_t t = t0 + i;
+              const Vec vdt = Vec::loadu(dtb.data() + i * W);
+              const Vec vdtu = vdt * Vec::loadu(in.u.at(b, t) + d0, cnt);
+              const T* Bt = in.B.at(b, t);
+              const T* Ct = in.C.at(b, t);
+              const bool rs = rr && rr[t];
+              T* He = Hs.data() + i * SW;
+              T* Ee = Ex.data() + i * SW;
+              Vec acc(T(0));
+              for (int k = 0; k < NS; ++k) {
+                const Vec decay = fexp(vdt * Vec::loadu(Ab + k * dimp));
+                decay.store(Ee + k * W);
+                const Vec hin = vdtu * Vec(Bt[k]);
+                h[k] = rs ? hin : at::vec::fmadd(decay, h[k], hin);
+                h[k].store(He + k * W);
+                if (in.has_z) acc = at::vec::fmadd(Vec(Ct[k]), h[k], acc);
+              }
+              if (in.has_z) acc.store(ypre.data() + i * W);
             }
-            if (zr) ypre[i] = hsum(acc) + Dd * ur[t];
           }
           // 2. the adjoint recurrence backwards through the chunk
           for (int64_t i = cl - 1; i >= 0; --i) {
             const int64_t t = t0 + i;
-            const T dt = dtb[t], ut = ur[t];
-            T gy = dyr ? dyr[t] : T(0);
-            if (zr) {
-              const T zt = zr[t], sg = zsg[t];
-              gr.dz[bd * L + t] = gy * ypre[i] * sg * (T(1) + zt * (T(1) - sg));  // d silu(z)/dz
-              gy *= zt * sg;
+            const Vec ut = Vec::loadu(in.u.at(b, t) + d0, cnt);
+            Vec gy = gr.dy.p ? Vec::loadu(gr.dy.at(b, t) + d0, cnt) : Vec(T(0));
+            if (in.has_z) {
+              const Vec zt = Vec::loadu(in.z.at(b, t) + d0, cnt), sg = Vec::loadu(szb.data() + i * W);
+              const Vec yp = at::vec::fmadd(vD, ut, Vec::loadu(ypre.data() + i * W));
+              (gy * yp * sg * (Vec(T(1)) + zt * (Vec(T(1)) - sg))).store(gr.dz + (b * L + t) * dim + d0, cnt);
+              gy = gy * zt * sg;  // dz: d silu(z)/dz = sg (1 + z (1 - sg))
             }
-            dD += gy * ut;
+            dD = at::vec::fmadd(gy, ut, dD);
+            const Vec vdt = Vec::loadu(dtb.data() + i * W);
+            const Vec vdtu = vdt * ut;
             const bool rs = rr && rr[t];
-            const T* Bt = in.B + (b * L + t) * S;
-            const T* Ct = in.C + (b * L + t) * S;
-            const T* hprev = i > 0 ? Hs.data() + (i - 1) * S : entry;
-            const Vec vgy(gy), vdt(dt), vdtu(dt * ut);
+            const T* Bt = in.B.at(b, t);
+            const T* Ct = in.C.at(b, t);
+            const T* He = Hs.data() + i * SW;
+            const T* Ee = Ex.data() + i * SW;
+            const T* hprev = i > 0 ? Hs.data() + (i - 1) * SW : entry;
+            Vec cv[NS], bv[NS];
             Vec wacc(T(0)), xacc(T(0));
-            for (int j = 0; j < NV; ++j) {
-              g[j] = at::vec::fmadd(Vec::loadu(Ct + j * W), vgy, g[j]);  // g_t = dL/dh_t
-              T* dCt = dCp + t * S + j * W;
-              at::vec::fmadd(vgy, Vec::loadu(Hs.data() + i * S + j * W), Vec::loadu(dCt)).store(dCt);
-              T* dBt = dBp + t * S + j * W;
-              at::vec::fmadd(g[j], vdtu, Vec::loadu(dBt)).store(dBt);
-              wacc = at::vec::fmadd(Vec::loadu(Bt + j * W), g[j], wacc);
-              const Vec decay = Vec::loadu(Ex.data() + i * S + j * W);
+            for (int k = 0; k < NS; ++k) {
+              const Vec gk = at::vec::fmadd(Vec(Ct[k]), gy, g[k]);  // g_t = dL/dh_t
+              cv[k] = gy * Vec::loadu(He + k * W);
+              bv[k] = gk * vdtu;
+              wacc = at::vec::fmadd(Vec(Bt[k]), gk, wacc);
               if (rs) {
-                g[j] = Vec(T(0));  // nothing flows into the state before a reset
+                g[k] = Vec(T(0));  // nothing flows into the state before a reset
               } else {
-                const Vec x = g[j] * decay * Vec::loadu(hprev + j * W);  // dL/d(dt_t A)
-                xacc = at::vec::fmadd(x, a[j], xacc);
-                dA[j] = at::vec::fmadd(x, vdt, dA[j]);
-                g[j] = g[j] * decay;
+                const Vec decay = Vec::loadu(Ee + k * W);
+                const Vec x = gk * decay * Vec::loadu(hprev + k * W);  // dL/d(dt_t A)
+                xacc = at::vec::fmadd(x, Vec::loadu(Ab + k * dimp), xacc);
+                dA[k] = at::vec::fmadd(x, vdt, dA[k]);
+                g[k] = gk * decay;
               }
             }
-            const T w = hsum(wacc);
-            gr.du[bd * L + t] = w * dt + gy * Dd;
-            T ddt = w * ut + hsum(xacc);
-            if (in.softplus) ddt *= sgb[t];  // d softplus(x)/dx = sigmoid(x)
-            gr.ddelta[bd * L + t] = ddt;
-            dbias += ddt;
+            reduce_lanes_add<T, NS>(cv, dCp + t * NS);
+            reduce_lanes_add<T, NS>(bv, dBp + t * NS);
+            at::vec::fmadd(wacc, vdt, gy * vD).store(gr.du + (b * L + t) * dim + d0, cnt);
+            Vec ddt = at::vec::fmadd(wacc, ut, xacc);
+            if (in.softplus) ddt = ddt * Vec::loadu(sgb.data() + i * W);  // d softplus(x)/dx = sigmoid(x)
+            ddt.store(gr.ddelta + (b * L + t) * dim + d0, cnt);
+            dbias = dbias + ddt;
           }
         }
-        for (int j = 0; j < NV; ++j) g[j].store(tmp + j * W);
-        std::memcpy(gr.dinit + bd * n, tmp, n * sizeof(T));
-        for (int j = 0; j < NV; ++j) dA[j].store(gr.dAp + bd * S + j * W);
-        gr.dDp[bd] = dD;
-        gr.dbiasp[bd] = dbias;
+        for (int k = 0; k < NS; ++k) {
+          g[k].store(tmp + k * W);
+          dA[k].store(gr.dAp + (b * NS + k) * dimp + d0);
+        }
+        scatter_state(tmp, cnt, n, W, gr.dinit + (b * dim + d0) * n, n);
+        dD.store(gr.dDp + b * dimp + d0);
+        dbias.store(gr.dbiasp + b * dimp + d0);
       }
     }
   });
@@ -427,10 +594,10 @@ void backward_kernel(const Inputs<T>& in, const Shapes& s, const Grads<T>& gr) {
 
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> selective_scan_cpu_bwd(
     const std::optional<Tensor>& dy_, const std::optional<Tensor>& dlast_, const Tensor& u_, const Tensor& delta_,
-    const Tensor& A, const Tensor& B, const Tensor& C, const std::optional<Tensor>& D_,
+    const Tensor& A, const Tensor& B_, const Tensor& C_, const std::optional<Tensor>& D_,
     const std::optional<Tensor>& z_, const std::optional<Tensor>& delta_bias_, bool delta_softplus,
     const std::optional<Tensor>& initial_state_, const std::optional<Tensor>& reset_, const Tensor& chunk_states_) {
-  const Shapes s = check_args(u_, delta_, A, B, C, D_, z_, delta_bias_, initial_state_, reset_);
+  const Shapes s = check_args(u_, delta_, A, B_, C_, D_, z_, delta_bias_, initial_state_, reset_);
   if (dy_) {
     check_same(*dy_, "dy", u_);
     check_shape(*dy_, "dy", u_.sizes());
@@ -445,57 +612,55 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tenso
               at::IntArrayRef({s.batch, s.dim, s.nc, s.n}),
               " checkpoints of selective_scan_cpu_fwd (one every ", kCheckpoint, " tokens), got ",
               chunk_states_.sizes(), " (states of another path?)");
-  const Tensor u = u_.contiguous(), delta = delta_.contiguous(), ck = chunk_states_.contiguous();
-  const Tensor Bt = token_major(B, s.np), Ct = token_major(C, s.np), Ap = padded_A(A, s.np);
-  std::optional<Tensor> D, z, bias, init, reset, dy, dlast;
-  if (D_) D = D_->contiguous();
-  if (z_) z = z_->contiguous();
-  if (delta_bias_) bias = delta_bias_->contiguous();
+  const Tensor u = channel_contiguous(u_), delta = channel_contiguous(delta_), ck = chunk_states_.contiguous();
+  const Tensor B = state_major(B_, s.ns), C = state_major(C_, s.ns), AT = padded_AT(A, s);
+  const std::optional<Tensor> D = padded_vec(D_, s), bias = padded_vec(delta_bias_, s);
+  std::optional<Tensor> z, reset, dy, dlast;
+  if (z_) z = channel_contiguous(*z_);
   if (reset_) reset = reset_->contiguous();
-  if (dy_) dy = dy_->contiguous();
+  if (dy_) dy = channel_contiguous(*dy_);
   if (dlast_) dlast = dlast_->contiguous();
   const auto opt = u.options();
-  // channel blocks: enough tasks to keep every thread busy; each task owns an (L, np) partial of dB and dC
+  // groups of channel blocks: enough tasks to keep every thread busy; each task owns (L, ns) partials of dB, dC
   const int64_t threads = at::get_num_threads();
-  const int64_t nblk = std::min<int64_t>(s.dim, std::max<int64_t>(1, (2 * threads + s.batch - 1) / s.batch));
-  const int64_t blk = (s.dim + nblk - 1) / nblk;
-  const int64_t nblk_used = (s.dim + blk - 1) / blk;
-  auto du = at::empty({s.batch, s.dim, s.length}, opt);
-  auto ddelta = at::empty({s.batch, s.dim, s.length}, opt);
-  auto dz = z ? at::empty({s.batch, s.dim, s.length}, opt) : at::empty({0}, opt);
-  auto dBp = at::empty({s.batch, nblk_used, s.length, s.np}, opt);
-  auto dCp = at::empty({s.batch, nblk_used, s.length, s.np}, opt);
-  auto dAp = at::empty({s.batch, s.dim, s.np}, opt);
-  auto dDp = at::empty({s.batch, s.dim}, opt);
-  auto dbiasp = at::empty({s.batch, s.dim}, opt);
+  const int64_t want = std::min<int64_t>(s.nb, std::max<int64_t>(1, (2 * threads + s.batch - 1) / s.batch));
+  const int64_t per_group = (s.nb + want - 1) / want;
+  const int64_t ngroups = (s.nb + per_group - 1) / per_group;
+  auto du = at::empty({s.batch, s.length, s.dim}, opt);  // token-major, returned as (batch, dim, length) views
+  auto ddelta = at::empty({s.batch, s.length, s.dim}, opt);
+  auto dz = z ? at::empty({s.batch, s.length, s.dim}, opt) : at::empty({0}, opt);
+  auto dBp = at::empty({s.batch, ngroups, s.length, s.ns}, opt);
+  auto dCp = at::empty({s.batch, ngroups, s.length, s.ns}, opt);
+  auto dAp = at::empty({s.batch, s.ns, s.dimp}, opt);
+  auto dDp = at::empty({s.batch, s.dimp}, opt);
+  auto dbiasp = at::empty({s.batch, s.dimp}, opt);
   auto dinit = at::empty({s.batch, s.dim, s.n}, opt);
   AT_DISPATCH_FLOATING_TYPES(u.scalar_type(), "selective_scan_cpu_bwd", [&] {
     using T = scalar_t;
-    Inputs<T> in{u.const_data_ptr<T>(), delta.const_data_ptr<T>(), Ap.const_data_ptr<T>(),
-                 Bt.const_data_ptr<T>(), Ct.const_data_ptr<T>(), ptr_or_null<T>(D), ptr_or_null<T>(z),
-                 ptr_or_null<T>(bias), nullptr, reset ? reset->const_data_ptr<bool>() : nullptr, delta_softplus};
-    Grads<T> gr{ptr_or_null<T>(dy), ptr_or_null<T>(dlast), ck.const_data_ptr<T>(),
+    const Inputs<T> in = make_inputs<T>(u, delta, AT, B, C, D, z, bias, std::nullopt, reset, delta_softplus);
+    Grads<T> gr{dy ? tm_of<T>(*dy) : TM<T>{nullptr, 0, 0}, ptr_or_null<T>(dlast), ck.const_data_ptr<T>(),
                 du.mutable_data_ptr<T>(), ddelta.mutable_data_ptr<T>(), z ? dz.mutable_data_ptr<T>() : nullptr,
                 dBp.mutable_data_ptr<T>(), dCp.mutable_data_ptr<T>(), dAp.mutable_data_ptr<T>(),
                 dDp.mutable_data_ptr<T>(), dbiasp.mutable_data_ptr<T>(), dinit.mutable_data_ptr<T>(),
-                nblk_used, blk};
-    const int64_t nv = s.np / at::vec::Vectorized<T>::size();
-    switch (nv) {
-      case 1: backward_kernel<T, 1>(in, s, gr); break;
-      case 2: backward_kernel<T, 2>(in, s, gr); break;
-      case 4: backward_kernel<T, 4>(in, s, gr); break;
-      case 8: backward_kernel<T, 8>(in, s, gr); break;
-      case 16: backward_kernel<T, 16>(in, s, gr); break;
-      default: TORCH_CHECK(false, "selective_scan_cpu: unsupported state width ", s.np);
-    }
+                ngroups, per_group};
+    DISPATCH_NS(s.ns, backward_kernel, in, s, gr);
   });
-  // reduce the partials: dB, dC over channel blocks (back to (batch, state, length)); dA, dD, dbias over the batch
-  auto dB = dBp.sum(1).narrow(2, 0, s.n).transpose(1, 2).contiguous();
-  auto dC = dCp.sum(1).narrow(2, 0, s.n).transpose(1, 2).contiguous();
-  auto dA = dAp.sum(0).narrow(1, 0, s.n).contiguous();
-  auto dD = D ? dDp.sum(0) : at::empty({0}, opt);
-  auto dbias = bias ? dbiasp.sum(0) : at::empty({0}, opt);
-  return {du, ddelta, dA, dB, dC, dD, dz, dbias, dinit};
+  // reduce the partials: dB, dC over channel groups into (batch, length, state) (returned as (batch, state, length)
+  // views); dA, dD, dbias over the batch
+  auto dB = at::empty({s.batch, s.length, s.n}, opt);
+  auto dC = at::empty({s.batch, s.length, s.n}, opt);
+  if (s.ns == s.n) {
+    at::sum_out(dB, dBp, {1});
+    at::sum_out(dC, dCp, {1});
+  } else {
+    dB.copy_(dBp.sum(1).narrow(2, 0, s.n));
+    dC.copy_(dCp.sum(1).narrow(2, 0, s.n));
+  }
+  auto dA = dAp.sum(0).narrow(0, 0, s.n).narrow(1, 0, s.dim).t().contiguous();
+  auto dD = D ? dDp.sum(0).narrow(0, 0, s.dim).contiguous() : at::empty({0}, opt);
+  auto dbias = bias ? dbiasp.sum(0).narrow(0, 0, s.dim).contiguous() : at::empty({0}, opt);
+  return {du.transpose(1, 2), ddelta.transpose(1, 2), dA, dB.transpose(1, 2), dC.transpose(1, 2), dD,
+          z ? dz.transpose(1, 2) : dz, dbias, dinit};
 }
 
 }  // namespace

@@ -42,7 +42,7 @@ __all__ = [
 SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "selective_scan_cpu.cpp"
 #: Tokens between the states the forward pass saves (``kCheckpoint`` in the C++ source).
 CHECKPOINT = 64
-#: Largest state size sent to the kernel (its limit is 16 vectors, at least 64 states on every instruction set).
+#: Largest state size sent to the kernel (``kMaxState`` in the C++ source).
 MAX_STATE = 64
 
 Tensor = torch.Tensor
@@ -92,17 +92,22 @@ def _register_fakes() -> None:
         batch, dim, length = u.shape
         n = A.shape[1]
         nc = (length + CHECKPOINT - 1) // CHECKPOINT
-        return u.new_empty(batch, dim, length), u.new_empty(batch, dim, n), u.new_empty(batch, dim, nc, n)
+        # y: a (batch, dim, length) view of a token-major (batch, length, dim) tensor, as the kernel returns it
+        return (u.new_empty(batch, length, dim).transpose(1, 2), u.new_empty(batch, dim, n),
+                u.new_empty(batch, dim, nc, n))
 
     @torch.library.register_fake("hf_densessm::selective_scan_cpu_bwd")
     def _bwd_fake(dy, dlast, u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, reset,
                   chunk_states):
         batch, dim, length = u.shape
         n = A.shape[1]
-        return (u.new_empty(batch, dim, length), u.new_empty(batch, dim, length), u.new_empty(dim, n),
-                u.new_empty(batch, n, length), u.new_empty(batch, n, length),
+        # du, ddelta, dz, dB, dC: views of token-major (batch, length, channels) tensors, as the kernel returns them
+        def token_major(channels):
+            return u.new_empty(batch, length, channels).transpose(1, 2)
+
+        return (token_major(dim), token_major(dim), u.new_empty(dim, n), token_major(n), token_major(n),
                 u.new_empty(dim) if D is not None else u.new_empty(0),
-                u.new_empty(batch, dim, length) if z is not None else u.new_empty(0),
+                token_major(dim) if z is not None else u.new_empty(0),
                 u.new_empty(dim) if delta_bias is not None else u.new_empty(0), u.new_empty(batch, dim, n))
 
     _fakes_registered = True
@@ -176,10 +181,13 @@ def scan_fwd(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=
             delta_bias: (dim,) or None; z: (batch, dim, length) or None; initial_state: (batch, dim, state) or
             None; reset: (batch, length) bool or None. CPU tensors of any float dtypes and strides: they are cast
             to the compute dtype (float64 if any is float64, else float32; bfloat16 / float16 computed in float32).
+            ``u``, ``delta``, ``z`` with channel stride 1 (``x.transpose(1, 2)`` of a token-major (batch, length,
+            dim) tensor, as the model passes them) are read in place; others are copied to that layout once.
 
     Returns:
-        ``(y, last_state, chunk_states)``: ``y`` (batch, dim, length) in ``u``'s dtype; ``last_state`` (batch, dim,
-        state) and ``chunk_states`` (batch, dim, ceil(length / CHECKPOINT), state) in the compute dtype.
+        ``(y, last_state, chunk_states)``: ``y`` (batch, dim, length) in ``u``'s dtype, token-major in memory (the
+        ``.transpose(1, 2)`` view of a contiguous (batch, length, dim) tensor); ``last_state`` (batch, dim, state)
+        and ``chunk_states`` (batch, dim, ceil(length / CHECKPOINT), state), contiguous, in the compute dtype.
 
     Raises:
         RuntimeError: from the kernel's ``TORCH_CHECK`` on a bad shape, a non-CPU tensor, a state size beyond its
@@ -203,7 +211,9 @@ def scan_bwd(dy, dlast, u, delta, A, B, C, D=None, z=None, delta_bias=None, delt
             arguments; chunk_states: what :func:`scan_fwd` returned for them.
 
     Returns:
-        ``(du, ddelta, dA, dB, dC, dD, dz, ddelta_bias, dinitial_state)``, each in its input's dtype (``dD``,
+        ``(du, ddelta, dA, dB, dC, dD, dz, ddelta_bias, dinitial_state)``, each in its input's dtype; ``du``,
+        ``ddelta``, ``dz`` (batch, dim, length) and ``dB``, ``dC`` (batch, state, length) token-major in memory
+        (``.transpose(1, 2)`` views of contiguous tensors), the others contiguous (``dD``,
         ``dz``, ``ddelta_bias`` None when their input is; ``dinitial_state`` in the compute dtype when
         ``initial_state`` is None).
 

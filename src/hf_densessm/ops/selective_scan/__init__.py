@@ -102,7 +102,12 @@ def _scan_torch(
 ) -> tuple[Tensor, Tensor, Tensor]:
     with own_precision(u.device):
         if use_kernel(u, A.shape[1]):  # CPU tensors: the C++ kernel (ops/cpu_kernel.py), when it is built
-            return cpu_scan_fwd(u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, reset)
+            # the kernel returns y token-major (a (batch, dim, length) view of a (batch, length, dim) tensor); the
+            # op hands out contiguous tensors on both paths: Inductor asserted contiguous strides for this op's
+            # outputs although its fake gave the kernel's (tests/ops/test_selective_scan.py::
+            # test_compile_fullgraph_inductor_forward_backward; cause not found yet)
+            y, last, states = cpu_scan_fwd(u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, reset)
+            return y.contiguous(), last, states
         return selective_scan_torch_fwd(u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, reset)
 
 
@@ -115,7 +120,8 @@ def _scan_torch_backward(
         # the forward op chose its path by the same test: chunk_states has that path's layout (each refuses the other's)
         bwd = cpu_scan_bwd if use_kernel(u, A.shape[1]) else selective_scan_torch_bwd
         grads = bwd(dy, dlast, u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, reset, chunk_states)
-    return tuple(_or_empty(g, u) for g in grads)
+    # contiguous on both paths (the kernel's du, ddelta, dz, dB, dC are token-major): see _scan_torch
+    return tuple(_or_empty(g, u).contiguous() for g in grads)
 
 
 # ``hf_densessm::selective_scan_torch`` / ``selective_scan_torch_backward``: the PyTorch path as opaque ops, their
