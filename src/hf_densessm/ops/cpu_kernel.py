@@ -1,26 +1,10 @@
-"""The C++ CPU kernel of the selective scan (``csrc/selective_scan_cpu.cpp``): built lazily, keyed to the CPU and
-the torch build, and the Python side of its two ops.
-
-The kernel is Mamba's selective scan (Mamba paper, Algorithm 2; eq. 2a/2b with eq. 4's discretization), forward
-and recompute backward, registered as ``torch.library`` ops in C++:
-
-- ``hf_densessm::selective_scan_cpu_fwd(u, delta, A, B, C, D?, z?, delta_bias?, delta_softplus, initial_state?,
-  reset?) -> (y, last_state, chunk_states)``;
-- ``hf_densessm::selective_scan_cpu_bwd(dy?, dlast?, <the forward's arguments>, chunk_states) -> (du, ddelta, dA,
-  dB, dC, dD, dz, ddelta_bias, dinitial_state)``.
-
-The ops of the PyTorch path (``hf_densessm::selective_scan_torch`` and its backward, in
-``selective_scan/__init__.py``) call them on CPU tensors when :func:`load_kernel` returns True, and
-``chunked_torch.py`` otherwise. The two paths save different ``chunk_states`` (here: the state entering every
-:data:`CHECKPOINT`-token chunk, ``(batch, dim, n_chunks, state)``); each backward refuses the other's.
-
-**Building.** On the first call on a CPU tensor, :func:`torch.utils.cpp_extension.load` compiles the source
-into its default cache directory (``~/.cache/torch_extensions`` or ``$TORCH_EXTENSIONS_DIR``), never at import.
-The instruction set is PyTorch's own detection, :func:`torch.backends.cpu.get_cpu_capability`, never
-``-march=native``; the extension's name holds the capability and a hash of the source, the torch version and the
-flags (:func:`extension_name`), so a node with another CPU or torch builds its own library instead of loading one
-made for another. No source file (an install without ``csrc/``), ``HF_DENSESSM_CPU_KERNEL=0``, or a failed build
-(no compiler, no ninja: one ``RuntimeWarning`` with the reason) leave the PyTorch path in place.
+"""The C++ CPU kernel of the selective scan (``csrc/selective_scan_cpu.cpp``; Mamba paper Alg. 2, eq. 2a/2b, 4),
+forward and recompute backward, registered in C++ as ``hf_densessm::selective_scan_cpu_fwd`` / ``_bwd``: built on
+first use with :func:`torch.utils.cpp_extension.load` (never at import), for the instruction set PyTorch detects
+(:func:`torch.backends.cpu.get_cpu_capability`, no ``-march=native``), under a name keyed by that capability, the
+source, the torch version and the flags (:func:`extension_name`). The PyTorch path's ops call it on CPU tensors
+(:func:`use_kernel`); ``chunked_torch.py`` runs when it is disabled (``HF_DENSESSM_CPU_KERNEL=0``), absent or failed
+to build (one ``RuntimeWarning``). Build, key, layouts and fallback: docs/kernels.md, "The C++ CPU kernel".
 """
 
 from __future__ import annotations
