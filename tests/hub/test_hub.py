@@ -190,8 +190,17 @@ def test_remote_code_loads_and_generates_without_the_package(saved, tmp_path):
         hub_cache_repo(tmp_path / "hub", repo_id, folder)
         where[family] = dict(folder=str(folder), hub=repo_id, resave=str(tmp_path / f"resaved-{family}"))
     torch.save(expected, tmp_path / "expected.pt")
+    # stand-in compilers first on the PATH: running the bundled code must build nothing (the C++ CPU kernel's
+    # source is not bundled, so the scan runs its PyTorch path)
+    tools = tmp_path / "tools"
+    tools.mkdir()
+    for tool in ("cc", "c++", "gcc", "g++", "ninja"):
+        (tools / tool).write_text(f"#!/bin/sh\necho {tool} >> {tmp_path / 'compiler-called'}\nexit 1\n")
+        (tools / tool).chmod(0o755)
     env = {
         **os.environ,
+        "PATH": f"{tools}{os.pathsep}{os.environ.get('PATH', '')}",
+        "TORCH_EXTENSIONS_DIR": str(tmp_path / "extensions"),
         "HF_HUB_OFFLINE": "1",
         "HF_HUB_CACHE": str(tmp_path / "hub"),
         "HF_MODULES_CACHE": str(tmp_path / "modules"),
@@ -207,6 +216,7 @@ def test_remote_code_loads_and_generates_without_the_package(saved, tmp_path):
         timeout=240,
     )
     assert result.returncode == 0, result.stderr[-4000:]
+    assert not (tmp_path / "compiler-called").exists() and not (tmp_path / "extensions").exists()
     report = json.loads(result.stdout.split("REPORT", 1)[1])
     assert report.pop("leaked") == []
     for family, (model, folder) in saved.items():
