@@ -282,7 +282,15 @@ class DenseMambaPreTrainedModel(DenseSSMSaveMixin, PreTrainedModel):
 @dataclass
 class DenseMambaOutput(MambaOutput):
     """Output of :class:`DenseMambaModel`: transformers' ``MambaOutput`` (its cache field named by the installed
-    release, docs/design.md §5), plus ``attentions``, always ``None``, for transformers' generic heads."""
+    release, docs/design.md §5), plus ``attentions``, always ``None``, for transformers' generic heads.
+
+    Args:
+        last_hidden_state: ``(batch, seq_len, hidden_size)``, after the final norm.
+        cache: the recurrent-state cache (a :class:`~hf_densessm.modeling.cache.DenseSSMCache`) when ``use_cache``.
+        hidden_states: ``num_hidden_layers + 1`` tensors ``(batch, seq_len, hidden_size)`` (the embeddings, every
+            later block's input, the final normed output) when ``output_hidden_states``.
+        attentions: always ``None`` (there is no attention).
+    """
 
     attentions: tuple[torch.Tensor, ...] | None = None  # always None (no attention); read by generic heads
 
@@ -294,7 +302,13 @@ if not CACHE_RENAMED:  # transformers < 5.24: its generic heads read every backb
 @dataclass
 class DenseMambaCausalLMOutput(MambaCausalLMOutput):
     """Output of :class:`DenseMambaForCausalLM`: transformers' ``MambaCausalLMOutput`` (cache field as in
-    :class:`DenseMambaOutput`)."""
+    :class:`DenseMambaOutput`).
+
+    Args:
+        loss: scalar next-token cross-entropy when ``labels`` are given.
+        logits: ``(batch, kept_positions, vocab_size)`` float32.
+        cache, hidden_states: as in :class:`DenseMambaOutput`.
+    """
 
 
 class DenseMambaModel(DenseMambaPreTrainedModel):
