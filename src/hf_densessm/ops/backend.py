@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 import torch
 
 __all__ = [
-    "ARCHS", "BACKENDS", "GPUArch", "check_backend", "compute_dtype", "device_arch", "interpreting", "own_precision",
+    "ARCHS", "BACKENDS", "GPUArch", "check_backend", "compute_dtype", "inputs_compute_dtype", "device_arch", "interpreting", "own_precision",
     "resolve_backend", "triton_available", "use_triton",
 ]
 
@@ -29,6 +29,12 @@ def check_backend(backend) -> None:
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """The accumulation dtype of the ops for inputs of ``dtype``: float64 for float64, else float32."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def inputs_compute_dtype(*tensors) -> torch.dtype:
+    """The accumulation dtype of an op over several inputs (``None`` entries skipped): float64 when any input is
+    float64, else float32."""
+    return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
 def own_precision(device: torch.device):

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from .backend import inputs_compute_dtype
+
 __all__ = [
     "CHECKPOINT", "MAX_STATE", "SOURCE", "capability_flags", "extension_name", "kernel_enabled", "load_kernel",
     "scan_bwd", "scan_fwd", "use_kernel",
@@ -146,10 +148,6 @@ def use_kernel(u: Tensor, state_size: int) -> bool:
     return u.device.type == "cpu" and state_size <= MAX_STATE and kernel_enabled() and load_kernel()
 
 
-def _compute_dtype(*tensors) -> torch.dtype:
-    return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else torch.float32
-
-
 def _cast(t, dtype):
     return None if t is None else t.to(dtype)
 
@@ -177,7 +175,7 @@ def scan_fwd(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=
         RuntimeError: from the kernel's ``TORCH_CHECK`` on a bad shape, a non-CPU tensor, a state size beyond its
             limit; or when the kernel is not loaded (call :func:`load_kernel` first).
     """
-    cdt = _compute_dtype(u, delta, A, B, C, D, z, delta_bias, initial_state)
+    cdt = inputs_compute_dtype(u, delta, A, B, C, D, z, delta_bias, initial_state)
     y, last, states = torch.ops.hf_densessm.selective_scan_cpu_fwd(
         u.to(cdt), delta.to(cdt), A.to(cdt), B.to(cdt), C.to(cdt), _cast(D, cdt), _cast(z, cdt),
         _cast(delta_bias, cdt), bool(delta_softplus), _cast(initial_state, cdt),
@@ -205,7 +203,7 @@ def scan_bwd(dy, dlast, u, delta, A, B, C, D=None, z=None, delta_bias=None, delt
         ValueError: ``chunk_states`` is not the forward kernel's ``(batch, dim, n_chunks, state)`` (e.g. the
             chunked PyTorch path's states).
     """
-    cdt = _compute_dtype(u, delta, A, B, C, D, z, delta_bias, initial_state)
+    cdt = inputs_compute_dtype(u, delta, A, B, C, D, z, delta_bias, initial_state)
     batch, dim, length = u.shape
     n = A.shape[1]
     want = (batch, dim, (length + CHECKPOINT - 1) // CHECKPOINT, n)

@@ -17,7 +17,7 @@ try:  # triton: needed only when a kernel of this file runs
 except ImportError as error:
     raise ImportError(f"{__name__} holds Triton kernels and needs the `triton` package") from error
 
-from ..backend import GPUArch, device_arch
+from ..backend import GPUArch, device_arch, inputs_compute_dtype
 from ..triton_utils import acc, launch, silu, softplus
 
 __all__ = [
@@ -412,10 +412,6 @@ def _strides3(t):
     return (t.stride(0), t.stride(1), t.stride(2)) if t is not None else (0, 0, 0)
 
 
-def _fp64(*tensors) -> bool:
-    return any(t is not None and t.dtype == torch.float64 for t in tensors)
-
-
 def _config(config, u, nstate) -> SelectiveScanConfig:
     if config is None:
         config = selective_scan_config(device_arch(u.device), u.dtype, nstate)
@@ -468,7 +464,7 @@ def selective_scan_triton_fwd(u, delta, A, B, C, D=None, z=None, delta_bias=None
     nstate = A.shape[1]
     config = _config(config, u, nstate)
     n_chunks = _n_chunks(length, config)
-    use_fp64 = _fp64(u, delta, A, B, C, D, z, delta_bias, initial_state)
+    use_fp64 = inputs_compute_dtype(u, delta, A, B, C, D, z, delta_bias, initial_state) == torch.float64
     kw = dict(dtype=torch.float64 if use_fp64 else torch.float32, device=u.device)
     # the kernels index these (dim,) and (batch, dim, state) tensors as contiguous
     D_k = torch.zeros(dim, **kw) if D is None else D.contiguous()
@@ -539,7 +535,7 @@ def selective_scan_triton_bwd(dy, dlast, u, delta, A, B, C, D=None, z=None, delt
             f"chunk_states must hold the {n_chunks} chunk states of a forward pass with save_states=True and chunk "
             f"{config.chunk}, got {None if chunk_states is None else tuple(chunk_states.shape)}"
         )
-    use_fp64 = _fp64(u, delta, A, B, C, D, z, delta_bias, initial_state)
+    use_fp64 = inputs_compute_dtype(u, delta, A, B, C, D, z, delta_bias, initial_state) == torch.float64
     kw = dict(dtype=torch.float64 if use_fp64 else torch.float32, device=u.device)
     dy = torch.zeros(batch, dim, length, **kw) if dy is None else dy
     D_k = torch.zeros(dim, **kw) if D is None else D.contiguous()

@@ -12,6 +12,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from ..backend import inputs_compute_dtype
+
 __all__ = [
     "default_chunk_size", "discretize_delta", "selective_scan_torch_bwd", "selective_scan_torch_fwd",
     "selective_state_update_torch",
@@ -25,10 +27,6 @@ def default_chunk_size(length: int) -> int:
     """Chunk size of the chunked reference: about ``sqrt(length)`` (balances the in-chunk and the
     across-chunk Python steps), at least 8 and at most ``length``, so a short prefill is one chunk."""
     return max(1, min(length, max(8, int(round(math.sqrt(length))))))
-
-
-def _compute_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
-    return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
 def discretize_delta(delta: torch.Tensor, delta_bias: torch.Tensor | None, softplus: bool, dtype: torch.dtype):
@@ -280,7 +278,7 @@ def selective_scan_torch_fwd(u, delta, A, B, C, D=None, z=None, delta_bias=None,
         op's backward is :func:`selective_scan_torch_bwd`). No argument checks: call
         :func:`hf_densessm.ops.selective_scan` for those.
     """
-    cdt = _compute_dtype(u, delta, A, B, C, D, z, delta_bias, initial_state)
+    cdt = inputs_compute_dtype(u, delta, A, B, C, D, z, delta_bias, initial_state)
     dt = discretize_delta(delta, delta_bias, delta_softplus, cdt)
     chunk_size = _chunk_size(u.shape[-1], chunk_size)
     keep = None if reset is None else (~reset.bool())[:, None, :].to(cdt)
@@ -308,7 +306,7 @@ def selective_scan_torch_bwd(dy, dlast, u, delta, A, B, C, D=None, z=None, delta
     Raises:
         ValueError: ``entry`` does not have the forward pass's number of chunks for this ``chunk_size``.
     """
-    cdt = _compute_dtype(u, delta, A, B, C, D, z, delta_bias, initial_state)
+    cdt = inputs_compute_dtype(u, delta, A, B, C, D, z, delta_bias, initial_state)
     batch, dim, length = u.shape
     n = A.shape[1]
     T = _chunk_size(length, chunk_size)
