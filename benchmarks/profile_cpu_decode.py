@@ -1,0 +1,114 @@
+"""Where a batch-1 CPU decoding step's time goes: the matrix products of the ``nn.Linear`` layers against the rest.
+
+``bench_cpu.py`` compares ``generate()`` of the DenseSSM models with transformers' Mamba. Both models call the same
+``nn.Linear`` layers with the same weights; at batch 1 each is a matrix-vector product that ``torch`` hands to its
+BLAS. This script measures how much of each model's time per token those products take, so that a speed-up target
+can be checked against what is left once they are paid::
+
+    python benchmarks/profile_cpu_decode.py --threads 2 --out benchmarks/results/cpu_decode_profile.json
+
+For each model (the 30M presets of ``bench_cpu.py``, random weights; transformers' Mamba has DenseMamba m=0's) and
+dtype, it times ``generate()`` (``bench_cpu.GENERATE_CALL``, under ``torch.inference_mode``) of ``--new-tokens``
+tokens against one token, the models taking turns, and takes the median difference per token; then it profiles one
+call with ``torch.profiler`` and sums the self time of ``aten::mm`` / ``aten::addmm`` (the linear layers and the LM
+head) per token. ``bound`` is transformers' Mamba's time per token over the model's time in those products: the
+speed-up the model would have if everything else it does took no time. ``--compiled`` adds DenseMamba m=0 with
+``compile_decode_step()`` (transformers' generation compile path).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_cpu import GENERATE_CALL, MAMBA, build_models, environment  # noqa: E402
+
+GEMM_OPS = ("aten::mm", "aten::addmm")
+
+
+def per_token_ms(models, prompt, new_tokens, repeats):
+    """Median over ``repeats`` of (time of ``new_tokens + 1`` new tokens - time of 1) / ``new_tokens``, in ms."""
+    def once(model, n):
+        start = time.perf_counter()
+        model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n, min_new_tokens=n,
+                       **GENERATE_CALL)
+        return time.perf_counter() - start
+
+    diffs = {name: [] for name in models}
+    for _ in range(repeats):
+        for name, model in models.items():
+            diffs[name].append((once(model, new_tokens + 1) - once(model, 1)) / new_tokens * 1e3)
+    return {name: statistics.median(d) for name, d in diffs.items()}
+
+
+def gemm_ms(model, prompt, new_tokens, top=8):
+    """Self time of :data:`GEMM_OPS` per token, the total profiled self time per token, and the ``top`` other ops
+    by self time per token, in ms, over one ``generate()`` of ``new_tokens`` new tokens (the prompt's prefill
+    included)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens,
+                       min_new_tokens=new_tokens, **GENERATE_CALL)
+    events = prof.key_averages()
+    gemm = sum(e.self_cpu_time_total for e in events if e.key in GEMM_OPS) / 1e3 / new_tokens
+    others = sorted((e for e in events if e.key not in GEMM_OPS), key=lambda e: -e.self_cpu_time_total)[:top]
+    return (gemm, sum(e.self_cpu_time_total for e in events) / 1e3 / new_tokens,
+            {e.key: e.self_cpu_time_total / 1e3 / new_tokens for e in others})
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
+    parser.add_argument("--compiled", action="store_true", help="add DenseMamba m=0 with compile_decode_step()")
+    parser.add_argument("--out", default="benchmarks/results/cpu_decode_profile.json")
+    # For CI: the package's tiny presets instead of the 30M ones (a plumbing check, not a measurement).
+    parser.add_argument("--size", choices=("30m", "tiny"), default="30m", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    built = build_models(size=args.size)
+    prompt = torch.randint(3, built[MAMBA].config.vocab_size, (1, args.prompt_len), generator=torch.Generator().manual_seed(0))
+    results = {"command": "python benchmarks/profile_cpu_decode.py " + " ".join(argv or sys.argv[1:]),
+               "machine": environment(), "threads": args.threads, "new_tokens": args.new_tokens, "rows": []}
+    for dtype_name in args.dtypes:
+        dtype = getattr(torch, dtype_name)
+        models = {name: built[name].to(dtype) for name in (MAMBA, "DenseMamba m=0", "DenseRetNet m=0")}
+        if args.compiled:
+            import copy
+
+            models["DenseMamba m=0 compiled"] = copy.deepcopy(models["DenseMamba m=0"]).compile_decode_step()
+        with torch.inference_mode():
+            for model in models.values():  # warm up (the compiled row compiles here)
+                for n in (1, args.new_tokens + 1):
+                    model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n,
+                                   min_new_tokens=n, **GENERATE_CALL)
+            wall = per_token_ms(models, prompt, args.new_tokens, args.repeats)
+            for name, model in models.items():
+                gemm, profiled, others = gemm_ms(model, prompt, args.new_tokens)
+                row = dict(model=name, dtype=dtype_name, ms_per_token=wall[name], gemm_ms_per_token=gemm,
+                           profiled_ms_per_token=profiled, gemm_share_of_profiled=gemm / profiled,
+                           speedup_vs_mamba=wall[MAMBA] / wall[name], bound_vs_mamba=wall[MAMBA] / gemm,
+                           top_other_ops_ms_per_token=others)
+                results["rows"].append(row)
+                print(f"{dtype_name:9s} {name:26s} {wall[name]:7.3f} ms/token, GEMM {gemm:6.3f} ms/token "
+                      f"({row['gemm_share_of_profiled']:.0%} of profiled), {row['speedup_vs_mamba']:.2f}x Mamba, "
+                      f"bound {row['bound_vs_mamba']:.2f}x")
+        for model in built.values():
+            model.float()
+    Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
+    return results
+
+
+if __name__ == "__main__":
+    main()
