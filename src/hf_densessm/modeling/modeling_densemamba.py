@@ -20,22 +20,12 @@ from ..configuration.configuration_densemamba import DenseMambaConfig
 from ..ops.causal_conv1d import causal_conv1d
 from ..ops.selective_scan import selective_scan, selective_state_update
 from .cache import (
-    CACHE_RENAMED,
-    conv_state,
-    output_cache,
-    recurrent_state,
-    store_conv_inputs,
-    store_recurrent_state,
-    takes_cache,
+    CACHE_RENAMED, conv_state, output_cache, recurrent_state, store_conv_inputs, store_recurrent_state, takes_cache,
 )
 from .dense_connection import build_dense_connection, init_dense_linear, split_dense_inputs
 from .norm import DenseSSMRMSNorm
 from .modeling_densessm import (
-    DenseSSMCausalLMMixin,
-    DenseSSMForSequenceClassificationMixin,
-    DenseSSMSaveMixin,
-    backbone_output,
-    run_backbone,
+    DenseSSMCausalLMMixin, DenseSSMForSequenceClassificationMixin, DenseSSMSaveMixin, backbone_output, run_backbone,
 )
 
 class DenseMambaMixer(nn.Module):
@@ -386,14 +376,8 @@ class DenseMambaForCausalLM(DenseSSMCausalLMMixin, DenseMambaPreTrainedModel, Ge
             others: see :meth:`DenseMambaModel.forward`.
         """
         outputs = self.backbone(
-            input_ids,
-            cache=cache,
-            inputs_embeds=inputs_embeds,
-            output_hidden_states=output_hidden_states,
-            return_dict=True,
-            use_cache=use_cache,
-            attention_mask=attention_mask,
-            **kwargs,
+            input_ids, cache=cache, inputs_embeds=inputs_embeds, output_hidden_states=output_hidden_states,
+            return_dict=True, use_cache=use_cache, attention_mask=attention_mask, **kwargs,
         )
         return self._causal_lm_output(outputs, labels, logits_to_keep, return_dict, DenseMambaCausalLMOutput, **kwargs)
 

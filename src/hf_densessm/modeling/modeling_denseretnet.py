@@ -20,11 +20,7 @@ from .cache import recurrent_state, store_recurrent_state, takes_cache
 from .dense_connection import build_dense_connection, init_dense_linear, split_dense_inputs
 from .norm import DenseSSMRMSNorm
 from .modeling_densessm import (
-    DenseSSMCausalLMMixin,
-    DenseSSMForSequenceClassificationMixin,
-    DenseSSMSaveMixin,
-    backbone_output,
-    run_backbone,
+    DenseSSMCausalLMMixin, DenseSSMForSequenceClassificationMixin, DenseSSMSaveMixin, backbone_output, run_backbone,
 )
 
 
@@ -89,9 +85,7 @@ class DenseRetNetRetention(nn.Module):
         self.k_proj = nn.Linear(config.hidden_size, self.key_dim, bias=False)
         self.hidden_proj = nn.Linear(config.hidden_size, 2 * self.value_dim, bias=False)
         self.o_proj = nn.Linear(self.value_dim, config.hidden_size, bias=False)
-        self.group_norm = DenseSSMRMSNorm(
-            self.value_dim, eps=config.rms_norm_eps, num_groups=self.num_heads
-        )
+        self.group_norm = DenseSSMRMSNorm(self.value_dim, eps=config.rms_norm_eps, num_groups=self.num_heads)
         self.theta_shift = DenseRetNetThetaShift(self.head_dim, config.rope_theta)
         self.dense_k = build_dense_connection(config, layer_idx, self.key_dim)
         self.dense_v = build_dense_connection(config, layer_idx, self.value_dim)
@@ -175,11 +169,7 @@ class DenseRetNetBlock(GradientCheckpointingLayer):
 
     def forward(self, hidden_states, *dense_inputs, cache=None, attention_mask=None, reset=None):
         out, features = self.self_attn(
-            self.input_layernorm(hidden_states),
-            dense_inputs,
-            cache=cache,
-            attention_mask=attention_mask,
-            reset=reset,
+            self.input_layernorm(hidden_states), dense_inputs, cache=cache, attention_mask=attention_mask, reset=reset
         )
         return (hidden_states + out, *features)
 
@@ -279,14 +269,8 @@ class DenseRetNetForCausalLM(DenseSSMCausalLMMixin, DenseRetNetPreTrainedModel, 
             others: see :meth:`DenseRetNetModel.forward`.
         """
         outputs = self.model(
-            input_ids,
-            attention_mask=attention_mask,
-            cache=cache,
-            inputs_embeds=inputs_embeds,
-            use_cache=use_cache,
-            output_hidden_states=output_hidden_states,
-            return_dict=True,
-            **kwargs,
+            input_ids, attention_mask=attention_mask, cache=cache, inputs_embeds=inputs_embeds, use_cache=use_cache,
+            output_hidden_states=output_hidden_states, return_dict=True, **kwargs,
         )
         return self._causal_lm_output(outputs, labels, logits_to_keep, return_dict, CausalLMOutputWithPast, **kwargs)
 
