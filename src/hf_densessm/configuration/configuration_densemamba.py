@@ -34,9 +34,8 @@ DENSEMAMBA_PAPER_TRAINING = {
 class DenseMambaConfig(DenseSSMConfig):
     r"""Configuration of a :class:`~hf_densessm.DenseMambaModel` / :class:`~hf_densessm.DenseMambaForCausalLM`.
 
-    The Mamba fields keep the names, defaults and meanings of ``transformers.MambaConfig`` (with
-    ``dense_layers=0`` the model is exactly ``transformers.MambaForCausalLM``); the dense fields add the DenseSSM
-    connection (paper §3.3; docs/design.md §4).
+    The Mamba fields are ``transformers.MambaConfig``'s (names, defaults, meanings); the dense fields add the DenseSSM
+    connection (paper §3.3). With ``dense_layers=0`` the model is ``transformers.MambaForCausalLM`` (docs/design.md §4).
 
     Args:
         vocab_size (`int`, defaults to 32000): vocabulary size (the paper's LLaMA tokenizer).
@@ -127,9 +126,7 @@ class DenseMambaConfig(DenseSSMConfig):
         self.time_step_min = check_positive_float("time_step_min", time_step_min)
         self.time_step_max = check_positive_float("time_step_max", time_step_max)
         if self.time_step_min > self.time_step_max:
-            raise ValueError(
-                f"`time_step_min` ({time_step_min}) must be <= `time_step_max` ({time_step_max})."
-            )
+            raise ValueError(f"`time_step_min` ({time_step_min}) must be <= `time_step_max` ({time_step_max}).")
         self.time_step_init_scheme = check_choice("time_step_init_scheme", time_step_init_scheme, ("random", "constant"))
         self.time_step_floor = check_positive_float("time_step_floor", time_step_floor)
         if 2 * self.time_step_scale * self.time_step_rank**-0.5 > 3.4e38:  # the dt_proj init range in float32

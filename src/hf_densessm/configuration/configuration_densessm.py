@@ -1,7 +1,5 @@
-"""The config base shared by every DenseSSM family: the dense-connection knobs (:data:`DENSE_KNOBS`, declared once;
-meanings in docs/design.md §2), the runtime setting ``kernel_backend``, and the checks the family configs use.
-Not transformers' ``@strict`` fields: their errors are neither ``TypeError`` nor ``ValueError`` (docs/design.md §6).
-"""
+"""The config base shared by every DenseSSM family: the dense knobs (:data:`DENSE_KNOBS`; docs/design.md §2), the
+runtime setting ``kernel_backend`` and the checks the family configs use (not ``@strict`` fields: docs/design.md §6)."""
 
 from __future__ import annotations
 
@@ -17,12 +15,8 @@ MAX_SIZE = 2**24
 
 
 def check_int(name: str, value, minimum: int, maximum: int | None = None) -> int:
-    """Return ``value`` if it is an ``int`` (not a ``bool``) in ``[minimum, maximum]``.
-
-    Raises:
-        TypeError: ``value`` is not an integer.
-        ValueError: ``value`` is out of range. Both messages name the field ``name`` and the allowed range.
-    """
+    """Return ``value`` if it is an ``int`` (not a ``bool``) in ``[minimum, maximum]``; else raise ``TypeError`` (not
+    an integer) or ``ValueError`` (out of range), both naming the field ``name`` and the allowed range."""
     allowed = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"`{name}` must be an int {allowed}, got {value!r} ({type(value).__name__}).")
@@ -47,12 +41,8 @@ def check_token_ids(**token_ids) -> None:
 
 
 def check_positive_float(name: str, value) -> float:
-    """Return ``float(value)`` if it is a finite real number ``> 0``.
-
-    Raises:
-        TypeError: ``value`` is not a real number (a ``bool`` is refused).
-        ValueError: ``value`` is not finite or not ``> 0``. Both messages name the field ``name``.
-    """
+    """Return ``float(value)`` if it is a finite real number ``> 0``; else raise ``TypeError`` (not a real number; a
+    ``bool`` is refused) or ``ValueError`` (not finite or not ``> 0``), both naming the field ``name``."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"`{name}` must be a positive number, got {value!r} ({type(value).__name__}).")
     if not (value > 0 and math.isfinite(value)):
@@ -143,12 +133,8 @@ PAPER_OPTIMIZER = dict(
 
 
 def resolve_preset(presets: dict, name, family: str) -> dict:
-    """Return a copy of ``presets[name]``.
-
-    Raises:
-        TypeError: ``name`` is not a string.
-        ValueError: ``name`` is not a preset of ``family``; the message lists the known names.
-    """
+    """Return a copy of ``presets[name]``; raise ``TypeError`` if ``name`` is not a string, ``ValueError`` (listing
+    the known names) if it is not a preset of ``family``."""
     if not isinstance(name, str):
         raise TypeError(f"The {family} preset name must be a str, got {name!r} ({type(name).__name__}).")
     if name not in presets:
@@ -215,12 +201,8 @@ class DenseSSMConfig(PretrainedConfig):
     @classmethod
     def from_preset(cls, name: str, **overrides):
         """Build a config from one of the family's named sizes (:attr:`presets`), with any field overridden (e.g.
-        ``vocab_size`` of your tokenizer, ``dense_layers=0`` for the base model).
-
-        Raises:
-            TypeError: ``name`` is not a string.
-            ValueError: unknown ``name`` (the message lists the known presets), or a bad override.
-        """
+        ``vocab_size`` of your tokenizer, ``dense_layers=0`` for the base model). Raises ``TypeError`` if ``name`` is
+        not a string, ``ValueError`` for an unknown ``name`` (listing the known presets) or a bad override."""
         kwargs = resolve_preset(cls.presets, name, cls.__name__.removesuffix("Config"))
         kwargs.update(overrides)
         return cls(**kwargs)
@@ -242,17 +224,11 @@ class DenseSSMConfig(PretrainedConfig):
 
     @classmethod
     def from_dict(cls, config_dict: dict, **kwargs):
-        """transformers' ``from_dict`` (what ``from_pretrained`` calls on a ``config.json``), refusing a dict that
-        lacks a dense knob, whose default could silently load the weights into a different function (knobs given as
-        ``kwargs`` count as present). A ``kernel_backend`` in ``config_dict`` is dropped; one in ``kwargs`` applies.
-
-        Raises:
-            ValueError: a knob is missing; the message names it and how to fix the file.
-        """
+        """transformers' ``from_dict`` (what ``from_pretrained`` calls on a ``config.json``), raising ``ValueError``
+        (naming the knob and the fix) for a dict that lacks a dense knob (docs/design.md §6; knobs given as ``kwargs``
+        count as present). A ``kernel_backend`` in ``config_dict`` is dropped; one in ``kwargs`` applies."""
         config_dict = {key: value for key, value in config_dict.items() if key != "kernel_backend"}
-        missing = [
-            knob.name for knob in knobs_for(cls.model_type) if knob.name not in config_dict and knob.name not in kwargs
-        ]
+        missing = [knob.name for knob in knobs_for(cls.model_type) if knob.name not in {**config_dict, **kwargs}]
         if missing:
             raise ValueError(
                 f"This {cls.model_type} config lacks the dense knob(s) {', '.join(missing)}; their defaults would "

@@ -1,7 +1,5 @@
-"""Checkpoint conversion into hf_densessm models (command line: ``python -m hf_densessm.convert``):
-:func:`densemamba_from_mamba` upcycles a transformers Mamba, :func:`denseretnet_from_official` loads the authors'
-published DenseRetNet. Sources are read by transformers' loaders, strictly; docs/hub_and_conversion.md.
-"""
+"""Checkpoint conversion (command line: ``python -m hf_densessm.convert``): :func:`densemamba_from_mamba` upcycles a
+transformers Mamba, :func:`denseretnet_from_official` loads the authors' DenseRetNet (docs/hub_and_conversion.md)."""
 
 from __future__ import annotations
 
@@ -14,7 +12,7 @@ from pathlib import Path
 import torch
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 from torch import nn
-from transformers import MambaForCausalLM
+from transformers import MambaForCausalLM, PretrainedConfig
 from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, WEIGHTS_INDEX_NAME, WEIGHTS_NAME, cached_file
 from transformers.utils.hub import get_checkpoint_shard_files
 
@@ -57,6 +55,8 @@ OFFICIAL_DENSERETNET_RENAMES = (
 )
 #: ``key_mapping`` of ``from_pretrained`` for the authors' names (a regular expression of theirs -> ours).
 OFFICIAL_KEY_MAPPING = {re.escape(theirs): ours for ours, theirs in OFFICIAL_DENSERETNET_RENAMES}
+#: ``from_pretrained`` keywords of both converters: float32, wrong shapes reported (:func:`_check_loading_info`).
+LOAD_KWARGS = dict(dtype=torch.float32, output_loading_info=True, ignore_mismatched_sizes=True)
 # Parameters the authors' blocks create in every layer but use only in layers with predecessors (``dense=idx>=1``).
 OFFICIAL_DENSE_ONLY = ("k_select.fc1", "k_select.fc2", "v_select.fc1", "v_select.fc2", "k_norm", "v_norm")
 # Persistent buffers of the authors' relative position module (rotary angles and log-decays), recomputed here.
@@ -64,12 +64,8 @@ OFFICIAL_REL_POS = ("model.retnet_rel_pos.angle", "model.retnet_rel_pos.decay")
 
 
 def _is_local(src: str | os.PathLike) -> bool:
-    """Whether ``src`` names a local folder rather than a Hub repository id.
-
-    Raises:
-        FileNotFoundError: ``src`` is neither an existing folder nor a valid Hub repository id (a ``Path`` is always
-            a folder).
-    """
+    """Whether ``src`` names a local folder rather than a Hub repository id; raises ``FileNotFoundError`` if it is
+    neither an existing folder nor a valid Hub repository id (a ``Path`` is always a folder)."""
     if os.path.isdir(src):
         return True
     if not isinstance(src, Path) and not os.path.exists(src):
@@ -91,8 +87,6 @@ def read_config(src: str | os.PathLike) -> dict:
         OSError: a Hub repository cannot be reached or has no ``config.json`` (transformers' error).
     """
     if not _is_local(src):
-        from transformers import PretrainedConfig
-
         return PretrainedConfig.get_config_dict(str(src))[0]
     folder = Path(src)
     holds = sorted(p.name for p in folder.iterdir())
@@ -114,21 +108,17 @@ def read_config(src: str | os.PathLike) -> dict:
 
 def read_tensors(src: str | os.PathLike, names: set[str]) -> dict[str, torch.Tensor]:
     """The tensors ``names`` (those present) of the checkpoint ``src``, read from the weights files transformers
-    would load (:data:`WEIGHT_FILES`, sharded or not; local or from the Hub cache) without reading the others: for
-    saved buffers ``from_pretrained`` drops as unexpected (the authors' rotary angles and decays).
+    would load (:data:`WEIGHT_FILES`, sharded or not; local or from the Hub cache), the others unread: for saved
+    buffers ``from_pretrained`` drops as unexpected (docs/hub_and_conversion.md).
 
     Raises:
         ValueError: a weights file cannot be read (the message names it).
     """
     files: list[str] = []
-    for single, index in ((SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME), (WEIGHTS_NAME, WEIGHTS_INDEX_NAME)):
-        found = cached_file(str(src), single, _raise_exceptions_for_missing_entries=False)
+    for name in WEIGHT_FILES:  # the first present, as transformers picks it; an index names the shards
+        found = cached_file(str(src), name, _raise_exceptions_for_missing_entries=False)
         if found is not None:
-            files = [found]
-            break
-        found = cached_file(str(src), index, _raise_exceptions_for_missing_entries=False)
-        if found is not None:
-            files = get_checkpoint_shard_files(str(src), found)[0]
+            files = get_checkpoint_shard_files(str(src), found)[0] if name.endswith(".json") else [found]
             break
     tensors: dict[str, torch.Tensor] = {}
     for file in files:
@@ -166,8 +156,7 @@ def _raise_mismatch(source: str, missing, unexpected, wrong) -> None:
 def _check_loading_info(info: dict, source: str, rename=lambda name: name, optional: set[str] = frozenset()) -> None:
     """:func:`_raise_mismatch` on the report of ``from_pretrained(..., output_loading_info=True)``, every name passed
     through ``rename``; unexpected names in ``optional`` are allowed."""
-    mismatched = info["mismatched_keys"]
-    wrong = [f"{rename(name)}: {tuple(saved)}, expected {tuple(shape)}" for name, saved, shape in mismatched]
+    wrong = [f"{rename(n)}: {tuple(saved)}, expected {tuple(shape)}" for n, saved, shape in info["mismatched_keys"]]
     unexpected = {rename(name) for name in info["unexpected_keys"]} - set(optional)
     _raise_mismatch(source, [rename(name) for name in info["missing_keys"]], unexpected, wrong)
 
@@ -202,10 +191,8 @@ def _check_model_type(config: dict, allowed: tuple, source: str, expected_what: 
 
 
 def densemamba_from_mamba(src, **dense_kwargs) -> DenseMambaForCausalLM:
-    """Upcycle a pretrained Mamba into DenseMamba: same logits at conversion, dense gates trainable from there
-    (docs/hub_and_conversion.md). The Mamba's weights are copied strictly; the parameters DenseMamba adds (names
-    containing ``dense``) start as a no-op: with ``dense_fusion="add"`` each gate's last layer is zero
-    (``DenseHiddenConnection.zero_gates``), with ``"concat"`` the reduction keeps its ``[I, 0]`` init.
+    """Upcycle a pretrained Mamba into DenseMamba: the Mamba's weights copied strictly, the parameters DenseMamba adds
+    (names containing ``dense``) starting as a no-op, so the logits are the Mamba's (docs/hub_and_conversion.md).
 
     Args:
         src: a transformers Mamba checkpoint (``config.json`` with ``model_type`` "mamba", weights in any format
@@ -221,8 +208,7 @@ def densemamba_from_mamba(src, **dense_kwargs) -> DenseMambaForCausalLM:
         TypeError: a keyword that is not a dense knob, or ``src`` is neither a folder, a Hub id nor a Mamba model.
         FileNotFoundError, ValueError: see :func:`read_config`; ``model_type`` is not "mamba"; a knob value is
             refused by ``DenseMambaConfig``; the checkpoint has missing, unexpected or misshapen names (all listed);
-            ``dense_selection="none"`` with ``dense_fusion="add"``, which has no gate to close and cannot start as a
-            no-op.
+            ``dense_selection="none"`` with ``dense_fusion="add"`` (no gate to close, so no no-op start).
         OSError: a Hub repository cannot be downloaded (transformers' error).
     """
     unknown = sorted(set(dense_kwargs) - set(DENSE_ARGUMENTS))
@@ -244,9 +230,7 @@ def densemamba_from_mamba(src, **dense_kwargs) -> DenseMambaForCausalLM:
             "start equal to the Mamba; use dense_selection='mlp' or 'linear' (or dense_fusion='concat')."
         )
     if not isinstance(src, nn.Module):
-        src, info = MambaForCausalLM.from_pretrained(
-            src, dtype=torch.float32, output_loading_info=True, ignore_mismatched_sizes=True
-        )
+        src, info = MambaForCausalLM.from_pretrained(src, **LOAD_KWARGS)
         _check_loading_info(info, source)
     state_dict = dict(src.state_dict())
     if not any(name.startswith("backbone.") for name in state_dict):  # a MambaModel: add the CausalLM prefix
@@ -273,9 +257,8 @@ def official_denseretnet_config(config: dict, source: str = "the checkpoint") ->
 
     Raises:
         ValueError: ``model_type`` is neither "llama" (what their config says) nor absent; a required key is
-            missing (all listed); ``dense_block_layers < 1`` (their code then still normalizes ``k`` and ``v`` in
-            layers >= 1, which no DenseRetNetConfig expresses); ``hidden_size < 32`` (their gate would have width 0);
-            or a value is out of range for DenseRetNetConfig.
+            missing (all listed); ``dense_block_layers < 1`` (docs/hub_and_conversion.md); ``hidden_size < 32``
+            (their gate would have width 0); or a value is out of range for DenseRetNetConfig.
     """
     _check_model_type(
         config, ("llama", None), source, "'llama' with the DenseRetNet keys (the authors' published config.json)"
@@ -306,11 +289,10 @@ def official_denseretnet_name(name: str) -> str:
 
 
 def denseretnet_from_official(src: str | os.PathLike) -> DenseRetNetForCausalLM:
-    """Load a checkpoint of the authors' published DenseRetNet into :class:`~hf_densessm.DenseRetNetForCausalLM`,
-    which computes the same function (docs/design.md §3), loaded by ``from_pretrained`` with
-    :data:`OFFICIAL_KEY_MAPPING`; the converted model saves under our names. Layer 0's unused dense parameters are
-    dropped, saved rotary angles and decays are checked and dropped, every other name must match
-    (docs/hub_and_conversion.md).
+    """Load a checkpoint of the authors' published DenseRetNet into :class:`~hf_densessm.DenseRetNetForCausalLM` (the
+    same function, docs/design.md §3) with ``from_pretrained`` and :data:`OFFICIAL_KEY_MAPPING`; it saves under our
+    names. Layer 0's unused dense parameters and the saved rotary angles and decays (checked) are dropped, every
+    other name must match (docs/hub_and_conversion.md).
 
     Args:
         src: the authors' ``config.json`` and weights (``pytorch_model.bin`` or safetensors, sharded or not): a
@@ -329,12 +311,7 @@ def denseretnet_from_official(src: str | os.PathLike) -> DenseRetNetForCausalLM:
     config = official_denseretnet_config(read_config(src), source)
     rel_pos = read_tensors(src, set(OFFICIAL_REL_POS))  # first: a clear error on an unreadable weights file
     model, info = DenseRetNetForCausalLM.from_pretrained(
-        src,
-        config=config,
-        key_mapping=OFFICIAL_KEY_MAPPING,
-        dtype=torch.float32,
-        output_loading_info=True,
-        ignore_mismatched_sizes=True,
+        src, config=config, key_mapping=OFFICIAL_KEY_MAPPING, **LOAD_KWARGS
     )
     vars(model).pop("_weight_conversions", None)  # else save_pretrained would write the authors' names back
     optional = set(OFFICIAL_REL_POS)
@@ -353,9 +330,7 @@ def _check_rel_pos(saved: dict, config: DenseRetNetConfig, source: str) -> None:
     angle = DenseRetNetThetaShift(head_dim, config.rope_theta).compute_theta().double().repeat_interleave(2)
     decay = retention_gamma(config.num_attention_heads, dtype=torch.float64).log()
     for name, value in zip(OFFICIAL_REL_POS, (angle, decay)):
-        tensor = saved.get(name)
-        if tensor is None:
-            continue
+        tensor = saved.get(name, value)  # an absent buffer passes
         if tensor.shape != value.shape or not torch.allclose(tensor.double(), value, rtol=1e-4, atol=1e-6):
             raise ValueError(
                 f"{name} of {source} differs from the published definition (shape {tuple(tensor.shape)}, expected "
@@ -364,12 +339,6 @@ def _check_rel_pos(saved: dict, config: DenseRetNetConfig, source: str) -> None:
 
 
 __all__ = [
-    "DENSE_ARGUMENTS",
-    "check_state_dict",
-    "densemamba_from_mamba",
-    "denseretnet_from_official",
-    "official_denseretnet_config",
-    "official_denseretnet_name",
-    "read_config",
-    "read_tensors",
+    "DENSE_ARGUMENTS", "check_state_dict", "densemamba_from_mamba", "denseretnet_from_official",
+    "official_denseretnet_config", "official_denseretnet_name", "read_config", "read_tensors",
 ]

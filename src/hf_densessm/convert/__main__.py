@@ -19,8 +19,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``argparse`` parser of ``python -m hf_densessm.convert``: subcommands ``mamba`` and
-    ``official-denseretnet``."""
+    """The ``argparse`` parser of ``python -m hf_densessm.convert`` (commands ``mamba``, ``official-denseretnet``)."""
     parser = argparse.ArgumentParser(
         prog="python -m hf_densessm.convert",
         description="Convert a checkpoint into an hf_densessm model and write a Hub-ready folder (weights, config "
@@ -77,10 +76,9 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError, TypeError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
-    config = model.config
     print(
         f"wrote {args.out}: {type(model).__name__}, {model.num_parameters() / 1e6:.2f}M parameters, "
-        f"{config.num_hidden_layers} layers, dense_layers={config.dense_layers}, {args.dtype}"
+        f"{model.config.num_hidden_layers} layers, dense_layers={model.config.dense_layers}, {args.dtype}"
     )
     return 0
 

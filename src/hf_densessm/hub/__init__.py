@@ -1,7 +1,5 @@
-"""Hub-ready folders: what the models' ``save_pretrained`` / ``push_to_hub`` run (``DenseSSMSaveMixin`` imports this
-package lazily; it is never bundled). :mod:`.bundle`: the flat modeling code and ``auto_map``; :mod:`.card`: the model
-card; :mod:`.saving`: kill-safe writing. See docs/hub_and_conversion.md.
-"""
+"""Hub-ready folders: what the models' ``save_pretrained`` / ``push_to_hub`` run (imported lazily, never bundled);
+one module per job, :mod:`.bundle`, :mod:`.card`, :mod:`.saving` (docs/hub_and_conversion.md)."""
 
 from __future__ import annotations
 
@@ -46,14 +44,12 @@ def save_pretrained(
     push_to_hub: bool = False,
     **kwargs,
 ):
-    """``model.save_pretrained``: ``PreTrainedModel.save_pretrained``, plus the flat modeling code, ``auto_map``
-    and the model card, all written kill-safely (:func:`~.saving.staged_save`). An existing ``README.md`` that
-    this package did not write is kept.
-
-    Arguments as transformers'; ``push_to_hub=True`` (with ``repo_id``, ``commit_message``, ``private``,
-    ``token``, ... as transformers takes them) then runs ``model.push_to_hub``. Left to transformers unchanged:
-    ``is_main_process=False``, ``distributed_checkpoint=True``, models with PEFT adapters loaded (only the adapters
-    are saved) and models loaded as remote code.
+    """``model.save_pretrained``: ``PreTrainedModel.save_pretrained`` (same arguments), plus the flat modeling code,
+    ``auto_map`` and the model card (an existing ``README.md`` this package did not write is kept), all written
+    kill-safely (:func:`~.saving.staged_save`); ``push_to_hub=True`` (with ``repo_id``, ``token``, ... as transformers
+    takes them) then runs ``model.push_to_hub``. Left to transformers unchanged: ``is_main_process=False``,
+    ``distributed_checkpoint=True``, models with PEFT adapters loaded (only the adapters are saved) and models loaded
+    as remote code.
 
     Raises:
         NotADirectoryError: ``save_directory`` is a file.
@@ -102,13 +98,9 @@ def push_to_hub(
     tags: list[str] | None = None,
 ):
     """``model.push_to_hub``: upload the folder :func:`save_pretrained` writes to the Hub repository ``repo_id``
-    (created if needed) as one commit. Same arguments and return value (the commit info) as transformers'; but the
-    card uploaded is the DenseSSM card naming ``repo_id`` (not transformers' generic one), unless the repository
-    already has a ``README.md`` (kept).
-
-    Raises:
-        huggingface_hub errors: no network, no token, no write access.
-    """
+    (created if needed) as one commit, with transformers' arguments and return value (the commit info) but the
+    DenseSSM card naming ``repo_id``, unless the repository has a ``README.md`` (docs/hub_and_conversion.md).
+    Raises huggingface_hub's errors (no network, no token, no write access)."""
     from huggingface_hub import HfApi
 
     api = HfApi(token=token)

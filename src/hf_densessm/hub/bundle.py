@@ -1,7 +1,5 @@
-"""The remote code of a saved folder: each package module the model needs, copied as a flat file whose package
-imports are rewritten to same-folder ones, and the ``auto_map`` (docs/hub_and_conversion.md, "What a saved folder
-holds": why transformers' ``custom_object_save`` cannot do this for a nested package).
-"""
+"""The remote code of a saved folder: the package modules the model needs as flat files, their package imports made
+same-folder ones, and the ``auto_map`` (why: docs/hub_and_conversion.md, "What a saved folder holds")."""
 
 from __future__ import annotations
 
@@ -102,8 +100,7 @@ def _bundled_source(module: str) -> tuple[str, set[str]]:
             if target is None:
                 continue
             if _within(target, PUBLISHING_PACKAGE):
-                # left as it is: the models import the publishing code lazily, absolutely and inside `try`, and fall
-                # back to transformers' methods without it (docs/hub_and_conversion.md, "What a checkpoint ships")
+                # left as it is, lazy and inside `try` (docs/hub_and_conversion.md, "What a checkpoint ships")
                 if node.level:
                     raise BundleError(
                         f"{module}, line {node.lineno}: import the publishing code {PUBLISHING_PACKAGE!r} absolutely "

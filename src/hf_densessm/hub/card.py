@@ -1,6 +1,5 @@
-"""The model card (``README.md``) of a saved folder, derived from the model's own documentation: the modeling
-module's docstring, the ``Args:`` of the config class's docstring and the help of each dense knob (``DENSE_KNOBS``).
-"""
+"""The model card (``README.md``) of a saved folder, from the model's own documentation: the modeling module's
+docstring, the ``Args:`` of the config class's docstring and each dense knob's help (``DENSE_KNOBS``)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
 """Kill-safe saving into a folder that may hold other files (docs/hub_and_conversion.md, "Saving survives a hard
-kill"): files are written into a staging folder inside the target, then moved in one at a time with ``os.replace``.
-A save holds a ``filelock`` lock inside its staging folder, so the next save tells a dead one from a running one.
-"""
+kill"): staged files moved in with ``os.replace``, each staging folder locked with ``filelock`` while its save runs."""
 
 from __future__ import annotations
 
@@ -66,14 +64,12 @@ def _fsync(path: Path) -> None:
 def staged_save(
     save_directory: str | os.PathLike, is_stale: Callable[[Path], bool] = lambda path: False
 ) -> Iterator[Path]:
-    """Save into ``save_directory`` kill-safely: yields an empty staging folder inside it; on a clean exit, every
-    file written there gets the process's new-file mode (``0o666`` less the umask), is flushed and replaces
-    (``os.replace``) the file of the same name in ``save_directory``, weights first and ``config.json`` last; then
-    the entries of ``save_directory`` that the save did not write and for which ``is_stale(path)`` is true are
-    deleted. Other entries are never touched.
-
-    On an exception inside the ``with`` block, ``save_directory`` is left as it was (and removed if this call
-    created it and it is still empty). Staging folders of killed saves are deleted first (:func:`remove_stale_staging`).
+    """Save into ``save_directory`` kill-safely: yields an empty staging folder inside it; on a clean exit, every file
+    written there replaces the file of the same name in ``save_directory`` (with the process's new-file mode, flushed,
+    by ``os.replace``; weights first, ``config.json`` last), then the entries the save did not write and for which
+    ``is_stale(path)`` is true are deleted; other entries are never touched. On an exception inside the ``with``
+    block, ``save_directory`` is left as it was (removed if this call created it and it is still empty). Staging
+    folders of killed saves are deleted first (:func:`remove_stale_staging`).
 
     Raises:
         NotADirectoryError: ``save_directory`` exists and is not a folder.
