@@ -56,7 +56,7 @@ OFFICIAL_DENSERETNET_RENAMES = (
 #: ``key_mapping`` of ``from_pretrained`` for the authors' names (a regular expression of theirs -> ours).
 OFFICIAL_KEY_MAPPING = {re.escape(theirs): ours for ours, theirs in OFFICIAL_DENSERETNET_RENAMES}
 #: ``from_pretrained`` keywords of both converters: float32, wrong shapes reported (:func:`_check_loading_info`).
-LOAD_KWARGS = dict(dtype=torch.float32, output_loading_info=True, ignore_mismatched_sizes=True)
+_LOAD_KWARGS = dict(dtype=torch.float32, output_loading_info=True, ignore_mismatched_sizes=True)
 # Parameters the authors' blocks create in every layer but use only in layers with predecessors (``dense=idx>=1``).
 OFFICIAL_DENSE_ONLY = ("k_select.fc1", "k_select.fc2", "v_select.fc1", "v_select.fc2", "k_norm", "v_norm")
 # Persistent buffers of the authors' relative position module (rotary angles and log-decays), recomputed here.
@@ -230,7 +230,7 @@ def densemamba_from_mamba(src, **dense_kwargs) -> DenseMambaForCausalLM:
             "start equal to the Mamba; use dense_selection='mlp' or 'linear' (or dense_fusion='concat')."
         )
     if not isinstance(src, nn.Module):
-        src, info = MambaForCausalLM.from_pretrained(src, **LOAD_KWARGS)
+        src, info = MambaForCausalLM.from_pretrained(src, **_LOAD_KWARGS)
         _check_loading_info(info, source)
     state_dict = dict(src.state_dict())
     if not any(name.startswith("backbone.") for name in state_dict):  # a MambaModel: add the CausalLM prefix
@@ -311,7 +311,7 @@ def denseretnet_from_official(src: str | os.PathLike) -> DenseRetNetForCausalLM:
     config = official_denseretnet_config(read_config(src), source)
     rel_pos = read_tensors(src, set(OFFICIAL_REL_POS))  # first: a clear error on an unreadable weights file
     model, info = DenseRetNetForCausalLM.from_pretrained(
-        src, config=config, key_mapping=OFFICIAL_KEY_MAPPING, **LOAD_KWARGS
+        src, config=config, key_mapping=OFFICIAL_KEY_MAPPING, **_LOAD_KWARGS
     )
     vars(model).pop("_weight_conversions", None)  # else save_pretrained would write the authors' names back
     optional = set(OFFICIAL_REL_POS)
