@@ -1,10 +1,7 @@
 """The C++ CPU kernel of the selective scan (``csrc/selective_scan_cpu.cpp``; Mamba paper Alg. 2, eq. 2a/2b, 4),
-forward and recompute backward, registered in C++ as ``hf_densessm::selective_scan_cpu_fwd`` / ``_bwd``: built on
-first use with :func:`torch.utils.cpp_extension.load` (never at import), for the instruction set PyTorch detects
-(:func:`torch.backends.cpu.get_cpu_capability`, no ``-march=native``), under a name keyed by that capability, the
-source, the torch version and the flags (:func:`extension_name`). The PyTorch path's ops call it on CPU tensors
-(:func:`use_kernel`); ``chunked_torch.py`` runs when it is disabled (``HF_DENSESSM_CPU_KERNEL=0``), absent or failed
-to build (one ``RuntimeWarning``). Build, key, layouts and fallback: docs/kernels.md, "The C++ CPU kernel".
+forward and recompute backward, registered in C++ as ``hf_densessm::selective_scan_cpu_fwd`` / ``_bwd``, built on
+first use (:func:`load_kernel`, :func:`extension_name`) and called by the PyTorch path's ops on CPU tensors
+(:func:`use_kernel`). Build, key, layouts and fallback: docs/kernels.md, "The C++ CPU kernel".
 """
 
 from __future__ import annotations
@@ -35,12 +32,9 @@ Tensor = torch.Tensor
 
 
 def capability_flags(capability: str) -> list[str]:
-    """Compiler flags for one of PyTorch's CPU capabilities (``torch.backends.cpu.get_cpu_capability()``).
-
-    ``"AVX512"`` and ``"AVX2"`` get the ``-m`` flags ATen builds those kernels with and the ``CPU_CAPABILITY_*``
-    macros that select ``ATen/cpu/vec``'s 512-bit / 256-bit ``Vectorized``; anything else (``"DEFAULT"``, ``"NO
-    AVX"``, ``"ZVECTOR"``, ``"VSX"``, ``"SVE256"``, ...) the portable ``DEFAULT`` implementation with no
-    instruction-set flag. Returns a new list of strings."""
+    """Compiler flags (a new list of strings) for one of PyTorch's CPU capabilities
+    (``torch.backends.cpu.get_cpu_capability()``): ``"AVX512"`` and ``"AVX2"`` get ATen's ``-m`` flags and
+    ``CPU_CAPABILITY_*`` macros, anything else the portable ``DEFAULT`` one (docs/kernels.md, "The C++ CPU kernel")."""
     base = ["-O3"]
     if capability == "AVX512":
         return base + ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma",
@@ -64,14 +58,9 @@ def kernel_enabled() -> bool:
     return os.environ.get("HF_DENSESSM_CPU_KERNEL", "1").strip() != "0"
 
 
-_fakes_registered = False
-
-
+@functools.cache
 def _register_fakes() -> None:
-    """Fake (meta) implementations of the two ops, so that ``torch.compile`` / ``opcheck`` can trace them."""
-    global _fakes_registered
-    if _fakes_registered:
-        return
+    """Fake (meta) implementations of the two ops (once), so that ``torch.compile`` / ``opcheck`` can trace them."""
 
     @torch.library.register_fake("hf_densessm::selective_scan_cpu_fwd")
     def _fwd_fake(u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, reset):
@@ -95,8 +84,6 @@ def _register_fakes() -> None:
                 u.new_empty(dim) if D is not None else u.new_empty(0),
                 token_major(dim) if z is not None else u.new_empty(0),
                 u.new_empty(dim) if delta_bias is not None else u.new_empty(0), u.new_empty(batch, dim, n))
-
-    _fakes_registered = True
 
 
 @functools.cache
@@ -177,9 +164,8 @@ def scan_fwd(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=
     """
     cdt = inputs_compute_dtype(u, delta, A, B, C, D, z, delta_bias, initial_state)
     y, last, states = torch.ops.hf_densessm.selective_scan_cpu_fwd(
-        u.to(cdt), delta.to(cdt), A.to(cdt), B.to(cdt), C.to(cdt), _cast(D, cdt), _cast(z, cdt),
-        _cast(delta_bias, cdt), bool(delta_softplus), _cast(initial_state, cdt),
-        None if reset is None else reset.bool())
+        *(_cast(t, cdt) for t in (u, delta, A, B, C, D, z, delta_bias)), bool(delta_softplus),
+        _cast(initial_state, cdt), None if reset is None else reset.bool())
     return y.to(u.dtype), last, states
 
 
@@ -195,9 +181,8 @@ def scan_bwd(dy, dlast, u, delta, A, B, C, D=None, z=None, delta_bias=None, delt
     Returns:
         ``(du, ddelta, dA, dB, dC, dD, dz, ddelta_bias, dinitial_state)``, each in its input's dtype; ``du``,
         ``ddelta``, ``dz`` (batch, dim, length) and ``dB``, ``dC`` (batch, state, length) token-major in memory
-        (``.transpose(1, 2)`` views of contiguous tensors), the others contiguous (``dD``,
-        ``dz``, ``ddelta_bias`` None when their input is; ``dinitial_state`` in the compute dtype when
-        ``initial_state`` is None).
+        (``.transpose(1, 2)`` views of contiguous tensors), the others contiguous (``dD``, ``dz``, ``ddelta_bias``
+        None when their input is; ``dinitial_state`` in the compute dtype when ``initial_state`` is None).
 
     Raises:
         ValueError: ``chunk_states`` is not the forward kernel's ``(batch, dim, n_chunks, state)`` (e.g. the
@@ -213,9 +198,8 @@ def scan_bwd(dy, dlast, u, delta, A, B, C, D=None, z=None, delta_bias=None, delt
             f"{None if chunk_states is None else tuple(chunk_states.shape)}: states saved by another path?"
         )
     grads = torch.ops.hf_densessm.selective_scan_cpu_bwd(
-        _cast(dy, cdt), _cast(dlast, cdt), u.to(cdt), delta.to(cdt), A.to(cdt), B.to(cdt), C.to(cdt),
-        _cast(D, cdt), _cast(z, cdt), _cast(delta_bias, cdt), bool(delta_softplus), _cast(initial_state, cdt),
-        None if reset is None else reset.bool(), chunk_states.to(cdt))
+        *(_cast(t, cdt) for t in (dy, dlast, u, delta, A, B, C, D, z, delta_bias)), bool(delta_softplus),
+        _cast(initial_state, cdt), None if reset is None else reset.bool(), chunk_states.to(cdt))
     likes = (u, delta, A, B, C, D, z, delta_bias, initial_state)
     return tuple(None if like is None and i in (5, 6, 7) else g if like is None else g.to(like.dtype)
                  for i, (g, like) in enumerate(zip(grads, likes)))

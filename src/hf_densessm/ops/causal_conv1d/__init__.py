@@ -19,9 +19,7 @@ _ACTIVATIONS = (None, "silu")
 
 def _tracing(x: torch.Tensor) -> bool:
     """Whether value-reading checks must be skipped: ``torch.compile`` traces, or a CUDA graph is captured."""
-    if torch.compiler.is_compiling():
-        return True
-    return x.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    return torch.compiler.is_compiling() or (x.device.type == "cuda" and torch.cuda.is_current_stream_capturing())
 
 
 @triton_op("hf_densessm::causal_conv1d", mutates_args=())
@@ -64,9 +62,7 @@ def _backward(ctx, grad_out):
     grad_x, grad_taps, grad_bias, grad_window = torch.ops.hf_densessm.causal_conv1d_backward(
         grad_out, x, taps, bias, window, reset, ctx.silu
     )
-    return (
-        grad_x, grad_taps, None if bias is None else grad_bias, None if window is None else grad_window, None, None
-    )
+    return grad_x, grad_taps, None if bias is None else grad_bias, None if window is None else grad_window, None, None
 
 
 _causal_conv1d_op.register_autograd(_backward, setup_context=_setup_context)

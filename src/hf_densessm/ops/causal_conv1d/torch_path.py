@@ -51,11 +51,8 @@ def _pre_activation(x, taps, bias, window, reset, cdt) -> torch.Tensor:
         return pre
     x = x.to(cdt)
     taps = taps.to(cdt).t().contiguous().t()  # each tap's column unit-strided: the vectorized loops
-    if bias is not None:
-        pre = torch.addcmul(bias.to(cdt), x, taps[:, kernel - 1])  # tap K - 1 (shift 0)
-    else:
-        pre = torch.mul(x, taps[:, kernel - 1])
-    pre = pre.contiguous()  # a copy only where x's layout is channel-major
+    pre = torch.mul(x, taps[:, kernel - 1]) if bias is None else torch.addcmul(bias.to(cdt), x, taps[:, kernel - 1])
+    pre = pre.contiguous()  # tap K - 1 (shift 0); a copy only where x's layout is channel-major
     context = None if window is None else window[:, :, 1:].to(cdt).transpose(1, 2)  # (batch, K - 1, channels)
     for k in range(kernel - 1):
         s = kernel - 1 - k
@@ -94,19 +91,15 @@ def causal_conv1d_backward_torch(grad_out, x, taps, bias=None, window=None, rese
         bias), ``(batch, channels, K)`` in ``window``'s dtype (column 0 zero; an empty ``(0,)`` tensor without a
         window). Computed in float32 (float64 for float64 ``x``).
     """
-    batch, length, channels = x.shape
-    kernel = int(taps.shape[1])
+    length, kernel = x.shape[1], int(taps.shape[1])
     cdt = compute_dtype(x.dtype)
+    g = grad_out.to(cdt)
     if silu:
-        pre = _pre_activation(x, taps, bias, window, reset, cdt)
-        g = torch.ops.aten.silu_backward(grad_out.to(cdt), pre)
-    else:
-        g = grad_out.to(cdt)
+        g = torch.ops.aten.silu_backward(g, _pre_activation(x, taps, bias, window, reset, cdt))
     masks = _masks(reset, kernel, cdt)
     if torch.compiler.is_compiling():  # out of place, for Inductor (as in _pre_activation)
         padded, rows = _padded(x, window, kernel, cdt), _tap_rows(taps, cdt)
-        grad_padded = g * rows[kernel - 1]
-        grad_padded = torch.nn.functional.pad(grad_padded, (0, 0, kernel - 1, 0))
+        grad_padded = torch.nn.functional.pad(g * rows[kernel - 1], (0, 0, kernel - 1, 0))
         columns = [None] * kernel
         columns[kernel - 1] = (g * padded[:, kernel - 1 :]).sum((0, 1))
         for k in range(kernel - 1):  # tap k of token t reads padded index t + k
@@ -119,11 +112,8 @@ def causal_conv1d_backward_torch(grad_out, x, taps, bias=None, window=None, rese
         grad_x, grad_context, columns = _backward_in_place(g, x, taps, window, masks, cdt)
     grad_taps = torch.stack(columns, dim=1).to(taps.dtype)
     grad_bias = g.sum((0, 1)).to(bias.dtype) if bias is not None else x.new_empty((0,))
-    if window is not None:
-        grad_window = torch.cat([grad_context.new_zeros(batch, 1, channels), grad_context], 1)
-        grad_window = grad_window.transpose(1, 2).contiguous().to(window.dtype)  # column 0 is never read
-    else:
-        grad_window = x.new_empty((0,))
+    grad_window = x.new_empty((0,)) if window is None else (  # column 0 (zero) is never read
+        torch.nn.functional.pad(grad_context, (0, 0, 1, 0)).transpose(1, 2).contiguous().to(window.dtype))
     return grad_x.contiguous().to(x.dtype), grad_taps, grad_bias, grad_window
 
 

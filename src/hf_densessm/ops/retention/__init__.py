@@ -46,8 +46,7 @@ def _check_qkv(q, k, v, layout):
         names = ", ".join(layout + ("key_dim",))
         raise ValueError(f"q and k must have the same shape ({names}), got q {tuple(q.shape)}, k {tuple(k.shape)}")
     if v.shape[:-1] != q.shape[:-1]:
-        names = ", ".join(layout)
-        raise ValueError(f"v must match q in ({names}), got q {tuple(q.shape)}, v {tuple(v.shape)}")
+        raise ValueError(f"v must match q in ({', '.join(layout)}), got q {tuple(q.shape)}, v {tuple(v.shape)}")
     if q.shape[-1] == 0 or v.shape[-1] == 0:
         raise ValueError(f"key_dim and value_dim must be positive, got q {tuple(q.shape)}, v {tuple(v.shape)}")
 
@@ -89,14 +88,10 @@ def _retention_torch_backward(
         return chunk_retention_torch_backward(d_o, d_final_state, q, k, v, scale, initial_state, reset=reset)
 
 
-# The whole-sequence PyTorch path as opaque ops (fake: the same functions), run eagerly inside a compiled graph
-# rather than its loop over chunks unrolled into it.
-torch.library.custom_op("hf_densessm::chunk_retention_torch", mutates_args=())(_retention_torch).register_fake(
-    _retention_torch
-)
-torch.library.custom_op("hf_densessm::chunk_retention_torch_backward", mutates_args=())(
-    _retention_torch_backward
-).register_fake(_retention_torch_backward)
+# The whole-sequence PyTorch path as opaque ops ``hf_densessm::chunk_retention_torch`` / ``_backward`` (fake: the same
+# functions), run eagerly inside a compiled graph rather than its loop over chunks unrolled into it.
+for _suffix, _fn in (("", _retention_torch), ("_backward", _retention_torch_backward)):
+    torch.library.custom_op(f"hf_densessm::chunk_retention_torch{_suffix}", _fn, mutates_args=()).register_fake(_fn)
 
 
 @torch.library.triton_op("hf_densessm::chunk_retention", mutates_args=())
@@ -121,14 +116,10 @@ def _chunk_retention_backward_op(
     """``(dq, dk, dv, d_initial_state)`` of ``hf_densessm::chunk_retention`` (``d_final_state`` None: zero);
     ``d_initial_state`` in ``initial_state``'s dtype, else the state dtype."""
     if resolve_backend(backend, q.device) == "triton":
-        from .chunk import chunk_retention_bwd_triton
-
-        dq, dk, dv, d_initial_state = chunk_retention_bwd_triton(d_o, d_final_state, q, k, v, scale, initial_state,
-                                                                 reset)
+        from .chunk import chunk_retention_bwd_triton as backward
     else:
-        dq, dk, dv, d_initial_state = torch.ops.hf_densessm.chunk_retention_torch_backward(
-            d_o, d_final_state, q, k, v, scale, initial_state, reset
-        )
+        backward = torch.ops.hf_densessm.chunk_retention_torch_backward
+    dq, dk, dv, d_initial_state = backward(d_o, d_final_state, q, k, v, scale, initial_state, reset)
     return dq, dk, dv, d_initial_state.to(compute_dtype(v.dtype) if initial_state is None else initial_state.dtype)
 
 

@@ -88,10 +88,8 @@ def _prepare(q, k, v, scale, initial_state, reset):
     cdt = compute_dtype(v.dtype)
     q, k, v = (x.transpose(1, 2).to(dtype=cdt, memory_format=torch.contiguous_format) for x in (q, k, v))
     q = q * scale
-    if initial_state is None:
-        state = q.new_zeros(batch, heads, key_dim, v.shape[-1])
-    else:
-        state = initial_state.to(cdt, copy=True)  # a copy: the final state never aliases the initial one
+    state = (q.new_zeros(batch, heads, key_dim, v.shape[-1]) if initial_state is None
+             else initial_state.to(cdt, copy=True))  # a copy: the final state never aliases the initial one
     documents = None if reset is None else F.pad(reset.long().cumsum(-1), (1, 0))
     return q, k, v, state, retention_log2_gamma(heads, q.device, cdt), documents
 
@@ -138,10 +136,7 @@ def chunk_retention_torch_backward(d_o, d_final_state, q, k, v, scale, initial_s
     dtypes = (q.dtype, k.dtype, v.dtype)
     q, k, v, state, log2_gamma, documents = _prepare(q, k, v, scale, initial_state, reset)
     d_o = d_o.transpose(1, 2).to(q.dtype)
-    if d_final_state is None:
-        d_state = torch.zeros_like(state)
-    else:
-        d_state = d_final_state.to(q.dtype, copy=True)
+    d_state = torch.zeros_like(state) if d_final_state is None else d_final_state.to(q.dtype, copy=True)
     blocks = []
     for start, stop, size in _chunks(length, chunk_size):  # the forward pass, keeping the states before each chunk
         inputs = [_split(x, start, stop, size) for x in (q, k, v)]
@@ -152,10 +147,8 @@ def chunk_retention_torch_backward(d_o, d_final_state, q, k, v, scale, initial_s
     for start, stop, size, inputs, previous, masks in reversed(blocks):
         dq, dk, dv, d_state = _block_backward(*inputs, previous, masks, _split(d_o, start, stop, size), d_state)
         grads.append([g.flatten(2, 3) for g in (dq, dk, dv)])
-    if grads:
-        dq, dk, dv = (torch.cat(parts[::-1], dim=2) for parts in zip(*grads))
-    else:
-        dq, dk, dv = q.clone(), k.clone(), v.clone()  # empty along the length
+    # without chunks (length 0), clones of the empty inputs
+    dq, dk, dv = (torch.cat(p[::-1], dim=2) for p in zip(*grads)) if grads else (q.clone(), k.clone(), v.clone())
     dq = dq * scale
     dq, dk, dv = (g.transpose(1, 2).to(dtype) for g, dtype in zip((dq, dk, dv), dtypes))
     return dq, dk, dv, d_state

@@ -1,8 +1,6 @@
-"""The selective scan in vectorized PyTorch (Mamba paper, Algorithm 2, eq. 2a/2b and 4), chunked over the length
-(``O(sqrt(length))`` Python steps, no ``(batch, length, dim, state)`` tensor in the forward pass), with a hand-written
-recompute backward; the algorithm is in docs/kernels.md ("The PyTorch path of the scan"), the ground truth in
-``naive.py``. Traceable by ``torch.compile`` (static shapes, no host reads of tensor values). Accumulation in float32
-(float64 for float64 inputs).
+"""The selective scan in vectorized PyTorch (Mamba paper, Algorithm 2, eq. 2a/2b and 4), chunked over the length, with
+a hand-written recompute backward (docs/kernels.md, "The PyTorch path of the scan"; ground truth ``naive.py``).
+Traceable by ``torch.compile``. Accumulation in float32 (float64 for float64 inputs).
 """
 
 from __future__ import annotations
@@ -38,21 +36,14 @@ def discretize_delta(delta: torch.Tensor, delta_bias: torch.Tensor | None, softp
     return F.softplus(dt) if softplus else dt
 
 
-# Layout. Per-token tensors are held "token-major", ``(batch, n_chunks * chunk_size, k)`` contiguous, and used
-# through the view ``(chunk_size, batch * n_chunks, k)`` (position in chunk, chunk, feature): step ``t`` of
-# every chunk is then ``x[t]``, a ``(batch * n_chunks, k)`` slice with unit stride along ``k``. Converting
-# from and to the ``(batch, k, length)`` layout of the API is one 2-D transpose per sequence, which PyTorch
-# copies in cache blocks.
-
-
 def _empty_chunks(chunk_size: int, bc: int, k: int, **kw) -> torch.Tensor:
     """Uninitialized ``(chunk_size, bc, k)`` view of a token-major ``(bc, chunk_size, k)`` buffer."""
     return torch.empty(bc, chunk_size, k, **kw).transpose(0, 1)
 
 
 def _to_chunks(x: torch.Tensor, chunk_size: int, n_chunks: int, dtype: torch.dtype) -> torch.Tensor:
-    """``(batch, k, length)`` -> ``(chunk_size, batch * n_chunks, k)`` view (see above) in ``dtype``,
-    zero-padded to ``n_chunks * chunk_size`` positions."""
+    """``(batch, k, length)`` -> ``(chunk_size, batch * n_chunks, k)`` view of a token-major buffer (docs/kernels.md)
+    in ``dtype``, zero-padded to ``n_chunks * chunk_size`` positions."""
     batch, k, length = x.shape
     out = torch.empty(batch, n_chunks * chunk_size, k, dtype=dtype, device=x.device)
     if x.dtype == dtype and x.stride(2) == 1 and x.stride(1) == length:
@@ -72,6 +63,14 @@ def _from_chunks(x: torch.Tensor, batch: int, length: int) -> torch.Tensor:
     for i in range(batch):
         out[i].copy_(tokens[i, :length].t())
     return out
+
+
+def _chunked_inputs(u, dt, A, B, C, keep, T, nc):
+    """``dt, dt * u`` (T, bc, dim) and ``B, C`` (T, bc, state) as :func:`_to_chunks` views, ``A^T`` (state, dim) and
+    ``keep`` as (T, bc, 1) chunks (padding keeps; None without ``keep``), all in ``dt``'s dtype."""
+    cdt = dt.dtype
+    return (*(_to_chunks(x, T, nc, cdt) for x in (dt, dt * u, B, C)), A.t().to(cdt).contiguous(),
+            None if keep is None else 1 - _to_chunks(1 - keep, T, nc, cdt))
 
 
 def _decay(dt_c, At, keep_c, t, out):
@@ -106,21 +105,13 @@ def _scan_fwd(u, dt, A, B, C, D, z, initial_state, chunk_size, keep=None):
     nc = -(-length // T)
     bc = batch * nc
     kw = dict(dtype=cdt, device=u.device)
-    dt_c = _to_chunks(dt, T, nc, cdt)  # (T, bc, dim)
-    dtu_c = _to_chunks(dt * u, T, nc, cdt)  # (T, bc, dim)
-    B_c = _to_chunks(B, T, nc, cdt)  # (T, bc, n)
-    C_c = _to_chunks(C, T, nc, cdt)  # (T, bc, n)
-    At = A.t().to(cdt).contiguous()  # (n, dim)
-    keep_c = None if keep is None else 1 - _to_chunks(1 - keep, T, nc, cdt)  # (T, bc, 1); padding keeps
+    dt_c, dtu_c, B_c, C_c, At, keep_c = _chunked_inputs(u, dt, A, B, C, keep, T, nc)
     decay = torch.empty(bc, n, dim, **kw)  # exp(dt_t A), reused every step
     h = torch.zeros(bc, n, dim, **kw)
 
     # Entry state of every chunk, (batch, nc, n, dim).
     entry = torch.empty(batch, nc, n, dim, **kw)
-    if initial_state is None:
-        entry[:, 0].zero_()
-    else:
-        entry[:, 0].copy_(initial_state.transpose(1, 2))
+    entry[:, 0] = 0 if initial_state is None else initial_state.transpose(1, 2)
     if nc > 1:
         # 1. local recurrence from zero: each chunk's end state
         for t in range(T):
@@ -162,13 +153,8 @@ def _scan_bwd(u, dt, A, B, C, D, z, entry, gout, glast, chunk_size, keep=None):
     nc = entry.shape[1]
     bc = batch * nc
     kw = dict(dtype=cdt, device=u.device)
-    dt_c = _to_chunks(dt, T, nc, cdt)
+    dt_c, dtu_c, B_c, C_c, At, keep_c = _chunked_inputs(u, dt, A, B, C, keep, T, nc)
     u_c = _to_chunks(u, T, nc, cdt)
-    dtu_c = _to_chunks(dt * u, T, nc, cdt)
-    B_c = _to_chunks(B, T, nc, cdt)
-    C_c = _to_chunks(C, T, nc, cdt)
-    At = A.t().to(cdt).contiguous()
-    keep_c = None if keep is None else 1 - _to_chunks(1 - keep, T, nc, cdt)
     entry = entry.reshape(bc, n, dim)
     decay = torch.empty(bc, n, dim, **kw)
 
@@ -206,10 +192,7 @@ def _scan_bwd(u, dt, A, B, C, D, z, entry, gout, glast, chunk_size, keep=None):
     chunk_decay = _chunk_decay(dt_c, At, keep_c, batch, nc)
     local_entry = g.view(batch, nc, n, dim)
     end_adjoint = torch.empty(batch, nc, n, dim, **kw)
-    if glast is None:
-        end_adjoint[:, -1].zero_()
-    else:
-        end_adjoint[:, -1].copy_(glast.transpose(1, 2))
+    end_adjoint[:, -1] = 0 if glast is None else glast.transpose(1, 2)
     for c in range(nc - 1, 0, -1):
         torch.addcmul(local_entry[:, c], chunk_decay[:, c], end_adjoint[:, c], out=end_adjoint[:, c - 1])
 
@@ -237,16 +220,8 @@ def _scan_bwd(u, dt, A, B, C, D, z, entry, gout, glast, chunk_size, keep=None):
     du_c = W.mul_(dt_c)
     if D is not None:
         du_c.addcmul_(gy_c, D.to(cdt))
-    return (
-        _from_chunks(du_c, batch, length),
-        _from_chunks(ddt_c, batch, length),
-        dA,
-        _from_chunks(dB_c, batch, length),
-        _from_chunks(dC_c, batch, length),
-        dD,
-        dz,
-        dinitial,
-    )
+    du, ddt, dB, dC = (_from_chunks(x, batch, length) for x in (du_c, ddt_c, dB_c, dC_c))
+    return du, ddt, dA, dB, dC, dD, dz, dinitial
 
 
 def _chunk_size(length: int, chunk_size: int | None) -> int:
@@ -274,9 +249,8 @@ def selective_scan_torch_fwd(u, delta, A, B, C, D=None, z=None, delta_bias=None,
     Returns:
         ``(y, last_state, entry)``: ``y`` (batch, dim, length) in ``u``'s dtype; ``last_state`` (batch, dim, state)
         and ``entry``, the state entering each chunk, (batch, n_chunks, state, dim), both in the compute dtype
-        (float32, float64 when an input is float64). Fresh tensors; no autograd graph is recorded by design (the
-        op's backward is :func:`selective_scan_torch_bwd`). No argument checks: call
-        :func:`hf_densessm.ops.selective_scan` for those.
+        (float32, float64 when an input is float64). Fresh tensors, no autograd graph (the op's backward is
+        :func:`selective_scan_torch_bwd`), no argument checks (:func:`hf_densessm.ops.selective_scan` has them).
     """
     cdt = inputs_compute_dtype(u, delta, A, B, C, D, z, delta_bias, initial_state)
     dt = discretize_delta(delta, delta_bias, delta_softplus, cdt)
@@ -288,7 +262,7 @@ def selective_scan_torch_fwd(u, delta, A, B, C, D=None, z=None, delta_bias=None,
 
 def selective_scan_torch_bwd(dy, dlast, u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
                              initial_state=None, reset=None, entry=None, chunk_size=None):
-    """Backward pass of :func:`selective_scan_torch_fwd` (the adjoint recurrence of the module docstring): the
+    """Backward pass of :func:`selective_scan_torch_fwd` (the adjoint recurrence of docs/kernels.md): the
     PyTorch body of the op ``hf_densessm::selective_scan_backward``.
 
     Args:
@@ -315,9 +289,7 @@ def selective_scan_torch_bwd(dy, dlast, u, delta, A, B, C, D=None, z=None, delta
             f"entry must hold the {-(-length // T)} chunk states of the forward pass with chunk_size={T}, got "
             f"{None if entry is None else tuple(entry.shape)}"
         )
-    dt_raw = delta.to(cdt)
-    if delta_bias is not None:
-        dt_raw = dt_raw + delta_bias.to(cdt)[:, None]
+    dt_raw = discretize_delta(delta, delta_bias, False, cdt)
     dt = F.softplus(dt_raw) if delta_softplus else dt_raw
     keep = None if reset is None else (~reset.bool())[:, None, :].to(cdt)
     entry = entry.to(cdt)
@@ -345,12 +317,9 @@ def selective_scan_torch_bwd(dy, dlast, u, delta, A, B, C, D=None, z=None, delta
         dinitial[:, s] = g[7]
     ddelta = ddt.mul_(torch.sigmoid(dt_raw)) if delta_softplus else ddt  # d softplus(x)/dx = sigmoid(x)
     dbias = None if delta_bias is None else ddelta.sum((0, 2))
-
-    def cast(grad, like):
-        return None if grad is None else grad.to(like.dtype) if like is not None else grad
-
-    return (cast(du, u), cast(ddelta, delta), cast(dA, A), cast(dB, B), cast(dC, C), cast(dD, D), cast(dz, z),
-            cast(dbias, delta_bias), cast(dinitial, initial_state))
+    likes = (u, delta, A, B, C, D, z, delta_bias, initial_state)
+    return tuple(g if g is None or like is None else g.to(like.dtype)
+                 for g, like in zip((du, ddelta, dA, dB, dC, dD, dz, dbias, dinitial), likes))
 
 
 def selective_state_update_torch(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False):

@@ -80,13 +80,10 @@ def selective_state_update_triton(state, x, dt, A, B, C, D=None, z=None, dt_bias
     D = torch.zeros(dim, dtype=cdt, device=x.device) if D is None else D.contiguous()
     dt_bias = torch.zeros(dim, dtype=cdt, device=x.device) if dt_bias is None else dt_bias.contiguous()
     y = torch.empty(batch, dim, dtype=x.dtype, device=x.device)
-
-    def s2(t):
-        return (t.stride(0), t.stride(1)) if t is not None else (0, 0)
-
     launch(_selective_state_update_kernel)[(batch, triton.cdiv(dim, block_d))](
-        state, x, dt, A, B, C, D, z, dt_bias, y,
-        state.stride(0), state.stride(1), state.stride(2), *s2(x), *s2(dt), *s2(A), *s2(B), *s2(C), *s2(z),
+        state, x, dt, A, B, C, D, z, dt_bias, y,  # then the strides of the 3-D state and the 2-D inputs
+        *state.stride(), *x.stride(), *dt.stride(), *A.stride(), *B.stride(), *C.stride(),
+        *((0, 0) if z is None else z.stride()),
         dim, nstate,
         HAS_Z=z is not None, SOFTPLUS=bool(dt_softplus), USE_FP64=state.dtype == torch.float64,
         BLOCK_D=block_d, BLOCK_N=triton.next_power_of_2(nstate), num_warps=num_warps,
