@@ -238,13 +238,18 @@ def run_backbone(
     return hidden_states, cache, all_hidden_states
 
 
-def backbone_output(model, output_class, return_dict, hidden_states, cache, all_hidden_states):
-    """``output_class(last_hidden_state, hidden_states, <cache field>)``, or the tuple of those not ``None`` when
+def _output(model, output_class, return_dict, cache, **fields):
+    """``model_output(output_class, cache, **fields)``, or its ``to_tuple()`` (the fields not ``None``, in order) when
     ``return_dict`` (default ``config.return_dict``) is False."""
-    return_dict = return_dict if return_dict is not None else model.config.return_dict
-    if not return_dict:
-        return tuple(v for v in (hidden_states, cache, all_hidden_states) if v is not None)
-    return model_output(output_class, cache, last_hidden_state=hidden_states, hidden_states=all_hidden_states)
+    output = model_output(output_class, cache, **fields)
+    return output if (return_dict if return_dict is not None else model.config.return_dict) else output.to_tuple()
+
+
+def backbone_output(model, output_class, return_dict, hidden_states, cache, all_hidden_states):
+    """``output_class(last_hidden_state, hidden_states, <cache field>)``, or its tuple (:func:`_output`)."""
+    return _output(
+        model, output_class, return_dict, cache, last_hidden_state=hidden_states, hidden_states=all_hidden_states
+    )
 
 
 def check_logits_to_keep(logits_to_keep, seq_len: int):
@@ -313,23 +318,6 @@ class DenseSSMCausalLMMixin:
         name = "cache" if CACHE_RENAMED else "cache_params" if "mamba" in type(self).__name__.lower() else "past_key_values"
         model_kwargs[name] = new_cache(self.config)
 
-    def _logits_and_loss(
-        self,
-        hidden_states: torch.Tensor,
-        labels: torch.Tensor | None,
-        logits_to_keep: int | torch.Tensor,
-        **kwargs,
-    ) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """``(loss or None, logits (batch, kept_positions, vocab_size))``, logits float32 (float64 for a float64 model),
-        loss by ``self.loss_function``; ``logits_to_keep`` as :func:`check_logits_to_keep`."""
-        kept = check_logits_to_keep(logits_to_keep, hidden_states.shape[1])
-        logits = self.lm_head(hidden_states[:, kept, :].to(self.lm_head.weight.dtype))
-        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-        loss = None
-        if labels is not None:
-            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-        return loss, logits
-
     def compile_decode_step(self, enable: bool = True):
         """Compile ``generate()``'s one-token decoding steps on every device: ``generation_config.compile_config``
         becomes ``CompileConfig(fullgraph=True)``, allowed on every device (docs/design.md §5, "Compiled decoding").
@@ -352,17 +340,21 @@ class DenseSSMCausalLMMixin:
         self.generation_config.compile_config = compile_config
         return self
 
-    def _lm_return(self, loss, logits, cache, hidden_states, return_dict, output_class):
-        """As :func:`backbone_output`, for ``output_class(loss, logits, hidden_states, <cache field>)``."""
-        return_dict = return_dict if return_dict is not None else self.config.return_dict
-        if not return_dict:
-            return tuple(v for v in (loss, logits, cache, hidden_states) if v is not None)
-        return model_output(output_class, cache, loss=loss, logits=logits, hidden_states=hidden_states)
-
     def _causal_lm_output(self, outputs, labels, logits_to_keep, return_dict, output_class, **kwargs):
-        """The head's return value from the backbone's ``outputs``."""
-        loss, logits = self._logits_and_loss(outputs.last_hidden_state, labels, logits_to_keep, **kwargs)
-        return self._lm_return(loss, logits, output_cache(outputs), outputs.hidden_states, return_dict, output_class)
+        """The head's return value from the backbone's ``outputs``: ``output_class(loss, logits, hidden_states, <cache
+        field>)`` or its tuple (:func:`_output`); logits ``(batch, kept_positions, vocab_size)`` float32 (float64 for a
+        float64 model) at ``logits_to_keep`` (:func:`check_logits_to_keep`), loss (given ``labels``) by
+        ``self.loss_function``."""
+        kept = check_logits_to_keep(logits_to_keep, outputs.last_hidden_state.shape[1])
+        logits = self.lm_head(outputs.last_hidden_state[:, kept, :].to(self.lm_head.weight.dtype))
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        return _output(
+            self, output_class, return_dict, output_cache(outputs),
+            loss=loss, logits=logits, hidden_states=outputs.hidden_states,
+        )
 
     @takes_cache("past_key_values", "cache_params")
     def prepare_inputs_for_generation(
