@@ -75,8 +75,6 @@ def prepare_attention_mask(attention_mask: torch.Tensor | None, batch: int, seq_
         return None
     if attention_mask.dtype != torch.bool and not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
         raise ValueError("`attention_mask` must hold only 0 (padding) and 1 (token); got other values.")
-    if bool(attention_mask.all()):
-        return None
     return attention_mask
 
 
@@ -147,13 +145,12 @@ def packed_document_starts(
             starts["position_ids"] = restart
     if not starts:
         return None
-    names, resets = list(starts), list(starts.values())
+    (first, reset), *others = starts.items()
     if not checked:
-        return resets[0]
-    for name, other in zip(names[1:], resets[1:]):
-        if not torch.equal(other, resets[0]):
-            raise ValueError(f"`{names[0]}` and `{name}` describe different document boundaries.")
-    reset = resets[0]
+        return reset
+    for name, other in others:
+        if not torch.equal(other, reset):
+            raise ValueError(f"`{first}` and `{name}` describe different document boundaries.")
     return reset if bool(reset[:, 1:].any()) else None
 
 
@@ -304,7 +301,6 @@ class DenseSSMCausalLMMixin:
 
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:
-        # _prepare_cache_for_generation builds a DenseSSMCache instead of a plain DynamicCache
         return False
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
@@ -313,20 +309,14 @@ class DenseSSMCausalLMMixin:
         super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
         if generation_config.use_cache is False or any(model_kwargs.get(name) is not None for name in CACHE_FIELDS):
             return
-        # the keyword generate() keeps the cache under: `cache` from 5.24; before, `cache_params` for a class whose name
-        # holds "mamba" and `past_key_values` otherwise (transformers 5.17-5.23's _prepare_cache_for_generation)
+        # the keyword generate() keeps the cache under (docs/design.md §5, "The cache's name")
         name = "cache" if CACHE_RENAMED else "cache_params" if "mamba" in type(self).__name__.lower() else "past_key_values"
         model_kwargs[name] = new_cache(self.config)
 
     def compile_decode_step(self, enable: bool = True):
         """Compile ``generate()``'s one-token decoding steps on every device: ``generation_config.compile_config``
-        becomes ``CompileConfig(fullgraph=True)``, allowed on every device (docs/design.md §5, "Compiled decoding").
-
-        Args:
-            enable: ``False`` goes back to transformers' default (``compile_config = None``).
-
-        Returns:
-            The model.
+        becomes ``CompileConfig(fullgraph=True)``, allowed on every device (docs/design.md §5, "Compiled decoding");
+        ``enable=False`` goes back to transformers' default (``compile_config = None``). Returns the model.
 
         Raises:
             TypeError: ``enable`` is not a bool.
