@@ -186,8 +186,7 @@ def run_backbone(
             :func:`packed_document_starts`, :func:`~hf_densessm.modeling.cache.check_cache`).
     """
     config = model.config
-    if output_hidden_states is None:
-        output_hidden_states = config.output_hidden_states
+    output_hidden_states = config.output_hidden_states if output_hidden_states is None else output_hidden_states
     check_inputs(input_ids, inputs_embeds, config.hidden_size)
     if inputs_embeds is None:
         inputs_embeds = embeddings(input_ids)
@@ -375,17 +374,14 @@ class DenseSSMCausalLMMixin:
         )
         if cache is not None:
             model_inputs["cache"] = cache
-        fed = model_inputs.get("input_ids")
-        if fed is None:
-            fed = model_inputs["inputs_embeds"]
+        fed = model_inputs["input_ids"] if model_inputs.get("input_ids") is not None else model_inputs["inputs_embeds"]
         model_inputs["attention_mask"] = None if attention_mask is None else attention_mask[:, -fed.shape[1] :]
         return model_inputs
 
 
 class DenseSSMForSequenceClassificationMixin(GenericForSequenceClassification):
-    """transformers' ``GenericForSequenceClassification`` (bias-free ``score`` read at the last non-padding token)
-    over the family's backbone, built directly (not through ``AutoModel``) so that remote code loads it. A subclass
-    sets ``base_model_prefix`` and ``backbone_class``."""
+    """transformers' ``GenericForSequenceClassification`` over the family's backbone, built directly (docs/design.md
+    §5, "Sequence classification"). A subclass sets ``base_model_prefix`` and ``backbone_class``."""
 
     backbone_class: type = None
 
