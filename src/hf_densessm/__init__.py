@@ -2,8 +2,7 @@
 
 Importing the package registers ``"densemamba"`` and ``"denseretnet"`` with ``AutoConfig``, ``AutoModel``,
 ``AutoModelForCausalLM`` and ``AutoModelForSequenceClassification``, so ``from_config`` / ``from_pretrained`` work as
-for any model.
-"""
+for any model."""
 
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification
 

@@ -1,7 +1,6 @@
 """The dense hidden connection of DenseSSM, whole: gate, selective transition, hidden fusion, init and the layer loop
 that hands each layer's pre-fusion features up to the next ``m`` layers (DenseSSM paper §3.3, Eq. 10-17, Tables 7-9;
-choices and how features travel: docs/design.md §2).
-"""
+choices and how features travel: docs/design.md §2)."""
 
 from __future__ import annotations
 

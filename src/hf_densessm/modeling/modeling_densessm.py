@@ -19,9 +19,7 @@ logger = logging.get_logger(__name__)
 _ID_DTYPES = (torch.int64, torch.int32)
 
 
-def check_inputs(
-    input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None, hidden_size: int
-) -> None:
+def check_inputs(input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None, hidden_size: int) -> None:
     """Check the model's token inputs at ``forward`` entry.
 
     Raises:
@@ -219,13 +217,8 @@ def run_backbone(
     if reset is not None and attention_mask is not None:
         raise ValueError("Packed documents need no padding: give no `attention_mask` with zeros alongside them.")
     hidden_states, all_hidden_states = run_dense_layers(
-        model.layers,
-        inputs_embeds,
-        config,
-        output_hidden_states,
-        cache=cache,
-        attention_mask=attention_mask,
-        reset=reset,
+        model.layers, inputs_embeds, config, output_hidden_states,
+        cache=cache, attention_mask=attention_mask, reset=reset,
     )
     record_tokens(cache, inputs_embeds, attention_mask)
     hidden_states = final_norm(hidden_states)
