@@ -2,11 +2,11 @@
 
 Importing the package registers ``"densemamba"`` and ``"denseretnet"`` with ``AutoConfig``, ``AutoModel``,
 ``AutoModelForCausalLM`` and ``AutoModelForSequenceClassification``, so ``from_config`` / ``from_pretrained`` work as
-for any model.
-"""
+for any model."""
 
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification
 
+from . import modeling
 from .configuration import DenseMambaConfig, DenseRetNetConfig
 from .modeling import (
     DenseMambaForCausalLM,
@@ -32,16 +32,4 @@ for _config, _model, _lm, _classifier in (
     AutoModelForCausalLM.register(_config, _lm, exist_ok=True)
     AutoModelForSequenceClassification.register(_config, _classifier, exist_ok=True)
 
-__all__ = [
-    "DenseMambaConfig",
-    "DenseMambaForCausalLM",
-    "DenseMambaForSequenceClassification",
-    "DenseMambaModel",
-    "DenseMambaPreTrainedModel",
-    "DenseRetNetConfig",
-    "DenseRetNetForCausalLM",
-    "DenseRetNetForSequenceClassification",
-    "DenseRetNetModel",
-    "DenseRetNetPreTrainedModel",
-    "paper_training_arguments",
-]
+__all__ = ["DenseMambaConfig", "DenseRetNetConfig", *modeling.__all__, "paper_training_arguments"]

@@ -20,5 +20,4 @@ def paper_training_arguments(preset: str) -> dict:
     Raises:
         ValueError: ``preset`` is not one of the paper's presets (the message lists them).
     """
-    recipes = {**DENSEMAMBA_PAPER_TRAINING, **DENSERETNET_PAPER_TRAINING}
-    return resolve_preset(recipes, preset, "paper-trained")
+    return resolve_preset({**DENSEMAMBA_PAPER_TRAINING, **DENSERETNET_PAPER_TRAINING}, preset, "paper-trained")

@@ -1,7 +1,5 @@
-"""The recurrent-state cache of both DenseSSM families: transformers' ``DynamicCache`` of linear-attention layers,
-plus the token counts of :class:`DenseSSMCache`; which slot holds what (:data:`CACHE_SLOTS`), how it is built, stored
-into without autograd history, counted, and named by the installed transformers: docs/design.md §5.
-"""
+"""The recurrent-state cache of both DenseSSM families (:class:`DenseSSMCache`), its checks, and the helpers that
+read, store and name it (docs/design.md §5)."""
 
 from __future__ import annotations
 
@@ -13,8 +11,7 @@ from transformers.cache_utils import Cache, DynamicCache, LinearAttentionCacheLa
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.utils.deprecation import deprecate_kwarg
 
-#: The names of a model output's cache field: ``cache`` from transformers 5.24; before, ``past_key_values`` (Mamba:
-#: ``cache_params``).
+#: The names of a model output's cache field, newest first (docs/design.md §5, "The cache's name").
 CACHE_FIELDS = ("cache", "past_key_values", "cache_params")
 
 #: Whether the installed transformers calls the cache ``cache`` (5.24 and later), read off its own output class.
@@ -45,9 +42,7 @@ def takes_cache(*old_names: str):
 
         @functools.wraps(function)
         def with_old_names(*args, **kwargs):
-            for name in old_names:
-                if name not in kwargs:
-                    continue
+            for name in [name for name in old_names if name in kwargs]:
                 value, current = kwargs.pop(name), kwargs.get("cache")
                 if current is None:
                     kwargs["cache"] = value
@@ -56,9 +51,8 @@ def takes_cache(*old_names: str):
             return function(*args, **kwargs)
 
         signature = inspect.signature(function)
-        parameters = [p for p in signature.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
-        parameters += [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None) for name in old_names]
-        parameters += [p for p in signature.parameters.values() if p.kind is inspect.Parameter.VAR_KEYWORD]
+        added = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None) for name in old_names]
+        parameters = sorted([*signature.parameters.values(), *added], key=lambda p: p.kind)  # stable: before **kwargs
         with_old_names.__signature__ = signature.replace(parameters=parameters)
         return with_old_names
 
@@ -228,13 +222,10 @@ def check_cache(cache, config, batch: int) -> None:
             f"place the rotary angles), got {type(cache).__name__}; {hint}."
         )
     expected = _expected_shapes(config, batch)
-    for layer_idx, layer in enumerate(cache.layers):
-        for (kind, slot), shape in expected.items():
-            filled = layer.is_conv_states_initialized if kind == "conv" else layer.is_recurrent_states_initialized
-            if not filled[slot]:
-                continue
-            state = (layer.conv_states if kind == "conv" else layer.recurrent_states)[slot]
-            if tuple(state.shape) != shape:
+    for layer_idx in range(len(cache.layers)):
+        for (kind, slot), shape in expected.items():  # the conv window is slot 0
+            state = conv_state(cache, layer_idx) if kind == "conv" else recurrent_state(cache, layer_idx, slot)
+            if state is not None and tuple(state.shape) != shape:
                 raise ValueError(
                     f"`cache` holds a {kind} state of shape {tuple(state.shape)} in layer {layer_idx}, but this "
                     f"model with batch size {batch} needs {shape} (a cache serves one batch size); {hint}."

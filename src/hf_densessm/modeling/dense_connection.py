@@ -1,7 +1,6 @@
 """The dense hidden connection of DenseSSM, whole: gate, selective transition, hidden fusion, init and the layer loop
 that hands each layer's pre-fusion features up to the next ``m`` layers (DenseSSM paper §3.3, Eq. 10-17, Tables 7-9;
-choices and how features travel: docs/design.md §2).
-"""
+choices and how features travel: docs/design.md §2)."""
 
 from __future__ import annotations
 
@@ -18,9 +17,7 @@ GATE_INIT_GAIN = 2**-2.5  # Xavier-uniform gain of DenseMamba's gates (docs/desi
 def dense_predecessor_count(layer_idx: int, dense_layers: int, dense_every: int) -> int:
     """Number of preceding layers whose features layer ``layer_idx`` fuses: ``min(l, m)`` when ``l > 0`` is a multiple
     of ``dense_every`` (Table 9), else 0."""
-    if layer_idx == 0 or dense_layers == 0 or layer_idx % dense_every:
-        return 0
-    return min(layer_idx, dense_layers)
+    return 0 if dense_layers == 0 or layer_idx % dense_every else min(layer_idx, dense_layers)
 
 
 def _dense_linear(in_features: int, out_features: int, role: str) -> nn.Linear:
@@ -43,13 +40,8 @@ def init_dense_linear(module: nn.Module, init, gate_std: float | None = None) ->
         init.normal_(module.weight, mean=0.0, std=gate_std)
     elif role == "gate":
         init.xavier_uniform_(module.weight, gain=GATE_INIT_GAIN)
-    elif role == "identity":
+    else:  # "identity" and "concat": eye_ fills the concat reduction's (size, (n + 1) * size) weight with [I, 0]
         init.eye_(module.weight)
-    else:
-        size = module.weight.shape[0]
-        weight = torch.zeros_like(module.weight)
-        weight[:, :size] = torch.eye(size, dtype=weight.dtype, device=weight.device)
-        init.copy_(module.weight, weight)
     return True
 
 
@@ -143,9 +135,7 @@ class DenseHiddenConnection(nn.Module):
         if self.selection != "none" and self.shared_gate and self.projections is None and self.fusion == "add":
             # The defaults (identity transition, one shared gate, add): sum_i g * f_i = g * sum_i f_i, so the
             # predecessors are summed first and gated once (one pointwise region under torch.compile).
-            total = predecessors[0]
-            for f in predecessors[1:]:
-                total = total + f
+            total = sum(predecessors[1:], predecessors[0])
             return torch.addcmul(feature, total.to(feature.dtype), self.gate(x).to(feature.dtype))
         shared = self.gate(x) if self.selection != "none" and self.shared_gate else None
         selected = []
@@ -156,9 +146,7 @@ class DenseHiddenConnection(nn.Module):
                 f = f * (shared if shared is not None else self.gates[i](x))  # Eq. 16
             selected.append(f)
         if self.fusion == "add":  # Eq. 17
-            for f in selected:
-                feature = feature + f
-            return feature
+            return sum(selected, feature)
         return self.reduce(torch.cat([feature, *selected], dim=-1))  # Table 8, "Concat"
 
     @torch.no_grad()
@@ -218,7 +206,7 @@ def run_dense_layers(
         The last block's output and, if ``output_hidden_states``, every block's input (embeddings first).
     """
     m = config.dense_layers
-    history: deque[tuple[torch.Tensor, ...]] = deque(maxlen=max(m, 1))
+    history: deque[tuple[torch.Tensor, ...]] = deque(maxlen=m)  # m = 0: keeps nothing
     all_hidden_states = () if output_hidden_states else None
     for layer_idx, block in enumerate(layers):
         if output_hidden_states:
@@ -227,6 +215,5 @@ def run_dense_layers(
         nearest_first = [history[-j] for j in range(1, n + 1)]
         dense_inputs = [layer[f] for f in range(len(history[-1]) if n else 0) for layer in nearest_first]
         hidden_states, *features = block(hidden_states, *dense_inputs, **layer_kwargs)
-        if m:
-            history.append(tuple(features))
+        history.append(tuple(features))
     return hidden_states, all_hidden_states

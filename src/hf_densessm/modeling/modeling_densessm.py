@@ -19,9 +19,7 @@ logger = logging.get_logger(__name__)
 _ID_DTYPES = (torch.int64, torch.int32)
 
 
-def check_inputs(
-    input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None, hidden_size: int
-) -> None:
+def check_inputs(input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None, hidden_size: int) -> None:
     """Check the model's token inputs at ``forward`` entry.
 
     Raises:
@@ -75,8 +73,6 @@ def prepare_attention_mask(attention_mask: torch.Tensor | None, batch: int, seq_
         return None
     if attention_mask.dtype != torch.bool and not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
         raise ValueError("`attention_mask` must hold only 0 (padding) and 1 (token); got other values.")
-    if bool(attention_mask.all()):
-        return None
     return attention_mask
 
 
@@ -147,13 +143,12 @@ def packed_document_starts(
             starts["position_ids"] = restart
     if not starts:
         return None
-    names, resets = list(starts), list(starts.values())
+    (first, reset), *others = starts.items()
     if not checked:
-        return resets[0]
-    for name, other in zip(names[1:], resets[1:]):
-        if not torch.equal(other, resets[0]):
-            raise ValueError(f"`{names[0]}` and `{name}` describe different document boundaries.")
-    reset = resets[0]
+        return reset
+    for name, other in others:
+        if not torch.equal(other, reset):
+            raise ValueError(f"`{first}` and `{name}` describe different document boundaries.")
     return reset if bool(reset[:, 1:].any()) else None
 
 
@@ -189,8 +184,7 @@ def run_backbone(
             :func:`packed_document_starts`, :func:`~hf_densessm.modeling.cache.check_cache`).
     """
     config = model.config
-    if output_hidden_states is None:
-        output_hidden_states = config.output_hidden_states
+    output_hidden_states = config.output_hidden_states if output_hidden_states is None else output_hidden_states
     check_inputs(input_ids, inputs_embeds, config.hidden_size)
     if inputs_embeds is None:
         inputs_embeds = embeddings(input_ids)
@@ -223,13 +217,8 @@ def run_backbone(
     if reset is not None and attention_mask is not None:
         raise ValueError("Packed documents need no padding: give no `attention_mask` with zeros alongside them.")
     hidden_states, all_hidden_states = run_dense_layers(
-        model.layers,
-        inputs_embeds,
-        config,
-        output_hidden_states,
-        cache=cache,
-        attention_mask=attention_mask,
-        reset=reset,
+        model.layers, inputs_embeds, config, output_hidden_states,
+        cache=cache, attention_mask=attention_mask, reset=reset,
     )
     record_tokens(cache, inputs_embeds, attention_mask)
     hidden_states = final_norm(hidden_states)
@@ -238,13 +227,18 @@ def run_backbone(
     return hidden_states, cache, all_hidden_states
 
 
-def backbone_output(model, output_class, return_dict, hidden_states, cache, all_hidden_states):
-    """``output_class(last_hidden_state, hidden_states, <cache field>)``, or the tuple of those not ``None`` when
+def _output(model, output_class, return_dict, cache, **fields):
+    """``model_output(output_class, cache, **fields)``, or its ``to_tuple()`` (the fields not ``None``, in order) when
     ``return_dict`` (default ``config.return_dict``) is False."""
-    return_dict = return_dict if return_dict is not None else model.config.return_dict
-    if not return_dict:
-        return tuple(v for v in (hidden_states, cache, all_hidden_states) if v is not None)
-    return model_output(output_class, cache, last_hidden_state=hidden_states, hidden_states=all_hidden_states)
+    output = model_output(output_class, cache, **fields)
+    return output if (return_dict if return_dict is not None else model.config.return_dict) else output.to_tuple()
+
+
+def backbone_output(model, output_class, return_dict, hidden_states, cache, all_hidden_states):
+    """``output_class(last_hidden_state, hidden_states, <cache field>)``, or its tuple (:func:`_output`)."""
+    return _output(
+        model, output_class, return_dict, cache, last_hidden_state=hidden_states, hidden_states=all_hidden_states
+    )
 
 
 def check_logits_to_keep(logits_to_keep, seq_len: int):
@@ -299,7 +293,6 @@ class DenseSSMCausalLMMixin:
 
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:
-        # _prepare_cache_for_generation builds a DenseSSMCache instead of a plain DynamicCache
         return False
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
@@ -308,37 +301,14 @@ class DenseSSMCausalLMMixin:
         super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
         if generation_config.use_cache is False or any(model_kwargs.get(name) is not None for name in CACHE_FIELDS):
             return
-        # the keyword generate() keeps the cache under: `cache` from 5.24; before, `cache_params` for a class whose name
-        # holds "mamba" and `past_key_values` otherwise (transformers 5.17-5.23's _prepare_cache_for_generation)
+        # the keyword generate() keeps the cache under (docs/design.md §5, "The cache's name")
         name = "cache" if CACHE_RENAMED else "cache_params" if "mamba" in type(self).__name__.lower() else "past_key_values"
         model_kwargs[name] = new_cache(self.config)
 
-    def _logits_and_loss(
-        self,
-        hidden_states: torch.Tensor,
-        labels: torch.Tensor | None,
-        logits_to_keep: int | torch.Tensor,
-        **kwargs,
-    ) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """``(loss or None, logits (batch, kept_positions, vocab_size))``, logits float32 (float64 for a float64 model),
-        loss by ``self.loss_function``; ``logits_to_keep`` as :func:`check_logits_to_keep`."""
-        kept = check_logits_to_keep(logits_to_keep, hidden_states.shape[1])
-        logits = self.lm_head(hidden_states[:, kept, :].to(self.lm_head.weight.dtype))
-        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-        loss = None
-        if labels is not None:
-            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-        return loss, logits
-
     def compile_decode_step(self, enable: bool = True):
         """Compile ``generate()``'s one-token decoding steps on every device: ``generation_config.compile_config``
-        becomes ``CompileConfig(fullgraph=True)``, allowed on every device (docs/design.md §5, "Compiled decoding").
-
-        Args:
-            enable: ``False`` goes back to transformers' default (``compile_config = None``).
-
-        Returns:
-            The model.
+        becomes ``CompileConfig(fullgraph=True)``, allowed on every device (docs/design.md §5, "Compiled decoding");
+        ``enable=False`` goes back to transformers' default (``compile_config = None``). Returns the model.
 
         Raises:
             TypeError: ``enable`` is not a bool.
@@ -352,17 +322,21 @@ class DenseSSMCausalLMMixin:
         self.generation_config.compile_config = compile_config
         return self
 
-    def _lm_return(self, loss, logits, cache, hidden_states, return_dict, output_class):
-        """As :func:`backbone_output`, for ``output_class(loss, logits, hidden_states, <cache field>)``."""
-        return_dict = return_dict if return_dict is not None else self.config.return_dict
-        if not return_dict:
-            return tuple(v for v in (loss, logits, cache, hidden_states) if v is not None)
-        return model_output(output_class, cache, loss=loss, logits=logits, hidden_states=hidden_states)
-
     def _causal_lm_output(self, outputs, labels, logits_to_keep, return_dict, output_class, **kwargs):
-        """The head's return value from the backbone's ``outputs``."""
-        loss, logits = self._logits_and_loss(outputs.last_hidden_state, labels, logits_to_keep, **kwargs)
-        return self._lm_return(loss, logits, output_cache(outputs), outputs.hidden_states, return_dict, output_class)
+        """The head's return value from the backbone's ``outputs``: ``output_class(loss, logits, hidden_states, <cache
+        field>)`` or its tuple (:func:`_output`); logits ``(batch, kept_positions, vocab_size)`` float32 (float64 for a
+        float64 model) at ``logits_to_keep`` (:func:`check_logits_to_keep`), loss (given ``labels``) by
+        ``self.loss_function``."""
+        kept = check_logits_to_keep(logits_to_keep, outputs.last_hidden_state.shape[1])
+        logits = self.lm_head(outputs.last_hidden_state[:, kept, :].to(self.lm_head.weight.dtype))
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        return _output(
+            self, output_class, return_dict, output_cache(outputs),
+            loss=loss, logits=logits, hidden_states=outputs.hidden_states,
+        )
 
     @takes_cache("past_key_values", "cache_params")
     def prepare_inputs_for_generation(
@@ -393,17 +367,14 @@ class DenseSSMCausalLMMixin:
         )
         if cache is not None:
             model_inputs["cache"] = cache
-        fed = model_inputs.get("input_ids")
-        if fed is None:
-            fed = model_inputs["inputs_embeds"]
+        fed = model_inputs["input_ids"] if model_inputs.get("input_ids") is not None else model_inputs["inputs_embeds"]
         model_inputs["attention_mask"] = None if attention_mask is None else attention_mask[:, -fed.shape[1] :]
         return model_inputs
 
 
 class DenseSSMForSequenceClassificationMixin(GenericForSequenceClassification):
-    """transformers' ``GenericForSequenceClassification`` (bias-free ``score`` read at the last non-padding token)
-    over the family's backbone, built directly (not through ``AutoModel``) so that remote code loads it. A subclass
-    sets ``base_model_prefix`` and ``backbone_class``."""
+    """transformers' ``GenericForSequenceClassification`` over the family's backbone, built directly (docs/design.md
+    §5, "Sequence classification"). A subclass sets ``base_model_prefix`` and ``backbone_class``."""
 
     backbone_class: type = None
 
