@@ -8,12 +8,13 @@ can be checked against what is left once they are paid::
     python benchmarks/profile_cpu_decode.py --threads 2 --out benchmarks/results/cpu_decode_profile.json
 
 For each model (the 30M presets of ``bench_cpu.py``, random weights; transformers' Mamba has DenseMamba m=0's) and
-dtype, it times ``generate()`` (``bench_cpu.GENERATE_CALL``, under ``torch.inference_mode``) of ``--new-tokens``
-tokens against one token, the models taking turns, and takes the median difference per token; then it profiles one
-call with ``torch.profiler`` and sums the self time of ``aten::mm`` / ``aten::addmm`` (the linear layers and the LM
-head) per token. ``bound`` is transformers' Mamba's time per token over the model's time in those products: the
+dtype, it times ``generate()`` (``bench_cpu.GENERATE_CALL``, the plain greedy call, under ``torch.inference_mode``)
+of ``--new-tokens`` tokens against one token, the models taking turns, and takes the median difference per token;
+then it profiles one call with ``torch.profiler`` and sums the self time of ``aten::mm`` / ``aten::addmm`` (the
+linear layers and the LM head) per token made. ``bound`` is transformers' Mamba's time per token over the model's time in those products: the
 speed-up the model would have if everything else it does took no time. ``--compiled`` adds DenseMamba m=0 with
-``compile_decode_step()`` (transformers' generation compile path).
+``compile_decode_step()`` (transformers' generation compile path). ``lm_head_ms`` times one call of the LM head
+(transformers' Mamba's, the same shape in every model) against one read of its weight.
 """
 
 from __future__ import annotations
@@ -34,17 +35,18 @@ GEMM_OPS = ("aten::mm", "aten::addmm")
 
 
 def per_token_ms(models, prompt, new_tokens, repeats):
-    """Median over ``repeats`` of (time of ``new_tokens + 1`` new tokens - time of 1) / ``new_tokens``, in ms."""
+    """Median over ``repeats`` of (time of up to ``new_tokens + 1`` new tokens - time of 1) / the tokens the first
+    call made beyond the second's (fewer than ``new_tokens`` if the model's EOS came first), in ms."""
     def once(model, n):
         start = time.perf_counter()
-        model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n, min_new_tokens=n,
-                       **GENERATE_CALL)
-        return time.perf_counter() - start
+        out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n, **GENERATE_CALL)
+        return time.perf_counter() - start, out.shape[1]
 
     diffs = {name: [] for name in models}
     for _ in range(repeats):
         for name, model in models.items():
-            diffs[name].append((once(model, new_tokens + 1) - once(model, 1)) / new_tokens * 1e3)
+            (long_s, long_len), (short_s, short_len) = once(model, new_tokens + 1), once(model, 1)
+            diffs[name].append((long_s - short_s) / max(long_len - short_len, 1) * 1e3)
     return {name: statistics.median(d) for name, d in diffs.items()}
 
 
@@ -55,13 +57,27 @@ def gemm_ms(model, prompt, new_tokens, top=8):
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens,
-                       min_new_tokens=new_tokens, **GENERATE_CALL)
+        out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens,
+                             **GENERATE_CALL)
+    new_tokens = out.shape[1] - prompt.shape[1]
     events = prof.key_averages()
     gemm = sum(e.self_cpu_time_total for e in events if e.key in GEMM_OPS) / 1e3 / new_tokens
     others = sorted((e for e in events if e.key not in GEMM_OPS), key=lambda e: -e.self_cpu_time_total)[:top]
     return (gemm, sum(e.self_cpu_time_total for e in events) / 1e3 / new_tokens,
             {e.key: e.self_cpu_time_total / 1e3 / new_tokens for e in others})
+
+
+def lm_head_ms(model, repeats=50):
+    """Median time of one batch-1 call of ``model.lm_head`` (the module, one hidden vector) and of one read of its
+    weight (``torch.sum``), in ms: how far the BLAS's matrix-vector product is from reading the weight once."""
+    x = torch.randn(1, 1, model.config.hidden_size, dtype=model.lm_head.weight.dtype)
+    times = {"call": [], "read": []}
+    for _ in range(repeats):
+        for key, fn in (("call", lambda: model.lm_head(x)), ("read", lambda: model.lm_head.weight.sum())):
+            start = time.perf_counter()
+            fn()
+            times[key].append((time.perf_counter() - start) * 1e3)
+    return {key: statistics.median(values) for key, values in times.items()}
 
 
 def main(argv=None):
@@ -91,9 +107,12 @@ def main(argv=None):
         with torch.inference_mode():
             for model in models.values():  # warm up (the compiled row compiles here)
                 for n in (1, args.new_tokens + 1):
-                    model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n,
-                                   min_new_tokens=n, **GENERATE_CALL)
+                    model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n, **GENERATE_CALL)
             wall = per_token_ms(models, prompt, args.new_tokens, args.repeats)
+            head = lm_head_ms(models[MAMBA])
+            results.setdefault("lm_head_ms", {})[dtype_name] = head
+            print(f"{dtype_name:9s} LM head ({tuple(models[MAMBA].lm_head.weight.shape)}) call {head['call']:.3f} ms, "
+                  f"read of its weight {head['read']:.3f} ms")
             for name, model in models.items():
                 gemm, profiled, others = gemm_ms(model, prompt, args.new_tokens)
                 row = dict(model=name, dtype=dtype_name, ms_per_token=wall[name], gemm_ms_per_token=gemm,

@@ -37,3 +37,5 @@ def test_rows_and_bound(tmp_path):
         assert math.isclose(row["bound_vs_mamba"], mamba_ms / row["gemm_ms_per_token"])
         assert row["top_other_ops_ms_per_token"] and "aten::mm" not in row["top_other_ops_ms_per_token"]
     assert rows["transformers Mamba"]["speedup_vs_mamba"] == 1.0
+    assert set(report["lm_head_ms"]) == {"float32"}
+    assert all(math.isfinite(v) and v > 0 for v in report["lm_head_ms"]["float32"].values())
