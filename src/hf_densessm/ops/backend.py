@@ -12,8 +12,8 @@ from dataclasses import dataclass, replace
 import torch
 
 __all__ = [
-    "ARCHS", "BACKENDS", "GPUArch", "check_backend", "compute_dtype", "inputs_compute_dtype", "device_arch", "interpreting", "own_precision",
-    "resolve_backend", "triton_available", "use_triton",
+    "ARCHS", "BACKENDS", "GPUArch", "check_backend", "compute_dtype", "device_arch", "inputs_compute_dtype",
+    "interpreting", "own_precision", "resolve_backend", "tracing", "triton_available", "use_triton",
 ]
 
 #: The values of every op's ``backend`` argument (and of the models' ``config.kernel_backend``).
@@ -35,6 +35,12 @@ def inputs_compute_dtype(*tensors) -> torch.dtype:
     """The accumulation dtype of an op over several inputs (``None`` entries skipped): float64 when any input is
     float64, else float32."""
     return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+def tracing(device: torch.device) -> bool:
+    """Whether checks that read tensor values must be skipped: ``torch.compile`` traces (the values are not known),
+    or a CUDA graph is captured on a CUDA ``device`` (a host read would break the capture)."""
+    return torch.compiler.is_compiling() or (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
 
 
 def own_precision(device: torch.device):

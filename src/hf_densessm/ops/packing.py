@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from .backend import tracing
+
 __all__ = ["check_reset", "document_positions"]
 
 
@@ -15,7 +17,7 @@ def check_reset(reset, batch: int, length: int, device: torch.device) -> torch.T
     Raises:
         TypeError: ``reset`` is not a bool or integer tensor.
         ValueError: its shape is not ``(batch, length)``, an integer ``reset`` holds values other than 0 and 1 (not
-            checked while ``torch.compile`` traces: reading values would break the graph), or it lies on another
+            checked while tracing or capturing, :func:`~.backend.tracing`), or it lies on another
             device. Messages name ``reset``.
     """
     if reset is None:
@@ -27,7 +29,7 @@ def check_reset(reset, batch: int, length: int, device: torch.device) -> torch.T
     if reset.device != device:
         raise ValueError(f"reset is on {reset.device} but the inputs are on {device}")
     if reset.dtype != torch.bool:
-        if not torch.compiler.is_compiling() and bool(((reset != 0) & (reset != 1)).any()):
+        if not tracing(device) and bool(((reset != 0) & (reset != 1)).any()):
             raise ValueError("reset must hold only 0 and 1 (True where a packed document starts)")
         reset = reset.bool()
     return reset

@@ -17,11 +17,6 @@ __all__ = ["causal_conv1d"]
 _ACTIVATIONS = (None, "silu")
 
 
-def _tracing(x: torch.Tensor) -> bool:
-    """Whether value-reading checks must be skipped: ``torch.compile`` traces, or a CUDA graph is captured."""
-    return torch.compiler.is_compiling() or (x.device.type == "cuda" and torch.cuda.is_current_stream_capturing())
-
-
 @triton_op("hf_densessm::causal_conv1d", mutates_args=())
 def _causal_conv1d_op(
     x: torch.Tensor,
@@ -118,9 +113,6 @@ def causal_conv1d(
                          f"got {tuple(window.shape)}")
     if activation not in _ACTIVATIONS:
         raise ValueError(f"activation must be one of {_ACTIVATIONS}, got {activation!r}")
-    if (isinstance(reset, torch.Tensor) and reset.dtype != torch.bool and not reset.dtype.is_floating_point
-            and not reset.is_complex() and _tracing(x)):
-        reset = reset != 0  # the 0/1 check of an integer reset reads its values: skipped while tracing / capturing
     reset = check_reset(reset, batch, length, x.device)
     resolve_backend(backend, x.device)  # checks the argument; every backend runs the one PyTorch path
     taps = weight.reshape(channels, kernel)

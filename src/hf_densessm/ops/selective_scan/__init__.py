@@ -2,17 +2,18 @@
 (whole sequence; ``mamba_ssm``'s ``selective_scan_fn`` layout) and :func:`selective_state_update` (one decoding
 token, state updated in place), their argument checks, and the ``torch.library`` ops ``hf_densessm::selective_scan``
 (+ ``_backward``) and ``hf_densessm::selective_state_update`` they call. Each op's body is the one dispatch
-(:func:`hf_densessm.ops.backend.resolve_backend`) between the chunk-parallel Triton kernels (``chunk.py``, ``fused_recurrent.py``)
-and the PyTorch path (``chunked_torch.py``, or on CPU tensors the C++ kernel of ``../cpu_kernel.py``); the forms,
-schemas and backends are in docs/kernels.md ("Layout", "The ops"). ``A <= 0`` is checked by :func:`selective_scan`
-(a host read: skipped while compiling or capturing a CUDA graph), not per decoding step.
+(:func:`hf_densessm.ops.backend.resolve_backend`) between the chunk-parallel Triton kernels (``chunk.py``,
+``fused_recurrent.py``) and the PyTorch path (``chunked_torch.py``, or on CPU tensors the C++ kernel of
+``../cpu_kernel.py``); the forms, schemas and backends are in docs/kernels.md ("Layout", "The ops"). ``A <= 0`` is
+checked by :func:`selective_scan` (a host read: skipped while compiling or capturing a CUDA graph), not per decoding
+step.
 """
 
 from typing import Optional
 
 import torch
 
-from ..backend import own_precision, resolve_backend
+from ..backend import own_precision, resolve_backend, tracing
 from ..cpu_kernel import scan_bwd as cpu_scan_bwd, scan_fwd as cpu_scan_fwd, use_kernel
 from ..packing import check_reset
 from .chunked_torch import selective_scan_torch_bwd, selective_scan_torch_fwd, selective_state_update_torch
@@ -72,12 +73,6 @@ def _check_scan_args(u, delta, A, B, C, D, z, delta_bias, initial_state):
     _check_tensor(
         "initial_state", initial_state, ((batch, dim, n), ("batch", "dim", "state")), dev, optional=True
     )
-
-
-def _no_data_checks() -> bool:
-    """Whether checks that read tensor values must be skipped: while ``torch.compile`` traces (the values are not
-    known) and while a CUDA graph is captured (a host read would break the capture)."""
-    return torch.compiler.is_compiling() or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 
 def _or_empty(grad: Optional[Tensor], like: Tensor) -> Tensor:
@@ -265,7 +260,7 @@ def selective_scan(
     """
     _check_scan_args(u, delta, A, B, C, D, z, delta_bias, initial_state)
     reset = check_reset(reset, u.shape[0], u.shape[2], u.device)
-    if not _no_data_checks():
+    if not tracing(u.device):
         _check_decay(A)
     tensors = (u, delta, A, B, C, D, z, delta_bias, initial_state)
     save_states = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
