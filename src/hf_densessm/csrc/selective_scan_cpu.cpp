@@ -329,13 +329,14 @@ Inputs<T> make_inputs(const Tensor& u, const Tensor& delta, const Tensor& AT, co
   return in;
 }
 
-// (batch, dim, n) row-major state <-> the ns vectors of one channel block (buf[k * W + lane], zero-padded).
+// The states of one channel block's cnt channels (channel l at src[l * row_stride + k], k < n; src null: zeros)
+// <-> its ns vectors (buf[k * W + lane], zero-padded).
 template <typename T>
-inline void gather_state(const T* src, int64_t b, int64_t d0, int64_t cnt, const Shapes& s, int64_t W, T* buf) {
-  std::fill(buf, buf + s.ns * W, T(0));
+inline void gather_state(const T* src, int64_t cnt, int64_t n, int64_t ns, int64_t W, int64_t row_stride, T* buf) {
+  std::fill(buf, buf + ns * W, T(0));
   if (!src) return;
   for (int64_t l = 0; l < cnt; ++l)
-    for (int64_t k = 0; k < s.n; ++k) buf[k * W + l] = src[(b * s.dim + d0 + l) * s.n + k];
+    for (int64_t k = 0; k < n; ++k) buf[k * W + l] = src[l * row_stride + k];
 }
 
 template <typename T>
@@ -369,7 +370,7 @@ void forward_kernel(const Inputs<T>& in, const Shapes& s, T* y, T* last, T* ck) 
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / s.nb, d0 = (task % s.nb) * W, cnt = std::min(W, dim - d0);
       Vec h[NS];
-      gather_state(in.init, b, d0, cnt, s, W, hb);
+      gather_state(in.init ? in.init + (b * dim + d0) * n : nullptr, cnt, n, s.ns, W, n, hb);
       for (int k = 0; k < NS; ++k) h[k] = Vec::loadu(hb + k * W);
       const T* Ab = in.A + d0;
       const bool* rr = in.reset ? in.reset + b * L : nullptr;
@@ -492,7 +493,7 @@ void backward_kernel(const Inputs<T>& in, const Shapes& s, const Grads<T>& gr) {
         const Vec vD = in.D ? Vec::loadu(in.D + d0) : Vec(T(0));
         const Vec vb = in.bias ? Vec::loadu(in.bias + d0) : Vec(T(0));
         Vec g[NS], dA[NS];
-        gather_state(gr.dlast, b, d0, cnt, s, W, tmp);
+        gather_state(gr.dlast ? gr.dlast + (b * dim + d0) * n : nullptr, cnt, n, s.ns, W, n, tmp);
         for (int k = 0; k < NS; ++k) {
           g[k] = Vec::loadu(tmp + k * W);
           dA[k] = Vec(T(0));
@@ -507,9 +508,8 @@ void backward_kernel(const Inputs<T>& in, const Shapes& s, const Grads<T>& gr) {
               vsigmoid(Vec::loadu(in.delta.at(b, t0 + i) + d0, cnt) + vb).store(sgb.data() + i * W);
             if (in.has_z) vsigmoid(Vec::loadu(in.z.at(b, t0 + i) + d0, cnt)).store(szb.data() + i * W);
           }
-          std::fill(entry, entry + SW, T(0));  // the state entering the chunk, from its checkpoint
-          for (int64_t l = 0; l < cnt; ++l)
-            for (int64_t k = 0; k < n; ++k) entry[k * W + l] = gr.ck[((b * dim + d0 + l) * nc + c) * n + k];
+          // the state entering the chunk, from its checkpoint
+          gather_state(gr.ck + ((b * dim + d0) * nc + c) * n, cnt, n, s.ns, W, nc * n, entry);
           {
             Vec h[NS];
             for (int k = 0; k < NS; ++k) h[k] = Vec::loadu(entry + k * W);
