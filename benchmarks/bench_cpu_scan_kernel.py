@@ -6,10 +6,10 @@ Both in one process, on the same inputs, independent of ``HF_DENSESSM_CPU_KERNEL
 the DenseMamba 30M preset (``dim = expand * hidden_size``, ``state = state_size``; read from the preset), batch 2,
 length 1024, float32, with ``D``, ``z``, ``delta_bias`` and softplus as in a Mamba block, in the layout the model
 passes (token-major views: u, delta, z and dy with channel stride 1, B and C slices of x_proj's output); and the
-kernel once more on contiguous (batch, dim, length) copies of the same inputs (which it copies to its layout). Measured: forward, and
-forward + backward (median of ``--repeats`` timed runs after a warm-up), their ratios, the extension's build/load
-time in this process (0 when it was already in the cache), and the maximum relative difference of the outputs and
-gradients between the two paths. Prints a table and writes JSON (``--out``).
+kernel once more on contiguous (batch, dim, length) copies of the same inputs (which it copies to its layout).
+Measured: forward, and forward + backward (median of ``--repeats`` timed runs after a warm-up), their ratios, the
+extension's build/load time in this process (0 when it was already in the cache), and the maximum relative
+difference of the outputs and gradients between the two paths. Prints a table and writes JSON (``--out``).
 
     python benchmarks/bench_cpu_scan_kernel.py --threads 2
 """

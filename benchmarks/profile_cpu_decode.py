@@ -11,10 +11,11 @@ For each model (the 30M presets of ``bench_cpu.py``, random weights; transformer
 dtype, it times ``generate()`` (``bench_cpu.GENERATE_CALL``, the plain greedy call, under ``torch.inference_mode``)
 of ``--new-tokens`` tokens against one token, the models taking turns, and takes the median difference per token;
 then it profiles one call with ``torch.profiler`` and sums the self time of ``aten::mm`` / ``aten::addmm`` (the
-linear layers and the LM head) per token made. ``bound`` is transformers' Mamba's time per token over the model's time in those products: the
-speed-up the model would have if everything else it does took no time. ``--compiled`` adds DenseMamba m=0 with
-``compile_decode_step()`` (transformers' generation compile path). ``lm_head_ms`` times one call of the LM head
-(transformers' Mamba's, the same shape in every model) against one read of its weight.
+linear layers and the LM head) per token made. ``bound`` is transformers' Mamba's time per token over the model's
+time in those products: the speed-up the model would have if everything else it does took no time.
+``--compiled`` adds DenseMamba m=0 with ``compile_decode_step()`` (transformers' generation compile path).
+``lm_head_ms`` times one call of the LM head (transformers' Mamba's, the same shape in every model) against one read
+of its weight.
 """
 
 from __future__ import annotations
@@ -94,7 +95,8 @@ def main(argv=None):
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     built = build_models(size=args.size)
-    prompt = torch.randint(3, built[MAMBA].config.vocab_size, (1, args.prompt_len), generator=torch.Generator().manual_seed(0))
+    generator = torch.Generator().manual_seed(0)
+    prompt = torch.randint(3, built[MAMBA].config.vocab_size, (1, args.prompt_len), generator=generator)
     results = {"command": "python benchmarks/profile_cpu_decode.py " + " ".join(argv or sys.argv[1:]),
                "machine": environment(), "threads": args.threads, "new_tokens": args.new_tokens, "rows": []}
     for dtype_name in args.dtypes:

@@ -118,7 +118,8 @@ def causal_conv1d_backward_torch(grad_out, x, taps, bias=None, window=None, rese
 
 
 def _backward_in_place(g, x, taps, window, masks, cdt):
-    """Eager backward: ``grad_x``, the window's ``(batch, K - 1, channels)`` gradient (or ``None``), the taps' columns."""
+    """Eager backward: ``grad_x``, the window's ``(batch, K - 1, channels)`` gradient (or ``None``), the taps'
+    columns."""
     batch, length, channels = x.shape
     kernel = int(taps.shape[1])
     xc, tc = x.to(cdt), taps.to(cdt).t().contiguous().t()  # each tap's column unit-strided
