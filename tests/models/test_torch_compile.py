@@ -16,6 +16,7 @@ import copy
 
 import pytest
 import torch
+from transformers import CompileConfig
 
 from helpers import FAMILIES, micro_model, output_cache, random_ids
 
@@ -114,6 +115,32 @@ def test_generate_compiles_its_decoding_steps(family):
     assert torch.equal(compiled, eager)
     model.compile_decode_step(False)
     assert model.generation_config.compile_config is None
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("padded", [False, True])
+def test_generate_compiles_the_decoding_step_once(family, padded):
+    """transformers' own compile test setting (fullgraph, static shapes) through ``generate()``: one compilation for
+    every decoding step, padded or not (the step's mask is a fresh tensor, not a view of the growing mask whose
+    strides change), and the eager tokens."""
+    model = micro_model(family)
+    ids = random_ids(2, 7)
+    mask = torch.ones_like(ids)
+    if padded:
+        mask[0, :3] = 0
+    eager = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+    graphs = []
+
+    def backend(graph, example_inputs):  # runs the graph as traced, counting compilations (a function: generate()
+        graphs.append(graph)  # deep-copies its config, and a function is copied by reference)
+        return graph.forward
+
+    config = CompileConfig(fullgraph=True, dynamic=False, backend=backend, mode=None)
+    config._compile_all_devices = True
+    model.generation_config.compile_config = config
+    compiled = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+    assert len(graphs) == 1
+    assert torch.equal(compiled, eager)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -368,7 +368,10 @@ class DenseSSMCausalLMMixin:
         if cache is not None:
             model_inputs["cache"] = cache
         fed = model_inputs["input_ids"] if model_inputs.get("input_ids") is not None else model_inputs["inputs_embeds"]
-        model_inputs["attention_mask"] = None if attention_mask is None else attention_mask[:, -fed.shape[1] :]
+        if attention_mask is not None:  # a fresh tensor, as transformers clones its slices: a view of the growing
+            # mask would change strides at every step and recompile a compiled step
+            attention_mask = attention_mask[:, -fed.shape[1] :].clone(memory_format=torch.contiguous_format)
+        model_inputs["attention_mask"] = attention_mask
         return model_inputs
 
 
