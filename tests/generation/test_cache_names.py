@@ -99,3 +99,16 @@ def test_generate_continues_a_cache_given_under_the_releases_name(family):
     )
     assert warned == []
     assert torch.equal(second, full)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("cut", [0, 6])
+def test_generate_refuses_a_cache_longer_than_the_prompt(family, cut):
+    """A cache of 11 positions with a prompt of 11 - ``cut`` tokens: the prompt would be fed on top of a state that
+    already holds it (or more), a silent wrong continuation."""
+    model = micro_model(family)
+    ids = random_ids(1, 11)
+    cache = output_cache(model(ids, use_cache=True))
+    name = "cache" if CACHE_RENAMED else OLD_NAME[family]
+    with pytest.raises(ValueError, match="holds 11 positions, but the prompt has"):
+        model.generate(ids[:, : 11 - cut], do_sample=False, max_new_tokens=2, **{name: cache})

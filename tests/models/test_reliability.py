@@ -158,8 +158,15 @@ MAMBA_FIELDS = [
     ("use_bias", 1, TypeError),
     ("residual_in_fp32", None, TypeError),
     ("dense_target", "states", ValueError),
+    ("intermediate_size", 7, ValueError),  # derived: expand * hidden_size
+    ("conv_kernel", 10**6, ValueError),
+    ("conv_kernel", 65, ValueError),
 ]
-RETNET_FIELDS = [("rope_theta", float("inf"), ValueError), ("rms_norm_eps", float("nan"), ValueError)]
+RETNET_FIELDS = [
+    ("rope_theta", float("inf"), ValueError),
+    ("rms_norm_eps", float("nan"), ValueError),
+    ("dense_target", "state", ValueError),  # a DenseMamba knob: refused, not silently ignored
+]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -174,6 +181,26 @@ def test_item6_config_values_are_checked_and_named(family):
 
 def test_item6_dense_target_is_densemamba_only():
     assert not hasattr(micro_config("denseretnet"), "dense_target")
+    with pytest.raises(ValueError, match="`dense_target` is not a denseretnet knob"):
+        micro_config("denseretnet", dense_target="input")
+
+
+def test_item6_saved_intermediate_size_round_trips(tmp_path):
+    config = micro_config("densemamba", expand=3)
+    config.save_pretrained(tmp_path)
+    assert DenseMambaConfig.from_pretrained(tmp_path).intermediate_size == 3 * config.hidden_size
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_item6_dense_layers_beyond_the_stack_fuse_every_predecessor(family):
+    """``dense_layers`` caps the predecessors a layer fuses (docs/design.md §2): beyond ``num_hidden_layers - 1`` it
+    is the same model, parameter for parameter and logit for logit."""
+    ids = random_ids(1, 9)
+    capped, beyond = micro_model(family, dense_layers=3), micro_model(family, dense_layers=10)
+    assert [n for n, _ in capped.named_parameters()] == [n for n, _ in beyond.named_parameters()]
+    beyond.load_state_dict(capped.state_dict())
+    with torch.no_grad():
+        torch.testing.assert_close(beyond(ids).logits, capped(ids).logits, rtol=0, atol=0)
 
 
 # 7. ------------------------------------------------------------------------------------------------------------
@@ -256,6 +283,23 @@ def test_item8_logits_to_keep_valid_forms(family):
     torch.testing.assert_close(model(ids, logits_to_keep=2).logits, full[:, -2:], rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(model(ids, logits_to_keep=torch.tensor([0, -1])).logits, full[:, [0, -1]],
                                rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("bad", [-1, 97, 2**40])
+def test_item8_token_ids_outside_the_vocabulary_are_named(family, bad):
+    """Out-of-vocabulary, negative or huge ids: a ValueError naming ``input_ids`` and ``vocab_size`` (not
+    ``IndexError: index out of range in self`` from inside ``torch.nn.functional``), in a call and in generate()."""
+    model = micro_model(family)
+    ids = random_ids(2, 6)
+    ids[1, 3] = bad
+    with pytest.raises(ValueError, match=r"`input_ids` must hold token ids in \[0, vocab_size\) = \[0, 97\)"):
+        model(ids)
+    with pytest.raises(ValueError, match="vocab_size"):
+        model.generate(ids, do_sample=False, max_new_tokens=2)
+    cache = output_cache(model(ids[:, :3], use_cache=True))
+    with pytest.raises(ValueError, match="vocab_size"):  # one token over a cache, on the CPU: checked too
+        model(ids[:, 3:4], cache=cache, use_cache=True)
 
 
 # 9. ------------------------------------------------------------------------------------------------------------

@@ -9,9 +9,14 @@ from .configuration_densessm import (
     DenseSSMConfig,
     check_bool,
     check_choice,
+    check_int,
     check_positive_float,
     check_size,
 )
+
+#: Widest causal convolution: each tap is one pass over the activations in the PyTorch path (unrolled when compiled);
+#: Mamba uses 4.
+MAX_CONV_KERNEL = 64
 
 #: The init of the paper's training setup (mamba_ssm; docs/design.md §4).
 MAMBA_SSM_INIT = dict(init_scheme="mamba_ssm", initializer_range=0.02, rescale_prenorm_residual=True)
@@ -44,8 +49,9 @@ class DenseMambaConfig(DenseSSMConfig):
         num_hidden_layers (`int`, defaults to 32): number of Mamba blocks.
         layer_norm_epsilon (`float`, defaults to 1e-5): RMSNorm epsilon.
         pad_token_id, bos_token_id, eos_token_id (`int`, defaults to 0, 1, 2): LLaMA tokenizer ids.
-        expand (`int`, defaults to 2): ``intermediate_size = expand * hidden_size`` (``D`` of the scan).
-        conv_kernel (`int`, defaults to 4): width of the causal depthwise convolution.
+        expand (`int`, defaults to 2): ``intermediate_size = expand * hidden_size`` (``D`` of the scan); an
+            ``intermediate_size`` given (as saved configs carry it) must equal it.
+        conv_kernel (`int`, defaults to 4): width of the causal depthwise convolution, 1 to 64.
         use_bias (`bool`, defaults to False): bias in ``in_proj`` and ``out_proj``.
         use_conv_bias (`bool`, defaults to True): bias in the convolution.
         hidden_act (`str`, defaults to "silu"): activation after the convolution and on the gate ``z``.
@@ -104,15 +110,20 @@ class DenseMambaConfig(DenseSSMConfig):
         tie_word_embeddings: bool = True,
         **kwargs,
     ):
-        kwargs.pop("intermediate_size", None)  # derived; present in saved configs
+        intermediate_size = kwargs.pop("intermediate_size", None)  # derived (expand * hidden_size); in saved configs
         self.vocab_size = check_size("vocab_size", vocab_size)
         self.hidden_size = check_size("hidden_size", hidden_size)
         self.state_size = check_size("state_size", state_size)
         self.num_hidden_layers = check_size("num_hidden_layers", num_hidden_layers)
         self.layer_norm_epsilon = check_positive_float("layer_norm_epsilon", layer_norm_epsilon)
         self.expand = check_size("expand", expand)
-        self.conv_kernel = check_size("conv_kernel", conv_kernel)
+        self.conv_kernel = check_int("conv_kernel", conv_kernel, 1, MAX_CONV_KERNEL)
         self.intermediate_size = int(self.expand * self.hidden_size)
+        if intermediate_size is not None and intermediate_size != self.intermediate_size:
+            raise ValueError(
+                f"`intermediate_size` is derived, `expand * hidden_size` = {self.intermediate_size}; got "
+                f"{intermediate_size!r}. Set `expand` (an int) instead, or leave `intermediate_size` out."
+            )
         self.use_bias = check_bool("use_bias", use_bias)
         self.use_conv_bias = check_bool("use_conv_bias", use_conv_bias)
         self.hidden_act = check_choice("hidden_act", hidden_act, ("silu",))

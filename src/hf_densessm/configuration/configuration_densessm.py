@@ -208,7 +208,14 @@ class DenseSSMConfig(PretrainedConfig):
         return cls(**kwargs)
 
     def set_dense_knobs(self, kwargs: dict) -> None:
-        """Pop the knobs of this family from ``kwargs``, validate them and set them on the config."""
+        """Pop the knobs of this family from ``kwargs``, validate them and set them on the config; a knob of another
+        family (e.g. ``dense_target`` for DenseRetNet) is a ``ValueError``."""
+        foreign = [knob.name for knob in DENSE_KNOBS if not knob.applies_to(self.model_type) and knob.name in kwargs]
+        if foreign:
+            raise ValueError(
+                f"{', '.join(f'`{name}`' for name in foreign)} is not a {self.model_type} knob (only "
+                f"{', '.join(knob.name for knob in knobs_for(self.model_type))}); leave it out."
+            )
         for knob in knobs_for(self.model_type):
             default = self.dense_defaults.get(knob.name, knob.default)
             setattr(self, knob.name, knob.check(kwargs.pop(knob.name, default)))

@@ -10,6 +10,7 @@ from transformers import CompileConfig
 from transformers.modeling_layers import GenericForSequenceClassification
 from transformers.utils import logging
 
+from ..ops.backend import tracing
 from .cache import CACHE_FIELDS, CACHE_RENAMED, check_cache, model_output, new_cache, output_cache, record_tokens, takes_cache
 from .dense_connection import run_dense_layers
 
@@ -19,12 +20,17 @@ logger = logging.get_logger(__name__)
 _ID_DTYPES = (torch.int64, torch.int32)
 
 
-def check_inputs(input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None, hidden_size: int) -> None:
-    """Check the model's token inputs at ``forward`` entry.
+def check_inputs(
+    input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None, hidden_size: int, vocab_size: int,
+    continues_cache: bool = False,
+) -> None:
+    """Check the model's token inputs at ``forward`` entry. The ids' values (a host read) are not checked while
+    tracing (:func:`~hf_densessm.ops.backend.tracing`), nor off the CPU in a decoding step (one token that
+    ``continues_cache``: no host sync per token; generate() makes those ids).
 
     Raises:
         ValueError: both or neither given; ``input_ids`` not ``(batch, seq_len)`` or ``inputs_embeds`` not
-            ``(batch, seq_len, hidden_size)``, with ``batch, seq_len >= 1``.
+            ``(batch, seq_len, hidden_size)``, with ``batch, seq_len >= 1``; an id outside ``[0, vocab_size)``.
         TypeError: ``input_ids`` not an int64 / int32 tensor, ``inputs_embeds`` not a floating-point tensor.
     """
     if (input_ids is None) == (inputs_embeds is None):
@@ -38,6 +44,14 @@ def check_inputs(input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | N
                 "`input_ids` must have shape (batch, sequence_length) with batch >= 1 and sequence_length >= 1, "
                 f"got {tuple(input_ids.shape)}."
             )
+        decoding = continues_cache and input_ids.shape[1] == 1 and input_ids.device.type != "cpu"
+        if not tracing(input_ids.device) and not decoding:
+            low, high = input_ids.aminmax()
+            if low < 0 or high >= vocab_size:
+                raise ValueError(
+                    f"`input_ids` must hold token ids in [0, vocab_size) = [0, {vocab_size}), got ids from {int(low)} "
+                    f"to {int(high)}: was the text tokenized with this model's tokenizer?"
+                )
     else:
         if not isinstance(inputs_embeds, torch.Tensor) or not inputs_embeds.dtype.is_floating_point:
             got = inputs_embeds.dtype if isinstance(inputs_embeds, torch.Tensor) else type(inputs_embeds).__name__
@@ -185,7 +199,7 @@ def run_backbone(
     """
     config = model.config
     output_hidden_states = config.output_hidden_states if output_hidden_states is None else output_hidden_states
-    check_inputs(input_ids, inputs_embeds, config.hidden_size)
+    check_inputs(input_ids, inputs_embeds, config.hidden_size, config.vocab_size, continues_cache=cache is not None)
     if inputs_embeds is None:
         inputs_embeds = embeddings(input_ids)
     else:
@@ -351,11 +365,22 @@ class DenseSSMCausalLMMixin:
     ):
         """As transformers' default, except: the 2-D padding mask is cut to the columns of the tokens fed (a
         ``(batch, 1)`` mask per decoding step); a ``cache`` holding ``p < input_ids.shape[1]`` positions is continued
-        with ``input_ids[:, p:]``; the cache goes to ``forward`` as ``cache`` (docs/design.md §5)."""
-        if is_first_iteration and next_sequence_length is None and cache is not None:
+        with ``input_ids[:, p:]``; the cache goes to ``forward`` as ``cache`` (docs/design.md §5, "Continuing a
+        cache").
+
+        Raises:
+            ValueError: at the first step, a ``cache`` holding as many positions as the prompt or more.
+        """
+        if is_first_iteration and cache is not None:
             seen = cache.get_seq_length()
             length = (inputs_embeds if inputs_embeds is not None else input_ids).shape[1]
-            if 0 < seen < length:
+            if seen and seen >= length:
+                raise ValueError(
+                    f"The `cache` passed to generate() holds {seen} positions, but the prompt has {length}: a cache "
+                    "continues the prompt its positions came from, so give that prompt plus at least one new token "
+                    "(e.g. the `sequences` returned with the cache), or leave the cache out."
+                )
+            if next_sequence_length is None and seen > 0:
                 next_sequence_length = length - seen
         model_inputs = super().prepare_inputs_for_generation(
             input_ids,
