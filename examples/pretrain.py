@@ -357,6 +357,7 @@ def main(argv: list[str] | None = None) -> dict:
             seed=args.seed,
             data_seed=args.seed,
             dataloader_drop_last=True,
+            dataloader_pin_memory=torch.cuda.is_available(),  # pinning needs an accelerator (torch warns without)
             disable_tqdm=False,
         )
         trainer = Trainer(
@@ -379,7 +380,11 @@ def main(argv: list[str] | None = None) -> dict:
         # 6, 8. The Hub-ready folder and the loss curves.
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
-        plot_losses(trainer.state.log_history, loss_before, staging / "loss_curves.png", title=args.output_dir.name)
+        plot_title = (
+            f"{args.preset} ({type(model).__name__}, {n_params / 1e6:.2f}M parameters): "
+            f"held-out loss {loss_before:.3f} -> {loss_after:.3f}"
+        )
+        plot_losses(trainer.state.log_history, loss_before, staging / "loss_curves.png", title=plot_title)
         add_training_report(staging / "README.md", args, loss_before, loss_after)
         move_into_place(staging, args.output_dir)
     finally:
@@ -426,6 +431,7 @@ def main(argv: list[str] | None = None) -> dict:
     return {
         "output_dir": args.output_dir,
         "png": png,
+        "plot_title": plot_title,
         "n_params": n_params,
         "train_seconds": train_seconds,
         "loss_before": loss_before,

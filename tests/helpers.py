@@ -30,6 +30,16 @@ def micro_model(family: str, seed: int = 0, **overrides):
     return cls(config).eval()
 
 
+def enable_checkpointing(model, use_reentrant: bool | None = None):
+    """Turn gradient checkpointing on under the installed release's name (``activation_checkpointing_enable`` from
+    transformers 5.24, which deprecates ``gradient_checkpointing_enable``; the floor, 5.17, has only the latter)."""
+    kwargs = None if use_reentrant is None else {"use_reentrant": use_reentrant}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
 def random_ids(batch: int, length: int, seed: int = 1, low: int = 3):
     g = torch.Generator().manual_seed(seed)
     return torch.randint(low, VOCAB, (batch, length), generator=g)

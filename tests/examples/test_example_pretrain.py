@@ -10,6 +10,7 @@ are tested on their own without training.
 
 import importlib.util
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -63,7 +64,12 @@ def test_pretrain_end_to_end(pretrain, corpus, tmp_path, model_type):
     (output_dir / "config.json").write_text("{}")
     (output_dir / "stale.txt").write_text("from an earlier run")
 
-    result = pretrain.main(["--model", model_type, "--train-files", str(corpus), "--output-dir", str(output_dir), *TINY])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = pretrain.main(
+            ["--model", model_type, "--train-files", str(corpus), "--output-dir", str(output_dir), *TINY]
+        )
+    assert not [w for w in caught if "pin_memory" in str(w.message)]  # no accelerator: memory is not pinned
 
     assert result["output_dir"] == output_dir
     assert EXPECTED_FILES <= {p.name for p in output_dir.iterdir()}  # plus the remote code of the hub mixin
@@ -71,6 +77,8 @@ def test_pretrain_end_to_end(pretrain, corpus, tmp_path, model_type):
     assert [p.name for p in output_dir.parent.iterdir()] == [model_type], "staging folder left behind"
     assert result["png"] == output_dir / "loss_curves.png"
     assert result["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # the plot names the model and its final held-out loss, not the output folder
+    assert result["plot_title"].startswith(f"{model_type}-tiny (") and f"-> {result['loss_after']:.3f}" in result["plot_title"]
     assert result["loss_after"] < result["loss_before"]
     assert result["loss_reloaded"] == pytest.approx(result["loss_after"], rel=1e-4)
     prompt = pretrain.parse_args([]).prompt

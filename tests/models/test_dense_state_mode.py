@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import micro_model, output_cache, random_ids
+from helpers import enable_checkpointing, micro_model, output_cache, random_ids
 
 KNOBS = [
     {},
@@ -120,7 +120,7 @@ def test_gradient_checkpointing_gives_the_same_gradients():
         return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
     plain = grads()
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    enable_checkpointing(model, use_reentrant=True)
     checkpointed = grads()
     assert plain.keys() == checkpointed.keys() and any(".dense_h." in n for n in plain)
     assert any(n.endswith("layers.0.mixer.A_log") for n in plain)  # lower layers learn through the readouts

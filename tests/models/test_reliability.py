@@ -13,7 +13,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
 from hf_densessm import DenseMambaConfig, DenseRetNetConfig
-from helpers import FAMILIES, micro_config, micro_model, random_ids
+from helpers import FAMILIES, enable_checkpointing, micro_config, micro_model, random_ids
 from hf_densessm.modeling.cache import DenseSSMCache, cache_field, output_cache
 
 NEW = dict(do_sample=False, max_new_tokens=8, min_new_tokens=8)
@@ -87,7 +87,7 @@ def test_item3_generate_in_train_mode_with_checkpointing_equals_eval(family):
     ids = random_ids(2, 5)
     expected = model.generate(ids, **NEW)
     model.train()
-    model.gradient_checkpointing_enable()
+    enable_checkpointing(model)
     model.config.dropout = 0.0
     assert torch.equal(model.generate(ids, **NEW), expected)
     out = model(ids, use_cache=True)  # a training forward with gradients: the cache is dropped (with a warning)

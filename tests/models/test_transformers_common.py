@@ -45,6 +45,7 @@ from hf_densessm import (
     DenseRetNetModel,
 )
 from hf_densessm.modeling.cache import DenseSSMCache, output_cache
+from helpers import enable_checkpointing
 
 COMMON = transformers_release_tests.load_or_skip()
 ids_tensor = COMMON.ids_tensor
@@ -188,7 +189,7 @@ class DenseSSMModelTester:
         """The LM head's loss backpropagates, with or without gradient checkpointing."""
         model = self.causal_lm_class(config)
         if gradient_checkpointing:
-            _enable_checkpointing(model)
+            enable_checkpointing(model)
         result = model(input_ids, labels=input_ids)
         self.parent.assertEqual(result.loss.shape, ())
         self.parent.assertEqual(result.logits.shape, (self.batch_size, self.seq_length, self.vocab_size))
@@ -307,12 +308,6 @@ class DenseSSMModelTestBase(
         self.assertEqual(len(cache.layers), config.num_hidden_layers)
         self.assertEqual(cache.get_seq_length(), self.model_tester.seq_length)
 
-
-
-def _enable_checkpointing(model):
-    """Turn gradient checkpointing on under the installed release's name for it (``activation_checkpointing_enable``
-    from 5.24, which deprecates ``gradient_checkpointing_enable``)."""
-    (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
 
 
 def _release():

@@ -5,7 +5,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from helpers import FAMILIES, micro_model, random_ids
+from helpers import FAMILIES, enable_checkpointing, micro_model, random_ids
 
 
 def _grads(model, ids):
@@ -20,7 +20,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(family, reentrant):
     model = micro_model(family).train()
     ids = random_ids(2, 10)
     plain = _grads(model, ids)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    enable_checkpointing(model, use_reentrant=reentrant)
     checkpointed = _grads(model, ids)
     assert plain.keys() == checkpointed.keys()
     assert any(".dense_" in n for n in plain)
