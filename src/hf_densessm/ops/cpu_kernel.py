@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import logging
 import os
+import shutil
+import tempfile
 import warnings
 from pathlib import Path
 
@@ -17,8 +20,8 @@ import torch
 from .backend import inputs_compute_dtype
 
 __all__ = [
-    "CHECKPOINT", "MAX_STATE", "SOURCE", "capability_flags", "extension_name", "kernel_enabled", "load_kernel",
-    "scan_bwd", "scan_fwd", "use_kernel",
+    "CHECKPOINT", "MAX_STATE", "SOURCE", "SWITCH", "capability_flags", "extension_name", "kernel_enabled",
+    "load_kernel", "scan_bwd", "scan_fwd", "use_kernel",
 ]
 
 #: The C++ source; absent from an install that did not ship ``csrc/`` (then the kernel is never built).
@@ -53,9 +56,21 @@ def extension_name(source_text: str, capability: str, torch_version: str, flags:
     return f"hf_densessm_scan_cpu_{tag}_{hashlib.sha256(key.encode()).hexdigest()[:12]}"
 
 
+#: The spellings of ``HF_DENSESSM_CPU_KERNEL`` (any case, blanks stripped; empty or unset is ``1``).
+SWITCH = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
+
+
 def kernel_enabled() -> bool:
-    """False when the environment variable ``HF_DENSESSM_CPU_KERNEL`` is ``0`` (read at every call)."""
-    return os.environ.get("HF_DENSESSM_CPU_KERNEL", "1").strip() != "0"
+    """Whether the environment variable ``HF_DENSESSM_CPU_KERNEL`` (read at every call) leaves the kernel on.
+
+    Raises:
+        ValueError: the variable is set to anything but a spelling in :data:`SWITCH` or the empty string.
+    """
+    value = os.environ.get("HF_DENSESSM_CPU_KERNEL", "").strip().lower() or "1"
+    if value not in SWITCH:
+        raise ValueError(f"HF_DENSESSM_CPU_KERNEL must be one of {', '.join(SWITCH)} (any case) or unset, got "
+                         f"{os.environ['HF_DENSESSM_CPU_KERNEL']!r}")
+    return SWITCH[value]
 
 
 @functools.cache
@@ -88,12 +103,14 @@ def _register_fakes() -> None:
 
 @functools.cache
 def load_kernel() -> bool:
-    """Build (first time on this machine) and load the C++ kernel, once per process.
+    """Load the C++ kernel from the cache, building it there first if needed (never while ``torch.compile``
+    traces), once per process.
 
     Returns:
         True when the ops ``hf_densessm::selective_scan_cpu_fwd`` / ``_bwd`` are registered; False when the source
-        file is absent (silently) or the build or load failed (one ``RuntimeWarning`` with the reason; the PyTorch
-        path runs instead). Does not read ``HF_DENSESSM_CPU_KERNEL``: see :func:`use_kernel`.
+        file is absent (silently), when ``torch.compile`` traces and no complete library is cached, or when the
+        build or load failed (one ``RuntimeWarning`` with the reason and the cache folder; the PyTorch path runs
+        instead). Never waits on another process. Does not read ``HF_DENSESSM_CPU_KERNEL``: see :func:`use_kernel`.
     """
     if hasattr(torch.ops.hf_densessm, "selective_scan_cpu_fwd"):  # loaded by another copy of this module
         _register_fakes()
@@ -101,27 +118,56 @@ def load_kernel() -> bool:
     return _build(SOURCE)
 
 
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
 def _build(source: Path) -> bool:
-    """Compile ``source`` (keyed by :func:`extension_name`) and load it; False, silently, when the file is absent,
-    False with one ``RuntimeWarning`` when the build or the load fails."""
+    """Load ``source``'s library (keyed by :func:`extension_name`) from ``<cache>/<name>/<name>.so`` when its
+    SHA-256 matches the ``.sha256`` file beside it; else compile it into a private folder there (loading it), then
+    publish the hash and the library by atomic renames. False as :func:`load_kernel` says; docs/kernels.md."""
     if not source.is_file():
         return False
+    folder = None
     try:
         from torch.utils import cpp_extension
 
         capability = torch.backends.cpu.get_cpu_capability()
         flags = capability_flags(capability)
         name = extension_name(source.read_text(), capability, torch.__version__, flags)
-        cpp_extension.load(name=name, sources=[str(source)], extra_cflags=flags, is_python_module=False,
-                           verbose=False)
+        folder = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()) / name
+        library, digest = folder / f"{name}{cpp_extension.LIB_EXT}", folder / f"{name}.sha256"
+        if library.is_file() and digest.is_file() and digest.read_text(errors="replace").strip() == _sha256(library):
+            torch.ops.load_library(str(library))
+        elif torch.compiler.is_compiling():  # the graph's fakes must match every later call: no kernel here
+            warnings.warn(
+                f"hf_densessm: the C++ CPU kernel of the selective scan has no complete build in {folder} and "
+                "torch.compile is tracing, so the PyTorch path runs in this process; build it once with an eager CPU "
+                "forward or python -c 'from hf_densessm.ops.cpu_kernel import load_kernel; load_kernel()'",
+                RuntimeWarning, stacklevel=3)
+            return False
+        else:
+            logging.getLogger(__name__).warning(
+                "hf_densessm: building the C++ CPU kernel of the selective scan in %s (once per CPU capability, "
+                "torch version and kernel source; usually 15 s to 1 min)", folder)
+            folder.mkdir(parents=True, exist_ok=True)
+            private = Path(tempfile.mkdtemp(prefix=".build-", dir=folder))
+            try:  # the private folder's lock and files are this process's own: nothing waits on another build
+                built = Path(cpp_extension.load(name=name, sources=[str(source)], extra_cflags=flags,
+                                                build_directory=str(private), is_python_module=False))
+                (private / "sha256").write_text(_sha256(built))
+                os.replace(private / "sha256", digest)
+                os.replace(built, library)
+            finally:
+                shutil.rmtree(private, ignore_errors=True)
         _register_fakes()
         return True
     except Exception as exc:  # noqa: BLE001 -- any build/load failure leaves the PyTorch path
         lines = str(exc).strip().splitlines()
         warnings.warn(
             f"hf_densessm: the C++ CPU kernel of the selective scan could not be built or loaded "
-            f"({type(exc).__name__}: {lines[-1] if lines else repr(exc)}); the PyTorch path runs instead (set "
-            "HF_DENSESSM_CPU_KERNEL=0 to skip the attempt)",
+            f"({type(exc).__name__}: {lines[-1] if lines else repr(exc)}); the PyTorch path runs instead ("
+            f"{f'delete {folder} to rebuild it; ' if folder else ''}set HF_DENSESSM_CPU_KERNEL=0 to skip the attempt)",
             RuntimeWarning,
             stacklevel=3,
         )
@@ -130,7 +176,8 @@ def _build(source: Path) -> bool:
 
 def use_kernel(u: Tensor, state_size: int) -> bool:
     """Whether the ops of the PyTorch path run the C++ kernel for these inputs: CPU tensors, a state size up to
-    :data:`MAX_STATE`, ``HF_DENSESSM_CPU_KERNEL`` not ``0``, and the kernel loaded (built on the first call).
+    :data:`MAX_STATE`, ``HF_DENSESSM_CPU_KERNEL`` on (:func:`kernel_enabled`, whose ``ValueError`` it raises), and
+    the kernel loaded (:func:`load_kernel`).
     The forward and backward ops ask the same question, so the ``chunk_states`` one saves is the other's."""
     return u.device.type == "cpu" and state_size <= MAX_STATE and kernel_enabled() and load_kernel()
 
