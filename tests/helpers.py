@@ -40,6 +40,16 @@ def enable_checkpointing(model, use_reentrant: bool | None = None):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
+def same_model(loaded, model) -> bool:
+    """Whether ``loaded`` is ``model`` exactly: its dense knobs and every tensor, bit for bit."""
+    state, expected = loaded.state_dict(), model.state_dict()
+    return (
+        loaded.config.dense_layers == model.config.dense_layers
+        and state.keys() == expected.keys()
+        and all(torch.equal(state[key], expected[key]) for key in state)
+    )
+
+
 def random_ids(batch: int, length: int, seed: int = 1, low: int = 3):
     g = torch.Generator().manual_seed(seed)
     return torch.randint(low, VOCAB, (batch, length), generator=g)

@@ -1,8 +1,10 @@
 """Kill-safe saves (hf_densessm.hub.saving): a save killed (SIGKILL) at any file-system step leaves every file of the
-folder whole, old or new, and the user's files untouched; the next save cleans up (issue 10, item 10). Saved files
-get the process umask, weights included (item 11)."""
+folder whole, old or new, and the user's files untouched; the next save cleans up (issue 10, item 10); the folder then
+loads as exactly the old model or the new one, or is refused with the backup of the old one named (issue 33, item 4).
+Saved files get the process umask, weights included (issue 10, item 11)."""
 
 import os
+import re
 import shutil
 import signal
 import sys
@@ -13,12 +15,16 @@ import pytest
 import torch
 from filelock import FileLock
 
+from hf_densessm import DenseMambaForCausalLM
 from hf_densessm.hub import bundle, saving
-from helpers import micro_model
+from hf_densessm.modeling.save_check import BACKUP_PREFIX, OWN_PREFIX, MixedSaveError, save_ids
+from helpers import micro_model, same_model
 
 USER_FILES = {"tokenizer.json": b'{"version": "1.0"}', "notes.txt": b"my notes", "runs/log.txt": b"step 1"}
 # file-system audit events (sys.addaudithook) of the operations by which a save changes the disk
-FS_EVENTS = {"open", "os.rename", "os.remove", "os.rmdir", "os.mkdir", "os.chmod", "os.truncate", "shutil.rmtree"}
+FS_EVENTS = {
+    "open", "os.rename", "os.remove", "os.rmdir", "os.mkdir", "os.chmod", "os.truncate", "os.link", "shutil.rmtree"
+}
 WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
 
 
@@ -31,17 +37,22 @@ def changes_disk(event: str, args: tuple) -> bool:
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="kills a forked child")
 
 
+SAVE_ID = re.compile(rb'("_save_id": ?")[0-9a-f]{32}"')
+
+
 def snapshot(folder: Path) -> dict[str, bytes]:
-    """Every file under ``folder`` (relative path -> bytes), staging folders of killed saves left out."""
+    """Every file under ``folder`` (relative path -> bytes, each save's own id blanked), the staging folders of killed
+    saves and backups left out."""
     return {
-        path.relative_to(folder).as_posix(): path.read_bytes()
+        path.relative_to(folder).as_posix(): SAVE_ID.sub(rb'\1' + b"0" * 32 + b'"', path.read_bytes())
         for path in sorted(folder.rglob("*"))
-        if path.is_file() and not path.relative_to(folder).parts[0].startswith(saving.STAGING_PREFIX)
+        if path.is_file() and not path.relative_to(folder).parts[0].startswith(OWN_PREFIX)
     }
 
 
-def staging_folders(folder: Path) -> list[str]:
-    return sorted(p.name for p in folder.iterdir() if p.name.startswith(saving.STAGING_PREFIX))
+def own_folders(folder: Path) -> list[str]:
+    """The staging folders and backups in ``folder``."""
+    return sorted(p.name for p in folder.iterdir() if p.name.startswith(OWN_PREFIX))
 
 
 @pytest.fixture(scope="module")
@@ -58,25 +69,29 @@ def versions(tmp_path_factory):
     return old, snapshot(old), micro_model("denseretnet", seed=1)
 
 
-def save_killed_at(model, folder: Path, step: int) -> bool:
+def save_killed_at(model, folder: Path, step: int, publish_only: bool = False, **kwargs) -> bool:
     """Save ``model`` into ``folder`` in a forked child that SIGKILLs itself just before its ``step``-th file-system
-    operation inside ``folder``; returns whether the save completed before reaching that step."""
+    operation inside ``folder`` (``publish_only``: not counting those only inside its staging folder); returns whether
+    the save completed before reaching that step."""
     pid = os.fork()
     if pid == 0:  # the child: never returns into pytest
         code = 0
         try:
             torch.set_num_threads(1)
-            prefix, count = str(folder), [0]
+            prefix, staging, count = str(folder), str(folder / saving.STAGING_PREFIX), [0]
 
             def fault(event, args):
-                if event in FS_EVENTS and args and isinstance(args[0], (str, os.PathLike)):
-                    if os.fspath(args[0]).startswith(prefix) and changes_disk(event, args):
-                        if count[0] == step:
-                            os.kill(os.getpid(), signal.SIGKILL)
-                        count[0] += 1
+                paths = [os.fspath(arg) for arg in args[:2] if isinstance(arg, (str, os.PathLike))]
+                inside = [path for path in paths if path.startswith(prefix)]
+                if publish_only:
+                    inside = [path for path in inside if not path.startswith(staging)]
+                if event in FS_EVENTS and inside and changes_disk(event, args):
+                    if count[0] == step:
+                        os.kill(os.getpid(), signal.SIGKILL)
+                    count[0] += 1
 
             sys.addaudithook(fault)
-            model.save_pretrained(folder)
+            model.save_pretrained(folder, **kwargs)
         except BaseException:
             (folder.parent / "child-error.txt").write_text(traceback.format_exc())
             code = 1
@@ -117,13 +132,88 @@ def test_a_save_killed_at_any_step_leaves_every_file_old_or_new(versions, tmp_pa
         for name, data in USER_FILES.items():
             assert not existing or state[name] == data
         if completed:
-            assert state == new and staging_folders(folder) == []
+            assert state == new and own_folders(folder) == []
             break
         newer.save_pretrained(folder)  # the next save completes the folder and removes the killed save's staging
-        assert snapshot(folder) == new and staging_folders(folder) == []
+        assert snapshot(folder) == new and own_folders(folder) == []
         shutil.rmtree(folder)
         steps += 1
     assert steps > 20  # every step of the save was interrupted once: writing, publishing, removing stale shards
+
+
+@pytest.fixture(scope="module")
+def issue_pair(tmp_path_factory):
+    """Issue 33's two models, of equal parameter shapes: ``(old, new, old folder)``, the old one (DenseMamba
+    ``dense_layers=4``) saved in shards."""
+    old = micro_model("densemamba", seed=0, dense_layers=4)
+    new = micro_model("densemamba", seed=1, dense_layers=2)
+    assert {k: v.shape for k, v in old.state_dict().items()} == {k: v.shape for k, v in new.state_dict().items()}
+    folder = tmp_path_factory.mktemp("issue33") / "old"
+    old.save_pretrained(folder, max_shard_size="100KB")
+    assert len(list(folder.glob("model-*.safetensors"))) == 2
+    return old, new, folder
+
+
+@pytest.fixture
+def no_code(monkeypatch):
+    """Saves write no code files (the package's classes load the model; fewer steps to kill)."""
+    monkeypatch.setattr(bundle, "bundle_sources", lambda model: {})
+
+
+@pytest.mark.parametrize("shards", ["100KB", None], ids=["same-shards", "unsharded"])
+def test_a_killed_save_loads_as_the_old_or_the_new_model_or_is_refused(issue_pair, no_code, tmp_path, shards):
+    """Issue 33, item 4: a save killed at any step of its publishing over a folder of a model of the same shapes
+    never leaves a folder that loads as a third model; a refused folder names the backup, which loads as the old
+    model bit for bit, and saving that again over the mixed folder puts the old model back. (That the next save of
+    the new model completes a killed one: test_a_save_killed_at_any_step_leaves_every_file_old_or_new.)"""
+    old, new, old_folder = issue_pair
+    kwargs = {"max_shard_size": shards} if shards else {}
+    seen, step = set(), 0
+    while True:
+        folder = tmp_path / f"step{step}"
+        shutil.copytree(old_folder, folder)
+        completed = save_killed_at(new, folder, step, publish_only=True, **kwargs)
+        try:
+            loaded = DenseMambaForCausalLM.from_pretrained(folder)
+        except MixedSaveError as error:
+            backups = sorted(folder.glob(BACKUP_PREFIX + "*"))
+            assert len(backups) == 1 and f"kept in {backups[0]}:" in str(error), (step, str(error))
+            previous = DenseMambaForCausalLM.from_pretrained(backups[0])  # the recovery the message gives
+            assert same_model(previous, old), step
+            previous.save_pretrained(folder, **kwargs)  # over the mixed folder: the backup stays until it is whole
+            assert same_model(DenseMambaForCausalLM.from_pretrained(folder), old) and own_folders(folder) == []
+            seen.add("refused")
+        else:
+            assert same_model(loaded, old) or same_model(loaded, new), f"killed at step {step}: a third model loads"
+            seen.add("old" if same_model(loaded, old) else "new")
+        shutil.rmtree(folder)
+        if completed:
+            break
+        step += 1
+    assert seen == {"old", "refused", "new"} and step > 10
+
+
+def test_the_backup_is_of_a_whole_save_only(issue_pair, tmp_path):
+    """The previous files are kept (hard links) only if they are one whole save; an older backup is then dropped,
+    while over a mixed folder the backup an interrupted save left is kept. No cleanup deletes a backup."""
+    old, new, old_folder = issue_pair
+    folder = tmp_path / "folder"
+    shutil.copytree(old_folder, folder)
+    replaced = [folder / name for name in save_ids(folder)]  # config.json, the index and the shards
+    (folder / f"{BACKUP_PREFIX}older").mkdir()  # as a save killed after its config.json was in leaves it
+    saving.keep_previous(folder, replaced, "first")
+    backup = folder / f"{BACKUP_PREFIX}first"
+    assert own_folders(folder) == [backup.name] and all(
+        (backup / path.name).stat().st_ino == path.stat().st_ino for path in replaced
+    )
+    assert saving.remove_stale_staging(folder) == [] and backup.is_dir()
+    new.save_pretrained(tmp_path / "new", max_shard_size="100KB")
+    os.replace(tmp_path / "new" / replaced[-1].name, replaced[-1])  # one shard of another save, as a kill leaves it
+    saving.keep_previous(folder, replaced, "second")
+    assert own_folders(folder) == [backup.name]  # mixed: the whole old save stays the backup
+    assert same_model(DenseMambaForCausalLM.from_pretrained(backup), old)
+    new.save_pretrained(folder, max_shard_size="20KB")
+    assert own_folders(folder) == [] and same_model(DenseMambaForCausalLM.from_pretrained(folder), new)
 
 
 def test_a_running_save_keeps_its_staging_folder(tmp_path):

@@ -119,6 +119,10 @@ DENSE_KNOBS: tuple[Knob, ...] = (
 #: elsewhere), ``"triton"``, ``"torch"`` (:mod:`hf_densessm.ops.backend`).
 KERNEL_BACKENDS = ("auto", "triton", "torch")
 
+#: The key of a save's id in ``config.json`` (and the weights; ``hf_densessm.modeling.save_check``): read on load,
+#: never written back by ``to_dict`` (each save writes its own).
+SAVE_ID = "_save_id"
+
 
 def knobs_for(model_type: str) -> tuple[Knob, ...]:
     """The knobs of the family ``model_type`` (``"densemamba"``, ``"denseretnet"``)."""
@@ -187,10 +191,11 @@ class DenseSSMConfig(PretrainedConfig):
         self._kernel_backend = check_choice("kernel_backend", value, KERNEL_BACKENDS)
 
     def to_dict(self) -> dict:
-        """transformers' ``to_dict``, without the runtime setting ``kernel_backend``."""
+        """transformers' ``to_dict``, without the runtime setting ``kernel_backend`` and the save id
+        (:data:`SAVE_ID`)."""
         output = super().to_dict()
-        output.pop("_kernel_backend", None)
-        output.pop("kernel_backend", None)
+        for key in ("_kernel_backend", "kernel_backend", SAVE_ID):
+            output.pop(key, None)
         return output
 
     @property

@@ -71,7 +71,7 @@ def save_pretrained(
         )
     hub_kwargs = {key: kwargs.pop(key) for key in _HUB_ARGUMENTS if key in kwargs}
     variant = kwargs.get("variant")
-    with staged_save(save_directory, lambda path: replaced_by_save(path, variant)) as staging:
+    with staged_save(save_directory, lambda path: replaced_by_save(path, variant), variant) as staging:
         PreTrainedModel.save_pretrained(model, staging, state_dict=state_dict, **kwargs)
         write_bundle(model, staging)
         old_card = Path(save_directory) / "README.md"

@@ -1,19 +1,26 @@
 """Kill-safe saving into a folder that may hold other files (docs/hub_and_conversion.md, "Saving survives a hard
-kill"): staged files moved in with ``os.replace``, each staging folder locked with ``filelock`` while its save runs."""
+kill"): staged files stamped with a new save id and moved in with ``os.replace``, the previous whole save kept (hard
+links) until the new ``config.json`` is in, each staging folder locked with ``filelock`` while its save runs."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import tempfile
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from filelock import FileLock, Timeout
 
-STAGING_PREFIX = ".hf_densessm-saving-"
-LOCK_NAME = ".lock"  # inside a staging folder: held by its save while it runs; never published
+from ..modeling.save_check import BACKUP_PREFIX, LOCK_NAME, OWN_PREFIX, SAVE_ID, STAGING_PREFIX, save_ids
+
+try:
+    import fcntl
+except ImportError:  # Windows
+    fcntl = None
 
 
 def _publish_order(name: str) -> tuple:
@@ -21,9 +28,42 @@ def _publish_order(name: str) -> tuple:
     return (name == "config.json", not name.endswith((".safetensors", ".safetensors.index.json")), name)
 
 
+def carries_save_id(name: str) -> bool:
+    """Whether a save writes its id into the file ``name``: ``config.json``, weights, a shard index."""
+    index = ".safetensors.index" in name and name.endswith(".json")
+    return name == "config.json" or name.endswith(".safetensors") or index
+
+
+def stamp(path: Path, save_id: str) -> None:
+    """Write ``save_id`` (:data:`SAVE_ID`) into the staged ``config.json``, shard index (its ``metadata``) or
+    ``*.safetensors`` file (its header's ``__metadata__``; the tensor bytes are copied unchanged)."""
+    if path.suffix != ".safetensors":
+        data = json.loads(path.read_text(encoding="utf-8"))
+        (data if path.name == "config.json" else data.setdefault("metadata", {}))[SAVE_ID] = save_id
+        path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        return
+    stamped = path.with_name(path.name + ".stamped")
+    with open(path, "rb") as src, open(stamped, "wb") as dst:
+        size = int.from_bytes(src.read(8), "little")  # the header's length, then the JSON header
+        header = json.loads(src.read(size))
+        header.setdefault("__metadata__", {})[SAVE_ID] = save_id
+        text = json.dumps(header, separators=(",", ":")).encode()
+        text += b" " * (-len(text) % 8)  # the tensor bytes stay 8-byte aligned, as safetensors writes them
+        dst.write(len(text).to_bytes(8, "little") + text)
+        dst.flush()
+        offset = 8 + size
+        try:
+            while copied := os.copy_file_range(src.fileno(), dst.fileno(), 1 << 30, offset):
+                offset += copied
+        except (AttributeError, OSError):  # not Linux, or a file system without it
+            src.seek(offset)
+            shutil.copyfileobj(src, dst)
+    os.replace(stamped, path)
+
+
 def remove_stale_staging(folder: str | os.PathLike) -> list[str]:
     """Delete the staging folders that killed saves left in ``folder``; returns their names. A staging folder whose
-    lock (:data:`LOCK_NAME`) a running save holds is kept."""
+    lock (:data:`LOCK_NAME`) a running save holds is kept; backups (:func:`keep_previous`) are never touched."""
     removed = []
     for entry in Path(folder).iterdir():
         if not entry.name.startswith(STAGING_PREFIX) or entry.is_symlink() or not entry.is_dir():
@@ -60,16 +100,55 @@ def _fsync(path: Path) -> None:
             os.close(fd)
 
 
+def keep_previous(target: Path, paths: list[Path], save_id: str, variant: str | None = None) -> None:
+    """Before a save moves its files in: hard-link (copy where links are impossible) the existing files of ``paths``
+    (those it replaces or deletes) into a new backup folder ``<BACKUP_PREFIX><save_id>`` in ``target`` if ``target``
+    holds one whole save (what it loads with ``variant`` carries one save id, or none), then delete older backups. If
+    it does not (a killed save mixed it), nothing changes: the backup that save left holds the last whole save."""
+    if len(set(save_ids(target, variant).values())) > 1:
+        return
+    old = [path for path in paths if path.is_file()]
+    backups = [entry for entry in target.iterdir() if entry.name.startswith(BACKUP_PREFIX)]
+    if old:
+        backup = target / f"{BACKUP_PREFIX}{save_id}"
+        backup.mkdir()
+        for path in old:
+            try:
+                os.link(path, backup / path.name)
+            except OSError:
+                shutil.copy2(path, backup / path.name)
+        _fsync(backup)
+    for entry in backups:
+        shutil.rmtree(entry, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _publishing(target: Path) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on the folder ``target`` itself: saves into one folder move their files in one at a
+    time (not serialized where the platform or file system has no ``flock``)."""
+    fd = None
+    with contextlib.suppress(AttributeError, OSError):
+        fd = os.open(target, os.O_RDONLY)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        yield
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
 @contextlib.contextmanager
 def staged_save(
-    save_directory: str | os.PathLike, is_stale: Callable[[Path], bool] = lambda path: False
+    save_directory: str | os.PathLike, is_stale: Callable[[Path], bool] = lambda path: False, variant: str | None = None
 ) -> Iterator[Path]:
-    """Save into ``save_directory`` kill-safely: yields an empty staging folder inside it; on a clean exit, every file
-    written there replaces the file of the same name in ``save_directory`` (with the process's new-file mode, flushed,
-    by ``os.replace``; weights first, ``config.json`` last), then the entries the save did not write and for which
-    ``is_stale(path)`` is true are deleted; other entries are never touched. On an exception inside the ``with``
-    block, ``save_directory`` is left as it was (removed if this call created it and it is still empty). Staging
-    folders of killed saves are deleted first (:func:`remove_stale_staging`).
+    """Save into ``save_directory`` kill-safely: yields an empty staging folder inside it; on a clean exit, the
+    written files get a new save id (:func:`stamp`) and the process's new-file mode, are flushed, and (one save at a
+    time, the previous whole save, of weights ``variant``, kept by :func:`keep_previous`) replace the files of the
+    same name in ``save_directory`` by ``os.replace``, weights first; then the entries the save did not write and for
+    which ``is_stale(path)`` is true are deleted; then ``config.json`` is moved in, and the backup deleted. Other
+    entries are never touched. On an exception inside the ``with`` block, ``save_directory`` is left as it was
+    (removed if this call created it and it is still empty). Staging folders of killed saves are deleted first
+    (:func:`remove_stale_staging`).
 
     Raises:
         NotADirectoryError: ``save_directory`` exists and is not a folder.
@@ -89,19 +168,30 @@ def staged_save(
         yield staging
         names = sorted((p.name for p in staging.iterdir() if p.name != LOCK_NAME), key=_publish_order)
         mode = _new_file_mode(staging)
+        save_id = uuid.uuid4().hex
         for name in names:
             path = staging / name
             if path.is_dir():
                 raise IsADirectoryError(f"The save wrote the folder {name!r}; only files can be published.")
+            if carries_save_id(name):
+                stamp(path, save_id)
             os.chmod(path, mode)
             _fsync(path)
         published = True
-        for name in names:
-            os.replace(staging / name, target / name)
-        for entry in sorted(target.iterdir()):
-            if entry.name not in names and not entry.name.startswith(STAGING_PREFIX) and is_stale(entry):
+        with _publishing(target):
+            stale = [e for e in target.iterdir() if e.name not in names and not e.name.startswith(OWN_PREFIX)]
+            stale = sorted(entry for entry in stale if is_stale(entry))
+            keep_previous(target, [target / name for name in names] + stale, save_id, variant)
+            for name in names:
+                if name != "config.json":
+                    os.replace(staging / name, target / name)
+            for entry in stale:
                 entry.unlink()
-        _fsync(target)
+            if "config.json" in names:  # last: until it is in, the folder loads as the previous save or not at all
+                os.replace(staging / "config.json", target / "config.json")
+            _fsync(target)
+            for entry in target.glob(BACKUP_PREFIX + "*"):
+                shutil.rmtree(entry, ignore_errors=True)
     finally:
         lock.release()
         shutil.rmtree(staging, ignore_errors=True)

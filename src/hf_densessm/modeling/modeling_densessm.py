@@ -1,5 +1,6 @@
 """What DenseMamba and DenseRetNet share above the block: input checks, the backbone's forward body, the causal-LM
-head, generation glue, ``save_pretrained`` / ``push_to_hub`` and the classification head (docs/design.md §1, §5)."""
+head, generation glue, ``save_pretrained`` / ``push_to_hub`` / ``from_pretrained`` and the classification head
+(docs/design.md §1, §5)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from transformers.utils import logging
 from ..ops.backend import tracing
 from .cache import CACHE_FIELDS, CACHE_RENAMED, check_cache, model_output, new_cache, output_cache, record_tokens, takes_cache
 from .dense_connection import run_dense_layers
+from .save_check import load_one_save
 
 
 logger = logging.get_logger(__name__)
@@ -284,7 +286,16 @@ def check_logits_to_keep(logits_to_keep, seq_len: int):
 
 class DenseSSMSaveMixin:
     """``save_pretrained`` / ``push_to_hub`` (transformers' arguments and returns) through :mod:`hf_densessm.hub`,
-    imported lazily inside ``try`` (falling back to transformers' methods): docs/design.md §8."""
+    imported lazily inside ``try`` (falling back to transformers' methods): docs/design.md §8; ``from_pretrained``
+    loads one whole save of a folder (:func:`~hf_densessm.modeling.save_check.load_one_save`)."""
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        """transformers' ``from_pretrained`` (same arguments and return); raises ``MixedSaveError`` (an ``OSError``)
+        for a folder that mixes files of two saves."""
+        load = super().from_pretrained
+        path = pretrained_model_name_or_path
+        return load_one_save(lambda: load(path, *args, **kwargs), path, kwargs)
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         try:
