@@ -101,31 +101,44 @@ def _size(t) -> int:
 
 
 def _scan_sizes(a):
-    u = a.get("u_ptr", a.get("dy_ptr"))
+    u = next(a[k] for k in ("u_ptr", "x_ptr", "dy_ptr") if a.get(k) is not None)
     batch, dim, length = u.shape
     return batch, dim, length, a["A_ptr"].shape[1], u.element_size()
 
 
-def _old_scan_chunk(a, c, warps, buffers, per_token):
-    """The per-chunk kernels before issue 36 (``(BLOCK_D, BLOCK_N, BLOCK_L)`` tiles, one loop over ``D_STEPS``)."""
+def _scan_walk(a, c, warps, ctx, kind):
+    """The per-chunk kernels of the scan (grid (channel blocks, chunks, batch)): one token loop per walk (the bwd
+    kernel has two), ``CPT`` channels x ``NSTATE`` states per thread per token. Bytes, per kernel: the (channel,
+    token) tensors in the input dtype (u, delta, z, y, dy, du, ddelta, dz) and the float32 scratch of d delta's
+    partial sums (bwd); the float32 (state, token) vectors B, C, read by every channel block, and dB, dC added by
+    every channel block (bwd); the float32 per-chunk buffers (end states, adjoints, entry states, sums of dt,
+    dA / dD / d delta_bias partial sums)."""
     batch, dim, length, n, s = _scan_sizes(a)
-    tiles = dim / (c["BLOCK_D"] * c["D_STEPS"])  # programs along dim: each reads B / C once
-    n_chunks = math.ceil(length / c["BLOCK_L"])
-    state = batch * n_chunks * dim * n * 4
-    token_vectors = per_token[1] * batch * length * n * s  # B, C: (batch, state, length)
-    return dict(elements=c["BLOCK_D"] * c["BLOCK_L"] * c["BLOCK_N"] / (32 * warps), loops=1,
-                total=batch * dim * n * length,
-                moved=per_token[0] * batch * dim * length * s + tiles * token_vectors + buffers * state,
-                least=per_token[0] * batch * dim * length * s + token_vectors + buffers * state)
+    f = 8 if "fp64" in str(c["ACC"]) else 4
+    blocks = math.ceil(dim / (c["BLOCK_D"] * c["D_STEPS"]))
+    per_channel = dict(state=2 * s, adjoint=(2 + c["HAS_Z"]) * s, output=(3 + c["HAS_Z"]) * s,
+                       bwd=(6 + 2 * c["HAS_Z"] + 2 + c["HAS_Z"]) * s + 2 * f)[kind]
+    least_channel = per_channel - (3 + c["HAS_Z"]) * s if kind == "bwd" else per_channel
+    vectors, distinct = dict(state=(1, 1), adjoint=(1, 1), output=(2, 2), bwd=(6, 4))[kind]  # bwd: B, C twice; dB, dC
+    chunk_values, least_chunk = dict(state=(n + 1, n + 1), adjoint=(n + 1, n + 1), output=(n, n),
+                                     bwd=(4 * n + 3, 3 * n + 3))[kind]
+    tokens, chunks = batch * dim * length, batch * dim * math.ceil(length / c["CHUNK"])
+    rows = batch * length * n * f
+    return dict(elements=c["CPT"] * c["NSTATE"], loops=2 if kind == "bwd" else 1, total=tokens * n,
+                moved=tokens * per_channel + blocks * vectors * rows + chunks * chunk_values * f,
+                least=tokens * least_channel + distinct * rows + chunks * least_chunk * f)
 
 
-def _old_carry(a, c, warps, ctx):
-    """One iteration: ``BLOCK`` (channel, state) entries of one chunk, i.e. ``chunk`` tokens of each."""
+def _carry(a, c, warps, ctx):
+    """The scan over chunks: one iteration combines ``BLOCK_C`` chunks of ``BLOCK`` (channel, state) entries, i.e.
+    ``BLOCK_C * chunk`` tokens of each; reads each entry's chunk summary and its channel's sum of dt, writes its
+    entry state (moved: the sum of dt once per entry, least: once per channel)."""
     batch, dim, length, n, s = _scan_sizes(ctx)
     vals = a["vals_ptr"]
+    f = vals.element_size()
     chunk = length / vals.shape[1]
-    return dict(elements=c["BLOCK"] * chunk / (32 * warps), loops=1, total=batch * dim * n * length,
-                moved=4 * vals.numel() * 4, least=4 * vals.numel() * 4)
+    return dict(elements=c["BLOCK_C"] * c["BLOCK"] * chunk / (32 * warps), loops=1, total=batch * dim * n * length,
+                moved=3 * vals.numel() * f, least=2 * vals.numel() * f + vals.numel() // n * f)
 
 
 def _step(a, c, warps, ctx):
@@ -178,12 +191,11 @@ def _retention_step(a, c, warps, ctx):
 
 
 MODELS = {
-    # selective scan, before issue 36: bytes per (channel, token) of u, delta (+ z, y) and per (state, token) of B, C
-    "_selective_scan_chunk_state_kernel": lambda a, c, w, ctx: _old_scan_chunk(a, c, w, 2, (2, 1)),
-    "_selective_scan_chunk_adjoint_kernel": lambda a, c, w, ctx: _old_scan_chunk(a, c, w, 2, (2 + c["HAS_Z"], 1)),
-    "_selective_scan_chunk_output_kernel": lambda a, c, w, ctx: _old_scan_chunk(a, c, w, 1, (3 + c["HAS_Z"], 2)),
-    "_selective_scan_chunk_bwd_kernel": lambda a, c, w, ctx: _old_scan_chunk(a, c, w, 3, (6 + 2 * c["HAS_Z"], 6)),
-    "_selective_scan_carry_kernel": _old_carry,
+    "_selective_scan_chunk_state_kernel": lambda a, c, w, ctx: _scan_walk(a, c, w, ctx, "state"),
+    "_selective_scan_chunk_adjoint_kernel": lambda a, c, w, ctx: _scan_walk(a, c, w, ctx, "adjoint"),
+    "_selective_scan_chunk_output_kernel": lambda a, c, w, ctx: _scan_walk(a, c, w, ctx, "output"),
+    "_selective_scan_chunk_bwd_kernel": lambda a, c, w, ctx: _scan_walk(a, c, w, ctx, "bwd"),
+    "_selective_scan_carry_kernel": _carry,
     "_selective_state_update_kernel": _step,
     "_retention_chunk_h_kernel": lambda a, c, w, ctx: _retention_walk(a, c, w),
     "_retention_chunk_dh_kernel": lambda a, c, w, ctx: _retention_walk(a, c, w),
@@ -251,7 +263,7 @@ def analyze(job: dict) -> list[dict]:
                    registers=resources["registers"], spills=resources["stack"] + resources["local"], shared=shared,
                    occupancy=arch.occupancy(resources["registers"], warps, shared),
                    loop_bodies=[loop["instructions"] for loop in loops], instructions=instructions_of(sass))
-        if "A_ptr" in bound and ("u_ptr" in bound or "dy_ptr" in bound):
+        if "A_ptr" in bound and any(bound.get(k) is not None for k in ("u_ptr", "x_ptr", "dy_ptr")):
             ctx = bound
         model = MODELS.get(fn.__name__)
         if model is not None:
@@ -260,7 +272,7 @@ def analyze(job: dict) -> list[dict]:
             row.update(elements_per_iteration=m["elements"], hot_loops=hot,
                        per_element=sum(hot) / m["elements"], moved=m["moved"] / m["total"],
                        least=m["least"] / m["total"])
-        if fn.__name__ in forward + backward and ("u_ptr" in bound or "dy_ptr" in bound):
+        if fn.__name__ in forward + backward and bound is ctx:
             row["op_least"] = op_least(job["op"], direction, bound)
         rows.append(row)
     return rows
