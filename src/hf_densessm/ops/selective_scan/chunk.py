@@ -75,7 +75,7 @@ def selective_scan_config(arch: GPUArch, dtype: torch.dtype, nstate: int) -> Sel
 # Layout: a program's states are a (BLOCK_N, BLOCK_D) tile, built only from (BLOCK_D,) and (BLOCK_N,) vectors
 # (never loaded or stored as one 2-D tile, whose coalescing would spread the states over threads), so Triton's
 # default layout gives each thread one column: a channel and all its states, in registers. The token loops call
-# no helper: a call costs a re-patching of the language per call under the interpreter (milliseconds).
+# two helpers only (softplus, _add_over_channels): the interpreter re-patches the language at each call (a ms).
 
 
 @triton.jit
