@@ -128,14 +128,11 @@ def _scan_candidates(dry):
     if dry:
         return [SelectiveScanConfig(), SelectiveScanConfig(chunk=32, fwd_block_d=4, bwd_block_d=4, fwd_warps=2,
                                                            bwd_warps=2)]
-    out = []
-    for chunk, block_d, warps, stages in itertools.product((16, 32, 64), (2, 4, 8, 16), (1, 2, 4, 8), (2,)):
-        per_thread = block_d * 16 * chunk / (32 * warps)  # elements of one (block_d, state, chunk) tile per thread
-        if 8 <= per_thread <= 64:
-            out.append(SelectiveScanConfig(chunk=chunk, fwd_block_d=block_d, fwd_d_steps=max(1, 8 // block_d),
-                                           fwd_warps=warps, bwd_block_d=block_d, bwd_d_steps=max(1, 8 // block_d),
-                                           bwd_warps=warps, num_stages=stages))
-    return out
+    # the thread-per-channel kernels: chunk length, warps per program, one or two channels per thread forward (the
+    # backward's one-warp programs sum dB, dC by warp shuffles, wider ones by tl.sum)
+    return [SelectiveScanConfig(chunk=chunk, fwd_block_d=32 * warps * per_thread, fwd_warps=warps,
+                                bwd_block_d=32 * warps, bwd_warps=warps)
+            for chunk, per_thread, warps in itertools.product((16, 32, 64, 128), (1, 2), (1, 2, 4))]
 
 
 def sweep_scan(device, dtype, dry, record):

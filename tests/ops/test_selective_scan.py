@@ -24,6 +24,16 @@ except ImportError:
 
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 
+if HAS_TRITON:
+    import triton.language as tl
+
+    from hf_densessm.ops.triton_utils import softplus
+
+    @triton.jit
+    def _softplus_kernel(x_ptr, y_ptr, BLOCK: tl.constexpr):
+        offs = tl.arange(0, BLOCK)
+        tl.store(y_ptr + offs, softplus(tl.load(x_ptr + offs)))
+
 
 def make_inputs(batch, dim, state, length, dtype=torch.float64, full=True, seed=0):
     """Inputs of a Mamba layer: positive-ish time steps after softplus, S4D-real-like negative A."""
@@ -296,6 +306,50 @@ def test_triton_scan_grid_has_several_programs_per_sm_on_h100():
         for size in _grid(1, 2048, n_chunks, block_d, d_steps):
             programs *= size
         assert programs >= 8 * 132, programs
+
+
+@needs_triton
+def test_triton_scan_two_channels_per_thread_masked_block():
+    """A 64-channel block on one warp (two adjacent channels per thread: the tile's columns are permuted) over 40
+    channels (a masked block), against the float64 token loop: forward, last state and every gradient, resets."""
+    from hf_densessm.ops.selective_scan.chunk import _tiles
+
+    config = _small_config(fwd_block_d=64, fwd_d_steps=1, fwd_warps=1, bwd_block_d=64, bwd_d_steps=1, bwd_warps=1)
+    assert _tiles(config, 40, backward=False)["CPT"] == _tiles(config, 40, backward=True)["CPT"] == 2
+    kw = make_inputs(1, 40, 3, 37, seed=5)
+    kw["reset"] = _reset(1, 37, [(0, 16, 21)])
+    _check_triton_against_naive(kw, config, 1e-10)
+
+
+@needs_triton
+def test_triton_scan_outputs_token_major_in_input_dtypes():
+    """y, du, ddelta, dz come out as (batch, dim, length) views of token-major tensors in their inputs' dtypes, dB
+    and dC as (batch, state, length) views of token-major ones: the layout the model consumes, no cast or copy
+    after the kernels."""
+    from hf_densessm.ops.selective_scan.chunk import selective_scan_triton_bwd, selective_scan_triton_fwd
+
+    kw = make_inputs(1, 8, 4, 20, dtype=torch.bfloat16)
+    kw["delta"] = kw["delta"].float()
+    y, last, states = selective_scan_triton_fwd(**kw, config=_small_config())
+    assert y.dtype == torch.bfloat16 and y.transpose(1, 2).is_contiguous()
+    grads = selective_scan_triton_bwd(torch.ones_like(y), None, **kw, chunk_states=states, config=_small_config())
+    du, ddelta, _, dB, dC, _, dz = grads[:7]
+    assert (du.dtype, ddelta.dtype, dz.dtype, dB.dtype) == (torch.bfloat16, torch.float32, torch.bfloat16,
+                                                             torch.bfloat16)
+    for g in (du, ddelta, dz, dB, dC):
+        assert g.transpose(1, 2).is_contiguous()
+
+
+@needs_triton
+def test_triton_softplus_float32_matches_float64():
+    """``triton_utils.softplus`` in float32 (a polynomial log1p) against float64 ``F.softplus`` over the range a
+    time step takes and beyond: relative error below 3e-7, plus, for negative inputs, the ``|x| * 2^-23`` that
+    rounding ``x log2(e)`` in float32 costs any float32 exponential (tl.exp included)."""
+    x = torch.cat([torch.linspace(-60, 40, 4090), torch.tensor([0.0, -0.0, 1e-30, -1e-30, 20.0, 87.0])])
+    y = torch.empty_like(x)
+    _softplus_kernel[(1,)](x, y, BLOCK=x.numel())
+    ref = torch.nn.functional.softplus(x.double(), threshold=1e9)
+    assert ((y.double() - ref).abs() / ref <= 3e-7 + x.double().clamp(max=0).abs() * 2**-23).all()
 
 
 @needs_triton

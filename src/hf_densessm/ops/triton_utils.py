@@ -41,9 +41,22 @@ def acc(x, USE_FP64: tl.constexpr):
 
 @triton.jit
 def softplus(x):
-    """``log(1 + exp(x))`` elementwise, ``x`` itself above 20 (where the two agree in float32, and ``exp``
-    would overflow in float16 arithmetic); as the authors' kernels compute it (Mamba paper App. D)."""
-    return tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))
+    """``log(1 + exp(x))`` elementwise, the authors' ``log1p(exp(x))`` (Mamba paper App. D). float32:
+    ``max(x, 0) + log1p(v)``, ``v = exp(-|x|)``, ``log1p(v) = v p(v)`` with ``p`` the degree-8 polynomial fit of
+    ``log1p(v) / v`` on ``[0, 1]`` (relative error <= 2.3e-7 in float32, 14 instructions instead of the 33 of an
+    exact ``log``; tests/ops/test_selective_scan.py checks it); float64: ``log(1 + exp(x))``, ``x`` above 20."""
+    if x.dtype == tl.float64:
+        return tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))
+    v = tl.exp2(-tl.abs(x) * 1.4426950408889634)
+    p = 0.005186003632843494 * v - 0.029210267588496208
+    p = p * v + 0.07754038274288177
+    p = p * v - 0.13583941757678986
+    p = p * v + 0.19055955111980438
+    p = p * v - 0.24825648963451385
+    p = p * v + 0.3331601023674011
+    p = p * v - 0.4999925494194031
+    p = p * v + 0.9999999403953552
+    return tl.maximum(x, 0.0) + v * p
 
 
 @triton.jit

@@ -1,7 +1,8 @@
 """Chunk-parallel Triton selective scan, forward and backward by recomputation (Mamba paper Alg. 2, §3.3.2,
 App. D): the Triton bodies of ``hf_densessm::selective_scan`` / ``_backward``, three launches each (per-chunk
-summaries, a carry across chunks, per-chunk outputs or gradients) through ``torch.library.wrap_triton``,
-accumulating in float32 (float64 for float64 inputs). How the kernels work, packed documents and tile choices:
+summaries, a scan over the chunks, per-chunk outputs or gradients) through ``torch.library.wrap_triton``,
+accumulating in float32 (float64 for float64 inputs). Each thread owns one channel and its ``state`` states in
+registers and walks its chunk's tokens in order. How the kernels work, packed documents, tile choices:
 docs/kernels.md.
 """
 
@@ -18,7 +19,7 @@ except ImportError as error:
     raise ImportError(f"{__name__} holds Triton kernels and needs the `triton` package") from error
 
 from ..backend import GPUArch, device_arch, inputs_compute_dtype
-from ..triton_utils import acc, launch, silu, softplus
+from ..triton_utils import launch, softplus
 
 __all__ = [
     "SelectiveScanConfig", "selective_scan_config", "selective_scan_triton_bwd", "selective_scan_triton_fwd",
@@ -26,31 +27,38 @@ __all__ = [
 
 #: The most chunks a launch takes: they are the grid's second axis (CUDA allows 65535 there).
 MAX_CHUNKS = 65535
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
 
 
 @dataclass(frozen=True)
 class SelectiveScanConfig:
-    """Launch choices of the scan (see :func:`selective_scan_config`): ``chunk`` tokens (a power of 2, the spacing
-    of ``chunk_states``: the backward pass must use the forward pass's), channels per tile (a power of 2), tiles
-    per program and warps of the forward-side kernels (state, output, adjoint: ``fwd_*``) and of the backward's
-    gradient kernel (``bwd_*``), elements and warps per program of the carry kernel, pipelining stages."""
+    """Launch choices of the scan (see :func:`selective_scan_config`): ``chunk`` tokens walked by one program (a
+    power of 2, the spacing of ``chunk_states``: the backward pass must use the forward pass's); channels per
+    program (a power of 2; one thread per channel at ``32 * warps`` channels, two at twice that), channel blocks
+    walked one after another by a program and warps of the forward kernels (``fwd_*``) and of the backward ones
+    (``bwd_*``); the chunk scan's ``(channel, state)`` entries per program and warps (it holds ``carry_chunks``
+    chunks of each entry at once); pipelining stages."""
 
-    chunk: int = 64
-    fwd_block_d: int = 2
-    fwd_d_steps: int = 4
-    fwd_warps: int = 4
-    bwd_block_d: int = 2
-    bwd_d_steps: int = 4
-    bwd_warps: int = 8
+    chunk: int = 32
+    fwd_block_d: int = 64
+    fwd_d_steps: int = 1
+    fwd_warps: int = 1
+    bwd_block_d: int = 32
+    bwd_d_steps: int = 1
+    bwd_warps: int = 1
     carry_block: int = 512
     carry_warps: int = 4
-    num_stages: int = 2
+    carry_chunks: int = 16
+    num_stages: int = 1
 
 
 def selective_scan_config(arch: GPUArch, dtype: torch.dtype, nstate: int) -> SelectiveScanConfig:
-    """Chunk, tiles and warps of the scan (docs/kernels.md, "Tile, warp and stage choices"): the same for every
-    ``arch`` and ``dtype`` (registers bind, and every architecture has the same register file); a tile of
-    ``block_d x state x chunk = 2048`` elements, shorter chunks and fewer channels for larger states.
+    """Chunk, tiles and warps of the scan (docs/kernels.md, "Tile, warp and stage choices"): 32-token chunks,
+    one-warp programs, two channels per thread in the forward kernels up to 16 states (one above: a thread holds
+    about ``4 state`` registers per channel), one in the backward ones; the same for every ``arch`` and ``dtype``
+    (every architecture has 64K registers per SM, and the choice is bound by registers and by the programs an H100
+    needs at batch 1).
 
     Args:
         arch: the GPU's limits (:func:`hf_densessm.ops.backend.device_arch`). dtype: of ``u``. nstate: ``N``.
@@ -59,13 +67,146 @@ def selective_scan_config(arch: GPUArch, dtype: torch.dtype, nstate: int) -> Sel
         A :class:`SelectiveScanConfig`.
     """
     del arch, dtype
-    block_n = triton.next_power_of_2(nstate)
-    warps = 4
-    chunk = 64 if block_n <= 32 else 32 if block_n <= 64 else 16
-    block_d = max(1, 2048 // (block_n * chunk))
-    d_steps = max(1, 8 // block_d)
-    return SelectiveScanConfig(chunk=chunk, fwd_block_d=block_d, fwd_d_steps=d_steps, fwd_warps=warps,
-                               bwd_block_d=block_d, bwd_d_steps=d_steps, bwd_warps=2 * warps)
+    return SelectiveScanConfig(fwd_block_d=64 if nstate <= 16 else 32)
+
+
+# ------------------------------------------------------------------------------------------------ device code
+#
+# Layout: a program's states are a (BLOCK_N, BLOCK_D) tile, built only from (BLOCK_D,) and (BLOCK_N,) vectors
+# (never loaded or stored as one 2-D tile, whose coalescing would spread the states over threads), so Triton's
+# default layout gives each thread one column: a channel and all its states, in registers. The token loops call
+# two helpers only (softplus, _add_over_channels): the interpreter re-patches the language at each call (a ms).
+
+
+@triton.jit
+def _rows(ptr, offs_d, mask_d, s_d, s_n, offs_n, NSTATE: tl.constexpr, BLOCK_N: tl.constexpr, ACC: tl.constexpr):
+    """(BLOCK_N, BLOCK_D) tile ``[n, d] = ptr[d * s_d + n * s_n]``, 0 from ``n = NSTATE``: one load per state."""
+    tile = tl.zeros((BLOCK_N, offs_d.shape[0]), ACC)
+    for n in tl.static_range(NSTATE):
+        row = tl.load(ptr + offs_d * s_d + n * s_n, mask=mask_d, other=0.0).to(ACC)
+        tile = tl.where(offs_n[:, None] == n, row[None, :], tile)
+    return tile
+
+
+@triton.jit
+def _store_rows(ptr, tile, offs_d, mask_d, offs_n, NSTATE: tl.constexpr):
+    """Store a tile of :func:`_rows` into ``(dim, NSTATE)`` rows, one store per state."""
+    for n in tl.static_range(NSTATE):
+        tl.store(ptr + offs_d * NSTATE + n, tl.sum(tl.where(offs_n[:, None] == n, tile, -0.0), axis=0), mask=mask_d)
+
+
+@triton.jit
+def _channels(tile, BLOCK_D: tl.constexpr, CPT: tl.constexpr):
+    """The channels of channel block ``tile``, column ``j`` of a tile holding channel ``CPT (j % T) + j // T``:
+    Triton's default layout gives thread ``i < T = BLOCK_D / CPT`` columns ``i, i + T, ...``, here ``CPT``
+    adjacent channels, so a channel's (BLOCK_D,) vectors (loads of ``u``, ``delta``...) take the tile's layout (a
+    contiguous range would be vectorized across columns and converted through shared memory at every token)."""
+    cols = tl.arange(0, BLOCK_D)
+    return tile * BLOCK_D + (cols % (BLOCK_D // CPT)) * CPT + cols // (BLOCK_D // CPT)
+
+
+@triton.jit
+def _channel(ptr, offs_d, mask_d, HAS: tl.constexpr, ACC: tl.constexpr):
+    """A (dim,) parameter of the program's channels (``D``, ``delta_bias``), 0 when absent."""
+    if HAS:
+        return tl.load(ptr + offs_d, mask=mask_d, other=0.0).to(ACC)
+    return tl.zeros(offs_d.shape, ACC)
+
+
+@triton.jit
+def _summary(
+    x_ptr, delta_ptr, A_ptr, V_ptr, z_ptr, bias_ptr, reset_ptr,
+    out_ptr, dtsum_ptr, flag_ptr,
+    s_x_b, s_x_d, s_x_l, s_dt_b, s_dt_d, s_dt_l, s_A_d, s_A_n, s_V_b, s_V_n, s_V_l, s_z_b, s_z_d, s_z_l,
+    dim, length, n_chunks,
+    CHUNK: tl.constexpr, NSTATE: tl.constexpr, REVERSE: tl.constexpr, HAS_Z: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, HAS_RESET: tl.constexpr, ACC: tl.constexpr,
+    BLOCK_D: tl.constexpr, D_STEPS: tl.constexpr, BLOCK_N: tl.constexpr, CPT: tl.constexpr, EVEN_D: tl.constexpr,
+):
+    """Phase 1 of either pass, grid (channel blocks, chunks, batch): one chunk walked from a zero state. Forward
+    (``x = u``, ``V = B``): ``h <- a_t h + dt_t u_t B_t`` in order, its end state into ``out``. Backward
+    (``x = dy``, ``V = C``, ``REVERSE``): ``m <- a_t (m + C_t gy_t)`` in reverse, ``gy = dy silu(z)``, the adjoint
+    it sends out of the chunk's start into ``out``. ``a_t = exp(dt_t A)``, 0 where a document starts. ``out``:
+    ``(batch, n_chunks, dim, state)``; ``dtsum``: each channel's ``sum dt`` over the chunk, ``(batch, n_chunks,
+    dim)``; ``flag``: whether a document starts in the chunk (its total decay is then 0), ``(batch, n_chunks)``."""
+    pid_d, pid_c, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    start = pid_c * CHUNK
+    end = tl.minimum(start + CHUNK, length)
+    offs_n = tl.arange(0, BLOCK_N)
+    mask_n = offs_n < NSTATE
+    row = pid_b * n_chunks + pid_c
+    v_base = V_ptr + pid_b * s_V_b + offs_n * s_V_n
+    for j in range(D_STEPS):
+        offs_d = _channels(pid_d * D_STEPS + j, BLOCK_D, CPT)
+        mask_d = (offs_d < dim) | EVEN_D
+        A2 = _rows(A_ptr, offs_d, mask_d, s_A_d, s_A_n, offs_n, NSTATE, BLOCK_N, ACC) * LOG2E
+        bias = _channel(bias_ptr, offs_d, mask_d, HAS_BIAS, ACC)
+        x_base = x_ptr + pid_b * s_x_b + offs_d * s_x_d
+        dt_base = delta_ptr + pid_b * s_dt_b + offs_d * s_dt_d
+        if HAS_Z:
+            z_base = z_ptr + pid_b * s_z_b + offs_d * s_z_d
+        state = A2 * 0.0
+        dtsum = bias * 0.0
+        docs = 0
+        for i in range(0, end - start):
+            t = end - 1 - i if REVERSE else start + i
+            dt = tl.load(dt_base + t * s_dt_l, mask=mask_d, other=0.0).to(ACC) + bias
+            if SOFTPLUS:
+                dt = softplus(dt)
+            s = tl.load(x_base + t * s_x_l, mask=mask_d, other=0.0).to(ACC)
+            vt = tl.load(v_base + t * s_V_l, mask=mask_n, other=0.0).to(ACC)
+            shift = 0.0
+            if HAS_RESET:  # a document starts: a_t = exp2(dt A2 - inf) = 0, the state before it is dropped
+                r = tl.load(reset_ptr + pid_b * length + t)
+                docs += r.to(tl.int32)
+                shift = tl.where(r != 0, -float("inf"), 0.0)
+            a = tl.exp2(dt[None, :] * A2 + shift)
+            if REVERSE:
+                if HAS_Z:
+                    z = tl.load(z_base + t * s_z_l, mask=mask_d, other=0.0).to(ACC)
+                    s = s * z * (1.0 / (1.0 + tl.exp2(z * -LOG2E)))
+                state = a * (state + vt[:, None] * s[None, :])
+            else:
+                state = a * state + vt[:, None] * (s * dt)[None, :]
+            dtsum += dt
+        _store_rows(out_ptr + row * dim * NSTATE, state, offs_d, mask_d, offs_n, NSTATE)
+        tl.store(dtsum_ptr + row * dim + offs_d, dtsum, mask=mask_d)
+        if HAS_RESET:
+            tl.store(flag_ptr + row, (docs > 0).to(tl.int8), mask=pid_d + j == 0)
+
+
+@triton.jit
+def _selective_scan_chunk_state_kernel(
+    x_ptr, delta_ptr, A_ptr, V_ptr, z_ptr, bias_ptr, reset_ptr,
+    out_ptr, dtsum_ptr, flag_ptr,
+    s_x_b, s_x_d, s_x_l, s_dt_b, s_dt_d, s_dt_l, s_A_d, s_A_n, s_V_b, s_V_n, s_V_l, s_z_b, s_z_d, s_z_l,
+    dim, length, n_chunks,
+    CHUNK: tl.constexpr, NSTATE: tl.constexpr, REVERSE: tl.constexpr, HAS_Z: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, HAS_RESET: tl.constexpr, ACC: tl.constexpr,
+    BLOCK_D: tl.constexpr, D_STEPS: tl.constexpr, BLOCK_N: tl.constexpr, CPT: tl.constexpr, EVEN_D: tl.constexpr,
+):
+    """Forward phase 1: :func:`_summary` in order (``x = u``, ``V = B``)."""
+    _summary(x_ptr, delta_ptr, A_ptr, V_ptr, z_ptr, bias_ptr, reset_ptr, out_ptr, dtsum_ptr, flag_ptr, s_x_b, s_x_d,
+             s_x_l, s_dt_b, s_dt_d, s_dt_l, s_A_d, s_A_n, s_V_b, s_V_n, s_V_l, s_z_b, s_z_d, s_z_l, dim, length,
+             n_chunks, CHUNK, NSTATE, REVERSE, HAS_Z, HAS_BIAS, SOFTPLUS, HAS_RESET, ACC, BLOCK_D, D_STEPS, BLOCK_N,
+             CPT, EVEN_D)
+
+
+@triton.jit
+def _selective_scan_chunk_adjoint_kernel(
+    x_ptr, delta_ptr, A_ptr, V_ptr, z_ptr, bias_ptr, reset_ptr,
+    out_ptr, dtsum_ptr, flag_ptr,
+    s_x_b, s_x_d, s_x_l, s_dt_b, s_dt_d, s_dt_l, s_A_d, s_A_n, s_V_b, s_V_n, s_V_l, s_z_b, s_z_d, s_z_l,
+    dim, length, n_chunks,
+    CHUNK: tl.constexpr, NSTATE: tl.constexpr, REVERSE: tl.constexpr, HAS_Z: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, HAS_RESET: tl.constexpr, ACC: tl.constexpr,
+    BLOCK_D: tl.constexpr, D_STEPS: tl.constexpr, BLOCK_N: tl.constexpr, CPT: tl.constexpr, EVEN_D: tl.constexpr,
+):
+    """Backward phase 1: :func:`_summary` in reverse (``x = dy``, ``V = C``)."""
+    _summary(x_ptr, delta_ptr, A_ptr, V_ptr, z_ptr, bias_ptr, reset_ptr, out_ptr, dtsum_ptr, flag_ptr, s_x_b, s_x_d,
+             s_x_l, s_dt_b, s_dt_d, s_dt_l, s_A_d, s_A_n, s_V_b, s_V_n, s_V_l, s_z_b, s_z_d, s_z_l, dim, length,
+             n_chunks, CHUNK, NSTATE, REVERSE, HAS_Z, HAS_BIAS, SOFTPLUS, HAS_RESET, ACC, BLOCK_D, D_STEPS, BLOCK_N,
+             CPT, EVEN_D)
 
 
 @triton.jit
@@ -75,337 +216,270 @@ def _combine(a1, b1, a2, b2):
 
 
 @triton.jit
-def _load_dt(delta_ptr, pid_b, offs_d, offs_l, mask_dl, s_dt_b, s_dt_d, s_dt_l, bias,
-             SOFTPLUS: tl.constexpr, USE_FP64: tl.constexpr):
-    """``(delta + bias, dt)`` of a ``(BLOCK_D, BLOCK_L)`` tile: ``dt`` is ``softplus(delta + bias)`` (or
-    ``delta + bias``), 0 outside ``mask_dl`` (padding: decay 1, input 0)."""
-    dt_raw = acc(tl.load(delta_ptr + pid_b * s_dt_b + offs_d[:, None] * s_dt_d + offs_l[None, :] * s_dt_l,
-                         mask=mask_dl, other=0.0), USE_FP64)
-    dt_raw += bias[:, None]
-    dt = dt_raw
-    if SOFTPLUS:
-        dt = softplus(dt_raw)
-    return dt_raw, tl.where(mask_dl, dt, 0.0)
-
-
-@triton.jit
-def _selective_scan_chunk_state_kernel(
-    u_ptr, delta_ptr, A_ptr, B_ptr, bias_ptr, reset_ptr,
-    end_ptr, decay_ptr,
-    s_u_b, s_u_d, s_u_l,
-    s_dt_b, s_dt_d, s_dt_l,
-    s_A_d, s_A_n,
-    s_B_b, s_B_n, s_B_l,
-    dim, length, nstate, n_chunks,
-    SOFTPLUS: tl.constexpr, USE_FP64: tl.constexpr, HAS_RESET: tl.constexpr,
-    BLOCK_D: tl.constexpr, D_STEPS: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_N: tl.constexpr,
+def _selective_scan_carry_kernel(
+    x0_ptr, vals_ptr, dtsum_ptr, flag_ptr, A_ptr, out_ptr, final_ptr,
+    s_A_d, s_A_n, dim, n_chunks,
+    NSTATE: tl.constexpr, HAS_X0: tl.constexpr, REVERSE: tl.constexpr, HAS_RESET: tl.constexpr,
+    ACC: tl.constexpr, BLOCK: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
-    """Forward phase 1: the state at the end of chunk ``c`` from a zero state at its start, and its total decay,
-    into ``end_ptr``, ``decay_ptr`` (``(batch, n_chunks, dim, state)``, contiguous)."""
-    pid_d = tl.program_id(0)
-    pid_c = tl.program_id(1)
-    pid_b = tl.program_id(2)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_t = tl.arange(0, BLOCK_L)
-    offs_l = pid_c * BLOCK_L + offs_t
-    mask_l = offs_l < length
-    mask_n = offs_n < nstate
-    mask_nl = mask_n[:, None] & mask_l[None, :]
-    Bt = acc(tl.load(B_ptr + pid_b * s_B_b + offs_n[:, None] * s_B_n + offs_l[None, :] * s_B_l,
-                     mask=mask_nl, other=0.0), USE_FP64)
-    if HAS_RESET:  # terms before the chunk's last document start do not reach its end
-        r = tl.load(reset_ptr + pid_b * length + offs_l, mask=mask_l, other=0)
-        last_reset = tl.max(tl.where(r != 0, offs_t, -1), axis=0)
-        keep = offs_t >= last_reset
-    for j in range(D_STEPS):
-        offs_d = (pid_d * D_STEPS + j) * BLOCK_D + tl.arange(0, BLOCK_D)
-        mask_d = offs_d < dim
-        mask_dn = mask_d[:, None] & mask_n[None, :]
-        mask_dl = mask_d[:, None] & mask_l[None, :]
-        A = acc(tl.load(A_ptr + offs_d[:, None] * s_A_d + offs_n[None, :] * s_A_n, mask=mask_dn, other=0.0),
-                USE_FP64)
-        bias = acc(tl.load(bias_ptr + offs_d, mask=mask_d, other=0.0), USE_FP64)
-        _, dt = _load_dt(delta_ptr, pid_b, offs_d, offs_l, mask_dl, s_dt_b, s_dt_d, s_dt_l, bias, SOFTPLUS, USE_FP64)
-        u = acc(tl.load(u_ptr + pid_b * s_u_b + offs_d[:, None] * s_u_d + offs_l[None, :] * s_u_l,
-                        mask=mask_dl, other=0.0), USE_FP64)
-        after = tl.cumsum(dt, axis=1, reverse=True) - dt  # sum of dt over the chunk's positions after t
-        w = tl.exp(A[:, :, None] * after[:, None, :]) * (dt * u)[:, None, :] * Bt[None, :, :]
-        if HAS_RESET:
-            w = tl.where(keep[None, None, :], w, 0.0)
-        h_end = tl.sum(w, axis=2)
-        decay = tl.exp(A * tl.sum(dt, axis=1)[:, None])
-        if HAS_RESET:
-            decay = tl.where(last_reset >= 0, 0.0, decay)
-        offs = (pid_b * n_chunks + pid_c) * dim * nstate + offs_d[:, None] * nstate + offs_n[None, :]
-        tl.store(end_ptr + offs, h_end, mask=mask_dn)
-        tl.store(decay_ptr + offs, decay, mask=mask_dn)
-
-
-@triton.jit
-def _selective_scan_chunk_adjoint_kernel(
-    dy_ptr, delta_ptr, A_ptr, C_ptr, z_ptr, bias_ptr, reset_ptr,
-    mu_ptr, decay_ptr,
-    s_dy_b, s_dy_d, s_dy_l,
-    s_dt_b, s_dt_d, s_dt_l,
-    s_A_d, s_A_n,
-    s_C_b, s_C_n, s_C_l,
-    s_z_b, s_z_d, s_z_l,
-    dim, length, nstate, n_chunks,
-    HAS_Z: tl.constexpr, SOFTPLUS: tl.constexpr, USE_FP64: tl.constexpr, HAS_RESET: tl.constexpr,
-    BLOCK_D: tl.constexpr, D_STEPS: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_N: tl.constexpr,
-):
-    """Backward phase 1: ``mu_c = sum_t exp(A sum_{s <= t} dt_s) C_t gy_t`` over chunk ``c`` (the adjoint of the
-    state entering the chunk, from a zero adjoint at its end) and the chunk's total decay, into ``mu_ptr``,
-    ``decay_ptr`` (``(batch, n_chunks, dim, state)``, contiguous)."""
-    pid_d = tl.program_id(0)
-    pid_c = tl.program_id(1)
-    pid_b = tl.program_id(2)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_t = tl.arange(0, BLOCK_L)
-    offs_l = pid_c * BLOCK_L + offs_t
-    mask_l = offs_l < length
-    mask_n = offs_n < nstate
-    mask_nl = mask_n[:, None] & mask_l[None, :]
-    Ct = acc(tl.load(C_ptr + pid_b * s_C_b + offs_n[:, None] * s_C_n + offs_l[None, :] * s_C_l,
-                     mask=mask_nl, other=0.0), USE_FP64)
-    if HAS_RESET:  # terms from the chunk's first document start on do not reach its start
-        r = tl.load(reset_ptr + pid_b * length + offs_l, mask=mask_l, other=0)
-        first_reset = tl.min(tl.where(r != 0, offs_t, BLOCK_L), axis=0)
-        keep = offs_t < first_reset
-    for j in range(D_STEPS):
-        offs_d = (pid_d * D_STEPS + j) * BLOCK_D + tl.arange(0, BLOCK_D)
-        mask_d = offs_d < dim
-        mask_dn = mask_d[:, None] & mask_n[None, :]
-        mask_dl = mask_d[:, None] & mask_l[None, :]
-        A = acc(tl.load(A_ptr + offs_d[:, None] * s_A_d + offs_n[None, :] * s_A_n, mask=mask_dn, other=0.0),
-                USE_FP64)
-        bias = acc(tl.load(bias_ptr + offs_d, mask=mask_d, other=0.0), USE_FP64)
-        _, dt = _load_dt(delta_ptr, pid_b, offs_d, offs_l, mask_dl, s_dt_b, s_dt_d, s_dt_l, bias, SOFTPLUS, USE_FP64)
-        gy = acc(tl.load(dy_ptr + pid_b * s_dy_b + offs_d[:, None] * s_dy_d + offs_l[None, :] * s_dy_l,
-                         mask=mask_dl, other=0.0), USE_FP64)
-        if HAS_Z:
-            z = acc(tl.load(z_ptr + pid_b * s_z_b + offs_d[:, None] * s_z_d + offs_l[None, :] * s_z_l,
-                            mask=mask_dl, other=0.0), USE_FP64)
-            gy = gy * silu(z)
-        w = tl.exp(A[:, :, None] * tl.cumsum(dt, axis=1)[:, None, :]) * Ct[None, :, :] * gy[:, None, :]
-        if HAS_RESET:
-            w = tl.where(keep[None, None, :], w, 0.0)
-        mu = tl.sum(w, axis=2)
-        decay = tl.exp(A * tl.sum(dt, axis=1)[:, None])
-        if HAS_RESET:
-            decay = tl.where(first_reset < BLOCK_L, 0.0, decay)
-        offs = (pid_b * n_chunks + pid_c) * dim * nstate + offs_d[:, None] * nstate + offs_n[None, :]
-        tl.store(mu_ptr + offs, mu, mask=mask_dn)
-        tl.store(decay_ptr + offs, decay, mask=mask_dn)
-
-
-@triton.jit
-def _selective_scan_carry_kernel(x0_ptr, vals_ptr, decay_ptr, out_ptr, size, n_chunks,
-                                 REVERSE: tl.constexpr, USE_FP64: tl.constexpr, BLOCK: tl.constexpr):
-    """Phase 2, sequential over the chunks: ``x <- decay_c x + vals_c`` from ``x0`` (``(batch, size)``), over the
-    chunks in order (forward) or in reverse (backward). ``vals_c`` is overwritten with the ``x`` that enters step
-    ``c``; ``out`` receives the final ``x``. ``vals``, ``decay``: ``(batch, n_chunks, size)``; all contiguous."""
+    """Phase 2, grid (batch, blocks of ``dim * state``): ``x <- P_c x + vals_c`` over the chunks from ``x0``, in
+    order (forward) or in reverse (backward), ``P_c = exp(A dtsum_c)`` (0 where ``flag_c``). ``out[c]`` receives
+    the ``x`` entering chunk ``c`` (the state before it; backward, the adjoint reaching its end), ``final`` the
+    last ``x``. ``BLOCK_C`` chunks at a time: loaded at once and combined by an associative scan, no memory round
+    trip per chunk. ``vals``, ``out``: ``(batch, n_chunks, dim, state)``; ``x0``, ``final``: ``(batch, dim,
+    state)``."""
     pid_b = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    size = dim * NSTATE
     mask = offs < size
-    x = acc(tl.load(x0_ptr + pid_b * size + offs, mask=mask, other=0.0), USE_FP64)
-    for i in range(n_chunks):
+    d = offs // NSTATE
+    A2 = tl.load(A_ptr + d * s_A_d + (offs % NSTATE) * s_A_n, mask=mask, other=0.0).to(ACC) * LOG2E
+    if HAS_X0:
+        x = tl.load(x0_ptr + pid_b * size + offs, mask=mask, other=0.0).to(ACC)
+    else:
+        x = A2 * 0.0
+    rows = tl.arange(0, BLOCK_C)
+    for i in range(0, tl.cdiv(n_chunks, BLOCK_C)):
+        c0 = n_chunks - (i + 1) * BLOCK_C if REVERSE else i * BLOCK_C
+        offs_c = c0 + rows
+        mask_c = (offs_c >= 0) & (offs_c < n_chunks)
+        mask2 = mask_c[:, None] & mask[None, :]
+        at = (pid_b * n_chunks + offs_c)[:, None]
+        v = tl.load(vals_ptr + at * size + offs[None, :], mask=mask2, other=0.0).to(ACC)
+        p = tl.exp2(A2[None, :] * tl.load(dtsum_ptr + at * dim + d[None, :], mask=mask2, other=0.0).to(ACC))
+        if HAS_RESET:
+            f = tl.load(flag_ptr + pid_b * n_chunks + offs_c, mask=mask_c, other=0)
+            p = tl.where(f[:, None] != 0, 0.0, p)
+        p = tl.where(mask2, p, 1.0)
+        p_cum, v_cum = tl.associative_scan((p, v), axis=0, combine_fn=_combine, reverse=REVERSE)
+        after = p_cum * x[None, :] + v_cum  # x after chunk c (in the walk's order)
         if REVERSE:
-            c = n_chunks - 1 - i
+            nxt, first, last = offs_c - 1, c0 + BLOCK_C - 1, 0
+            keep = (rows > 0) & (nxt >= 0)
         else:
-            c = i
-        at = (pid_b * n_chunks + c) * size + offs
-        v = tl.load(vals_ptr + at, mask=mask, other=0.0)
-        p = tl.load(decay_ptr + at, mask=mask, other=0.0)
-        tl.store(vals_ptr + at, x, mask=mask)
-        x = p * x + v
-    tl.store(out_ptr + pid_b * size + offs, x, mask=mask)
+            nxt, first, last = offs_c + 1, c0, BLOCK_C - 1
+            keep = (rows < BLOCK_C - 1) & (nxt < n_chunks)
+        tl.store(out_ptr + (pid_b * n_chunks + nxt)[:, None] * size + offs[None, :], after,
+                 mask=keep[:, None] & mask[None, :])
+        tl.store(out_ptr + (pid_b * n_chunks + first) * size + offs, x, mask=mask)
+        x = tl.sum(tl.where(rows[:, None] == last, after, -0.0), axis=0)
+    tl.store(final_ptr + pid_b * size + offs, x, mask=mask)
 
 
 @triton.jit
 def _selective_scan_chunk_output_kernel(
-    u_ptr, delta_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, bias_ptr, reset_ptr, hchunk_ptr,
+    u_ptr, delta_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, bias_ptr, reset_ptr, states_ptr,
     y_ptr,
-    s_u_b, s_u_d, s_u_l,
-    s_dt_b, s_dt_d, s_dt_l,
-    s_A_d, s_A_n,
-    s_B_b, s_B_n, s_B_l,
-    s_C_b, s_C_n, s_C_l,
-    s_z_b, s_z_d, s_z_l,
-    dim, length, nstate, n_chunks,
-    HAS_Z: tl.constexpr, SOFTPLUS: tl.constexpr, USE_FP64: tl.constexpr, HAS_RESET: tl.constexpr,
-    BLOCK_D: tl.constexpr, D_STEPS: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_N: tl.constexpr,
+    s_u_b, s_u_d, s_u_l, s_dt_b, s_dt_d, s_dt_l, s_A_d, s_A_n, s_B_b, s_B_n, s_B_l, s_C_b, s_C_n, s_C_l,
+    s_z_b, s_z_d, s_z_l, s_y_b, s_y_d, s_y_l,
+    dim, length, n_chunks,
+    CHUNK: tl.constexpr, NSTATE: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr,
+    SOFTPLUS: tl.constexpr, HAS_RESET: tl.constexpr, ACC: tl.constexpr,
+    BLOCK_D: tl.constexpr, D_STEPS: tl.constexpr, BLOCK_N: tl.constexpr, CPT: tl.constexpr, EVEN_D: tl.constexpr,
 ):
-    """Forward phase 3: ``y`` of chunk ``c``, its scan started from its entry state (``hchunk_ptr``,
-    ``(batch, n_chunks, dim, state)``, contiguous); ``y`` is ``(batch, dim, length)``, contiguous."""
-    pid_d = tl.program_id(0)
-    pid_c = tl.program_id(1)
-    pid_b = tl.program_id(2)
+    """Forward phase 3, grid (channel blocks, chunks, batch): the chunk walked from the state entering it
+    (``states``, ``(batch, n_chunks, dim, state)``), ``y_t = (C_t . h_t + D u_t) silu(z_t)`` stored per token."""
+    pid_d, pid_c, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    start = pid_c * CHUNK
+    end = tl.minimum(start + CHUNK, length)
     offs_n = tl.arange(0, BLOCK_N)
-    offs_t = tl.arange(0, BLOCK_L)
-    offs_l = pid_c * BLOCK_L + offs_t
-    mask_l = offs_l < length
-    mask_n = offs_n < nstate
-    mask_nl = mask_n[:, None] & mask_l[None, :]
-    Bt = acc(tl.load(B_ptr + pid_b * s_B_b + offs_n[:, None] * s_B_n + offs_l[None, :] * s_B_l,
-                     mask=mask_nl, other=0.0), USE_FP64)
-    Ct = acc(tl.load(C_ptr + pid_b * s_C_b + offs_n[:, None] * s_C_n + offs_l[None, :] * s_C_l,
-                     mask=mask_nl, other=0.0), USE_FP64)
-    if HAS_RESET:
-        r = tl.load(reset_ptr + pid_b * length + offs_l, mask=mask_l, other=0)
+    mask_n = offs_n < NSTATE
+    row = pid_b * n_chunks + pid_c
+    b_base = B_ptr + pid_b * s_B_b + offs_n * s_B_n
+    c_base = C_ptr + pid_b * s_C_b + offs_n * s_C_n
     for j in range(D_STEPS):
-        offs_d = (pid_d * D_STEPS + j) * BLOCK_D + tl.arange(0, BLOCK_D)
-        mask_d = offs_d < dim
-        mask_dn = mask_d[:, None] & mask_n[None, :]
-        mask_dl = mask_d[:, None] & mask_l[None, :]
-        A = acc(tl.load(A_ptr + offs_d[:, None] * s_A_d + offs_n[None, :] * s_A_n, mask=mask_dn, other=0.0),
-                USE_FP64)
-        Dv = acc(tl.load(D_ptr + offs_d, mask=mask_d, other=0.0), USE_FP64)
-        bias = acc(tl.load(bias_ptr + offs_d, mask=mask_d, other=0.0), USE_FP64)
-        _, dt = _load_dt(delta_ptr, pid_b, offs_d, offs_l, mask_dl, s_dt_b, s_dt_d, s_dt_l, bias, SOFTPLUS, USE_FP64)
-        u = acc(tl.load(u_ptr + pid_b * s_u_b + offs_d[:, None] * s_u_d + offs_l[None, :] * s_u_l,
-                        mask=mask_dl, other=0.0), USE_FP64)
-        h = acc(tl.load(hchunk_ptr + (pid_b * n_chunks + pid_c) * dim * nstate + offs_d[:, None] * nstate
-                        + offs_n[None, :], mask=mask_dn, other=0.0), USE_FP64)
-        a = tl.exp(dt[:, None, :] * A[:, :, None])
-        if HAS_RESET:  # a document starts here: the state before it is dropped (decay 0)
-            a = tl.where((r != 0)[None, None, :], 0.0, a)
-        b = (dt * u)[:, None, :] * Bt[None, :, :]
-        a_cum, h_loc = tl.associative_scan((a, b), axis=2, combine_fn=_combine)
-        hs = h_loc + a_cum * h[:, :, None]
-        y = tl.sum(hs * Ct[None, :, :], axis=1) + Dv[:, None] * u
+        offs_d = _channels(pid_d * D_STEPS + j, BLOCK_D, CPT)
+        mask_d = (offs_d < dim) | EVEN_D
+        A2 = _rows(A_ptr, offs_d, mask_d, s_A_d, s_A_n, offs_n, NSTATE, BLOCK_N, ACC) * LOG2E
+        bias = _channel(bias_ptr, offs_d, mask_d, HAS_BIAS, ACC)
+        Dv = _channel(D_ptr, offs_d, mask_d, HAS_D, ACC)
+        h = _rows(states_ptr + row * dim * NSTATE, offs_d, mask_d, NSTATE, 1, offs_n, NSTATE, BLOCK_N, ACC)
+        u_base = u_ptr + pid_b * s_u_b + offs_d * s_u_d
+        dt_base = delta_ptr + pid_b * s_dt_b + offs_d * s_dt_d
+        y_base = y_ptr + pid_b * s_y_b + offs_d * s_y_d
         if HAS_Z:
-            z = acc(tl.load(z_ptr + pid_b * s_z_b + offs_d[:, None] * s_z_d + offs_l[None, :] * s_z_l,
-                            mask=mask_dl, other=0.0), USE_FP64)
-            y = y * silu(z)
-        tl.store(y_ptr + pid_b * dim * length + offs_d[:, None] * length + offs_l[None, :],
-                 y.to(y_ptr.dtype.element_ty), mask=mask_dl)
+            z_base = z_ptr + pid_b * s_z_b + offs_d * s_z_d
+        for t in range(start, end):
+            dt = tl.load(dt_base + t * s_dt_l, mask=mask_d, other=0.0).to(ACC) + bias
+            if SOFTPLUS:
+                dt = softplus(dt)
+            u = tl.load(u_base + t * s_u_l, mask=mask_d, other=0.0).to(ACC)
+            bt = tl.load(b_base + t * s_B_l, mask=mask_n, other=0.0).to(ACC)
+            ct = tl.load(c_base + t * s_C_l, mask=mask_n, other=0.0).to(ACC)
+            shift = 0.0
+            if HAS_RESET:  # a document starts: a_t = 0, the state before it is dropped
+                shift = tl.where(tl.load(reset_ptr + pid_b * length + t) != 0, -float("inf"), 0.0)
+            h = tl.exp2(dt[None, :] * A2 + shift) * h + bt[:, None] * (dt * u)[None, :]
+            y = tl.sum(h * ct[:, None], axis=0) + Dv * u
+            if HAS_Z:
+                z = tl.load(z_base + t * s_z_l, mask=mask_d, other=0.0).to(ACC)
+                y = y * z * (1.0 / (1.0 + tl.exp2(z * -LOG2E)))
+            tl.store(y_base + t * s_y_l, y.to(y_ptr.dtype.element_ty), mask=mask_d)
+
+
+@triton.jit
+def _sum_over_channels(x, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Row sums of a (BLOCK_N, BLOCK_D) tile (over its channels), scattered over the columns: ``(s, rows, own)``,
+    (max(1, BLOCK_N / BLOCK_D), BLOCK_D) tiles, ``s[k, j]`` the sum of row ``rows[k, j]``, ``own`` one column per
+    row. Each level exchanges half of a column's rows with column ``j ^ m`` and keeps the other half: a warp
+    shuffle per exchanged value when columns are lanes, ``2 BLOCK_N`` in all against ``BLOCK_N log2(BLOCK_D)``
+    for ``tl.sum`` (which leaves every sum in every column). Constexpr arithmetic stays inline: a name assigned
+    one would turn it into a tensor."""
+    cols = tl.arange(0, BLOCK_D)
+    base = cols * 0
+    own = cols >= 0
+    for lvl in tl.static_range(16):
+        if (BLOCK_D >> (lvl + 1)) >= 1:
+            upper = (cols & (BLOCK_D >> (lvl + 1))) != 0
+            partner = tl.broadcast_to((cols ^ (BLOCK_D >> (lvl + 1)))[None, :],
+                                      (max(BLOCK_N >> (lvl + 1), 1), BLOCK_D))
+            if (BLOCK_N >> lvl) >= 2:  # keep the upper or lower half of the rows, add the partner's
+                lo, hi = tl.split(tl.permute(tl.reshape(x, (2, BLOCK_N >> (lvl + 1), BLOCK_D)), (1, 2, 0)))
+                x = tl.where(upper[None, :], hi, lo) + tl.gather(tl.where(upper[None, :], lo, hi), partner, axis=1)
+                base += tl.where(upper, BLOCK_N >> (lvl + 1), 0)
+            else:  # one row left: add the partner's, both keep the sum
+                x = x + tl.gather(x, partner, axis=1)
+                own = own & (upper == 0)
+    rows = base[None, :] + tl.arange(0, max(BLOCK_N // BLOCK_D, 1))[:, None]
+    return x, rows, own[None, :] & (rows >= 0)
+
+
+@triton.jit
+def _add_over_channels(ptr, x, offs_n, NSTATE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                       CPT: tl.constexpr):
+    """``ptr[n] += sum_j x[n, j]`` (float atomic adds, relaxed): by :func:`_sum_over_channels` when the channel
+    block is one warp (its shuffles stay in the warp), else ``tl.sum``."""
+    if BLOCK_D == 32 * CPT:
+        sums, rows, own = _sum_over_channels(x, BLOCK_N, BLOCK_D)
+        tl.atomic_add(ptr + rows, sums, mask=own & (rows < NSTATE), sem="relaxed")
+    else:
+        tl.atomic_add(ptr + offs_n, tl.sum(x, axis=1), mask=offs_n < NSTATE, sem="relaxed")
 
 
 @triton.jit
 def _selective_scan_chunk_bwd_kernel(
-    u_ptr, delta_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, bias_ptr, reset_ptr, hchunk_ptr, dy_ptr, lam_ptr,
-    du_ptr, ddelta_ptr, dz_ptr, dB_ptr, dC_ptr, dD_ptr,
-    s_u_b, s_u_d, s_u_l,
-    s_dt_b, s_dt_d, s_dt_l,
-    s_A_d, s_A_n,
-    s_B_b, s_B_n, s_B_l,
-    s_C_b, s_C_n, s_C_l,
-    s_z_b, s_z_d, s_z_l,
-    s_dy_b, s_dy_d, s_dy_l,
-    dim, length, nstate, n_chunks,
-    HAS_Z: tl.constexpr, SOFTPLUS: tl.constexpr, USE_FP64: tl.constexpr, HAS_RESET: tl.constexpr,
-    BLOCK_D: tl.constexpr, D_STEPS: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_N: tl.constexpr,
+    u_ptr, delta_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, bias_ptr, reset_ptr, dy_ptr, states_ptr, lam_ptr,
+    dtsum_ptr, w_ptr,
+    du_ptr, ddelta_ptr, dz_ptr, dB_ptr, dC_ptr, dA_ptr, dD_ptr, dbias_ptr,
+    s_u_b, s_u_d, s_u_l, s_dt_b, s_dt_d, s_dt_l, s_A_d, s_A_n, s_B_b, s_B_n, s_B_l, s_C_b, s_C_n, s_C_l,
+    s_z_b, s_z_d, s_z_l, s_dy_b, s_dy_d, s_dy_l, s_du_b, s_du_d, s_du_l, s_dd_b, s_dd_d, s_dd_l,
+    s_dz_b, s_dz_d, s_dz_l,
+    dim, length, n_chunks,
+    CHUNK: tl.constexpr, NSTATE: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr,
+    SOFTPLUS: tl.constexpr, HAS_RESET: tl.constexpr, ACC: tl.constexpr,
+    BLOCK_D: tl.constexpr, D_STEPS: tl.constexpr, BLOCK_N: tl.constexpr, CPT: tl.constexpr, EVEN_D: tl.constexpr,
 ):
-    """Backward phase 3: every gradient of chunk ``c`` from its entry state (``hchunk_ptr``) and the adjoint
-    reaching its end (``lam_ptr``; both ``(batch, n_chunks, dim, state)``, contiguous). ``du``, ``ddelta``, ``dz``:
-    stored, ``(batch, dim, length)``; ``dB``, ``dC``: atomic adds into ``(batch, state, length)``; the chunk's share
-    of ``dA`` overwrites its ``lam`` (read first by this same program), and of ``dD`` goes to
-    ``(batch, n_chunks, dim)``."""
-    pid_d = tl.program_id(0)
-    pid_c = tl.program_id(1)
-    pid_b = tl.program_id(2)
-    t0 = pid_c * BLOCK_L
+    """Backward phase 3, grid (channel blocks, chunks, batch): every gradient of one chunk from the state entering
+    it (``states``) and the adjoint reaching its end (``lam``), in two walks (docs/kernels.md): in reverse, the
+    adjoint ``g`` (``du``; ``dB`` by atomic adds; part of ``d delta`` into the scratch ``w``, ``(batch, length,
+    dim)``), then in order, the states ``h`` (``d delta``, ``dz``; ``dC`` by atomic adds). The chunk's share of
+    ``dA`` goes to ``(batch, n_chunks, dim, state)``, of ``dD`` and ``d delta_bias`` to ``(batch, n_chunks,
+    dim)``. ``A2 = A log2(e)``: the sums over states weighted by ``A`` are taken with ``A2``, then times ``ln 2``."""
+    pid_d, pid_c, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    start = pid_c * CHUNK
+    end = tl.minimum(start + CHUNK, length)
     offs_n = tl.arange(0, BLOCK_N)
-    offs_t = tl.arange(0, BLOCK_L)
-    offs_l = t0 + offs_t
-    mask_l = offs_l < length
-    mask_n = offs_n < nstate
-    mask_nl = mask_n[:, None] & mask_l[None, :]
-    first = (offs_t == 0)[None, None, :]
-    # positions t - 1 (the scan recomputing h_{t-1}) and t + 1 (the adjoint's decays), both inside the chunk
-    offs_p = offs_l - 1
-    mask_p = (offs_t > 0) & (offs_p < length)
-    offs_q = offs_l + 1
-    mask_q = (offs_t < BLOCK_L - 1) & (offs_q < length)
-    mask_pnl = mask_n[:, None] & mask_p[None, :]
-    Bt = acc(tl.load(B_ptr + pid_b * s_B_b + offs_n[:, None] * s_B_n + offs_l[None, :] * s_B_l,
-                     mask=mask_nl, other=0.0), USE_FP64)
-    Ct = acc(tl.load(C_ptr + pid_b * s_C_b + offs_n[:, None] * s_C_n + offs_l[None, :] * s_C_l,
-                     mask=mask_nl, other=0.0), USE_FP64)
-    B_p = acc(tl.load(B_ptr + pid_b * s_B_b + offs_n[:, None] * s_B_n + offs_p[None, :] * s_B_l,
-                      mask=mask_pnl, other=0.0), USE_FP64)
-    if HAS_RESET:
-        r = tl.load(reset_ptr + pid_b * length + offs_l, mask=mask_l, other=0)
-        r_p = tl.load(reset_ptr + pid_b * length + offs_p, mask=mask_p, other=0)
-        r_q = tl.load(reset_ptr + pid_b * length + offs_q, mask=mask_q, other=0)
-    dB_acc = Bt * 0.0
-    dC_acc = Bt * 0.0
+    mask_n = offs_n < NSTATE
+    row = pid_b * n_chunks + pid_c
+    b_base = B_ptr + pid_b * s_B_b + offs_n * s_B_n
+    c_base = C_ptr + pid_b * s_C_b + offs_n * s_C_n
+    dbc_base = pid_b * length * NSTATE  # dB, dC: (batch, length, state)
     for j in range(D_STEPS):
-        offs_d = (pid_d * D_STEPS + j) * BLOCK_D + tl.arange(0, BLOCK_D)
-        mask_d = offs_d < dim
-        mask_dn = mask_d[:, None] & mask_n[None, :]
-        mask_dl = mask_d[:, None] & mask_l[None, :]
-        mask_pdl = mask_d[:, None] & mask_p[None, :]
-        mask_qdl = mask_d[:, None] & mask_q[None, :]
-        io_dl = pid_b * dim * length + offs_d[:, None] * length + offs_l[None, :]  # contiguous (batch, dim, length)
-        state_offs = (pid_b * n_chunks + pid_c) * dim * nstate + offs_d[:, None] * nstate + offs_n[None, :]
-        A = acc(tl.load(A_ptr + offs_d[:, None] * s_A_d + offs_n[None, :] * s_A_n, mask=mask_dn, other=0.0),
-                USE_FP64)
-        Dv = acc(tl.load(D_ptr + offs_d, mask=mask_d, other=0.0), USE_FP64)
-        bias = acc(tl.load(bias_ptr + offs_d, mask=mask_d, other=0.0), USE_FP64)
-        entry = acc(tl.load(hchunk_ptr + state_offs, mask=mask_dn, other=0.0), USE_FP64)
-        lam = acc(tl.load(lam_ptr + state_offs, mask=mask_dn, other=0.0), USE_FP64)
-
-        dt_raw, dt = _load_dt(delta_ptr, pid_b, offs_d, offs_l, mask_dl, s_dt_b, s_dt_d, s_dt_l, bias, SOFTPLUS,
-                              USE_FP64)
-        u = acc(tl.load(u_ptr + pid_b * s_u_b + offs_d[:, None] * s_u_d + offs_l[None, :] * s_u_l,
-                        mask=mask_dl, other=0.0), USE_FP64)
-        dy = acc(tl.load(dy_ptr + pid_b * s_dy_b + offs_d[:, None] * s_dy_d + offs_l[None, :] * s_dy_l,
-                         mask=mask_dl, other=0.0), USE_FP64)
-
-        # 1. h_{t-1}: scan over the inputs of position t - 1, the first element replaced by the entry state
-        _, dt_p = _load_dt(delta_ptr, pid_b, offs_d, offs_p, mask_pdl, s_dt_b, s_dt_d, s_dt_l, bias, SOFTPLUS,
-                           USE_FP64)
-        u_p = acc(tl.load(u_ptr + pid_b * s_u_b + offs_d[:, None] * s_u_d + offs_p[None, :] * s_u_l,
-                          mask=mask_pdl, other=0.0), USE_FP64)
-        a_p = tl.where(first, 0.0, tl.exp(dt_p[:, None, :] * A[:, :, None]))
-        a = tl.exp(dt[:, None, :] * A[:, :, None])
-        if HAS_RESET:  # the decays of positions t - 1 and t, 0 where a document starts
-            a_p = tl.where((r_p != 0)[None, None, :], 0.0, a_p)
-            a = tl.where((r != 0)[None, None, :], 0.0, a)
-        b_p = tl.where(first, entry[:, :, None], (dt_p * u_p)[:, None, :] * B_p[None, :, :])
-        _, h_prev = tl.associative_scan((a_p, b_p), axis=2, combine_fn=_combine)
-        h = a * h_prev + (dt * u)[:, None, :] * Bt[None, :, :]
-
-        # 2. output gate and skip
+        offs_d = _channels(pid_d * D_STEPS + j, BLOCK_D, CPT)
+        mask_d = (offs_d < dim) | EVEN_D
+        A2 = _rows(A_ptr, offs_d, mask_d, s_A_d, s_A_n, offs_n, NSTATE, BLOCK_N, ACC) * LOG2E
+        bias = _channel(bias_ptr, offs_d, mask_d, HAS_BIAS, ACC)
+        Dv = _channel(D_ptr, offs_d, mask_d, HAS_D, ACC)
+        d_total = tl.load(dtsum_ptr + row * dim + offs_d, mask=mask_d, other=0.0).to(ACC)
+        u_base = u_ptr + pid_b * s_u_b + offs_d * s_u_d
+        dt_base = delta_ptr + pid_b * s_dt_b + offs_d * s_dt_d
+        dy_base = dy_ptr + pid_b * s_dy_b + offs_d * s_dy_d
+        w_base = w_ptr + pid_b * length * dim + offs_d
         if HAS_Z:
-            z = acc(tl.load(z_ptr + pid_b * s_z_b + offs_d[:, None] * s_z_d + offs_l[None, :] * s_z_l,
-                            mask=mask_dl, other=0.0), USE_FP64)
-            y = tl.sum(h * Ct[None, :, :], axis=1) + Dv[:, None] * u
-            sig = tl.sigmoid(z)
-            tl.store(dz_ptr + io_dl, dy * y * sig * (1.0 + z * (1.0 - sig)), mask=mask_dl)
-            gy = dy * z * sig
-        else:
+            z_base = z_ptr + pid_b * s_z_b + offs_d * s_z_d
+        # reverse walk: g_t = C_t gy_t + a_{t+1} g_{t+1} from lam; gn = a_t g_t flows on to t - 1
+        gn = _rows(lam_ptr + row * dim * NSTATE, offs_d, mask_d, NSTATE, 1, offs_n, NSTATE, BLOCK_N, ACC)
+        d_rem = d_total  # sum of dt over the chunk's positions up to t
+        q_suf = d_total * 0.0  # sum over positions >= t of q = sum_n A2_n g_n b_n
+        dA = A2 * 0.0
+        dDv = d_total * 0.0
+        for i in range(0, end - start):
+            t = end - 1 - i
+            dt = tl.load(dt_base + t * s_dt_l, mask=mask_d, other=0.0).to(ACC) + bias
+            if SOFTPLUS:
+                dt = softplus(dt)
+            u = tl.load(u_base + t * s_u_l, mask=mask_d, other=0.0).to(ACC)
+            gy = tl.load(dy_base + t * s_dy_l, mask=mask_d, other=0.0).to(ACC)
+            if HAS_Z:
+                z = tl.load(z_base + t * s_z_l, mask=mask_d, other=0.0).to(ACC)
+                gy = gy * z * (1.0 / (1.0 + tl.exp2(z * -LOG2E)))
+            bt = tl.load(b_base + t * s_B_l, mask=mask_n, other=0.0).to(ACC)
+            ct = tl.load(c_base + t * s_C_l, mask=mask_n, other=0.0).to(ACC)
+            g = ct[:, None] * gy[None, :] + gn
+            gb = g * bt[:, None]
+            sum_gb = tl.sum(gb, axis=0)
+            dtu = dt * u
+            q_suf += dtu * tl.sum(gb * A2, axis=0)
+            dA -= gb * (d_rem * dtu)[None, :]
+            _add_over_channels(dB_ptr + dbc_base + t * NSTATE, g * dtu[None, :], offs_n, NSTATE, BLOCK_N, BLOCK_D,
+                               CPT)
+            tl.store(du_ptr + pid_b * s_du_b + offs_d * s_du_d + t * s_du_l,
+                     (dt * sum_gb + Dv * gy).to(du_ptr.dtype.element_ty), mask=mask_d)
+            tl.store(w_base + t * dim, sum_gb * u - LN2 * q_suf, mask=mask_d)
+            dDv += gy * u
+            d_rem -= dt
+            shift = 0.0
+            if HAS_RESET:
+                shift = tl.where(tl.load(reset_ptr + pid_b * length + t) != 0, -float("inf"), 0.0)
+            gn = tl.exp2(dt[None, :] * A2 + shift) * g
+        h = _rows(states_ptr + row * dim * NSTATE, offs_d, mask_d, NSTATE, 1, offs_n, NSTATE, BLOCK_N, ACC)
+        # sum_n A_n X_n at the chunk's first position, X = dL/d(dt A) = g a h_{t-1}; then X_t = X_{t-1} - p + q
+        base = LN2 * (q_suf + tl.sum(A2 * gn * h, axis=0))
+        p_pre = d_total * 0.0  # sum over positions < t of p = sum_n A2_n gy C_n h_n
+        d_pre = d_total * 0.0
+        dbias = d_total * 0.0
+        for t in range(start, end):
+            dt = tl.load(dt_base + t * s_dt_l, mask=mask_d, other=0.0).to(ACC) + bias
+            raw = dt
+            if SOFTPLUS:
+                dt = softplus(dt)
+            u = tl.load(u_base + t * s_u_l, mask=mask_d, other=0.0).to(ACC)
+            dy = tl.load(dy_base + t * s_dy_l, mask=mask_d, other=0.0).to(ACC)
             gy = dy
-        tl.store(dD_ptr + (pid_b * n_chunks + pid_c) * dim + offs_d, tl.sum(gy * u, axis=1), mask=mask_d)
+            if HAS_Z:
+                z = tl.load(z_base + t * s_z_l, mask=mask_d, other=0.0).to(ACC)
+                sig = (1.0 / (1.0 + tl.exp2(z * -LOG2E)))
+                gy = dy * z * sig
+            bt = tl.load(b_base + t * s_B_l, mask=mask_n, other=0.0).to(ACC)
+            ct = tl.load(c_base + t * s_C_l, mask=mask_n, other=0.0).to(ACC)
+            shift = 0.0
+            if HAS_RESET:
+                shift = tl.where(tl.load(reset_ptr + pid_b * length + t) != 0, -float("inf"), 0.0)
+            h = tl.exp2(dt[None, :] * A2 + shift) * h + bt[:, None] * (dt * u)[None, :]
+            ch = ct[:, None] * h
+            d_pre += dt
+            dA += ch * (d_pre * gy)[None, :]
+            _add_over_channels(dC_ptr + dbc_base + t * NSTATE, h * gy[None, :], offs_n, NSTATE, BLOCK_N, BLOCK_D,
+                               CPT)
+            ddt = tl.load(w_base + t * dim, mask=mask_d, other=0.0) + base - LN2 * p_pre
+            p_pre += gy * tl.sum(ch * A2, axis=0)
+            if SOFTPLUS:
+                ddt = ddt * (1.0 / (1.0 + tl.exp2(raw * -LOG2E)))
+            tl.store(ddelta_ptr + pid_b * s_dd_b + offs_d * s_dd_d + t * s_dd_l, ddt.to(ddelta_ptr.dtype.element_ty),
+                     mask=mask_d)
+            dbias += ddt
+            if HAS_Z:
+                y = tl.sum(ch, axis=0) + Dv * u
+                tl.store(dz_ptr + pid_b * s_dz_b + offs_d * s_dz_d + t * s_dz_l,
+                         (dy * y * sig * (1.0 + z * (1.0 - sig))).to(dz_ptr.dtype.element_ty), mask=mask_d)
+        lam = _rows(lam_ptr + row * dim * NSTATE, offs_d, mask_d, NSTATE, 1, offs_n, NSTATE, BLOCK_N, ACC)
+        dA += lam * h * d_total[None, :]
+        _store_rows(dA_ptr + row * dim * NSTATE, dA, offs_d, mask_d, offs_n, NSTATE)
+        tl.store(dD_ptr + row * dim + offs_d, dDv, mask=mask_d)
+        tl.store(dbias_ptr + row * dim + offs_d, dbias, mask=mask_d)
 
-        # adjoint: reverse scan over (a_{t+1}, C_t gy_t), a = 1 after the chunk's last position, from lam_c
-        _, dt_q = _load_dt(delta_ptr, pid_b, offs_d, offs_q, mask_qdl, s_dt_b, s_dt_d, s_dt_l, bias, SOFTPLUS,
-                           USE_FP64)
-        a_q = tl.exp(dt_q[:, None, :] * A[:, :, None])
-        if HAS_RESET:
-            a_q = tl.where((r_q != 0)[None, None, :], 0.0, a_q)
-        a_cum, g_loc = tl.associative_scan((a_q, Ct[None, :, :] * gy[:, None, :]), axis=2, combine_fn=_combine,
-                                           reverse=True)
-        g = g_loc + a_cum * lam[:, :, None]  # dL/dh_t
 
-        # 3. gradients
-        X = g * a * h_prev  # dL/d(dt_t A)
-        gB = tl.sum(g * Bt[None, :, :], axis=1)  # sum_n g_t B_t
-        ddt = tl.sum(X * A[:, :, None], axis=1) + gB * u
-        if SOFTPLUS:
-            ddt = ddt * tl.sigmoid(dt_raw)
-        tl.store(du_ptr + io_dl, gB * dt + Dv[:, None] * gy, mask=mask_dl)
-        tl.store(ddelta_ptr + io_dl, ddt, mask=mask_dl)
-        dB_acc += tl.sum(g * (dt * u)[:, None, :], axis=0)
-        dC_acc += tl.sum(h * gy[:, None, :], axis=0)
-        tl.store(lam_ptr + state_offs, tl.sum(X * dt[:, None, :], axis=2), mask=mask_dn)  # dA, this chunk's share
-
-    # sums over channels: this program's share, added into (batch, state, length)
-    io_nl = pid_b * nstate * length + offs_n[:, None] * length + offs_l[None, :]
-    tl.atomic_add(dB_ptr + io_nl, dB_acc, mask=mask_nl)
-    tl.atomic_add(dC_ptr + io_nl, dC_acc, mask=mask_nl)
+# ------------------------------------------------------------------------------------------------------ host
 
 
 def _strides3(t):
@@ -415,7 +489,7 @@ def _strides3(t):
 def _config(config, u, nstate) -> SelectiveScanConfig:
     if config is None:
         config = selective_scan_config(device_arch(u.device), u.dtype, nstate)
-    for name in ("chunk", "fwd_block_d", "bwd_block_d", "carry_block"):
+    for name in ("chunk", "fwd_block_d", "bwd_block_d", "carry_block", "carry_chunks"):
         value = getattr(config, name)
         if value < 1 or value & (value - 1):
             raise ValueError(f"config.{name} must be a power of 2, got {value}")
@@ -436,6 +510,44 @@ def _grid(batch, dim, n_chunks, block_d, d_steps):
     return (triton.cdiv(dim, block_d * d_steps), n_chunks, batch)
 
 
+def _tiles(config, dim, backward):
+    """Launch constants of the per-chunk kernels: the channel block shrunk to ``dim``, at most one warp per 32
+    channels, the channels per thread ``CPT``, and whether the blocks cover ``dim`` exactly (no channel masks)."""
+    block_d = min(config.bwd_block_d if backward else config.fwd_block_d, triton.next_power_of_2(dim))
+    d_steps = config.bwd_d_steps if backward else config.fwd_d_steps
+    warps = max(1, min(config.bwd_warps if backward else config.fwd_warps, block_d // 32))
+    return dict(BLOCK_D=block_d, D_STEPS=d_steps, CPT=max(1, block_d // (32 * warps)),
+                EVEN_D=dim % (block_d * d_steps) == 0, num_warps=warps)
+
+
+def _token_major(batch, dim, length, dtype, device):
+    """A (batch, dim, length) view of a new (batch, length, dim) tensor: the layout the model consumes."""
+    return torch.empty(batch, length, dim, dtype=dtype, device=device).transpose(1, 2)
+
+
+def _vectors(x, dtype):
+    """``B`` or ``C`` as a (batch, state, length) view of a token-major tensor in the accumulation ``dtype``: the
+    kernels read each token's states as one vector; a copy unless ``x`` is one already (it is 1/dim-th the size of
+    ``u``; converted once per pass instead of by every thread at every token)."""
+    if x.dtype == dtype and x.stride(1) == 1:
+        return x
+    return x.transpose(1, 2).to(dtype, memory_format=torch.contiguous_format).transpose(1, 2)
+
+
+def _scan_chunks(x0, vals, dtsum, flag, A, final, reverse, acc_tl, config):
+    """Phase 2 (:func:`_selective_scan_carry_kernel`): the ``x`` entering each chunk, ``(batch, n_chunks, dim,
+    state)``."""
+    batch, n_chunks, dim, nstate = vals.shape
+    out = torch.empty_like(vals)
+    launch(_selective_scan_carry_kernel)[(batch, triton.cdiv(dim * nstate, config.carry_block))](
+        x0, vals, dtsum, flag, A, out, final, A.stride(0), A.stride(1), dim, n_chunks,
+        NSTATE=nstate, HAS_X0=x0 is not None, REVERSE=reverse, HAS_RESET=flag is not None, ACC=acc_tl,
+        BLOCK=config.carry_block, BLOCK_C=min(config.carry_chunks, triton.next_power_of_2(n_chunks)),
+        num_warps=config.carry_warps, num_stages=config.num_stages,
+    )
+    return out
+
+
 def selective_scan_triton_fwd(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
                               initial_state=None, reset=None, save_states=True, config=None):
     """The Triton body of ``hf_densessm::selective_scan``, no checks: :func:`_selective_scan_chunk_state_kernel`,
@@ -443,18 +555,19 @@ def selective_scan_triton_fwd(u, delta, A, B, C, D=None, z=None, delta_bias=None
 
     Args:
         u, delta, z: (batch, dim, length); B, C: (batch, state, length); float32, bfloat16 or float16 (float64 for
-            tests), any strides. A: (dim, state), entries <= 0 (not checked here). D, delta_bias: (dim,) or None
-            (zeros). initial_state: (batch, dim, state) or None (zeros). delta_softplus: apply softplus to
-            ``delta + delta_bias``. reset: (batch, length) bool, True where a packed document starts (the state
-            before that token is dropped), or None.
+            tests), any strides (the model's token-major views, channel stride 1, are read coalesced). A: (dim,
+            state), entries <= 0 (not checked here). D, delta_bias: (dim,) or None. initial_state: (batch, dim,
+            state) or None (zeros). delta_softplus: apply softplus to ``delta + delta_bias``. reset: (batch, length)
+            bool, True where a packed document starts (the state before that token is dropped), or None.
         save_states: return the state entering each chunk, which :func:`selective_scan_triton_bwd` starts from.
         config: a :class:`SelectiveScanConfig` (default :func:`selective_scan_config`); the backward pass must
             be given the same ``chunk``.
 
     Returns:
-        ``(y, last_state, chunk_states)``: ``y`` (batch, dim, length) in ``u``'s dtype; ``last_state``
-        (batch, dim, state) and ``chunk_states`` (batch, n_chunks, dim, state) in float32 (float64 for float64
-        inputs), contiguous; ``n_chunks = ceil(length / config.chunk)``, or 0 without ``save_states``.
+        ``(y, last_state, chunk_states)``: ``y`` (batch, dim, length) in ``u``'s dtype, a view of a token-major
+        (batch, length, dim) tensor; ``last_state`` (batch, dim, state) and ``chunk_states`` (batch, n_chunks, dim,
+        state) in float32 (float64 for float64 inputs), contiguous; ``n_chunks = ceil(length / config.chunk)``, or
+        0 without ``save_states``.
 
     Raises:
         ValueError: a power-of-2 field of ``config`` is not one, a ``d_steps`` is < 1, or the length needs more
@@ -466,38 +579,34 @@ def selective_scan_triton_fwd(u, delta, A, B, C, D=None, z=None, delta_bias=None
     n_chunks = _n_chunks(length, config)
     use_fp64 = inputs_compute_dtype(u, delta, A, B, C, D, z, delta_bias, initial_state) == torch.float64
     kw = dict(dtype=torch.float64 if use_fp64 else torch.float32, device=u.device)
-    # the kernels index these (dim,) and (batch, dim, state) tensors as contiguous
-    D_k = torch.zeros(dim, **kw) if D is None else D.contiguous()
-    bias_k = torch.zeros(dim, **kw) if delta_bias is None else delta_bias.contiguous()
-    h0 = torch.zeros(batch, dim, nstate, **kw) if initial_state is None else initial_state.to(kw["dtype"]).contiguous()
+    acc_tl = tl.float64 if use_fp64 else tl.float32
+    h0 = None if initial_state is None else initial_state.to(kw["dtype"]).contiguous()
+    D, delta_bias = (None if t is None else t.contiguous() for t in (D, delta_bias))  # indexed as contiguous
     reset_k = None if reset is None else reset.to(dtype=torch.int8).contiguous()
-    block_d = min(config.fwd_block_d, triton.next_power_of_2(dim))
-    block_n = triton.next_power_of_2(nstate)
-    grid = _grid(batch, dim, n_chunks, block_d, config.fwd_d_steps)
-    flags = dict(SOFTPLUS=bool(delta_softplus), USE_FP64=use_fp64, HAS_RESET=reset_k is not None,
-                 BLOCK_D=block_d, D_STEPS=config.fwd_d_steps, BLOCK_L=config.chunk, BLOCK_N=block_n,
-                 num_warps=config.fwd_warps, num_stages=config.num_stages)
-    # 1. each chunk's end state from zero (into the buffer that phase 2 turns into the entry states) and decay
-    states = torch.empty(batch, n_chunks, dim, nstate, **kw)
-    decay = torch.empty(batch, n_chunks, dim, nstate, **kw)
+    Bv, Cv = _vectors(B, kw["dtype"]), _vectors(C, kw["dtype"])
+    tiles = _tiles(config, dim, backward=False)
+    grid = _grid(batch, dim, n_chunks, tiles["BLOCK_D"], tiles["D_STEPS"])
+    flags = dict(CHUNK=config.chunk, NSTATE=nstate, HAS_BIAS=delta_bias is not None, SOFTPLUS=bool(delta_softplus),
+                 HAS_RESET=reset_k is not None, ACC=acc_tl, BLOCK_N=triton.next_power_of_2(nstate),
+                 num_stages=config.num_stages, **tiles)
+    # 1. each chunk's end state from a zero state, its sum of dt and whether a document starts in it
+    ends = torch.empty(batch, n_chunks, dim, nstate, **kw)
+    dtsum = torch.empty(batch, n_chunks, dim, **kw)
+    flag = torch.empty(batch, n_chunks, dtype=torch.int8, device=u.device) if reset_k is not None else None
     launch(_selective_scan_chunk_state_kernel)[grid](
-        u, delta, A, B, bias_k, reset_k, states, decay,
-        *_strides3(u), *_strides3(delta), A.stride(0), A.stride(1), *_strides3(B),
-        dim, length, nstate, n_chunks, **flags,
+        u, delta, A, Bv, None, delta_bias, reset_k, ends, dtsum, flag,
+        *_strides3(u), *_strides3(delta), A.stride(0), A.stride(1), *_strides3(Bv), 0, 0, 0,
+        dim, length, n_chunks, REVERSE=False, HAS_Z=False, **flags,
     )
     # 2. the states entering the chunks, and the last state
     last_state = torch.empty(batch, dim, nstate, **kw)
-    launch(_selective_scan_carry_kernel)[(batch, triton.cdiv(dim * nstate, config.carry_block))](
-        h0, states, decay, last_state, dim * nstate, n_chunks,
-        REVERSE=False, USE_FP64=use_fp64, BLOCK=config.carry_block, num_warps=config.carry_warps,
-        num_stages=config.num_stages,
-    )
-    # 3. the outputs
-    y = torch.empty(batch, dim, length, dtype=u.dtype, device=u.device)
+    states = _scan_chunks(h0, ends, dtsum, flag, A, last_state, False, acc_tl, config)
+    # 3. the outputs, token-major
+    y = _token_major(batch, dim, length, u.dtype, u.device)
     launch(_selective_scan_chunk_output_kernel)[grid](
-        u, delta, A, B, C, D_k, z, bias_k, reset_k, states, y,
-        *_strides3(u), *_strides3(delta), A.stride(0), A.stride(1), *_strides3(B), *_strides3(C), *_strides3(z),
-        dim, length, nstate, n_chunks, HAS_Z=z is not None, **flags,
+        u, delta, A, Bv, Cv, D, z, delta_bias, reset_k, states, y,
+        *_strides3(u), *_strides3(delta), A.stride(0), A.stride(1), *_strides3(Bv), *_strides3(Cv), *_strides3(z),
+        *_strides3(y), dim, length, n_chunks, HAS_D=D is not None, HAS_Z=z is not None, **flags,
     )
     if not save_states:
         states = torch.empty(batch, 0, dim, nstate, **kw)
@@ -518,9 +627,11 @@ def selective_scan_triton_bwd(dy, dlast, u, delta, A, B, C, D=None, z=None, delt
         config: the forward pass's :class:`SelectiveScanConfig` (None there: None here).
 
     Returns:
-        ``(du, ddelta, dA, dB, dC, dD, dz, ddelta_bias, dinitial_state)``, each in the dtype of its input; ``dD``,
-        ``dz``, ``ddelta_bias`` are None when ``D``, ``z``, ``delta_bias`` are; ``dinitial_state`` is float32
-        (float64) when ``initial_state`` is None. ``dB``, ``dC``: atomic adds, last bits may vary between runs.
+        ``(du, ddelta, dA, dB, dC, dD, dz, ddelta_bias, dinitial_state)``, each in the dtype of its input; ``du``,
+        ``ddelta``, ``dz`` (batch, dim, length) and ``dB``, ``dC`` (batch, state, length) are views of token-major
+        tensors; ``dD``, ``dz``, ``ddelta_bias`` are None when ``D``, ``z``, ``delta_bias`` are;
+        ``dinitial_state`` is float32 (float64) when ``initial_state`` is None. ``dB``, ``dC``: atomic adds, last
+        bits may vary between runs.
 
     Raises:
         ValueError: as :func:`selective_scan_triton_fwd` for ``config``, or ``chunk_states`` does not hold
@@ -537,57 +648,53 @@ def selective_scan_triton_bwd(dy, dlast, u, delta, A, B, C, D=None, z=None, delt
         )
     use_fp64 = inputs_compute_dtype(u, delta, A, B, C, D, z, delta_bias, initial_state) == torch.float64
     kw = dict(dtype=torch.float64 if use_fp64 else torch.float32, device=u.device)
+    acc_tl = tl.float64 if use_fp64 else tl.float32
     dy = torch.zeros(batch, dim, length, **kw) if dy is None else dy
-    D_k = torch.zeros(dim, **kw) if D is None else D.contiguous()
-    bias_k = torch.zeros(dim, **kw) if delta_bias is None else delta_bias.contiguous()
-    dlast = torch.zeros(batch, dim, nstate, **kw) if dlast is None else dlast.to(kw["dtype"]).contiguous()
+    dlast = None if dlast is None else dlast.to(kw["dtype"]).contiguous()
+    D_k, bias_k = (None if t is None else t.contiguous() for t in (D, delta_bias))  # indexed as contiguous
     reset_k = None if reset is None else reset.to(dtype=torch.int8).contiguous()
     h_chunks = chunk_states.to(kw["dtype"]).contiguous()
-    block_n = triton.next_power_of_2(nstate)
-    common = dict(HAS_Z=z is not None, SOFTPLUS=bool(delta_softplus), USE_FP64=use_fp64,
-                  HAS_RESET=reset_k is not None, BLOCK_L=config.chunk, BLOCK_N=block_n, num_stages=config.num_stages)
-
-    # 1. each chunk's adjoint at its start from a zero adjoint at its end (into the buffer that phase 2 turns into
-    # the adjoints reaching the chunks' ends, and phase 3 into dA's partial sums), and its decay
-    lam = torch.empty(batch, n_chunks, dim, nstate, **kw)
-    decay = torch.empty(batch, n_chunks, dim, nstate, **kw)
-    block_d = min(config.fwd_block_d, triton.next_power_of_2(dim))
-    launch(_selective_scan_chunk_adjoint_kernel)[_grid(batch, dim, n_chunks, block_d, config.fwd_d_steps)](
-        dy, delta, A, C, z, bias_k, reset_k, lam, decay,
-        *_strides3(dy), *_strides3(delta), A.stride(0), A.stride(1), *_strides3(C), *_strides3(z),
-        dim, length, nstate, n_chunks,
-        BLOCK_D=block_d, D_STEPS=config.fwd_d_steps, num_warps=config.fwd_warps, **common,
+    Bv, Cv = _vectors(B, kw["dtype"]), _vectors(C, kw["dtype"])
+    tiles = _tiles(config, dim, backward=True)
+    grid = _grid(batch, dim, n_chunks, tiles["BLOCK_D"], tiles["D_STEPS"])
+    flags = dict(CHUNK=config.chunk, NSTATE=nstate, HAS_Z=z is not None, HAS_BIAS=delta_bias is not None,
+                 SOFTPLUS=bool(delta_softplus), HAS_RESET=reset_k is not None, ACC=acc_tl,
+                 BLOCK_N=triton.next_power_of_2(nstate), num_stages=config.num_stages, **tiles)
+    # 1. each chunk's adjoint sent out of its start from a zero adjoint at its end, its sum of dt, document flag
+    mu = torch.empty(batch, n_chunks, dim, nstate, **kw)
+    dtsum = torch.empty(batch, n_chunks, dim, **kw)
+    flag = torch.empty(batch, n_chunks, dtype=torch.int8, device=u.device) if reset_k is not None else None
+    launch(_selective_scan_chunk_adjoint_kernel)[grid](
+        dy, delta, A, Cv, z, bias_k, reset_k, mu, dtsum, flag,
+        *_strides3(dy), *_strides3(delta), A.stride(0), A.stride(1), *_strides3(Cv), *_strides3(z),
+        dim, length, n_chunks, REVERSE=True, **flags,
     )
     # 2. the adjoints reaching the chunks' ends, and d initial_state
     dh0 = torch.empty(batch, dim, nstate, **kw)
-    launch(_selective_scan_carry_kernel)[(batch, triton.cdiv(dim * nstate, config.carry_block))](
-        dlast, lam, decay, dh0, dim * nstate, n_chunks,
-        REVERSE=True, USE_FP64=use_fp64, BLOCK=config.carry_block, num_warps=config.carry_warps,
-        num_stages=config.num_stages,
-    )
+    lam = _scan_chunks(dlast, mu, dtsum, flag, A, dh0, True, acc_tl, config)
     # 3. every gradient
-    du = torch.empty(batch, dim, length, **kw)
-    ddelta = torch.empty(batch, dim, length, **kw)
-    dz = torch.empty(batch, dim, length, **kw) if z is not None else None
-    dB = torch.zeros(batch, nstate, length, **kw)
-    dC = torch.zeros(batch, nstate, length, **kw)
+    du = _token_major(batch, dim, length, u.dtype, u.device)
+    ddelta = _token_major(batch, dim, length, delta.dtype, u.device)
+    dz = _token_major(batch, dim, length, z.dtype, u.device) if z is not None else None
+    dB = torch.zeros(batch, length, nstate, **kw)
+    dC = torch.zeros(batch, length, nstate, **kw)
+    dA = torch.empty(batch, n_chunks, dim, nstate, **kw)
     dD = torch.empty(batch, n_chunks, dim, **kw)
-    block_d = min(config.bwd_block_d, triton.next_power_of_2(dim))
-    launch(_selective_scan_chunk_bwd_kernel)[_grid(batch, dim, n_chunks, block_d, config.bwd_d_steps)](
-        u, delta, A, B, C, D_k, z, bias_k, reset_k, h_chunks, dy, lam,
-        du, ddelta, dz, dB, dC, dD,
-        *_strides3(u), *_strides3(delta), A.stride(0), A.stride(1), *_strides3(B), *_strides3(C), *_strides3(z),
-        *_strides3(dy),
-        dim, length, nstate, n_chunks,
-        BLOCK_D=block_d, D_STEPS=config.bwd_d_steps, num_warps=config.bwd_warps, **common,
+    dbias = torch.empty(batch, n_chunks, dim, **kw)
+    scratch = torch.empty(batch, length, dim, **kw)
+    launch(_selective_scan_chunk_bwd_kernel)[grid](
+        u, delta, A, Bv, Cv, D_k, z, bias_k, reset_k, dy, h_chunks, lam, dtsum, scratch,
+        du, ddelta, dz, dB, dC, dA, dD, dbias,
+        *_strides3(u), *_strides3(delta), A.stride(0), A.stride(1), *_strides3(Bv), *_strides3(Cv), *_strides3(z),
+        *_strides3(dy), *_strides3(du), *_strides3(ddelta), *_strides3(dz),
+        dim, length, n_chunks, HAS_D=D is not None, **flags,
     )
-    dA = lam  # phase 3 left each chunk's share of dA there
 
     def cast(g, like):
         return None if g is None else g.to(like.dtype) if like is not None else g
 
     return (
-        cast(du, u), cast(ddelta, delta), cast(dA.sum((0, 1)), A), cast(dB, B), cast(dC, C),
-        None if D is None else cast(dD.sum((0, 1)), D), cast(dz, z),
-        None if delta_bias is None else cast(ddelta.sum((0, 2)), delta_bias), cast(dh0, initial_state),
+        du, ddelta, cast(dA.sum((0, 1)), A), cast(dB, B).transpose(1, 2), cast(dC, C).transpose(1, 2),
+        None if D is None else cast(dD.sum((0, 1)), D), dz,
+        None if delta_bias is None else cast(dbias.sum((0, 1)), delta_bias), cast(dh0, initial_state),
     )
