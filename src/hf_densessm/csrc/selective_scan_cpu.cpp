@@ -25,23 +25,20 @@
 // contiguous. last_state, dinitial_state are contiguous (batch, dim, state); chunk_states, the state entering every
 // kCheckpoint-token chunk (before a reset at the chunk's first token), contiguous (batch, dim, n_chunks, state).
 //
-// Work: channels go in blocks of W (one at::vec::Vectorized<T>: 16 floats on AVX-512, 8 on AVX2), blocks in tiles
-// of kTileBytes per token (4 blocks of floats on AVX-512). A task (at::parallel_for) is a batch row and a slice of
-// whole tiles, about two tasks per thread. It walks the chunks; per chunk and tile it (1) copies the tile's rows of
-// the chunk (u, dt = softplus(delta + bias), z, dy) to per-thread buffers, row by row: runs of kTileBytes with many
-// loads in flight, where one block's column of a (batch, length, dim) tensor is one line per row, a row (4 KiB at
-// dim 1024) apart, a stride the hardware prefetchers of Intel cores do not follow; (2) runs each block's recurrence
-// through the chunk from those buffers, its state (padded to a power of two `ns` with A = B = C = 0, which keeps
-// the padded states at 0) as ns vectors in registers (state loops unrolled), broadcasting B[t, n] and C[t, n], its
-// A one contiguous (ns, W) array; (3) writes the tile's rows of the outputs. The backward pass walks the chunks in
-// reverse, recomputes one block's states and decays of the chunk from its checkpoint into a per-thread buffer, and
-// runs the adjoint recurrence
+// Work (docs/kernels.md, "The C++ CPU kernel", for why): channels go in blocks of W (one at::vec::Vectorized<T>:
+// 16 floats on AVX-512, 8 on AVX2), blocks in tiles of kTileBytes of a token's row. A task (at::parallel_for) is a
+// batch row and a slice of whole tiles, about two per thread. It walks the chunks; per chunk and tile it (1) copies
+// the tile's rows of u, delta (then dt = softplus(delta + bias) in place), z, dy to per-thread buffers, row by row
+// (never a block's column: one line per row, a row apart); (2) runs each block's recurrence through the chunk from
+// those buffers, its state (padded to a power of two `ns` with A = B = C = 0, which keeps the padded states at 0)
+// as ns vectors in registers, broadcasting B[t, n] and C[t, n], its A one contiguous (ns, W) array; (3) writes the
+// tile's rows of the outputs. The backward pass walks the chunks in reverse, recomputes one block's states and
+// decays of the chunk from its checkpoint into a per-thread buffer, and runs the adjoint recurrence
 //   g_t = dL/dh_t = exp(dt_{t+1} A) g_{t+1} + C_t gy_t      (0 across a reset)
-// reading every gradient off g_t, h_{t-1} and the decay: du, ddelta, dz are per channel (sums over the state,
-// vector FMAs); dB and dC sum over channels: per lane into (chunk, state) vectors over all blocks of the task, then
-// over the lanes (a transposing reduction) once per token and task, into per-task (length, state) partials; dA, dD,
-// ddelta_bias into per-(batch row, channel) partials. The partials are reduced at the end in a fixed order
-// (deterministic, whatever the threads). docs/kernels.md, "The C++ CPU kernel", has the measurements behind this.
+// reading every gradient off g_t, h_{t-1} and the decay: du, ddelta, dz per channel (sums over the state); dB, dC
+// per lane over all blocks of the task, then over the lanes once per token and task, into per-task (length, state)
+// partials; dA, dD, ddelta_bias into per-(batch row, channel) partials. The partials are reduced at the end in a
+// fixed order (deterministic, whatever the threads).
 //
 // The instruction set is the one PyTorch detected (torch.backends.cpu.get_cpu_capability()); the Python loader
 // passes -DCPU_CAPABILITY_<ISA> and the matching -m flags, which select ATen's vec256/vec512 implementation. The
@@ -372,8 +369,8 @@ struct Task {
 
 // Per-thread buffers of one tile and chunk: `slots` arrays per block, each kCheckpoint vectors (one per token),
 // slot k of the tile's block j at token i at at(k, j) + i * W. The arrays are one vector longer than needed, so
-// that two of them never start at the same address modulo 4 KiB (a load that follows a store to such an address
-// waits on it on Intel cores: "4K aliasing").
+// that one token's vectors of two arrays are not a multiple of 4 KiB apart (on Intel cores a load waits for an
+// earlier store whose address has the same low 12 bits: "4K aliasing").
 template <typename T>
 struct Staged {
   std::vector<T> buf;
