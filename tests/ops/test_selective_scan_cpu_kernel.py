@@ -150,6 +150,31 @@ def test_kernel_token_major_inputs(enabled, dim, state, dtype):
         assert_close(grads[k], grads1[k], 1e-12 if dtype == torch.float64 else 1e-6, f"d{k}")
 
 
+@pytest.mark.parametrize("batch,threads", [(1, 3), (2, 2), (2, 1)])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_kernel_tiles_and_tasks(enabled, batch, threads, dtype):
+    """Several tiles of channel blocks per task and several tasks per batch row (the kernel splits a row into about
+    2 * threads / batch slices of whole tiles of 256 bytes of channels), the last tile and block partial, the
+    last chunk short, packed documents: every gradient against the float64 token loop, and the same results on
+    every thread count."""
+    dim = 75 if dtype == torch.float64 else 150  # 2.3 tiles on AVX-512 and AVX2
+    kw = packed(make_inputs(batch, dim, 16, 2 * K + 9, dtype=dtype, seed=batch), {batch - 1: [0, 7, K, K + 1]})
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        y, last, grads = grads_of(public, kw)
+        if dtype == torch.float64:
+            check_all(kw)
+        torch.set_num_threads(1)
+        y1, last1, grads1 = grads_of(public, kw)
+    finally:
+        torch.set_num_threads(old)
+    assert_close(y, y1, 1e-12, "y")
+    assert_close(last, last1, 1e-12, "last_state")
+    for k in grads1:
+        assert_close(grads[k], grads1[k], 1e-12 if dtype == torch.float64 else 1e-6, f"d{k}")
+
+
 def _raw_inputs(dtype, token_major, b=2, d=24, n=16, L=K + 7, seed=0):
     g = torch.Generator().manual_seed(seed)
 

@@ -16,32 +16,35 @@
 // Every floating tensor must have one dtype, float32 or float64 (the Python wrapper, hf_densessm/ops/cpu_kernel.py,
 // casts to the compute dtype and back).
 //
-// Layout: token-major. The kernel works on blocks of W channels (W = one at::vec::Vectorized<T>: 16 floats on
-// AVX-512, 8 on AVX2) and walks the tokens; at each token it loads u, delta, z (and dy) of the block, contiguous in
-// memory, broadcasts B[t, n] and C[t, n] per state n and keeps h as `state` vectors of the block (state padded to
-// a power of two with A = B = C = 0, which keeps the padded states at 0). So the (batch, dim, length) tensors u,
-// delta, z, dy are read in place, without a copy, when their channel stride is 1 (the transposed views of
-// (batch, length, dim) tensors the model passes), with any batch and token strides; others are copied to that
-// layout once. B and C (batch, state, length) are read in place when their state stride is 1 and the state size
-// is a power of two, else copied to a padded (batch, length, state) buffer. The outputs y, du, ddelta, dz are
-// (batch, dim, length) views of fresh (batch, length, dim) tensors (stride (length * dim, 1, dim)), dB and dC
-// views of (batch, length, state) tensors: their `.transpose(1, 2)` is contiguous. last_state, dinitial_state
-// are contiguous (batch, dim, state); chunk_states, the state entering every kCheckpoint-token chunk (before a
-// reset at the chunk's first token), contiguous (batch, dim, n_chunks, state).
+// Layout: token-major. The (batch, dim, length) tensors u, delta, z, dy are read in place when their channel
+// stride is 1 (the transposed views of (batch, length, dim) tensors the model passes), with any batch and token
+// strides; others are copied to that layout once. B and C (batch, state, length) are read in place when their state
+// stride is 1 and the state size is a power of two, else copied to a padded (batch, length, state) buffer. The
+// outputs y, du, ddelta, dz are (batch, dim, length) views of fresh (batch, length, dim) tensors (stride
+// (length * dim, 1, dim)), dB and dC views of (batch, length, state) tensors: their `.transpose(1, 2)` is
+// contiguous. last_state, dinitial_state are contiguous (batch, dim, state); chunk_states, the state entering every
+// kCheckpoint-token chunk (before a reset at the chunk's first token), contiguous (batch, dim, n_chunks, state).
 //
-// Work split: at::parallel_for over (batch x channel block) in the forward pass and over (batch x group of
-// channel blocks) in the backward pass. The backward pass walks the chunks in reverse, recomputes the states and
-// decays of one chunk from its checkpoint into a per-thread buffer, and runs the adjoint recurrence
+// Work (docs/kernels.md, "The C++ CPU kernel", for why): channels go in blocks of W (one at::vec::Vectorized<T>:
+// 16 floats on AVX-512, 8 on AVX2), blocks in tiles of kTileBytes of a token's row. A task (at::parallel_for) is a
+// batch row and a slice of whole tiles, about two per thread. It walks the chunks; per chunk and tile it (1) copies
+// the tile's rows of u, delta (then dt = softplus(delta + bias) in place), z, dy to per-thread buffers, row by row
+// (never a block's column: one line per row, a row apart); (2) runs each block's recurrence through the chunk from
+// those buffers, its state (padded to a power of two `ns` with A = B = C = 0, which keeps the padded states at 0)
+// as ns vectors in registers, broadcasting B[t, n] and C[t, n], its A one contiguous (ns, W) array; (3) writes the
+// tile's rows of the outputs. The backward pass walks the chunks in reverse, recomputes one block's states and
+// decays of the chunk from its checkpoint into a per-thread buffer, and runs the adjoint recurrence
 //   g_t = dL/dh_t = exp(dt_{t+1} A) g_{t+1} + C_t gy_t      (0 across a reset)
-// reading every gradient off g_t, h_{t-1} and the decay: du, ddelta, dz are per channel (sums over the state,
-// vector FMAs); dB and dC sum over the channels of the block (a transposing reduction of the `state` vectors)
-// into per-task (length, state) partials; dA, dD, ddelta_bias into per-(batch row, channel) partials. The
-// partials are reduced at the end in a fixed order (deterministic).
+// reading every gradient off g_t, h_{t-1} and the decay: du, ddelta, dz per channel (sums over the state); dB, dC
+// per lane over all blocks of the task, then over the lanes once per token and task, into per-task (length, state)
+// partials; dA, dD, ddelta_bias into per-(batch row, channel) partials. The partials are reduced at the end in a
+// fixed order (deterministic, whatever the threads).
 //
 // The instruction set is the one PyTorch detected (torch.backends.cpu.get_cpu_capability()); the Python loader
 // passes -DCPU_CAPABILITY_<ISA> and the matching -m flags, which select ATen's vec256/vec512 implementation. The
-// exp of the decay is an inlined Cephes-style polynomial (about 1 ulp) on AVX-512 / AVX2 floats, so that the state
-// vectors stay in registers across the states of a token; ATen's (Sleef's) exp elsewhere.
+// exp of the decay (and of softplus and sigmoid) is an inlined Cephes-style polynomial (about 1 ulp) on AVX-512 /
+// AVX2 floats, so that the state vectors stay in registers across the states of a token; ATen's (Sleef's) exp
+// elsewhere.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -67,6 +70,10 @@ using at::Tensor;
 constexpr int64_t kCheckpoint = 64;
 // Largest supported state size (hf_densessm/ops/cpu_kernel.py's MAX_STATE).
 constexpr int64_t kMaxState = 64;
+// Bytes of a token's row that a tile of channel blocks covers.
+constexpr int64_t kTileBytes = 256;
+
+#define HFD_UNROLL _Pragma("GCC unroll 64")
 
 // exp of the decay: inlined on AVX-512 / AVX2 floats (Cephes expf: x = k ln2 + r, |r| <= ln2 / 2, degree-6
 // polynomial, about 1 ulp; inputs below -103 give 0 or a denormal, as exp does), ATen's exp otherwise.
@@ -121,14 +128,14 @@ inline at::vec::Vectorized<float> fexp<float>(const at::vec::Vectorized<float>& 
 template <typename T>
 inline at::vec::Vectorized<T> vsigmoid(const at::vec::Vectorized<T>& x) {
   using Vec = at::vec::Vectorized<T>;
-  return Vec(T(1)) / (Vec(T(1)) + (-x).exp());
+  return Vec(T(1)) / (Vec(T(1)) + fexp(-x));
 }
 
 // F.softplus with its default threshold: x where x > 20, else log1p(exp(x)).
 template <typename T>
 inline at::vec::Vectorized<T> vsoftplus(const at::vec::Vectorized<T>& x) {
   using Vec = at::vec::Vectorized<T>;
-  return Vec::blendv(x.exp().log1p(), x, x > Vec(T(20)));
+  return Vec::blendv(fexp(x).log1p(), x, x > Vec(T(20)));
 }
 
 template <typename T>
@@ -179,6 +186,7 @@ inline void reduce_lanes_add<float, 64>(const at::vec::Vectorized<float>* v, flo
 
 struct Shapes {
   int64_t batch, dim, length, n, ns, nc, nb, dimp;  // ns: padded state; nb: channel blocks; dimp = nb * W
+  int64_t tile, slices, per_slice;  // blocks per tile; tasks per batch row (slices); blocks per slice
 };
 
 // A (batch, dim, length) tensor read token-major: element (b, d, t) at p[b * sb + t * st + d].
@@ -190,7 +198,7 @@ struct TM {
 };
 
 // The prepared inputs: u, delta, z token-major; B, C as (b, t, k) at p[b * sb + t * st + k] (k < ns);
-// A transposed and padded, (ns, dimp); D, bias padded (dimp,); init (batch, dim, n) contiguous.
+// A blocked and padded, (nb, ns, W); D, bias padded (dimp,); init (batch, dim, n) contiguous.
 template <typename T>
 struct Inputs {
   TM<T> u, delta, z, B, C;
@@ -209,7 +217,7 @@ void check_shape(const Tensor& t, const char* name, at::IntArrayRef shape) {
   TORCH_CHECK(t.sizes() == shape, "selective_scan_cpu: ", name, " must have shape ", shape, ", got ", t.sizes());
 }
 
-// Checks every argument and returns the shapes; the channel block width depends on the vector width.
+// Checks every argument and returns the shapes; the blocks, tiles and tasks depend on the vector width.
 Shapes check_args(const Tensor& u, const Tensor& delta, const Tensor& A, const Tensor& B, const Tensor& C,
                   const std::optional<Tensor>& D, const std::optional<Tensor>& z,
                   const std::optional<Tensor>& delta_bias, const std::optional<Tensor>& initial_state,
@@ -258,13 +266,19 @@ Shapes check_args(const Tensor& u, const Tensor& delta, const Tensor& A, const T
     TORCH_CHECK(reset->device().is_cpu(), "selective_scan_cpu: reset must be a CPU tensor");
     check_shape(*reset, "reset", {s.batch, s.length});
   }
-  const int64_t width = u.scalar_type() == at::kFloat ? at::vec::Vectorized<float>::size()
-                                                      : at::vec::Vectorized<double>::size();
+  const bool f32 = u.scalar_type() == at::kFloat;
+  const int64_t width = f32 ? at::vec::Vectorized<float>::size() : at::vec::Vectorized<double>::size();
   s.ns = 1;
   while (s.ns < s.n) s.ns *= 2;
   s.nb = (s.dim + width - 1) / width;
   s.dimp = s.nb * width;
   s.nc = (s.length + kCheckpoint - 1) / kCheckpoint;
+  s.tile = std::max<int64_t>(1, kTileBytes / (width * (f32 ? 4 : 8)));
+  // about two tasks per thread, each a whole number of tiles
+  const int64_t tiles = (s.nb + s.tile - 1) / s.tile;
+  const int64_t want = std::min(tiles, std::max<int64_t>(1, (2 * at::get_num_threads() + s.batch - 1) / s.batch));
+  s.per_slice = (tiles + want - 1) / want * s.tile;
+  s.slices = (s.nb + s.per_slice - 1) / s.per_slice;
   return s;
 }
 
@@ -288,11 +302,12 @@ Tensor state_major(const Tensor& x, int64_t ns) {
   return out.transpose(1, 2);
 }
 
-// A (dim, n) -> (ns, dimp) transposed, zero-padded.
-Tensor padded_AT(const Tensor& A, const Shapes& s) {
-  auto out = at::zeros({s.ns, s.dimp}, A.options());
-  out.narrow(0, 0, s.n).narrow(1, 0, s.dim).copy_(A.t());
-  return out;
+// A (dim, n) -> (nb, ns, W), zero-padded: one block's A is one contiguous (ns, W) array (transposed: lanes are
+// channels).
+Tensor blocked_A(const Tensor& A, const Shapes& s) {
+  auto out = at::zeros({s.dimp, s.ns}, A.options());
+  out.narrow(0, 0, s.dim).narrow(1, 0, s.n).copy_(A);
+  return out.view({s.nb, s.dimp / s.nb, s.ns}).transpose(1, 2).contiguous();
 }
 
 // (dim,) -> (dimp,) zero-padded (so a full vector can be loaded at the last block).
@@ -309,7 +324,7 @@ const T* ptr_or_null(const std::optional<Tensor>& t) {
 }
 
 template <typename T>
-Inputs<T> make_inputs(const Tensor& u, const Tensor& delta, const Tensor& AT, const Tensor& B, const Tensor& C,
+Inputs<T> make_inputs(const Tensor& u, const Tensor& delta, const Tensor& AB, const Tensor& B, const Tensor& C,
                       const std::optional<Tensor>& D, const std::optional<Tensor>& z,
                       const std::optional<Tensor>& bias, const std::optional<Tensor>& init,
                       const std::optional<Tensor>& reset, bool softplus) {
@@ -319,7 +334,7 @@ Inputs<T> make_inputs(const Tensor& u, const Tensor& delta, const Tensor& AT, co
   in.z = z ? tm_of<T>(*z) : TM<T>{nullptr, 0, 0};
   in.B = tm_of<T>(B);
   in.C = tm_of<T>(C);
-  in.A = AT.const_data_ptr<T>();
+  in.A = AB.const_data_ptr<T>();
   in.D = ptr_or_null<T>(D);
   in.bias = ptr_or_null<T>(bias);
   in.init = ptr_or_null<T>(init);
@@ -345,76 +360,152 @@ inline void scatter_state(const T* buf, int64_t cnt, int64_t n, int64_t W, T* ds
     for (int64_t k = 0; k < n; ++k) dst[l * row_stride + k] = buf[k * W + l];
 }
 
-// dt of one block for tokens t0 .. t0 + cl: softplus(delta + bias) (or delta + bias) into out[i * W].
+// A task's place: batch row b, channel blocks [blk0, blk1).
+struct Task {
+  int64_t b, blk0, blk1;
+  Task(const Shapes& s, int64_t task)
+      : b(task / s.slices), blk0(task % s.slices * s.per_slice), blk1(std::min(s.nb, blk0 + s.per_slice)) {}
+};
+
+// Per-thread buffers of one tile and chunk: `slots` arrays per block, each kCheckpoint vectors (one per token),
+// slot k of the tile's block j at token i at at(k, j) + i * W. The arrays are one vector longer than needed, so
+// that one token's vectors of two arrays are not a multiple of 4 KiB apart (on Intel cores a load waits for an
+// earlier store whose address has the same low 12 bits: "4K aliasing").
 template <typename T>
-inline void dt_chunk(const Inputs<T>& in, int64_t b, int64_t d0, int64_t cnt, int64_t t0, int64_t cl, T* out) {
+struct Staged {
+  std::vector<T> buf;
+  int64_t tile, W;
+  Staged(int slots, int64_t tile, int64_t W) : buf(slots * tile * (kCheckpoint + 1) * W), tile(tile), W(W) {}
+  T* at(int k, int64_t j) { return buf.data() + (k * tile + j) * (kCheckpoint + 1) * W; }
+};
+
+// Copies the tile's rows of a token-major tensor (null: zeros) for tokens t0 .. t0 + cl into slot k: plain loads
+// and stores, so that many loads are in flight.
+template <typename T>
+inline void stage_rows(const TM<T>& x, int64_t b, int64_t t0, int64_t cl, int64_t tb, int64_t nt, int64_t dim,
+                       Staged<T>& st, int k) {
+  using Vec = at::vec::Vectorized<T>;
+  constexpr int64_t W = Vec::size();
+  for (int64_t i = 0; i < cl; ++i) {
+    const T* row = x.p ? x.at(b, t0 + i) : nullptr;
+    for (int64_t j = 0; j < nt; ++j) {
+      const int64_t d0 = (tb + j) * W;
+      (row ? Vec::loadu(row + d0, std::min(W, dim - d0)) : Vec(T(0))).store(st.at(k, j) + i * W);
+    }
+  }
+}
+
+// Writes slot k of the tile back to the rows of a (batch, length, dim) tensor.
+template <typename T>
+inline void write_rows(Staged<T>& st, int k, T* out, int64_t b, int64_t L, int64_t t0, int64_t cl, int64_t tb,
+                       int64_t nt, int64_t dim) {
+  using Vec = at::vec::Vectorized<T>;
+  constexpr int64_t W = Vec::size();
+  for (int64_t i = 0; i < cl; ++i)
+    for (int64_t j = 0; j < nt; ++j) {
+      const int64_t d0 = (tb + j) * W;
+      Vec::loadu(st.at(k, j) + i * W).store(out + (b * L + t0 + i) * dim + d0, std::min(W, dim - d0));
+    }
+}
+
+// In place over a block's cl staged vectors of delta: dt = softplus(delta + bias) (or delta + bias); with sg, also
+// sigmoid(delta + bias) (softplus' derivative) there.
+template <typename T>
+inline void prepare_dt(const Inputs<T>& in, int64_t d0, int64_t cl, T* dt, T* sg) {
   using Vec = at::vec::Vectorized<T>;
   constexpr int64_t W = Vec::size();
   const Vec vb = in.bias ? Vec::loadu(in.bias + d0) : Vec(T(0));
   for (int64_t i = 0; i < cl; ++i) {
-    const Vec x = Vec::loadu(in.delta.at(b, t0 + i) + d0, cnt) + vb;
-    (in.softplus ? vsoftplus(x) : x).store(out + i * W);
+    const Vec x = Vec::loadu(dt + i * W) + vb;
+    (in.softplus ? vsoftplus(x) : x).store(dt + i * W);
+    if (sg && in.softplus) vsigmoid(x).store(sg + i * W);
   }
 }
 
 // ------------------------------------------------------------------------------------------------ forward
 
+enum { kDt, kU, kZ, kSz, kSg, kDy, kYp, kDu, kDdt, kDz, kSlots };  // staged slots (forward: kDt, kU)
+
+// One block over one chunk: h (ns vectors at hb, updated) through tokens t0 .. t0 + cl; dt (kDt) is overwritten
+// with the output before the skip and the gate, sum_n C_{t,n} h_{t,n}.
+template <typename T, int NS>
+inline void scan_block(const Inputs<T>& in, const T* Ab, T* hb, T* dt, const T* u, int64_t b, int64_t t0,
+                       int64_t cl, const bool* rr) {
+  using Vec = at::vec::Vectorized<T>;
+  constexpr int64_t W = Vec::size();
+  Vec h[NS];
+  for (int k = 0; k < NS; ++k) h[k] = Vec::loadu(hb + k * W);
+  for (int64_t i = 0; i < cl; ++i) {
+    const Vec vdt = Vec::loadu(dt + i * W), vdtu = vdt * Vec::loadu(u + i * W);
+    const T* Bt = in.B.at(b, t0 + i);
+    const T* Ct = in.C.at(b, t0 + i);
+    Vec acc(T(0));
+    if (rr && rr[t0 + i]) {
+      HFD_UNROLL for (int k = 0; k < NS; ++k) {
+        h[k] = vdtu * Vec(Bt[k]);
+        acc = at::vec::fmadd(Vec(Ct[k]), h[k], acc);
+      }
+    } else {
+      HFD_UNROLL for (int k = 0; k < NS; ++k) {
+        h[k] = at::vec::fmadd(fexp(vdt * Vec::loadu(Ab + k * W)), h[k], vdtu * Vec(Bt[k]));
+        acc = at::vec::fmadd(Vec(Ct[k]), h[k], acc);
+      }
+    }
+    acc.store(dt + i * W);
+  }
+  for (int k = 0; k < NS; ++k) h[k].store(hb + k * W);
+}
+
 template <typename T, int NS>
 void forward_kernel(const Inputs<T>& in, const Shapes& s, T* y, T* last, T* ck) {
   using Vec = at::vec::Vectorized<T>;
   constexpr int64_t W = Vec::size();
-  const int64_t L = s.length, dim = s.dim, n = s.n, nc = s.nc, dimp = s.dimp;
-  at::parallel_for(0, s.batch * s.nb, 1, [&](int64_t begin, int64_t end) {
-    std::vector<T> dtb(kCheckpoint * W);
-    alignas(64) T hb[NS * W];
+  constexpr int64_t SW = NS * W;
+  const int64_t L = s.length, dim = s.dim, n = s.n, nc = s.nc;
+  at::parallel_for(0, s.batch * s.slices, 1, [&](int64_t begin, int64_t end) {
+    Staged<T> st(2, s.tile, W);
+    std::vector<T> hs(s.per_slice * SW);  // the states of the task's blocks
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / s.nb, d0 = (task % s.nb) * W, cnt = std::min(W, dim - d0);
-      Vec h[NS];
-      gather_state(in.init ? in.init + (b * dim + d0) * n : nullptr, cnt, n, s.ns, W, n, hb);
-      for (int k = 0; k < NS; ++k) h[k] = Vec::loadu(hb + k * W);
-      const T* Ab = in.A + d0;
-      const bool* rr = in.reset ? in.reset + b * L : nullptr;
-      const Vec vD = in.D ? Vec::loadu(in.D + d0) : Vec(T(0));
+      const Task tk(s, task);
+      const int64_t b = tk.b;
+      for (int64_t blk = tk.blk0; blk < tk.blk1; ++blk)
+        gather_state(in.init ? in.init + (b * dim + blk * W) * n : nullptr, std::min(W, dim - blk * W), n, s.ns,
+                     W, n, hs.data() + (blk - tk.blk0) * SW);
       for (int64_t c = 0; c < nc; ++c) {
         const int64_t t0 = c * kCheckpoint, cl = std::min(kCheckpoint, L - t0);
-        // the state entering this chunk (before its reset)
-        for (int k = 0; k < NS; ++k) h[k].store(hb + k * W);
-        scatter_state(hb, cnt, n, W, ck + ((b * dim + d0) * nc + c) * n, nc * n);
-        dt_chunk(in, b, d0, cnt, t0, cl, dtb.data());
-        for (int64_t i = 0; i < cl; ++i) {
-          const int64_t t = t0 + i;
-          const Vec vdt = Vec::loadu(dtb.data() + i * W);
-          const Vec vdtu = vdt * Vec::loadu(in.u.at(b, t) + d0, cnt);
-          const T* Bt = in.B.at(b, t);
-          const T* Ct = in.C.at(b, t);
-          Vec acc(T(0));
-          if (rr && rr[t]) {
-            for (int k = 0; k < NS; ++k) {
-              h[k] = vdtu * Vec(Bt[k]);
-              acc = at::vec::fmadd(Vec(Ct[k]), h[k], acc);
-            }
-          } else {
-            for (int k = 0; k < NS; ++k) {
-              const Vec decay = fexp(vdt * Vec::loadu(Ab + k * dimp));
-              h[k] = at::vec::fmadd(decay, h[k], vdtu * Vec(Bt[k]));
-              acc = at::vec::fmadd(Vec(Ct[k]), h[k], acc);
+        for (int64_t tb = tk.blk0; tb < tk.blk1; tb += s.tile) {
+          const int64_t nt = std::min(s.tile, tk.blk1 - tb);
+          // 1. the tile's rows of delta and u
+          stage_rows(in.delta, b, t0, cl, tb, nt, dim, st, kDt);
+          stage_rows(in.u, b, t0, cl, tb, nt, dim, st, kU);
+          // 2. each block's dt and recurrence, from the state entering the chunk (saved first, before its reset)
+          for (int64_t j = 0; j < nt; ++j) {
+            const int64_t blk = tb + j, d0 = blk * W;
+            T* hb = hs.data() + (blk - tk.blk0) * SW;
+            prepare_dt(in, d0, cl, st.at(kDt, j), static_cast<T*>(nullptr));
+            scatter_state(hb, std::min(W, dim - d0), n, W, ck + ((b * dim + d0) * nc + c) * n, nc * n);
+            scan_block<T, NS>(in, in.A + blk * SW, hb, st.at(kDt, j), st.at(kU, j), b, t0, cl,
+                              in.reset ? in.reset + b * L : nullptr);
+          }
+          // 3. the skip and the gate, y = (y + D u) * silu(z), row by row
+          for (int64_t i = 0; i < cl; ++i) {
+            const int64_t t = t0 + i;
+            for (int64_t j = 0; j < nt; ++j) {
+              const int64_t d0 = (tb + j) * W, cnt = std::min(W, dim - d0);
+              const Vec vu = Vec::loadu(st.at(kU, j) + i * W), yp = Vec::loadu(st.at(kDt, j) + i * W);
+              Vec out = in.D ? at::vec::fmadd(Vec::loadu(in.D + d0), vu, yp) : yp;
+              if (in.has_z) {
+                const Vec zv = Vec::loadu(in.z.at(b, t) + d0, cnt);
+                out = out * zv * vsigmoid(zv);
+              }
+              out.store(y + (b * L + t) * dim + d0, cnt);
             }
           }
-          acc.store(dtb.data() + i * W);  // dt is no longer needed: the pre-skip output
-        }
-        // the skip and the gate: y = (y + D u) * silu(z)
-        for (int64_t i = 0; i < cl; ++i) {
-          const int64_t t = t0 + i;
-          Vec out = at::vec::fmadd(vD, Vec::loadu(in.u.at(b, t) + d0, cnt), Vec::loadu(dtb.data() + i * W));
-          if (in.has_z) {
-            const Vec zv = Vec::loadu(in.z.at(b, t) + d0, cnt);
-            out = out * zv * vsigmoid(zv);
-          }
-          out.store(y + (b * L + t) * dim + d0, cnt);
         }
       }
-      for (int k = 0; k < NS; ++k) h[k].store(hb + k * W);
-      scatter_state(hb, cnt, n, W, last + (b * dim + d0) * n, n);
+      for (int64_t blk = tk.blk0; blk < tk.blk1; ++blk)
+        scatter_state(hs.data() + (blk - tk.blk0) * SW, std::min(W, dim - blk * W), n, W,
+                      last + (b * dim + blk * W) * n, n);
     }
   });
 }
@@ -437,7 +528,7 @@ std::tuple<Tensor, Tensor, Tensor> selective_scan_cpu_fwd(
     bool delta_softplus, const std::optional<Tensor>& initial_state_, const std::optional<Tensor>& reset_) {
   const Shapes s = check_args(u_, delta_, A, B_, C_, D_, z_, delta_bias_, initial_state_, reset_);
   const Tensor u = channel_contiguous(u_), delta = channel_contiguous(delta_);
-  const Tensor B = state_major(B_, s.ns), C = state_major(C_, s.ns), AT = padded_AT(A, s);
+  const Tensor B = state_major(B_, s.ns), C = state_major(C_, s.ns), AB = blocked_A(A, s);
   std::optional<Tensor> z, init, reset;
   const std::optional<Tensor> D = padded_vec(D_, s), bias = padded_vec(delta_bias_, s);
   if (z_) z = channel_contiguous(*z_);
@@ -449,7 +540,7 @@ std::tuple<Tensor, Tensor, Tensor> selective_scan_cpu_fwd(
   auto ck = at::empty({s.batch, s.dim, s.nc, s.n}, opt);
   AT_DISPATCH_FLOATING_TYPES(u.scalar_type(), "selective_scan_cpu_fwd", [&] {
     using T = scalar_t;
-    const Inputs<T> in = make_inputs<T>(u, delta, AT, B, C, D, z, bias, init, reset, delta_softplus);
+    const Inputs<T> in = make_inputs<T>(u, delta, AB, B, C, D, z, bias, init, reset, delta_softplus);
     T *py = y.mutable_data_ptr<T>(), *pl = last.mutable_data_ptr<T>(), *pc = ck.mutable_data_ptr<T>();
     DISPATCH_NS(s.ns, forward_kernel, in, s, py, pl, pc);
   });
@@ -463,130 +554,185 @@ struct Grads {
   TM<T> dy;
   const T *dlast, *ck;
   T *du, *ddelta, *dz, *dBp, *dCp, *dAp, *dDp, *dbiasp, *dinit;  // du, ddelta, dz (batch, length, dim); *p: partials
-  int64_t ngroups, per_group;  // channel-block groups per batch row (one task each), blocks per group
 };
+
+// The chunk's states h_t (Hs) and decays exp(dt_t A) (Ex, not at a reset) of one block, from the state entering it
+// (entry); with yp, also the output before the skip and the gate (for dz).
+template <typename T, int NS>
+inline void recompute_block(const Inputs<T>& in, const T* Ab, const T* entry, const T* dt, const T* u, int64_t b,
+                            int64_t t0, int64_t cl, const bool* rr, T* Hs, T* Ex, T* yp) {
+  using Vec = at::vec::Vectorized<T>;
+  constexpr int64_t W = Vec::size();
+  constexpr int64_t SW = NS * W;
+  Vec h[NS];
+  for (int k = 0; k < NS; ++k) h[k] = Vec::loadu(entry + k * W);
+  for (int64_t i = 0; i < cl; ++i) {
+    const Vec vdt = Vec::loadu(dt + i * W), vdtu = vdt * Vec::loadu(u + i * W);
+    const T* Bt = in.B.at(b, t0 + i);
+    const T* Ct = in.C.at(b, t0 + i);
+    T* He = Hs + i * SW;
+    T* Ee = Ex + i * SW;
+    Vec acc(T(0));
+    if (rr && rr[t0 + i]) {
+      HFD_UNROLL for (int k = 0; k < NS; ++k) {
+        h[k] = vdtu * Vec(Bt[k]);
+        h[k].store(He + k * W);
+        acc = at::vec::fmadd(Vec(Ct[k]), h[k], acc);
+      }
+    } else {
+      HFD_UNROLL for (int k = 0; k < NS; ++k) {
+        const Vec decay = fexp(vdt * Vec::loadu(Ab + k * W));
+        decay.store(Ee + k * W);
+        h[k] = at::vec::fmadd(decay, h[k], vdtu * Vec(Bt[k]));
+        h[k].store(He + k * W);
+        acc = at::vec::fmadd(Vec(Ct[k]), h[k], acc);
+      }
+    }
+    if (yp) acc.store(yp + i * W);
+  }
+}
+
+// The adjoint recurrence of one block backwards through the chunk,
+//   g_t = dL/dh_t = exp(dt_{t+1} A) g_{t+1} + C_t gy_t      (0 across a reset),
+// with g (ns vectors) and dA (ns vectors) at gb, gb + SW, updated; dD, dbias (vectors) updated; du, ddelta, dz
+// into their slots; dB, dC per lane into aB, aC (i * SW + k * W, summed over the task's blocks).
+template <typename T, int NS>
+inline void adjoint_block(const Inputs<T>& in, Staged<T>& st, int64_t j, const T* Ab, const T* entry, const T* Hs,
+                          const T* Ex, T* gb, at::vec::Vectorized<T>& dD, at::vec::Vectorized<T>& dbias,
+                          const at::vec::Vectorized<T>& vD, T* aB, T* aC, int64_t b, int64_t t0, int64_t cl,
+                          const bool* rr) {
+  using Vec = at::vec::Vectorized<T>;
+  constexpr int64_t W = Vec::size();
+  constexpr int64_t SW = NS * W;
+  T* dAb = gb + SW;
+  Vec g[NS];
+  for (int k = 0; k < NS; ++k) g[k] = Vec::loadu(gb + k * W);
+  for (int64_t i = cl - 1; i >= 0; --i) {
+    const int64_t t = t0 + i, o = i * W;
+    const Vec ut = Vec::loadu(st.at(kU, j) + o);
+    Vec gy = Vec::loadu(st.at(kDy, j) + o);
+    if (in.has_z) {  // d silu(z)/dz = sg (1 + z (1 - sg))
+      const Vec zt = Vec::loadu(st.at(kZ, j) + o), sg = Vec::loadu(st.at(kSz, j) + o);
+      const Vec yp = at::vec::fmadd(vD, ut, Vec::loadu(st.at(kYp, j) + o));
+      (gy * yp * sg * (Vec(T(1)) + zt * (Vec(T(1)) - sg))).store(st.at(kDz, j) + o);
+      gy = gy * zt * sg;
+    }
+    dD = at::vec::fmadd(gy, ut, dD);
+    const Vec vdt = Vec::loadu(st.at(kDt, j) + o), vdtu = vdt * ut;
+    const T* Bt = in.B.at(b, t);
+    const T* Ct = in.C.at(b, t);
+    const T* He = Hs + i * SW;
+    const T* Ee = Ex + i * SW;
+    const T* hprev = i > 0 ? Hs + (i - 1) * SW : entry;
+    T* bB = aB + i * SW;
+    T* bC = aC + i * SW;
+    Vec wacc(T(0)), xacc(T(0));
+    if (rr && rr[t]) {  // nothing flows into the state before a reset
+      HFD_UNROLL for (int k = 0; k < NS; ++k) {
+        const Vec gk = at::vec::fmadd(Vec(Ct[k]), gy, g[k]);  // g_t
+        at::vec::fmadd(gy, Vec::loadu(He + k * W), Vec::loadu(bC + k * W)).store(bC + k * W);
+        at::vec::fmadd(gk, vdtu, Vec::loadu(bB + k * W)).store(bB + k * W);
+        wacc = at::vec::fmadd(Vec(Bt[k]), gk, wacc);
+        g[k] = Vec(T(0));
+      }
+    } else {
+      HFD_UNROLL for (int k = 0; k < NS; ++k) {
+        const Vec gk = at::vec::fmadd(Vec(Ct[k]), gy, g[k]);
+        at::vec::fmadd(gy, Vec::loadu(He + k * W), Vec::loadu(bC + k * W)).store(bC + k * W);
+        at::vec::fmadd(gk, vdtu, Vec::loadu(bB + k * W)).store(bB + k * W);
+        wacc = at::vec::fmadd(Vec(Bt[k]), gk, wacc);
+        const Vec decay = Vec::loadu(Ee + k * W);
+        const Vec x = gk * decay * Vec::loadu(hprev + k * W);  // dL/d(dt_t A)
+        xacc = at::vec::fmadd(x, Vec::loadu(Ab + k * W), xacc);
+        at::vec::fmadd(x, vdt, Vec::loadu(dAb + k * W)).store(dAb + k * W);
+        g[k] = gk * decay;
+      }
+    }
+    at::vec::fmadd(wacc, vdt, gy * vD).store(st.at(kDu, j) + o);
+    Vec ddt = at::vec::fmadd(wacc, ut, xacc);
+    if (in.softplus) ddt = ddt * Vec::loadu(st.at(kSg, j) + o);  // d softplus(x)/dx = sigmoid(x)
+    ddt.store(st.at(kDdt, j) + o);
+    dbias = dbias + ddt;
+  }
+  for (int k = 0; k < NS; ++k) g[k].store(gb + k * W);
+}
 
 template <typename T, int NS>
 void backward_kernel(const Inputs<T>& in, const Shapes& s, const Grads<T>& gr) {
   using Vec = at::vec::Vectorized<T>;
   constexpr int64_t W = Vec::size();
   constexpr int64_t K = kCheckpoint;
-  constexpr int64_t SW = NS * W;  // one token's states of a block
+  constexpr int64_t SW = NS * W;
+  constexpr int64_t PB = 2 * SW + 2 * W;  // per block of a task: g, dA, dD, dbias
   const int64_t L = s.length, dim = s.dim, n = s.n, nc = s.nc, dimp = s.dimp;
-  at::parallel_for(0, s.batch * gr.ngroups, 1, [&](int64_t begin, int64_t end) {
-    // per-thread buffers: one chunk's states and decays; its time steps, softplus'(delta + bias) = sigmoid,
-    // sigmoid(z) and pre-gate outputs
-    std::vector<T> Hs(K * SW), Ex(K * SW), dtb(K * W), sgb(K * W), szb(K * W), ypre(K * W);
+  at::parallel_for(0, s.batch * s.slices, 1, [&](int64_t begin, int64_t end) {
+    // per-thread buffers: the staged tile; one block's states and decays; dB, dC per lane; the blocks' sums
+    Staged<T> st(kSlots, s.tile, W);
+    // (states and decays, dB and dC: each pair one vector more than 4 KiB-multiple apart, see Staged)
+    std::vector<T> he(2 * K * SW + W), acc(2 * K * SW + W), per(s.per_slice * PB);
+    T *Hs = he.data(), *Ex = Hs + K * SW + W, *aB = acc.data(), *aC = aB + K * SW + W;
     alignas(64) T entry[SW];
-    alignas(64) T tmp[SW];
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / gr.ngroups, grp = task % gr.ngroups;
-      const int64_t blk0 = grp * gr.per_group, blk1 = std::min(s.nb, blk0 + gr.per_group);
-      T* dBp = gr.dBp + task * L * NS;  // (L, NS) partial sums over this group's channels
+      const Task tk(s, task);
+      const int64_t b = tk.b;
+      const bool* rr = in.reset ? in.reset + b * L : nullptr;
+      T* dBp = gr.dBp + task * L * NS;  // (L, NS) partial sums over this task's channels
       T* dCp = gr.dCp + task * L * NS;
       std::fill(dBp, dBp + L * NS, T(0));
       std::fill(dCp, dCp + L * NS, T(0));
-      const bool* rr = in.reset ? in.reset + b * L : nullptr;
-      for (int64_t blk = blk0; blk < blk1; ++blk) {
-        const int64_t d0 = blk * W, cnt = std::min(W, dim - d0);
-        const T* Ab = in.A + d0;
-        const Vec vD = in.D ? Vec::loadu(in.D + d0) : Vec(T(0));
-        const Vec vb = in.bias ? Vec::loadu(in.bias + d0) : Vec(T(0));
-        Vec g[NS], dA[NS];
-        gather_state(gr.dlast ? gr.dlast + (b * dim + d0) * n : nullptr, cnt, n, s.ns, W, n, tmp);
-        for (int k = 0; k < NS; ++k) {
-          g[k] = Vec::loadu(tmp + k * W);
-          dA[k] = Vec(T(0));
-        }
-        Vec dD(T(0)), dbias(T(0));
-        for (int64_t c = nc - 1; c >= 0; --c) {
-          const int64_t t0 = c * K, cl = std::min(K, L - t0);
-          // 1. the chunk's time steps and sigmoids, its states and decays recomputed from its checkpoint
-          dt_chunk(in, b, d0, cnt, t0, cl, dtb.data());
-          for (int64_t i = 0; i < cl; ++i) {
-            if (in.softplus)
-              vsigmoid(Vec::loadu(in.delta.at(b, t0 + i) + d0, cnt) + vb).store(sgb.data() + i * W);
-            if (in.has_z) vsigmoid(Vec::loadu(in.z.at(b, t0 + i) + d0, cnt)).store(szb.data() + i * W);
+      std::fill(per.begin(), per.end(), T(0));
+      for (int64_t blk = tk.blk0; blk < tk.blk1; ++blk)
+        gather_state(gr.dlast ? gr.dlast + (b * dim + blk * W) * n : nullptr, std::min(W, dim - blk * W), n, s.ns,
+                     W, n, per.data() + (blk - tk.blk0) * PB);
+      for (int64_t c = nc - 1; c >= 0; --c) {
+        const int64_t t0 = c * K, cl = std::min(K, L - t0);
+        std::fill(acc.begin(), acc.end(), T(0));
+        for (int64_t tb = tk.blk0; tb < tk.blk1; tb += s.tile) {
+          const int64_t nt = std::min(s.tile, tk.blk1 - tb);
+          // 1. the tile's rows of delta, u, z, dy
+          stage_rows(in.delta, b, t0, cl, tb, nt, dim, st, kDt);
+          stage_rows(in.u, b, t0, cl, tb, nt, dim, st, kU);
+          if (in.has_z) stage_rows(in.z, b, t0, cl, tb, nt, dim, st, kZ);
+          stage_rows(gr.dy, b, t0, cl, tb, nt, dim, st, kDy);
+          // 2. per block: dt, the sigmoids, the chunk's states from its checkpoint, then the adjoint
+          for (int64_t j = 0; j < nt; ++j) {
+            const int64_t blk = tb + j, d0 = blk * W;
+            T* pb = per.data() + (blk - tk.blk0) * PB;
+            prepare_dt(in, d0, cl, st.at(kDt, j), st.at(kSg, j));
+            if (in.has_z)
+              for (int64_t i = 0; i < cl; ++i) vsigmoid(Vec::loadu(st.at(kZ, j) + i * W)).store(st.at(kSz, j) + i * W);
+            Vec dD = Vec::loadu(pb + 2 * SW), dbias = Vec::loadu(pb + 2 * SW + W);
+            gather_state(gr.ck + ((b * dim + d0) * nc + c) * n, std::min(W, dim - d0), n, s.ns, W, nc * n, entry);
+            recompute_block<T, NS>(in, in.A + blk * SW, entry, st.at(kDt, j), st.at(kU, j), b, t0, cl, rr, Hs, Ex,
+                                   in.has_z ? st.at(kYp, j) : nullptr);
+            adjoint_block<T, NS>(in, st, j, in.A + blk * SW, entry, Hs, Ex, pb, dD, dbias,
+                                 in.D ? Vec::loadu(in.D + d0) : Vec(T(0)), aB, aC, b, t0, cl, rr);
+            dD.store(pb + 2 * SW);
+            dbias.store(pb + 2 * SW + W);
           }
-          // the state entering the chunk, from its checkpoint
-          gather_state(gr.ck + ((b * dim + d0) * nc + c) * n, cnt, n, s.ns, W, nc * n, entry);
-          {
-            Vec h[NS];
-            for (int k = 0; k < NS; ++k) h[k] = Vec::loadu(entry + k * W);
-            for (int64_t i = 0; i < cl; ++i) {
-              const int64_t t = t0 + i;
-              const Vec vdt = Vec::loadu(dtb.data() + i * W);
-              const Vec vdtu = vdt * Vec::loadu(in.u.at(b, t) + d0, cnt);
-              const T* Bt = in.B.at(b, t);
-              const T* Ct = in.C.at(b, t);
-              const bool rs = rr && rr[t];
-              T* He = Hs.data() + i * SW;
-              T* Ee = Ex.data() + i * SW;
-              Vec acc(T(0));
-              for (int k = 0; k < NS; ++k) {
-                const Vec decay = fexp(vdt * Vec::loadu(Ab + k * dimp));
-                decay.store(Ee + k * W);
-                const Vec hin = vdtu * Vec(Bt[k]);
-                h[k] = rs ? hin : at::vec::fmadd(decay, h[k], hin);
-                h[k].store(He + k * W);
-                if (in.has_z) acc = at::vec::fmadd(Vec(Ct[k]), h[k], acc);
-              }
-              if (in.has_z) acc.store(ypre.data() + i * W);
-            }
-          }
-          // 2. the adjoint recurrence backwards through the chunk
-          for (int64_t i = cl - 1; i >= 0; --i) {
-            const int64_t t = t0 + i;
-            const Vec ut = Vec::loadu(in.u.at(b, t) + d0, cnt);
-            Vec gy = gr.dy.p ? Vec::loadu(gr.dy.at(b, t) + d0, cnt) : Vec(T(0));
-            if (in.has_z) {
-              const Vec zt = Vec::loadu(in.z.at(b, t) + d0, cnt), sg = Vec::loadu(szb.data() + i * W);
-              const Vec yp = at::vec::fmadd(vD, ut, Vec::loadu(ypre.data() + i * W));
-              (gy * yp * sg * (Vec(T(1)) + zt * (Vec(T(1)) - sg))).store(gr.dz + (b * L + t) * dim + d0, cnt);
-              gy = gy * zt * sg;  // dz: d silu(z)/dz = sg (1 + z (1 - sg))
-            }
-            dD = at::vec::fmadd(gy, ut, dD);
-            const Vec vdt = Vec::loadu(dtb.data() + i * W);
-            const Vec vdtu = vdt * ut;
-            const bool rs = rr && rr[t];
-            const T* Bt = in.B.at(b, t);
-            const T* Ct = in.C.at(b, t);
-            const T* He = Hs.data() + i * SW;
-            const T* Ee = Ex.data() + i * SW;
-            const T* hprev = i > 0 ? Hs.data() + (i - 1) * SW : entry;
-            Vec cv[NS], bv[NS];
-            Vec wacc(T(0)), xacc(T(0));
-            for (int k = 0; k < NS; ++k) {
-              const Vec gk = at::vec::fmadd(Vec(Ct[k]), gy, g[k]);  // g_t = dL/dh_t
-              cv[k] = gy * Vec::loadu(He + k * W);
-              bv[k] = gk * vdtu;
-              wacc = at::vec::fmadd(Vec(Bt[k]), gk, wacc);
-              if (rs) {
-                g[k] = Vec(T(0));  // nothing flows into the state before a reset
-              } else {
-                const Vec decay = Vec::loadu(Ee + k * W);
-                const Vec x = gk * decay * Vec::loadu(hprev + k * W);  // dL/d(dt_t A)
-                xacc = at::vec::fmadd(x, Vec::loadu(Ab + k * dimp), xacc);
-                dA[k] = at::vec::fmadd(x, vdt, dA[k]);
-                g[k] = gk * decay;
-              }
-            }
-            reduce_lanes_add<T, NS>(cv, dCp + t * NS);
-            reduce_lanes_add<T, NS>(bv, dBp + t * NS);
-            at::vec::fmadd(wacc, vdt, gy * vD).store(gr.du + (b * L + t) * dim + d0, cnt);
-            Vec ddt = at::vec::fmadd(wacc, ut, xacc);
-            if (in.softplus) ddt = ddt * Vec::loadu(sgb.data() + i * W);  // d softplus(x)/dx = sigmoid(x)
-            ddt.store(gr.ddelta + (b * L + t) * dim + d0, cnt);
-            dbias = dbias + ddt;
-          }
+          // 3. the tile's rows of du, ddelta, dz
+          write_rows(st, kDu, gr.du, b, L, t0, cl, tb, nt, dim);
+          write_rows(st, kDdt, gr.ddelta, b, L, t0, cl, tb, nt, dim);
+          if (in.has_z) write_rows(st, kDz, gr.dz, b, L, t0, cl, tb, nt, dim);
         }
-        for (int k = 0; k < NS; ++k) {
-          g[k].store(tmp + k * W);
-          dA[k].store(gr.dAp + (b * NS + k) * dimp + d0);
+        // dB, dC of the chunk's tokens: the sums over lanes
+        for (int64_t i = 0; i < cl; ++i) {
+          Vec vb[NS], vc[NS];
+          for (int k = 0; k < NS; ++k) {
+            vb[k] = Vec::loadu(aB + i * SW + k * W);
+            vc[k] = Vec::loadu(aC + i * SW + k * W);
+          }
+          reduce_lanes_add<T, NS>(vb, dBp + (t0 + i) * NS);
+          reduce_lanes_add<T, NS>(vc, dCp + (t0 + i) * NS);
         }
-        scatter_state(tmp, cnt, n, W, gr.dinit + (b * dim + d0) * n, n);
-        dD.store(gr.dDp + b * dimp + d0);
-        dbias.store(gr.dbiasp + b * dimp + d0);
+      }
+      for (int64_t blk = tk.blk0; blk < tk.blk1; ++blk) {
+        const int64_t d0 = blk * W;
+        const T* pb = per.data() + (blk - tk.blk0) * PB;
+        scatter_state(pb, std::min(W, dim - d0), n, W, gr.dinit + (b * dim + d0) * n, n);
+        for (int k = 0; k < NS; ++k) Vec::loadu(pb + SW + k * W).store(gr.dAp + (b * NS + k) * dimp + d0);
+        Vec::loadu(pb + 2 * SW).store(gr.dDp + b * dimp + d0);
+        Vec::loadu(pb + 2 * SW + W).store(gr.dbiasp + b * dimp + d0);
       }
     }
   });
@@ -613,7 +759,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tenso
               " checkpoints of selective_scan_cpu_fwd (one every ", kCheckpoint, " tokens), got ",
               chunk_states_.sizes(), " (states of another path?)");
   const Tensor u = channel_contiguous(u_), delta = channel_contiguous(delta_), ck = chunk_states_.contiguous();
-  const Tensor B = state_major(B_, s.ns), C = state_major(C_, s.ns), AT = padded_AT(A, s);
+  const Tensor B = state_major(B_, s.ns), C = state_major(C_, s.ns), AB = blocked_A(A, s);
   const std::optional<Tensor> D = padded_vec(D_, s), bias = padded_vec(delta_bias_, s);
   std::optional<Tensor> z, reset, dy, dlast;
   if (z_) z = channel_contiguous(*z_);
@@ -621,31 +767,25 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tenso
   if (dy_) dy = channel_contiguous(*dy_);
   if (dlast_) dlast = dlast_->contiguous();
   const auto opt = u.options();
-  // groups of channel blocks: enough tasks to keep every thread busy; each task owns (L, ns) partials of dB, dC
-  const int64_t threads = at::get_num_threads();
-  const int64_t want = std::min<int64_t>(s.nb, std::max<int64_t>(1, (2 * threads + s.batch - 1) / s.batch));
-  const int64_t per_group = (s.nb + want - 1) / want;
-  const int64_t ngroups = (s.nb + per_group - 1) / per_group;
   auto du = at::empty({s.batch, s.length, s.dim}, opt);  // token-major, returned as (batch, dim, length) views
   auto ddelta = at::empty({s.batch, s.length, s.dim}, opt);
   auto dz = z ? at::empty({s.batch, s.length, s.dim}, opt) : at::empty({0}, opt);
-  auto dBp = at::empty({s.batch, ngroups, s.length, s.ns}, opt);
-  auto dCp = at::empty({s.batch, ngroups, s.length, s.ns}, opt);
+  auto dBp = at::empty({s.batch, s.slices, s.length, s.ns}, opt);  // per task: sums over its channels
+  auto dCp = at::empty({s.batch, s.slices, s.length, s.ns}, opt);
   auto dAp = at::empty({s.batch, s.ns, s.dimp}, opt);
   auto dDp = at::empty({s.batch, s.dimp}, opt);
   auto dbiasp = at::empty({s.batch, s.dimp}, opt);
   auto dinit = at::empty({s.batch, s.dim, s.n}, opt);
   AT_DISPATCH_FLOATING_TYPES(u.scalar_type(), "selective_scan_cpu_bwd", [&] {
     using T = scalar_t;
-    const Inputs<T> in = make_inputs<T>(u, delta, AT, B, C, D, z, bias, std::nullopt, reset, delta_softplus);
+    const Inputs<T> in = make_inputs<T>(u, delta, AB, B, C, D, z, bias, std::nullopt, reset, delta_softplus);
     Grads<T> gr{dy ? tm_of<T>(*dy) : TM<T>{nullptr, 0, 0}, ptr_or_null<T>(dlast), ck.const_data_ptr<T>(),
                 du.mutable_data_ptr<T>(), ddelta.mutable_data_ptr<T>(), z ? dz.mutable_data_ptr<T>() : nullptr,
                 dBp.mutable_data_ptr<T>(), dCp.mutable_data_ptr<T>(), dAp.mutable_data_ptr<T>(),
-                dDp.mutable_data_ptr<T>(), dbiasp.mutable_data_ptr<T>(), dinit.mutable_data_ptr<T>(),
-                ngroups, per_group};
+                dDp.mutable_data_ptr<T>(), dbiasp.mutable_data_ptr<T>(), dinit.mutable_data_ptr<T>()};
     DISPATCH_NS(s.ns, backward_kernel, in, s, gr);
   });
-  // reduce the partials: dB, dC over channel groups into (batch, length, state) (returned as (batch, state, length)
+  // reduce the partials: dB, dC over a row's tasks into (batch, length, state) (returned as (batch, state, length)
   // views); dA, dD, dbias over the batch
   auto dB = at::empty({s.batch, s.length, s.n}, opt);
   auto dC = at::empty({s.batch, s.length, s.n}, opt);
