@@ -14,7 +14,11 @@ from typing import Optional
 import torch
 
 from ..backend import OpGroup, own_precision, resolve_backend, tracing
-from ..cpu_kernel import scan_bwd as cpu_scan_bwd, scan_fwd as cpu_scan_fwd, use_kernel
+try:  # remote code ships no C++ build code (docs/hub_and_conversion.md): the PyTorch path runs
+    from ..cpu_kernel import scan_bwd as cpu_scan_bwd, scan_fwd as cpu_scan_fwd, use_kernel
+except ImportError:
+    def use_kernel(u, state_size):
+        return False
 from ..packing import check_reset
 from .chunked_torch import selective_scan_torch_bwd, selective_scan_torch_fwd, selective_state_update_torch
 
