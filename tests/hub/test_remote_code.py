@@ -214,7 +214,7 @@ run("modified", remote(job["modified"]))
 
 copies = {}  # each copy of each op module: {module: {op: registered name}}
 for module_name, module in list(sys.modules.items()):
-    group = getattr(module, "_ops", None)
+    group = getattr(module, "__dict__", {}).get("_ops")  # no module __getattr__ (transformers' imports lazily)
     if type(group).__name__ == "OpGroup":
         copies[module_name] = {op: getattr(group, op)._qualified_op_name for op in group._specs}
 print("REPORT" + json.dumps(dict(changed=changed, logits=logits, copies=copies)))
