@@ -261,6 +261,8 @@ def test_failed_save_keeps_the_old_folder_and_a_good_save_keeps_other_files(tmp_
     micro_model("densemamba", seed=0).save_pretrained(target)
     (target / "tokenizer.json").write_text("{}")
     (target / "model-00001-of-00002.safetensors").write_bytes(b"stale shard")
+    # what saves of earlier versions shipped: the C++ kernel's build code, generated (its first line says so)
+    (target / "ops_cpu_kernel.py").write_text(f"{hub.BUNDLE_MARKER} hf_densessm/ops/cpu_kernel.py\n")
     before = {p.name: p.read_bytes() for p in target.iterdir()}
     newer = micro_model("densemamba", seed=1)
     with monkeypatch.context() as patch:
@@ -272,7 +274,7 @@ def test_failed_save_keeps_the_old_folder_and_a_good_save_keeps_other_files(tmp_
 
     newer.save_pretrained(target)
     names = {p.name for p in target.iterdir()}
-    assert names == expected_files("densemamba") | {"tokenizer.json"}  # stale shard of the old save removed
+    assert names == expected_files("densemamba") | {"tokenizer.json"}  # stale shard and code of old saves removed
     assert (target / "model.safetensors").read_bytes() != before["model.safetensors"]
     reloaded = AutoModelForCausalLM.from_pretrained(target)
     torch.testing.assert_close(reloaded.lm_head.weight, newer.lm_head.weight, atol=0, rtol=0)
