@@ -1,4 +1,4 @@
-"""Saved folders are self-contained Hub repositories (hf_densessm.hub): the bundled code, auto_map and model card;
+"""Saved folders are self-contained Hub repositories (hf_densessm.hub): the remote code, auto_map and model card;
 loading with trust_remote_code where hf_densessm (and triton) cannot be imported, from a folder and from a Hub
 cache; atomic saves; what push_to_hub uploads (with a stand-in for the Hub API)."""
 
@@ -16,7 +16,6 @@ from transformers import AutoModelForCausalLM
 from transformers.dynamic_module_utils import get_imports, get_relative_import_files
 
 from hf_densessm import hub
-from hf_densessm.hub import bundle
 from helpers import FAMILIES, micro_model, random_ids
 
 MODELING = {"densemamba": "modeling_densemamba", "denseretnet": "modeling_denseretnet"}
@@ -27,9 +26,9 @@ NON_CODE_FILES = {"config.json", "generation_config.json", "model.safetensors", 
 
 
 def expected_files(family):
-    """What a save of a ``family`` micro model writes: the non-code files and the bundled code (whose contents
-    test_bundle_holds_the_model_code_and_what_transformers_loads checks)."""
-    return NON_CODE_FILES | set(hub.bundle_sources(micro_model(family)))
+    """What a save of a ``family`` micro model writes: the non-code files and the generated remote code (whose
+    contents test_bundled_code_is_flat_and_needs_nothing_optional checks)."""
+    return NON_CODE_FILES | set(hub.remote_code(micro_model(family))[1])
 
 
 @pytest.fixture(scope="module")
@@ -71,16 +70,18 @@ def _umask():
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_bundled_code_is_flat_and_needs_nothing_optional(saved, family):
-    _, folder = saved[family]
+    model, folder = saved[family]
     code = sorted(folder.glob("*.py"))
     # transformers copies the class's file and what it imports relatively: that must be every bundled file
     reached = {Path(p).name for p in get_relative_import_files(folder / f"{MODELING[family]}.py")}
     assert reached | {f"{MODELING[family]}.py"} == {p.name for p in code}
+    generated = hub.remote_code(model)[1]
     for path in code:
         text = path.read_text()
-        assert text.startswith(hub.BUNDLE_MARKER)
+        assert text.startswith(hub.BUNDLE_MARKER) and path.read_bytes() == generated[path.name].read_bytes()  # verbatim
         relative = [node for node in ast.walk(ast.parse(text)) if isinstance(node, ast.ImportFrom) and node.level]
-        assert all(node.level == 1 and f"{node.module}.py" in {p.name for p in code} for node in relative), path.name
+        modules = [node.module or alias.name for node in relative for alias in node.names]
+        assert all(node.level == 1 for node in relative) and {f"{m}.py" for m in modules} <= set(generated), path.name
         # on a Hub download transformers requires every import outside try blocks to be installed
         assert set(get_imports(path)) <= ALLOWED_IMPORTS, (path.name, set(get_imports(path)) - ALLOWED_IMPORTS)
     # the Triton kernels are bundled (imported lazily by the op's dispatch), their `import triton` inside `try`
@@ -190,8 +191,8 @@ def test_remote_code_loads_and_generates_without_the_package(saved, tmp_path):
         hub_cache_repo(tmp_path / "hub", repo_id, folder)
         where[family] = dict(folder=str(folder), hub=repo_id, resave=str(tmp_path / f"resaved-{family}"))
     torch.save(expected, tmp_path / "expected.pt")
-    # stand-in compilers first on the PATH: running the bundled code must build nothing (the C++ CPU kernel's
-    # source is not bundled, so the scan runs its PyTorch path)
+    # stand-in compilers first on the PATH: running the remote code must build nothing (it ships no C++ source or
+    # build code, so the scan runs its PyTorch path)
     tools = tmp_path / "tools"
     tools.mkdir()
     for tool in ("cc", "c++", "gcc", "g++", "ninja"):
@@ -260,6 +261,8 @@ def test_failed_save_keeps_the_old_folder_and_a_good_save_keeps_other_files(tmp_
     micro_model("densemamba", seed=0).save_pretrained(target)
     (target / "tokenizer.json").write_text("{}")
     (target / "model-00001-of-00002.safetensors").write_bytes(b"stale shard")
+    # what saves of earlier versions shipped: the C++ kernel's build code, generated (its first line says so)
+    (target / "ops_cpu_kernel.py").write_text(f"{hub.BUNDLE_MARKER} hf_densessm/ops/cpu_kernel.py\n")
     before = {p.name: p.read_bytes() for p in target.iterdir()}
     newer = micro_model("densemamba", seed=1)
     with monkeypatch.context() as patch:
@@ -271,7 +274,7 @@ def test_failed_save_keeps_the_old_folder_and_a_good_save_keeps_other_files(tmp_
 
     newer.save_pretrained(target)
     names = {p.name for p in target.iterdir()}
-    assert names == expected_files("densemamba") | {"tokenizer.json"}  # stale shard of the old save removed
+    assert names == expected_files("densemamba") | {"tokenizer.json"}  # stale shard and code of old saves removed
     assert (target / "model.safetensors").read_bytes() != before["model.safetensors"]
     reloaded = AutoModelForCausalLM.from_pretrained(target)
     torch.testing.assert_close(reloaded.lm_head.weight, newer.lm_head.weight, atol=0, rtol=0)
@@ -357,33 +360,3 @@ def test_save_pretrained_with_push_to_hub(monkeypatch, tmp_path):
     assert FakeHubApi.calls[0] == ("create_repo", "me/dm", True)
     assert FakeHubApi.calls[-1][0] == "upload_folder" and set(FakeHubApi.calls[-1][-1]) == expected_files("densemamba")
     assert {p.name for p in (tmp_path / "out").iterdir()} == expected_files("densemamba")
-
-
-def test_flat_names():
-    assert hub.flat_module_name("hf_densessm.modeling.modeling_densemamba") == "modeling_densemamba"
-    assert hub.flat_module_name("hf_densessm.modeling.cache") == "modeling_cache"
-    assert hub.flat_module_name("hf_densessm.ops.selective_scan.naive") == "ops_selective_scan_naive"
-    assert hub.flat_module_name("hf_densessm.ops.selective_scan") == "ops_selective_scan"
-    with pytest.raises(hub.BundleError, match="not a module"):
-        hub.flat_module_name("torch.nn")
-
-
-def test_unbundlable_imports_are_refused(tmp_path, monkeypatch):
-    """A module importing in a form the flat layout cannot express is refused with its name and line."""
-    package = tmp_path / "fakepkg"
-    (package / "sub").mkdir(parents=True)
-    (package / "__init__.py").write_text("")
-    (package / "sub" / "__init__.py").write_text("")
-    (package / "sub" / "helper.py").write_text("X = 1\n")
-    (package / "sub" / "user.py").write_text("from . import helper\n")
-    monkeypatch.setattr(bundle, "ROOT_PACKAGE", "fakepkg")
-    monkeypatch.setattr(bundle, "ROOT_DIR", package)
-    with pytest.raises(bundle.BundleError, match=r"fakepkg.sub.user, line 1: importing the submodule 'helper'"):
-        bundle._bundled_source("fakepkg.sub.user")
-    (package / "sub" / "user.py").write_text('"""Doc."""\nimport fakepkg.sub.helper\n')
-    with pytest.raises(bundle.BundleError, match="line 2: `import fakepkg.sub.helper` cannot be bundled"):
-        bundle._bundled_source("fakepkg.sub.user")
-    (package / "sub" / "user.py").write_text("from .helper import X\n\n\ndef f():\n    from ..sub.helper import X\n")
-    source, needed = bundle._bundled_source("fakepkg.sub.user")
-    assert needed == {"fakepkg.sub.helper"}
-    assert "\nfrom .sub_helper import X\n" in source and "\n    from .sub_helper import X\n" in source

@@ -107,10 +107,8 @@ def save_killed_at(model, folder: Path, step: int, publish_only: bool = False, *
 
 
 @pytest.mark.parametrize("existing", [True, False], ids=["over-an-old-save", "new-folder"])
-def test_a_save_killed_at_any_step_leaves_every_file_old_or_new(versions, tmp_path, monkeypatch, existing):
+def test_a_save_killed_at_any_step_leaves_every_file_old_or_new(versions, tmp_path, existing):
     old_folder, old, newer = versions
-    code = bundle.bundle_sources(newer)  # the code as it is now: every save of this test writes the same bytes
-    monkeypatch.setattr(bundle, "bundle_sources", lambda model: code)
     reference = tmp_path / "reference"  # what a clean save leaves
     if existing:
         shutil.copytree(old_folder, reference)
@@ -157,7 +155,7 @@ def issue_pair(tmp_path_factory):
 @pytest.fixture
 def no_code(monkeypatch):
     """Saves write no code files (the package's classes load the model; fewer steps to kill)."""
-    monkeypatch.setattr(bundle, "bundle_sources", lambda model: {})
+    monkeypatch.setattr(bundle, "remote_code", lambda model: ({}, {}))
 
 
 @pytest.mark.parametrize("shards", ["100KB", None], ids=["same-shards", "unsharded"])

@@ -1,4 +1,4 @@
-"""Hub-ready folders: what the models' ``save_pretrained`` / ``push_to_hub`` run (imported lazily, never bundled);
+"""Hub-ready folders: what the models' ``save_pretrained`` / ``push_to_hub`` run (never shipped with remote code);
 one module per job, :mod:`.bundle`, :mod:`.card`, :mod:`.saving` (docs/hub_and_conversion.md)."""
 
 from __future__ import annotations
@@ -10,15 +10,7 @@ from pathlib import Path
 
 from transformers import PreTrainedModel
 
-from .bundle import (
-    BUNDLE_MARKER,
-    BundleError,
-    bundle_sources,
-    flat_module_name,
-    hub_auto_map,
-    is_bundled_code,
-    write_bundle,
-)
+from .bundle import BUNDLE_MARKER, BundleError, hub_auto_map, is_bundled_code, remote_code, write_bundle
 from .card import CARD_MARKER, is_generated_card, model_card, write_model_card
 from .saving import staged_save
 
@@ -44,8 +36,8 @@ def save_pretrained(
     push_to_hub: bool = False,
     **kwargs,
 ):
-    """``model.save_pretrained``: ``PreTrainedModel.save_pretrained`` (same arguments), plus the flat modeling code,
-    ``auto_map`` and the model card (an existing ``README.md`` this package did not write is kept), all written
+    """``model.save_pretrained``: ``PreTrainedModel.save_pretrained`` (same arguments), plus the generated remote
+    code, ``auto_map`` and the model card (an existing ``README.md`` this package did not write is kept), all written
     kill-safely (:func:`~.saving.staged_save`); ``push_to_hub=True`` (with ``repo_id``, ``token``, ... as transformers
     takes them) then runs ``model.push_to_hub``. Left to transformers unchanged: ``is_main_process=False``,
     ``distributed_checkpoint=True``, models with PEFT adapters loaded (only the adapters are saved) and models loaded
@@ -53,7 +45,7 @@ def save_pretrained(
 
     Raises:
         NotADirectoryError: ``save_directory`` is a file.
-        BundleError: the code cannot be bundled (a packaging bug; nothing is written).
+        BundleError: no remote code was generated for the model's type (nothing is written).
     """
     if (
         model.is_remote_code()
@@ -131,11 +123,10 @@ __all__ = [
     "BUNDLE_MARKER",
     "CARD_MARKER",
     "BundleError",
-    "bundle_sources",
-    "flat_module_name",
     "hub_auto_map",
     "model_card",
     "push_to_hub",
+    "remote_code",
     "replaced_by_save",
     "save_pretrained",
     "staged_save",

@@ -16,6 +16,11 @@ from .cache import CACHE_FIELDS, CACHE_RENAMED, check_cache, model_output, new_c
 from .dense_connection import run_dense_layers
 from .save_check import load_one_save
 
+try:  # the publishing code, which remote code does not ship: there transformers' methods save (docs/design.md §8)
+    from .. import hub
+except ImportError:
+    hub = None
+
 
 logger = logging.get_logger(__name__)
 
@@ -285,9 +290,9 @@ def check_logits_to_keep(logits_to_keep, seq_len: int):
 
 
 class DenseSSMSaveMixin:
-    """``save_pretrained`` / ``push_to_hub`` (transformers' arguments and returns) through :mod:`hf_densessm.hub`,
-    imported lazily inside ``try`` (falling back to transformers' methods): docs/design.md §8; ``from_pretrained``
-    loads one whole save of a folder (:func:`~hf_densessm.modeling.save_check.load_one_save`)."""
+    """``save_pretrained`` / ``push_to_hub`` (transformers' arguments and returns) through :mod:`hf_densessm.hub`
+    (transformers' methods in remote code, which ships no ``hub``: docs/design.md §8); ``from_pretrained`` loads one
+    whole save of a folder (:func:`~hf_densessm.modeling.save_check.load_one_save`)."""
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
@@ -298,18 +303,14 @@ class DenseSSMSaveMixin:
         return load_one_save(lambda: load(path, *args, **kwargs), path, kwargs)
 
     def save_pretrained(self, save_directory, *args, **kwargs):
-        try:
-            from hf_densessm.hub import save_pretrained
-        except ImportError:
+        if hub is None:
             return super().save_pretrained(save_directory, *args, **kwargs)
-        return save_pretrained(self, save_directory, *args, **kwargs)
+        return hub.save_pretrained(self, save_directory, *args, **kwargs)
 
     def push_to_hub(self, repo_id, *args, **kwargs):
-        try:
-            from hf_densessm.hub import push_to_hub
-        except ImportError:
+        if hub is None:
             return super().push_to_hub(repo_id, *args, **kwargs)
-        return push_to_hub(self, repo_id, *args, **kwargs)
+        return hub.push_to_hub(self, repo_id, *args, **kwargs)
 
 
 class DenseSSMCausalLMMixin:

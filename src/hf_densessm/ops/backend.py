@@ -1,18 +1,20 @@
 """Which form of an op runs (:func:`resolve_backend`, the one dispatch of every op; ``backend="auto" | "triton" |
 "torch"``), the PyTorch path's precision under autocast, and the GPUs the kernels' tile choices are built for
-(:data:`ARCHS`): docs/kernels.md, "The backend switch" and "Tile, warp and stage choices". Imports no ``triton``.
+(:data:`ARCHS`): docs/kernels.md, "The backend switch" and "Tile, warp and stage choices"; and :class:`OpGroup`, which
+defines each op once per process (docs/design.md §8). Imports no ``triton``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 from dataclasses import dataclass, replace
 
 import torch
 
 __all__ = [
-    "ARCHS", "BACKENDS", "GPUArch", "check_backend", "compute_dtype", "device_arch", "inputs_compute_dtype",
+    "ARCHS", "BACKENDS", "GPUArch", "OpGroup", "check_backend", "compute_dtype", "device_arch", "inputs_compute_dtype",
     "interpreting", "own_precision", "resolve_backend", "tracing", "triton_available", "use_triton",
 ]
 
@@ -147,3 +149,75 @@ def resolve_backend(backend: str, device: torch.device) -> str:
         ValueError, RuntimeError: as :func:`use_triton`.
     """
     return "triton" if use_triton(backend, device) else "torch"
+
+
+class OpGroup:
+    """The ``torch.library`` ops of one op module (the ops that hand each other tensors: a forward, its backward, the
+    paths they call), defined once per process whichever copies of the module run in it: the installed package's, and
+    those of saved folders loaded as remote code (docs/design.md §8, "One set of ops per process").
+
+    Record each op with :meth:`custom_op` / :meth:`triton_op` (``torch.library``'s arguments; the name without the
+    namespace) and its autograd formula with :meth:`register_autograd`, then call :meth:`define` once. The ops are
+    then the group's attributes (``group.selective_scan``, a ``torch.ops`` packet): call them, never
+    ``torch.ops.<namespace>.<name>``, whose name may carry the hash below.
+
+    :meth:`define` registers the ops under ``<namespace>::<name>`` when none of those names is registered; when every
+    one is, with the schema this copy infers, it registers nothing and uses them (the first copy's implementations,
+    fakes and autograd); otherwise (another version's group) it does the same under ``<name>_<hash>``, ``<hash>``
+    the first 8 hex digits of the SHA-256 of the group's names and schemas. So groups with equal schemas share one set
+    of ops, and groups that differ in any op never share one.
+    """
+
+    def __init__(self, namespace: str = "hf_densessm"):
+        self.namespace = namespace
+        self._specs: dict[str, dict] = {}
+
+    def custom_op(self, name: str, fn=None, *, mutates_args=(), fake=None):
+        """Record ``fn`` as ``torch.library.custom_op`` ``name`` with the fake implementation ``fake``; returns
+        ``fn`` (a decorator without ``fn``)."""
+        if fn is None:
+            return lambda fn: self.custom_op(name, fn, mutates_args=mutates_args, fake=fake)
+        self._specs[name] = dict(make=torch.library.custom_op, fn=fn, mutates_args=tuple(mutates_args), fake=fake)
+        return fn
+
+    def triton_op(self, name: str, fn=None, *, mutates_args=()):
+        """Record ``fn`` as ``torch.library.triton_op`` ``name`` (its own fake); returns ``fn`` (a decorator without
+        ``fn``)."""
+        if fn is None:
+            return lambda fn: self.triton_op(name, fn, mutates_args=mutates_args)
+        self._specs[name] = dict(make=torch.library.triton_op, fn=fn, mutates_args=tuple(mutates_args), fake=None)
+        return fn
+
+    def register_autograd(self, name: str, backward, *, setup_context) -> None:
+        """Record the autograd formula of the recorded op ``name`` (``torch.library.register_autograd``'s)."""
+        self._specs[name]["autograd"] = (backward, setup_context)
+
+    def define(self) -> None:
+        """Register or find the recorded ops (see the class) and set them as attributes.
+
+        Raises:
+            RuntimeError: some but not all of the hashed names are registered (a failed earlier definition).
+        """
+        schemas = {name: torch.library.infer_schema(spec["fn"], mutates_args=spec["mutates_args"])
+                   for name, spec in self._specs.items()}
+        digest = hashlib.sha256(repr(sorted(schemas.items())).encode()).hexdigest()[:8]
+        namespace = getattr(torch.ops, self.namespace)
+        for suffix in ("", f"_{digest}"):
+            found = [str(getattr(namespace, name + suffix).default._schema) for name in schemas
+                     if hasattr(namespace, name + suffix)]
+            wanted = [str(torch._C.parse_schema(f"{self.namespace}::{name}{suffix}{schema}"))
+                      for name, schema in schemas.items()]
+            if found == wanted or not found:
+                break
+        else:
+            raise RuntimeError(f"{self.namespace}: the ops {list(schemas)} are partly registered under the suffix "
+                               f"_{digest}")
+        for name, spec in self._specs.items():
+            if not found:
+                op = spec["make"](f"{self.namespace}::{name}{suffix}", spec["fn"], mutates_args=spec["mutates_args"])
+                if spec["fake"] is not None:
+                    op.register_fake(spec["fake"])
+                if "autograd" in spec:
+                    backward, setup_context = spec["autograd"]
+                    op.register_autograd(backward, setup_context=setup_context)
+            setattr(self, name, getattr(namespace, name + suffix))

@@ -6,18 +6,18 @@ the PyTorch path, ``torch_path.py``, on every device). Formulas and why token-ma
 from typing import Optional
 
 import torch
-from torch.library import triton_op
 
-from ..backend import own_precision, resolve_backend
+from ..backend import OpGroup, own_precision, resolve_backend
 from ..packing import check_reset
 from .torch_path import causal_conv1d_backward_torch, causal_conv1d_torch
 
 __all__ = ["causal_conv1d"]
 
 _ACTIVATIONS = (None, "silu")
+_ops = OpGroup()
 
 
-@triton_op("hf_densessm::causal_conv1d", mutates_args=())
+@_ops.triton_op("causal_conv1d")
 def _causal_conv1d_op(
     x: torch.Tensor,
     taps: torch.Tensor,
@@ -31,7 +31,7 @@ def _causal_conv1d_op(
         return causal_conv1d_torch(x, taps, bias, window, reset, silu)
 
 
-@triton_op("hf_densessm::causal_conv1d_backward", mutates_args=())
+@_ops.triton_op("causal_conv1d_backward")
 def _causal_conv1d_backward_op(
     grad_out: torch.Tensor,
     x: torch.Tensor,
@@ -54,13 +54,14 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, grad_out):
     x, taps, bias, window, reset = ctx.saved_tensors
-    grad_x, grad_taps, grad_bias, grad_window = torch.ops.hf_densessm.causal_conv1d_backward(
+    grad_x, grad_taps, grad_bias, grad_window = _ops.causal_conv1d_backward(
         grad_out, x, taps, bias, window, reset, ctx.silu
     )
     return grad_x, grad_taps, None if bias is None else grad_bias, None if window is None else grad_window, None, None
 
 
-_causal_conv1d_op.register_autograd(_backward, setup_context=_setup_context)
+_ops.register_autograd("causal_conv1d", _backward, setup_context=_setup_context)
+_ops.define()
 
 
 def causal_conv1d(
@@ -118,4 +119,4 @@ def causal_conv1d(
     taps = weight.reshape(channels, kernel)
     if window is not None:
         window = window.clone()  # a cache the caller updates in place after the call; the backward pass reads this
-    return torch.ops.hf_densessm.causal_conv1d(x, taps, bias, window, reset, activation == "silu")
+    return _ops.causal_conv1d(x, taps, bias, window, reset, activation == "silu")

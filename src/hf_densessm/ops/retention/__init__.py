@@ -10,7 +10,7 @@ from typing import Optional
 
 import torch
 
-from ..backend import check_backend, compute_dtype, own_precision, resolve_backend
+from ..backend import OpGroup, check_backend, compute_dtype, own_precision, resolve_backend
 from ..packing import check_reset
 from .chunked_torch import chunk_retention_torch, chunk_retention_torch_backward, retention_state_update_torch
 from .naive import retention_gamma, retention_log2_gamma
@@ -88,13 +88,14 @@ def _retention_torch_backward(
         return chunk_retention_torch_backward(d_o, d_final_state, q, k, v, scale, initial_state, reset=reset)
 
 
+_ops = OpGroup()
 # The whole-sequence PyTorch path as opaque ops ``hf_densessm::chunk_retention_torch`` / ``_backward`` (fake: the same
 # functions), run eagerly inside a compiled graph rather than its loop over chunks unrolled into it.
 for _suffix, _fn in (("", _retention_torch), ("_backward", _retention_torch_backward)):
-    torch.library.custom_op(f"hf_densessm::chunk_retention_torch{_suffix}", _fn, mutates_args=()).register_fake(_fn)
+    _ops.custom_op(f"chunk_retention_torch{_suffix}", _fn, fake=_fn)
 
 
-@torch.library.triton_op("hf_densessm::chunk_retention", mutates_args=())
+@_ops.triton_op("chunk_retention")
 def _chunk_retention_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, initial_state: Optional[torch.Tensor],
     reset: Optional[torch.Tensor], backend: str,
@@ -105,10 +106,10 @@ def _chunk_retention_op(
         from .chunk import chunk_retention_fwd_triton
 
         return chunk_retention_fwd_triton(q, k, v, scale, initial_state, reset)
-    return torch.ops.hf_densessm.chunk_retention_torch(q, k, v, scale, initial_state, reset)
+    return _ops.chunk_retention_torch(q, k, v, scale, initial_state, reset)
 
 
-@torch.library.triton_op("hf_densessm::chunk_retention_backward", mutates_args=())
+@_ops.triton_op("chunk_retention_backward")
 def _chunk_retention_backward_op(
     d_o: torch.Tensor, d_final_state: Optional[torch.Tensor], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     scale: float, initial_state: Optional[torch.Tensor], reset: Optional[torch.Tensor], backend: str,
@@ -118,7 +119,7 @@ def _chunk_retention_backward_op(
     if resolve_backend(backend, q.device) == "triton":
         from .chunk import chunk_retention_bwd_triton as backward
     else:
-        backward = torch.ops.hf_densessm.chunk_retention_torch_backward
+        backward = _ops.chunk_retention_torch_backward
     dq, dk, dv, d_initial_state = backward(d_o, d_final_state, q, k, v, scale, initial_state, reset)
     return dq, dk, dv, d_initial_state.to(compute_dtype(v.dtype) if initial_state is None else initial_state.dtype)
 
@@ -134,16 +135,16 @@ def _chunk_retention_backward(ctx, d_o, d_final_state):
     q, k, v, initial_state, reset = ctx.saved_tensors
     if d_o is None:  # only the final state was used
         d_o = torch.zeros_like(v)
-    dq, dk, dv, d_initial_state = torch.ops.hf_densessm.chunk_retention_backward(
+    dq, dk, dv, d_initial_state = _ops.chunk_retention_backward(
         d_o, d_final_state, q, k, v, ctx.scale, initial_state, reset, ctx.backend
     )
     return dq, dk, dv, None, (None if initial_state is None else d_initial_state), None, None
 
 
-_chunk_retention_op.register_autograd(_chunk_retention_backward, setup_context=_chunk_retention_setup)
+_ops.register_autograd("chunk_retention", _chunk_retention_backward, setup_context=_chunk_retention_setup)
 
 
-@torch.library.triton_op("hf_densessm::retention_state_update", mutates_args=("state",))
+@_ops.triton_op("retention_state_update", mutates_args=("state",))
 def _retention_state_update_op(
     state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, backend: str
 ) -> torch.Tensor:
@@ -154,6 +155,9 @@ def _retention_state_update_op(
         return retention_state_update_triton(state, q, k, v, scale)
     with own_precision(q.device):
         return retention_state_update_torch(state, q, k, v, scale)
+
+
+_ops.define()
 
 
 # ---------------------------------------------------------------------------------------------- public functions
@@ -193,7 +197,7 @@ def chunk_retention(q, k, v, scale=None, initial_state=None, output_final_state=
         _check_state("initial_state", initial_state, q, v)
     reset = check_reset(reset, q.shape[0], q.shape[1], q.device)
     check_backend(backend)
-    o, final_state = torch.ops.hf_densessm.chunk_retention(q, k, v, scale, initial_state, reset, backend)
+    o, final_state = _ops.chunk_retention(q, k, v, scale, initial_state, reset, backend)
     return o, (final_state if output_final_state else None)
 
 
@@ -218,4 +222,4 @@ def retention_state_update(state, q, k, v, scale=None, backend="auto"):
     scale = _check_scale(scale, q.shape[-1])
     _check_state("state", state, q, v)
     check_backend(backend)
-    return torch.ops.hf_densessm.retention_state_update(state, q, k, v, scale, backend)
+    return _ops.retention_state_update(state, q, k, v, scale, backend)

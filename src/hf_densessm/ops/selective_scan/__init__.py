@@ -13,8 +13,12 @@ from typing import Optional
 
 import torch
 
-from ..backend import own_precision, resolve_backend, tracing
-from ..cpu_kernel import scan_bwd as cpu_scan_bwd, scan_fwd as cpu_scan_fwd, use_kernel
+from ..backend import OpGroup, own_precision, resolve_backend, tracing
+try:  # remote code ships no C++ build code (docs/hub_and_conversion.md): the PyTorch path runs
+    from ..cpu_kernel import scan_bwd as cpu_scan_bwd, scan_fwd as cpu_scan_fwd, use_kernel
+except ImportError:
+    def use_kernel(u, state_size):
+        return False
 from ..packing import check_reset
 from .chunked_torch import selective_scan_torch_bwd, selective_scan_torch_fwd, selective_state_update_torch
 
@@ -22,6 +26,7 @@ __all__ = ["selective_scan", "selective_state_update"]
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 Tensor = torch.Tensor
+_ops = OpGroup()
 
 
 def _check_tensor(name, t, shape, device, optional=False):
@@ -121,13 +126,11 @@ def _scan_torch_backward(
 
 # ``hf_densessm::selective_scan_torch`` / ``selective_scan_torch_backward``: the PyTorch path as opaque ops, their
 # fake implementations the same functions (they read no values).
-torch.library.custom_op("hf_densessm::selective_scan_torch", mutates_args=())(_scan_torch).register_fake(_scan_torch)
-torch.library.custom_op("hf_densessm::selective_scan_torch_backward", mutates_args=())(
-    _scan_torch_backward
-).register_fake(_scan_torch_backward)
+_ops.custom_op("selective_scan_torch", _scan_torch, fake=_scan_torch)
+_ops.custom_op("selective_scan_torch_backward", _scan_torch_backward, fake=_scan_torch_backward)
 
 
-@torch.library.triton_op("hf_densessm::selective_scan", mutates_args=())
+@_ops.triton_op("selective_scan")
 def _selective_scan_op(
     u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Optional[Tensor], z: Optional[Tensor],
     delta_bias: Optional[Tensor], delta_softplus: bool, initial_state: Optional[Tensor], reset: Optional[Tensor],
@@ -143,11 +146,10 @@ def _selective_scan_op(
 
         return selective_scan_triton_fwd(u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, reset,
                                          save_states)
-    return torch.ops.hf_densessm.selective_scan_torch(u, delta, A, B, C, D, z, delta_bias, delta_softplus,
-                                                      initial_state, reset)
+    return _ops.selective_scan_torch(u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, reset)
 
 
-@torch.library.triton_op("hf_densessm::selective_scan_backward", mutates_args=())
+@_ops.triton_op("selective_scan_backward")
 def _selective_scan_backward_op(
     dy: Optional[Tensor], dlast: Optional[Tensor], u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor,
     D: Optional[Tensor], z: Optional[Tensor], delta_bias: Optional[Tensor], delta_softplus: bool,
@@ -164,8 +166,8 @@ def _selective_scan_backward_op(
         grads = selective_scan_triton_bwd(dy, dlast, u, delta, A, B, C, D, z, delta_bias, delta_softplus,
                                           initial_state, reset, chunk_states)
         return tuple(_or_empty(g, u) for g in grads)
-    return torch.ops.hf_densessm.selective_scan_torch_backward(dy, dlast, u, delta, A, B, C, D, z, delta_bias,
-                                                               delta_softplus, initial_state, reset, chunk_states)
+    return _ops.selective_scan_torch_backward(dy, dlast, u, delta, A, B, C, D, z, delta_bias, delta_softplus,
+                                              initial_state, reset, chunk_states)
 
 
 def _scan_setup_context(ctx, inputs, output):
@@ -180,8 +182,8 @@ def _scan_backward(ctx, dy, dlast, _dchunk_states):
     u, delta, A, B, C, D, z, delta_bias, initial_state, reset, chunk_states = ctx.saved_tensors
     args = (u, delta, A, B, C, D, z, delta_bias, ctx.delta_softplus, initial_state, reset)
     if chunk_states.shape[1] == 0:  # the forward op ran with save_states=False: recompute the chunk states
-        chunk_states = torch.ops.hf_densessm.selective_scan(*args, True, ctx.backend)[2]
-    grads = torch.ops.hf_densessm.selective_scan_backward(dy, dlast, *args, chunk_states, ctx.backend)
+        chunk_states = _ops.selective_scan(*args, True, ctx.backend)[2]
+    grads = _ops.selective_scan_backward(dy, dlast, *args, chunk_states, ctx.backend)
     du, ddelta, dA, dB, dC, dD, dz, dbias, dinitial = (
         g if t is not None and ctx.needs_input_grad[i] else None
         for g, t, i in zip(grads, (u, delta, A, B, C, D, z, delta_bias, initial_state), (0, 1, 2, 3, 4, 5, 6, 7, 9))
@@ -189,10 +191,10 @@ def _scan_backward(ctx, dy, dlast, _dchunk_states):
     return du, ddelta, dA, dB, dC, dD, dz, dbias, None, dinitial, None, None, None
 
 
-_selective_scan_op.register_autograd(_scan_backward, setup_context=_scan_setup_context)
+_ops.register_autograd("selective_scan", _scan_backward, setup_context=_scan_setup_context)
 
 
-@torch.library.triton_op("hf_densessm::selective_state_update", mutates_args=("state",))
+@_ops.triton_op("selective_state_update", mutates_args=("state",))
 def _selective_state_update_op(
     state: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Optional[Tensor], z: Optional[Tensor],
     dt_bias: Optional[Tensor], dt_softplus: bool, backend: str,
@@ -207,6 +209,9 @@ def _selective_state_update_op(
                                              dt_softplus=dt_softplus)
     with own_precision(state.device):
         return selective_state_update_torch(state, x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus)
+
+
+_ops.define()
 
 
 def selective_scan(
@@ -264,7 +269,7 @@ def selective_scan(
         _check_decay(A)
     tensors = (u, delta, A, B, C, D, z, delta_bias, initial_state)
     save_states = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
-    y, last_state, _ = torch.ops.hf_densessm.selective_scan(
+    y, last_state, _ = _ops.selective_scan(
         u, delta, A, B, C, D, z, delta_bias, bool(delta_softplus), initial_state, reset, save_states, backend
     )
     return (y, last_state) if return_last_state else y
@@ -331,5 +336,4 @@ def selective_state_update(
             "torch.inference_mode()), or run the whole sequence through selective_scan(..., initial_state=state, "
             "return_last_state=True), which is differentiable"
         )
-    return torch.ops.hf_densessm.selective_state_update(state, x, dt, A, B, C, D, z, dt_bias, bool(dt_softplus),
-                                                         backend)
+    return _ops.selective_state_update(state, x, dt, A, B, C, D, z, dt_bias, bool(dt_softplus), backend)
