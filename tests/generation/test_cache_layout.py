@@ -1,6 +1,6 @@
 """What a cache holds, read as transformers' generic generation tests read one (after greedy search and beam search):
 one linear-attention layer per block, every filled slot a state of the family's shape with the batch first and what
-its name says (hf_densessm.modeling.cache, CACHE_SLOTS), and the bookkeeping on the cache itself: the positions seen and
+its name says (the family config's ``cache_slots`` / ``cache_shapes``), and the bookkeeping on the cache itself: the positions seen and
 DenseRetNet's count of each row's real tokens, which beam search reorders and reset() zeroes."""
 
 import copy
@@ -10,7 +10,7 @@ import torch
 from transformers.cache_utils import Cache, LinearAttentionCacheLayerMixin
 
 from helpers import FAMILIES, micro_model, random_ids
-from hf_densessm.modeling.cache import CACHE_SLOTS, COUNTS_ROW_TOKENS, DenseSSMCache, output_cache
+from hf_densessm.modeling.cache import DenseSSMCache, output_cache
 
 
 def _expected_states(config, rows):
@@ -49,7 +49,8 @@ def test_cache_returned_by_generate_holds_states_of_the_family(family, num_beams
     assert isinstance(cache, Cache) and isinstance(cache, DenseSSMCache)
     assert len(cache.layers) == config.num_hidden_layers
     expected = _expected_states(config, rows)
-    slots = CACHE_SLOTS[config.model_type]
+    assert config.cache_shapes(rows) == expected  # what the family declares, against the expectation above
+    slots = config.cache_slots
     assert {(kind, slot) for kind in ("conv", "recurrent") for slot in slots[kind]} == set(expected)
     for layer in cache.layers:
         assert isinstance(layer, LinearAttentionCacheLayerMixin)
@@ -66,7 +67,7 @@ def test_cache_returned_by_generate_holds_states_of_the_family(family, num_beams
                     assert state is None
     # every position fed (the last generated token is not), padding included
     assert cache.get_seq_length() == out.sequences.shape[1] - 1
-    if config.model_type in COUNTS_ROW_TOKENS:  # each row's real tokens, the beams of a prompt alike
+    if config.cache_counts_row_tokens:  # each row's real tokens, the beams of a prompt alike
         assert cache.real_tokens_seen.dtype == torch.int64
         assert torch.equal(cache.real_tokens_seen, (real + 2).repeat_interleave(num_beams))
     else:
@@ -86,13 +87,13 @@ def test_reordering_moves_each_rows_count_with_its_states(family):
     ids, mask, real = _padded_prompt(model)
     with torch.no_grad():
         cache = output_cache(model(ids, attention_mask=mask, use_cache=True))
-    if family in COUNTS_ROW_TOKENS:
+    if model.config.cache_counts_row_tokens:
         assert torch.equal(cache.real_tokens_seen, real)
     token = random_ids(3, 1, seed=9)
     order = torch.tensor([2, 0, 1])
     untouched = _step(model, token, copy.deepcopy(cache))
     cache.reorder_cache(order)
-    if family in COUNTS_ROW_TOKENS:
+    if model.config.cache_counts_row_tokens:
         assert torch.equal(cache.real_tokens_seen, real[order])
     moved = _step(model, token[order], cache)
     torch.testing.assert_close(moved, untouched[order], atol=1e-5, rtol=1e-4)  # rows in another order: rounding
@@ -107,7 +108,7 @@ def test_padded_step_counts_real_tokens_only(family):
     step_mask = torch.cat([mask, torch.tensor([[1], [0], [1]])], dim=1)
     _step(model, random_ids(3, 1, seed=9), cache, step_mask)
     assert cache.get_seq_length() == 7
-    if family in COUNTS_ROW_TOKENS:
+    if model.config.cache_counts_row_tokens:
         assert torch.equal(cache.real_tokens_seen, real + torch.tensor([1, 0, 1]))
 
 
@@ -120,7 +121,7 @@ def test_reset_cache_computes_as_a_new_one(family):
         count = cache.real_tokens_seen
         cache.reset()
         assert cache.get_seq_length() == 0
-        if family in COUNTS_ROW_TOKENS:  # zeroed in place, as transformers resets the states
+        if model.config.cache_counts_row_tokens:  # zeroed in place, as transformers resets the states
             assert cache.real_tokens_seen is count and not count.any()
         again = model(ids, attention_mask=mask, cache=cache, use_cache=True)
         fresh = model(ids, attention_mask=mask, use_cache=True)

@@ -7,6 +7,7 @@ import math
 from .configuration_densessm import (
     PAPER_OPTIMIZER,
     DenseSSMConfig,
+    Knob,
     check_bool,
     check_choice,
     check_int,
@@ -80,6 +81,19 @@ class DenseMambaConfig(DenseSSMConfig):
     model_type = "densemamba"
     dense_defaults = {"dense_layers": 4}
     presets = DENSEMAMBA_PRESETS
+    family_knobs = (
+        Knob("dense_target", str, "input", "fuse the scan inputs u and B ('input', docs/design.md §4) or the lower "
+             "layers' states, read out with this layer's C ('state', Eq. 14)", choices=("input", "state")),
+    )
+    cache_slots = {"conv": (0,), "recurrent": (0,)}  # the conv window, the SSM state (docs/design.md §5)
+
+    def cache_shapes(self, batch: int) -> dict[tuple[str, int], tuple[int, ...]]:
+        """The conv window ``(batch, intermediate_size, conv_kernel)`` (the model's dtype) and the SSM state
+        ``(batch, intermediate_size, state_size)`` (float32)."""
+        return {
+            ("conv", 0): (batch, self.intermediate_size, self.conv_kernel),
+            ("recurrent", 0): (batch, self.intermediate_size, self.state_size),
+        }
 
     def __init__(
         self,

@@ -64,6 +64,13 @@ class DenseRetNetConfig(DenseSSMConfig):
     model_type = "denseretnet"
     dense_defaults = {"dense_layers": 2}
     presets = DENSERETNET_PRESETS
+    cache_slots = {"conv": (), "recurrent": (0,)}  # the retention state (docs/design.md §5)
+    cache_counts_row_tokens = True  # the rotary angles and the retention normalization place each row's tokens
+
+    def cache_shapes(self, batch: int) -> dict[tuple[str, int], tuple[int, ...]]:
+        """The retention state ``(batch, heads, query_key_dim / heads, value_dim / heads)`` (float32)."""
+        heads = self.num_attention_heads
+        return {("recurrent", 0): (batch, heads, self.query_key_dim // heads, self.value_dim // heads)}
 
     def __init__(
         self,

@@ -66,10 +66,9 @@ def check_choice(name: str, value, allowed: tuple[str, ...]) -> str:
 
 @dataclass(frozen=True)
 class Knob:
-    """One config field of the dense connection: its ``name``, ``kind`` (``int``, ``bool`` or ``str``), ``default``
-    (``None`` where the family or ``hidden_size`` decides), one-line ``help``, allowed ``choices`` (str) or
-    ``minimum`` (int), whether ``None`` is allowed (``optional``), and the ``families`` (``model_type`` values;
-    ``None``: every family) that have it."""
+    """One config field of the dense connection (its name starts with ``dense_``): its ``name``, ``kind`` (``int``,
+    ``bool`` or ``str``), ``default`` (``None`` where the family or ``hidden_size`` decides), one-line ``help``,
+    allowed ``choices`` (str) or ``minimum`` (int), and whether ``None`` is allowed (``optional``)."""
 
     name: str
     kind: type
@@ -78,7 +77,6 @@ class Knob:
     choices: tuple[str, ...] | None = None
     minimum: int | None = None
     optional: bool = False
-    families: tuple[str, ...] | None = None
 
     def check(self, value):
         """Return ``value`` if allowed; raise ``TypeError``/``ValueError`` naming the knob otherwise."""
@@ -90,12 +88,9 @@ class Knob:
             return check_int(self.name, value, self.minimum)
         return check_choice(self.name, value, self.choices)
 
-    def applies_to(self, model_type: str) -> bool:
-        """Whether a config of ``model_type`` has this knob."""
-        return self.families is None or model_type in self.families
 
-
-#: Every dense-connection knob, in the order the docs list them.
+#: The dense-connection knobs every family has, in the order the docs list them (a family adds its own:
+#: :attr:`DenseSSMConfig.family_knobs`).
 DENSE_KNOBS: tuple[Knob, ...] = (
     Knob("dense_layers", int, None, "m, how many preceding layers feed each layer (Eq. 10; Table 7); 0 = the base "
          "model; the default is the family's (4 DenseMamba, 2 DenseRetNet)", minimum=0),
@@ -110,9 +105,6 @@ DENSE_KNOBS: tuple[Knob, ...] = (
     Knob("dense_every", int, 1, "only layers whose index is a multiple fuse (Table 9)", minimum=1),
     Knob("dense_gate_hidden_size", int, None, "hidden width of the 'mlp' gate; None = max(1, hidden_size // 32)",
          minimum=1, optional=True),
-    Knob("dense_target", str, "input", "DenseMamba only: fuse the scan inputs u and B ('input', docs/design.md §4) "
-         "or the lower layers' states, read out with this layer's C ('state', Eq. 14)", choices=("input", "state"),
-         families=("densemamba",)),
 )
 
 #: The values of ``kernel_backend``, a runtime setting (never saved): ``"auto"`` (Triton on CUDA, PyTorch
@@ -122,11 +114,6 @@ KERNEL_BACKENDS = ("auto", "triton", "torch")
 #: The key of a save's id in ``config.json`` (and the weights; ``hf_densessm.modeling.save_check``): read on load,
 #: never written back by ``to_dict`` (each save writes its own).
 SAVE_ID = "_save_id"
-
-
-def knobs_for(model_type: str) -> tuple[Knob, ...]:
-    """The knobs of the family ``model_type`` (``"densemamba"``, ``"denseretnet"``)."""
-    return tuple(knob for knob in DENSE_KNOBS if knob.applies_to(model_type))
 
 
 #: The optimizer settings of every model of the paper (§4.2), as ``TrainingArguments`` keywords (a float
@@ -161,6 +148,17 @@ class DenseSSMConfig(PretrainedConfig):
     dense_defaults: ClassVar[dict] = {}
     #: The family's named sizes, for :meth:`from_preset`.
     presets: ClassVar[dict] = {}
+    #: The family's own dense knobs, after :data:`DENSE_KNOBS` (DenseMamba's ``dense_target``).
+    family_knobs: ClassVar[tuple[Knob, ...]] = ()
+    #: The family's cache layout (docs/design.md §5): the state slots of a block's cache layer it fills, by kind.
+    cache_slots: ClassVar[dict[str, tuple[int, ...]]] = {"conv": (), "recurrent": ()}
+    #: Whether its blocks read each row's real-token count (``DenseSSMCache.real_tokens_seen``).
+    cache_counts_row_tokens: ClassVar[bool] = False
+
+    def cache_shapes(self, batch: int) -> dict[tuple[str, int], tuple[int, ...]]:
+        """The shape of each filled slot of :attr:`cache_slots`, ``{(kind, slot): shape}``, for ``batch`` rows (the
+        family declares it; the base has no slots)."""
+        return {}
 
     def __init__(
         self, pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=True, kernel_backend="auto", **kwargs
@@ -212,16 +210,22 @@ class DenseSSMConfig(PretrainedConfig):
         kwargs.update(overrides)
         return cls(**kwargs)
 
+    @classmethod
+    def knobs(cls) -> tuple[Knob, ...]:
+        """The family's dense knobs: :data:`DENSE_KNOBS`, then :attr:`family_knobs`."""
+        return DENSE_KNOBS + cls.family_knobs
+
     def set_dense_knobs(self, kwargs: dict) -> None:
-        """Pop the knobs of this family from ``kwargs``, validate them and set them on the config; a knob of another
-        family (e.g. ``dense_target`` for DenseRetNet) is a ``ValueError``."""
-        foreign = [knob.name for knob in DENSE_KNOBS if not knob.applies_to(self.model_type) and knob.name in kwargs]
+        """Pop the knobs of this family from ``kwargs``, validate them and set them on the config; any other
+        ``dense_*`` keyword (e.g. DenseMamba's ``dense_target`` for DenseRetNet) is a ``ValueError``."""
+        names = [knob.name for knob in self.knobs()]
+        foreign = [name for name in kwargs if name.startswith("dense_") and name not in names]
         if foreign:
             raise ValueError(
                 f"{', '.join(f'`{name}`' for name in foreign)} is not a {self.model_type} knob (only "
-                f"{', '.join(knob.name for knob in knobs_for(self.model_type))}); leave it out."
+                f"{', '.join(names)}); leave it out."
             )
-        for knob in knobs_for(self.model_type):
+        for knob in self.knobs():
             default = self.dense_defaults.get(knob.name, knob.default)
             setattr(self, knob.name, knob.check(kwargs.pop(knob.name, default)))
         if self.dense_gate_hidden_size is None:
@@ -240,7 +244,7 @@ class DenseSSMConfig(PretrainedConfig):
         (naming the knob and the fix) for a dict that lacks a dense knob (docs/design.md §6; knobs given as ``kwargs``
         count as present). A ``kernel_backend`` in ``config_dict`` is dropped; one in ``kwargs`` applies."""
         config_dict = {key: value for key, value in config_dict.items() if key != "kernel_backend"}
-        missing = [knob.name for knob in knobs_for(cls.model_type) if knob.name not in {**config_dict, **kwargs}]
+        missing = [knob.name for knob in cls.knobs() if knob.name not in {**config_dict, **kwargs}]
         if missing:
             raise ValueError(
                 f"This {cls.model_type} config lacks the dense knob(s) {', '.join(missing)}; their defaults would "
@@ -252,6 +256,6 @@ class DenseSSMConfig(PretrainedConfig):
     def to_diff_dict(self) -> dict:
         """transformers' diff against the defaults, plus every knob (a saved ``config.json`` always carries them)."""
         diff = super().to_diff_dict()
-        for knob in knobs_for(self.model_type):
+        for knob in self.knobs():
             diff[knob.name] = getattr(self, knob.name)
         return diff

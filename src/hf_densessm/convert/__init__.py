@@ -17,7 +17,6 @@ from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, WEIGH
 from transformers.utils.hub import get_checkpoint_shard_files
 
 from ..configuration import DenseMambaConfig, DenseRetNetConfig
-from ..configuration.configuration_densessm import knobs_for
 from ..modeling import DenseMambaForCausalLM, DenseRetNetForCausalLM
 from ..modeling.dense_connection import DenseHiddenConnection
 from ..modeling.modeling_denseretnet import DenseRetNetThetaShift
@@ -26,7 +25,7 @@ from ..ops.retention import retention_gamma
 #: What transformers reads as a checkpoint's weights, in its order of preference.
 WEIGHT_FILES = (SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, WEIGHTS_NAME, WEIGHTS_INDEX_NAME)
 #: The keywords :func:`densemamba_from_mamba` takes: DenseMamba's dense knobs.
-DENSE_ARGUMENTS = tuple(knob.name for knob in knobs_for(DenseMambaConfig.model_type))
+DENSE_ARGUMENTS = tuple(knob.name for knob in DenseMambaConfig.knobs())
 # Config fields a transformers MambaConfig shares with DenseMambaConfig (same names and meanings).
 MAMBA_FIELDS = tuple(
     name

@@ -12,7 +12,6 @@ import sys
 import torch
 
 from ..configuration import DenseMambaConfig
-from ..configuration.configuration_densessm import knobs_for
 from . import DENSE_ARGUMENTS, densemamba_from_mamba, denseretnet_from_official
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -33,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Upcycle a transformers Mamba checkpoint (e.g. state-spaces/mamba-130m-hf) into DenseMamba "
         "whose dense gates start closed (the Mamba's function); fine-tune it to learn the dense connection.",
     )
-    for knob in knobs_for(DenseMambaConfig.model_type):
+    for knob in DenseMambaConfig.knobs():
         default = DenseMambaConfig.dense_defaults.get(knob.name, knob.default)
         option = "--" + knob.name.replace("_", "-")
         help_text = f"{knob.help} (default {default})"

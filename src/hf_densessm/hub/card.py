@@ -11,7 +11,6 @@ from pathlib import Path
 
 from huggingface_hub import ModelCardData
 
-from ..configuration.configuration_densessm import knobs_for
 from .bundle import file_head
 
 CARD_MARKER = "<!-- hf_densessm model card -->"
@@ -52,7 +51,7 @@ def config_rows(config) -> list[tuple[str, object, str]]:
         for p in parameters
         if p.name != "self" and p.kind is p.POSITIONAL_OR_KEYWORD
     ]
-    rows += [(knob.name, getattr(config, knob.name), _markdown(knob.help)) for knob in knobs_for(config.model_type)]
+    rows += [(knob.name, getattr(config, knob.name), _markdown(knob.help)) for knob in type(config).knobs()]
     return rows
 
 

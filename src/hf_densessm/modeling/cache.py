@@ -82,30 +82,22 @@ def output_cache(outputs) -> Cache | None:
     return getattr(outputs, cache_field(type(outputs)))
 
 
-#: Which state slots each family uses (contents and shapes: docs/design.md §5).
-CACHE_SLOTS = {
-    "densemamba": {"conv": (0,), "recurrent": (0,)},
-    "denseretnet": {"conv": (), "recurrent": (0,)},
-}
-
-#: The families whose blocks read each row's real-token count (:attr:`DenseSSMCache.real_tokens_seen`).
-COUNTS_ROW_TOKENS = frozenset({"denseretnet"})
-
-
 class DenseSSMCache(DynamicCache):
     """transformers' ``DynamicCache`` (one ``LinearAttentionLayer`` per block), plus counts of the tokens seen
     (tensors advanced in place, static addresses: docs/design.md §5).
 
     Attributes:
         model_type: the ``model_type`` of the config it was built for (``None`` without one).
+        counts_row_tokens: the config's ``cache_counts_row_tokens`` (the family's blocks read each row's count).
         positions_seen: positions processed, padding included, 0-dim int64 (``None`` before the first forward).
-        real_tokens_seen: for a family in :data:`COUNTS_ROW_TOKENS`, each row's real tokens, ``(batch,)`` int64
-            (``None`` before the first forward and for other families).
+        real_tokens_seen: with ``counts_row_tokens``, each row's real tokens, ``(batch,)`` int64 (``None`` before the
+            first forward and otherwise).
     """
 
     def __init__(self, config=None, **kwargs):
         super().__init__(config=config, **kwargs)
         self.model_type = getattr(config, "model_type", None)
+        self.counts_row_tokens = getattr(config, "cache_counts_row_tokens", False)
         self.positions_seen: torch.Tensor | None = None
         self.real_tokens_seen: torch.Tensor | None = None
 
@@ -118,7 +110,7 @@ class DenseSSMCache(DynamicCache):
 
     def record_tokens(self, inputs: torch.Tensor, attention_mask: torch.Tensor | None = None) -> None:
         """Count a forward's positions in :attr:`positions_seen` and each row's real tokens in
-        :attr:`real_tokens_seen` (:data:`COUNTS_ROW_TOKENS` only).
+        :attr:`real_tokens_seen` (with :attr:`counts_row_tokens` only).
 
         Args:
             inputs: ``input_ids`` ``(batch, seq_len)`` or ``inputs_embeds`` ``(batch, seq_len, hidden)`` (shape and
@@ -128,7 +120,7 @@ class DenseSSMCache(DynamicCache):
         if self.positions_seen is None:
             self.positions_seen = self._new_count((), inputs.device)
         self.positions_seen.add_(count)
-        if self.model_type not in COUNTS_ROW_TOKENS:
+        if not self.counts_row_tokens:
             return
         if self.real_tokens_seen is None:
             self.real_tokens_seen = self._new_count((batch,), inputs.device)
@@ -163,24 +155,13 @@ def record_tokens(cache: Cache | None, inputs: torch.Tensor, attention_mask: tor
         cache.record_tokens(inputs, attention_mask)
 
 
-def _expected_shapes(config, batch: int) -> dict[tuple[str, int], tuple[int, ...]]:
-    """The shape of every slot of :data:`CACHE_SLOTS` for ``config`` and ``batch`` rows."""
-    if config.model_type == "densemamba":
-        return {
-            ("conv", 0): (batch, config.intermediate_size, config.conv_kernel),
-            ("recurrent", 0): (batch, config.intermediate_size, config.state_size),
-        }
-    heads = config.num_attention_heads
-    return {("recurrent", 0): (batch, heads, config.query_key_dim // heads, config.value_dim // heads)}
-
-
 def check_cache(cache, config, batch: int) -> None:
     """Check that ``cache`` fits a model of ``config`` given ``batch`` rows: one linear-attention layer per block,
-    only the family's slots (:data:`CACHE_SLOTS`) filled, with this model's and batch's shapes.
+    only the slots the family declares (``config.cache_slots``) filled, with its shapes (``config.cache_shapes``).
 
     Raises:
         TypeError: not a ``Cache``, layers that are not linear-attention layers, or not a :class:`DenseSSMCache`
-            where the family needs one (:data:`COUNTS_ROW_TOKENS`).
+            where the family counts each row's tokens (``config.cache_counts_row_tokens``).
         ValueError: wrong number of layers; slots or ``model_type`` of another family; states or counts of another
             batch size or width.
     """
@@ -197,7 +178,7 @@ def check_cache(cache, config, batch: int) -> None:
         )
     if not all(isinstance(layer, LinearAttentionCacheLayerMixin) for layer in cache.layers):
         raise TypeError(f"`cache` must hold linear-attention (recurrent state) layers; {hint}.")
-    slots = CACHE_SLOTS[family]
+    slots = config.cache_slots
     needed = max(slots["conv"] + slots["recurrent"]) + 1
     if any(layer.number_of_states != needed for layer in cache.layers):
         raise ValueError(
@@ -216,12 +197,12 @@ def check_cache(cache, config, batch: int) -> None:
                     f"`cache` was built for another model family (layer {layer_idx} holds {kind} state slot "
                     f"{stray[0]}, which a {family} model never fills); {hint}."
                 )
-    if family in COUNTS_ROW_TOKENS and not isinstance(cache, DenseSSMCache):
+    if config.cache_counts_row_tokens and not isinstance(cache, DenseSSMCache):
         raise TypeError(
             f"`cache` must be a `DenseSSMCache` for a {family} model (it counts the real tokens of each row, which "
             f"place the rotary angles), got {type(cache).__name__}; {hint}."
         )
-    expected = _expected_shapes(config, batch)
+    expected = config.cache_shapes(batch)
     for layer_idx in range(len(cache.layers)):
         for (kind, slot), shape in expected.items():  # the conv window is slot 0
             state = conv_state(cache, layer_idx) if kind == "conv" else recurrent_state(cache, layer_idx, slot)

@@ -28,6 +28,10 @@ from .modeling_densessm import (
     DenseSSMCausalLMMixin, DenseSSMForSequenceClassificationMixin, DenseSSMSaveMixin, backbone_output, run_backbone,
 )
 
+#: The cache's names before transformers 5.24, taken as keywords (generate() used the first; docs/design.md §5).
+OLD_CACHE_NAMES = ("cache_params", "past_key_values")
+
+
 class DenseMambaMixer(nn.Module):
     """Sequence mixing of one DenseMamba block: transformers' ``MambaMixer`` (Mamba paper Alg. 2, Fig. 3) with the
     dense connection (``dense_u``, ``dense_B`` or ``dense_h``; docs/design.md §4). ``D = intermediate_size``,
@@ -227,6 +231,7 @@ class DenseMambaPreTrainedModel(DenseSSMSaveMixin, PreTrainedModel):
     _input_embed_layer = "embeddings"  # transformers' get/set_input_embeddings find them by this name
     supports_gradient_checkpointing = True
     _is_stateful = True
+    old_cache_names = OLD_CACHE_NAMES
 
     @torch.no_grad()
     def _init_weights(self, module):
@@ -313,7 +318,7 @@ class DenseMambaModel(DenseMambaPreTrainedModel):
         self.norm_f = DenseSSMRMSNorm(config.hidden_size, eps=config.layer_norm_epsilon)
         self.post_init()
 
-    @takes_cache("cache_params", "past_key_values")
+    @takes_cache(*OLD_CACHE_NAMES)
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -355,7 +360,7 @@ class DenseMambaForCausalLM(DenseSSMCausalLMMixin, DenseMambaPreTrainedModel, Ge
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
-    @takes_cache("cache_params", "past_key_values")
+    @takes_cache(*OLD_CACHE_NAMES)
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,

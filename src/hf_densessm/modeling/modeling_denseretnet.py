@@ -24,6 +24,10 @@ from .modeling_densessm import (
 )
 
 
+#: The cache's names before transformers 5.24, taken as keywords (generate() used the first; docs/design.md §5).
+OLD_CACHE_NAMES = ("past_key_values",)
+
+
 class DenseRetNetThetaShift(nn.Module):
     """RetNet's rotary "theta shift": channel pair ``(2j, 2j+1)`` of each head rotated by ``n * theta_j``,
     ``theta_j = rope_theta^-linspace(0, 1, head_dim/2)_j``, at position ``n``. ``forward(x, positions)``: ``x``
@@ -183,6 +187,7 @@ class DenseRetNetPreTrainedModel(DenseSSMSaveMixin, PreTrainedModel):
     _no_split_modules = ["DenseRetNetBlock"]
     supports_gradient_checkpointing = True
     _is_stateful = True
+    old_cache_names = OLD_CACHE_NAMES
 
     @torch.no_grad()
     def _init_weights(self, module):
@@ -213,7 +218,7 @@ class DenseRetNetModel(DenseRetNetPreTrainedModel):
         self.gradient_checkpointing = False
         self.post_init()
 
-    @takes_cache("past_key_values")
+    @takes_cache(*OLD_CACHE_NAMES)
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -248,7 +253,7 @@ class DenseRetNetForCausalLM(DenseSSMCausalLMMixin, DenseRetNetPreTrainedModel, 
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
-    @takes_cache("past_key_values")
+    @takes_cache(*OLD_CACHE_NAMES)
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,

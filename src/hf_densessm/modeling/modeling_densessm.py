@@ -327,9 +327,8 @@ class DenseSSMCausalLMMixin:
         super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
         if generation_config.use_cache is False or any(model_kwargs.get(name) is not None for name in CACHE_FIELDS):
             return
-        # the keyword generate() keeps the cache under (docs/design.md §5, "The cache's name")
-        name = "cache" if CACHE_RENAMED else "cache_params" if "mamba" in type(self).__name__.lower() else "past_key_values"
-        model_kwargs[name] = new_cache(self.config)
+        # the keyword generate() keeps the cache under: the family's first old name before 5.24 (docs/design.md §5)
+        model_kwargs["cache" if CACHE_RENAMED else self.old_cache_names[0]] = new_cache(self.config)
 
     def compile_decode_step(self, enable: bool = True):
         """Compile ``generate()``'s one-token decoding steps on every device: ``generation_config.compile_config``
