@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from hf_densessm.modeling.cache import output_cache
+from hf_densessm.modeling.cache_names import output_cache
 
 COUNTED = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaStreamSynchronize", "cudaMemcpyAsync",
            "aten::item")

@@ -3,7 +3,7 @@
 import torch
 
 from hf_densessm import DenseMambaConfig, DenseMambaForCausalLM, DenseRetNetConfig, DenseRetNetForCausalLM
-from hf_densessm.modeling.cache import output_cache
+from hf_densessm.modeling.cache_names import output_cache
 
 FAMILIES = ("densemamba", "denseretnet")
 VOCAB = 97

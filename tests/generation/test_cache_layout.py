@@ -10,7 +10,8 @@ import torch
 from transformers.cache_utils import Cache, LinearAttentionCacheLayerMixin
 
 from helpers import FAMILIES, micro_model, random_ids
-from hf_densessm.modeling.cache import DenseSSMCache, output_cache
+from hf_densessm.modeling.cache import DenseSSMCache
+from hf_densessm.modeling.cache_names import output_cache
 
 
 def _expected_states(config, rows):

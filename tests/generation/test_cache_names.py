@@ -10,7 +10,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, MambaConfig, MambaForCausalLM
 
 from helpers import FAMILIES, VOCAB, micro_model, random_ids
-from hf_densessm.modeling.cache import CACHE_RENAMED, cache_field, output_cache
+from hf_densessm.modeling.cache_names import CACHE_RENAMED, cache_field, output_cache
 
 #: The name each family's cache had before transformers 5.24 (its reference model's name).
 OLD_NAME = {"densemamba": "cache_params", "denseretnet": "past_key_values"}

@@ -20,7 +20,7 @@ import torch
 
 from hf_densessm import DenseRetNetForCausalLM
 from hf_densessm.convert import denseretnet_from_official
-from hf_densessm.modeling.cache import output_cache
+from hf_densessm.modeling.cache_names import output_cache
 from published_denseretnet import PUBLISHED_CONFIG, published_checkpoint, published_forward, relative_deviation
 
 TOLERANCE = 1e-5

@@ -14,7 +14,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
 from hf_densessm import DenseMambaConfig, DenseRetNetConfig
 from helpers import FAMILIES, enable_checkpointing, micro_config, micro_model, random_ids
-from hf_densessm.modeling.cache import DenseSSMCache, cache_field, output_cache
+from hf_densessm.modeling.cache import DenseSSMCache
+from hf_densessm.modeling.cache_names import cache_field, output_cache
 
 NEW = dict(do_sample=False, max_new_tokens=8, min_new_tokens=8)
 CONFIGS = {"densemamba": DenseMambaConfig, "denseretnet": DenseRetNetConfig}

@@ -44,7 +44,8 @@ from hf_densessm import (
     DenseRetNetForSequenceClassification,
     DenseRetNetModel,
 )
-from hf_densessm.modeling.cache import DenseSSMCache, output_cache
+from hf_densessm.modeling.cache import DenseSSMCache
+from hf_densessm.modeling.cache_names import output_cache
 from helpers import enable_checkpointing
 
 COMMON = transformers_release_tests.load_or_skip()

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from helpers import VOCAB, micro_model, random_ids
-from hf_densessm.modeling.cache import output_cache
+from hf_densessm.modeling.cache_names import output_cache
 
 #: (family, overrides): DenseMamba with both dense targets, DenseRetNet.
 MIXERS = [

@@ -1,86 +1,10 @@
-"""The recurrent-state cache of both DenseSSM families (:class:`DenseSSMCache`), its checks, and the helpers that
-read, store and name it (docs/design.md §5)."""
+"""The recurrent-state cache of every DenseSSM family (:class:`DenseSSMCache`), its checks, and the helpers that read
+and store its states (docs/design.md §5); its name under each transformers release: :mod:`.cache_names`."""
 
 from __future__ import annotations
 
-import functools
-import inspect
-
 import torch
 from transformers.cache_utils import Cache, DynamicCache, LinearAttentionCacheLayerMixin
-from transformers.modeling_outputs import CausalLMOutputWithPast
-from transformers.utils.deprecation import deprecate_kwarg
-
-#: The names of a model output's cache field, newest first (docs/design.md §5, "The cache's name").
-CACHE_FIELDS = ("cache", "past_key_values", "cache_params")
-
-#: Whether the installed transformers calls the cache ``cache`` (5.24 and later), read off its own output class.
-CACHE_RENAMED = "cache" in CausalLMOutputWithPast.__dataclass_fields__
-
-#: The release in which transformers drops the old keywords (what its own models pass to ``deprecate_kwarg``).
-OLD_CACHE_NAMES_REMOVED_IN = "5.40.0"
-
-
-def takes_cache(*old_names: str):
-    """Decorate a function written with a ``cache`` keyword so that it also takes the cache under ``old_names``
-    (``"past_key_values"``, ``"cache_params"``): transformers' ``deprecate_kwarg`` from 5.24, else passed on silently
-    and listed in the signature (docs/design.md §5, "The cache's name").
-
-    Raises:
-        ValueError: (decorating) a name not among transformers' old names; (called, before 5.24) two different
-            objects under two of the names.
-    """
-    for name in old_names:
-        if name not in CACHE_FIELDS[1:]:
-            raise ValueError(f"`old_names` must be among {CACHE_FIELDS[1:]}, got {name!r}.")
-
-    def decorate(function):
-        if CACHE_RENAMED:
-            for name in old_names:
-                function = deprecate_kwarg(name, OLD_CACHE_NAMES_REMOVED_IN, new_name="cache")(function)
-            return function
-
-        @functools.wraps(function)
-        def with_old_names(*args, **kwargs):
-            for name in [name for name in old_names if name in kwargs]:
-                value, current = kwargs.pop(name), kwargs.get("cache")
-                if current is None:
-                    kwargs["cache"] = value
-                elif value is not None and value is not current:
-                    raise ValueError(f"Give the cache once: `cache` and `{name}` are different objects.")
-            return function(*args, **kwargs)
-
-        signature = inspect.signature(function)
-        added = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None) for name in old_names]
-        parameters = sorted([*signature.parameters.values(), *added], key=lambda p: p.kind)  # stable: before **kwargs
-        with_old_names.__signature__ = signature.replace(parameters=parameters)
-        return with_old_names
-
-    return decorate
-
-
-def cache_field(output_class: type) -> str:
-    """The field of ``output_class`` (a ``ModelOutput`` dataclass) that holds the cache, one of :data:`CACHE_FIELDS`.
-
-    Raises:
-        TypeError: ``output_class`` declares none of them.
-    """
-    declared = getattr(output_class, "__dataclass_fields__", {})
-    for name in CACHE_FIELDS:
-        if name in declared:
-            return name
-    raise TypeError(f"{output_class.__name__} has no cache field (one of {CACHE_FIELDS}).")
-
-
-def model_output(output_class: type, cache: Cache | None, **fields):
-    """``output_class(**fields)`` with ``cache`` in its cache field (:func:`cache_field`)."""
-    return output_class(**fields, **{cache_field(output_class): cache})
-
-
-def output_cache(outputs) -> Cache | None:
-    """The cache a model output holds (a transformers ``ModelOutput`` with a cache field, :func:`cache_field`)."""
-    return getattr(outputs, cache_field(type(outputs)))
-
 
 class DenseSSMCache(DynamicCache):
     """transformers' ``DynamicCache`` (one ``LinearAttentionLayer`` per block), plus counts of the tokens seen

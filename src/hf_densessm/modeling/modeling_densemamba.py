@@ -11,7 +11,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.models.mamba.modeling_mamba import MambaCausalLMOutput, MambaOutput
@@ -19,17 +18,13 @@ from transformers.models.mamba.modeling_mamba import MambaCausalLMOutput, MambaO
 from ..configuration.configuration_densemamba import DenseMambaConfig
 from ..ops.causal_conv1d import causal_conv1d
 from ..ops.selective_scan import selective_scan, selective_state_update
-from .cache import (
-    CACHE_RENAMED, conv_state, output_cache, recurrent_state, store_conv_inputs, store_recurrent_state, takes_cache,
-)
+from .cache import conv_state, recurrent_state, store_conv_inputs, store_recurrent_state
+from .cache_names import with_old_name
 from .dense_connection import build_dense_connection, init_dense_linear, split_dense_inputs
 from .norm import DenseSSMRMSNorm
 from .modeling_densessm import (
-    DenseSSMCausalLMMixin, DenseSSMForSequenceClassificationMixin, DenseSSMSaveMixin, backbone_output, run_backbone,
+    DenseSSMForCausalLM, DenseSSMForSequenceClassification, DenseSSMModel, DenseSSMPreTrainedModel,
 )
-
-#: The cache's names before transformers 5.24, taken as keywords (generate() used the first; docs/design.md §5).
-OLD_CACHE_NAMES = ("cache_params", "past_key_values")
 
 
 class DenseMambaMixer(nn.Module):
@@ -83,8 +78,7 @@ class DenseMambaMixer(nn.Module):
         initial = initial[0] if initial else [None] * len(us)
         return [
             selective_scan(
-                u.transpose(1, 2), dt, A, B.transpose(1, 2), C.transpose(1, 2), initial_state=h0,
-                backend=self.config.kernel_backend, reset=reset,
+                u.transpose(1, 2), dt, A, B.transpose(1, 2), C.transpose(1, 2), initial_state=h0, reset=reset
             ).transpose(1, 2)
             for u, dt, B, A, h0 in zip(us, dts, Bs, As, initial)
         ]
@@ -112,7 +106,6 @@ class DenseMambaMixer(nn.Module):
         """
         batch, seq_len, _ = hidden_states.shape
         dtype = hidden_states.dtype
-        backend = self.config.kernel_backend
         mask = attention_mask[:, None, :].to(dtype) if attention_mask is not None else None
         acc = torch.promote_types(self.A_log.dtype, torch.float32)  # the scan's float32 (float64 in float64 models)
 
@@ -127,9 +120,7 @@ class DenseMambaMixer(nn.Module):
         window = conv_state(cache, self.layer_idx)
         previous_window = window.clone() if window is not None and mask is not None else None
         # (packed documents: no tap reaches into the previous document); SiLU fused
-        u = causal_conv1d(
-            x, self.conv1d.weight, self.conv1d.bias, window, reset=reset, activation="silu", backend=backend
-        )  # (batch, seq_len, D)
+        u = causal_conv1d(x, self.conv1d.weight, self.conv1d.bias, window, reset=reset, activation="silu")
         if cache is not None:
             store_conv_inputs(cache, self.layer_idx, x.transpose(1, 2), self.conv_kernel_size)
             if previous_window is not None:  # rows given only padding keep their window
@@ -178,13 +169,13 @@ class DenseMambaMixer(nn.Module):
         if decode:
             y = selective_state_update(
                 state, u[:, 0], dt[..., 0], A, B[:, 0], C[:, 0], D, z=None if z_scan is None else z_scan[..., 0],
-                dt_softplus=softplus, backend=backend,
+                dt_softplus=softplus,
             ).unsqueeze(-1)
         else:
             result = selective_scan(
                 u.transpose(1, 2), dt, A, B.transpose(1, 2), C.transpose(1, 2),
                 D=D, z=z_scan, delta_softplus=softplus,
-                initial_state=state, return_last_state=cache is not None, backend=backend, reset=reset,
+                initial_state=state, return_last_state=cache is not None, reset=reset,
             )
             if cache is not None:
                 y, last_state = result
@@ -221,17 +212,15 @@ class DenseMambaBlock(GradientCheckpointingLayer):
         return (residual + out, *features)
 
 
-class DenseMambaPreTrainedModel(DenseSSMSaveMixin, PreTrainedModel):
-    """Weight init and flags shared by the DenseMamba models."""
+class DenseMambaPreTrainedModel(DenseSSMPreTrainedModel):
+    """Weight init and names shared by the DenseMamba models (as ``transformers.MambaPreTrainedModel``'s)."""
 
     config_class = DenseMambaConfig
     config: DenseMambaConfig
     base_model_prefix = "backbone"
     _no_split_modules = ["DenseMambaBlock"]
     _input_embed_layer = "embeddings"  # transformers' get/set_input_embeddings find them by this name
-    supports_gradient_checkpointing = True
-    _is_stateful = True
-    old_cache_names = OLD_CACHE_NAMES
+    old_cache_names = ("cache_params", "past_key_values")  # transformers' Mamba's name first (docs/design.md §5)
 
     @torch.no_grad()
     def _init_weights(self, module):
@@ -274,6 +263,7 @@ class DenseMambaPreTrainedModel(DenseSSMSaveMixin, PreTrainedModel):
                 init.copy_(module.out_proj.weight, module.out_proj.weight / math.sqrt(config.num_hidden_layers))
 
 
+@with_old_name
 @dataclass
 class DenseMambaOutput(MambaOutput):
     """Output of :class:`DenseMambaModel`: transformers' ``MambaOutput`` (its cache field named by the installed
@@ -290,10 +280,6 @@ class DenseMambaOutput(MambaOutput):
     attentions: tuple[torch.Tensor, ...] | None = None  # always None (no attention); read by generic heads
 
 
-if not CACHE_RENAMED:  # transformers < 5.24: its generic heads read every backbone's cache as `past_key_values`
-    DenseMambaOutput.past_key_values = property(output_cache, doc="The cache, under the name generic heads read.")
-
-
 @dataclass
 class DenseMambaCausalLMOutput(MambaCausalLMOutput):
     """Output of :class:`DenseMambaForCausalLM`: transformers' ``MambaCausalLMOutput`` (cache field as in
@@ -306,9 +292,14 @@ class DenseMambaCausalLMOutput(MambaCausalLMOutput):
     """
 
 
-class DenseMambaModel(DenseMambaPreTrainedModel):
+class DenseMambaModel(DenseSSMModel, DenseMambaPreTrainedModel):
     """The DenseMamba backbone: embeddings, ``num_hidden_layers`` :class:`DenseMambaBlock` with the dense
-    connection, final RMSNorm (``embeddings``, ``layers``, ``norm_f`` as in ``transformers.MambaModel``)."""
+    connection, final RMSNorm (``embeddings``, ``layers``, ``norm_f`` as in ``transformers.MambaModel``); ``forward``:
+    :meth:`DenseSSMModel.forward <hf_densessm.modeling.modeling_densessm.DenseSSMModel.forward>`, returning a
+    :class:`DenseMambaOutput`."""
+
+    output_class = DenseMambaOutput
+    final_norm_name = "norm_f"
 
     def __init__(self, config: DenseMambaConfig):
         super().__init__(config)
@@ -318,80 +309,19 @@ class DenseMambaModel(DenseMambaPreTrainedModel):
         self.norm_f = DenseSSMRMSNorm(config.hidden_size, eps=config.layer_norm_epsilon)
         self.post_init()
 
-    @takes_cache(*OLD_CACHE_NAMES)
-    def forward(
-        self,
-        input_ids: torch.LongTensor | None = None,
-        inputs_embeds: torch.Tensor | None = None,
-        cache=None,
-        use_cache: bool | None = None,
-        output_hidden_states: bool | None = None,
-        return_dict: bool | None = None,
-        attention_mask: torch.Tensor | None = None,
-        **kwargs,
-    ) -> tuple | DenseMambaOutput:
-        r"""
-        Args:
-            input_ids: ``(batch, seq_len)`` token ids; or ``inputs_embeds`` ``(batch, seq_len, hidden_size)``.
-            cache: a cache from a previous call (or ``DynamicCache(config=model.config)``), continued by the tokens
-                given; also taken as ``cache_params`` or ``past_key_values`` (docs/design.md §5).
-            use_cache: return the cache (default ``config.use_cache``, off in training).
-            attention_mask: ``(batch, seq_len)`` or ``(batch, cached + seq_len)``, 0 for padding (pad on the left).
 
-        Raises:
-            ValueError, TypeError: bad inputs (:func:`~hf_densessm.modeling.modeling_densessm.run_backbone`).
-        """
-        hidden_states, cache, all_hidden_states = run_backbone(
-            self, self.embeddings, self.norm_f, input_ids, inputs_embeds, cache, use_cache, output_hidden_states,
-            attention_mask, **kwargs,
-        )
-        return backbone_output(self, DenseMambaOutput, return_dict, hidden_states, cache, all_hidden_states)
-
-
-class DenseMambaForCausalLM(DenseSSMCausalLMMixin, DenseMambaPreTrainedModel, GenerationMixin):
+class DenseMambaForCausalLM(DenseSSMForCausalLM, DenseMambaPreTrainedModel):
     """DenseMamba with a language-modeling head tied to the input embeddings (``backbone``, ``lm_head`` as in
-    ``transformers.MambaForCausalLM``)."""
+    ``transformers.MambaForCausalLM``); ``forward`` returns a :class:`DenseMambaCausalLMOutput`."""
 
     _tied_weights_keys = {"lm_head.weight": "backbone.embeddings.weight"}
-
-    def __init__(self, config: DenseMambaConfig):
-        super().__init__(config)
-        self.backbone = DenseMambaModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.post_init()
-
-    @takes_cache(*OLD_CACHE_NAMES)
-    def forward(
-        self,
-        input_ids: torch.LongTensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        inputs_embeds: torch.Tensor | None = None,
-        cache=None,
-        labels: torch.LongTensor | None = None,
-        output_hidden_states: bool | None = None,
-        return_dict: bool | None = None,
-        use_cache: bool | None = None,
-        logits_to_keep: int | torch.Tensor = 0,
-        **kwargs,
-    ) -> tuple | DenseMambaCausalLMOutput:
-        r"""
-        Args:
-            labels: ``(batch, seq_len)``, shifted inside, -100 ignored.
-            logits_to_keep: see :func:`~hf_densessm.modeling.modeling_densessm.check_logits_to_keep`.
-            others: see :meth:`DenseMambaModel.forward`.
-        """
-        outputs = self.backbone(
-            input_ids, cache=cache, inputs_embeds=inputs_embeds, output_hidden_states=output_hidden_states,
-            return_dict=True, use_cache=use_cache, attention_mask=attention_mask, **kwargs,
-        )
-        return self._causal_lm_output(outputs, labels, logits_to_keep, return_dict, DenseMambaCausalLMOutput, **kwargs)
+    backbone_class = DenseMambaModel
+    output_class = DenseMambaCausalLMOutput
 
 
-class DenseMambaForSequenceClassification(DenseSSMForSequenceClassificationMixin, DenseMambaPreTrainedModel):
-    """DenseMamba with a sequence-classification head (``DenseSSMForSequenceClassificationMixin``, docs/design.md
-    §5): ``forward`` returns a ``SequenceClassifierOutputWithPast`` with ``logits`` ``(batch, num_labels)``."""
+class DenseMambaForSequenceClassification(DenseSSMForSequenceClassification, DenseMambaPreTrainedModel):
+    """DenseMamba with a sequence-classification head (docs/design.md §5)."""
 
-    base_model_prefix = "backbone"
     backbone_class = DenseMambaModel
 
 

@@ -8,24 +8,18 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.modeling_layers import GradientCheckpointingLayer
-from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
 from ..configuration.configuration_denseretnet import DenseRetNetConfig
 from ..ops.packing import document_positions
 from ..ops.retention import chunk_retention, retention_state_update
-from .cache import recurrent_state, store_recurrent_state, takes_cache
+from .cache import recurrent_state, store_recurrent_state
 from .dense_connection import build_dense_connection, init_dense_linear, split_dense_inputs
 from .norm import DenseSSMRMSNorm
 from .modeling_densessm import (
-    DenseSSMCausalLMMixin, DenseSSMForSequenceClassificationMixin, DenseSSMSaveMixin, backbone_output, run_backbone,
+    DenseSSMForCausalLM, DenseSSMForSequenceClassification, DenseSSMModel, DenseSSMPreTrainedModel,
 )
-
-
-#: The cache's names before transformers 5.24, taken as keywords (generate() used the first; docs/design.md §5).
-OLD_CACHE_NAMES = ("past_key_values",)
 
 
 class DenseRetNetThetaShift(nn.Module):
@@ -109,7 +103,6 @@ class DenseRetNetRetention(nn.Module):
         """As :meth:`DenseMambaMixer.forward <hf_densessm.modeling.modeling_densemamba.DenseMambaMixer.forward>`, with
         retention (the features ``(k, v)``, pre-fusion; ``(batch, seq_len, d_qk)``, ``(batch, seq_len, d_v)``)."""
         batch, seq_len, _ = hidden_states.shape
-        backend = self.config.kernel_backend
         q = F.silu(self.q_proj(hidden_states))
         k = F.silu(self.k_proj(hidden_states)) * self.key_scale
         v, g = F.silu(self.hidden_proj(hidden_states)).chunk(2, dim=-1)
@@ -140,14 +133,14 @@ class DenseRetNetRetention(nn.Module):
         if state is not None and seq_len == 1 and not torch.is_grad_enabled():
             # decode: S = gamma S + k^T v; o = q S (Eq. 18, 19), the state updated in place
             previous = state.clone() if attention_mask is not None else None
-            o = retention_state_update(state, q[:, 0], k[:, 0], v[:, 0], scale=1.0, backend=backend)[:, None]
+            o = retention_state_update(state, q[:, 0], k[:, 0], v[:, 0], scale=1.0)[:, None]
             if previous is not None:  # a padded row keeps its state
                 state.copy_(torch.where(attention_mask[:, 0, None, None, None].bool(), state, previous))
         else:  # training / prefill, and any call with gradients on (differentiable on every backend, the cached
             # state left as it was): chunkwise form of Eq. 24, continuing from the cached state
             o, final_state = chunk_retention(
                 q, k, v, scale=1.0, initial_state=state,
-                output_final_state=cache is not None, backend=backend, reset=reset,
+                output_final_state=cache is not None, reset=reset,
             )
             if cache is not None:
                 if state is not None and seq_len == 1 and attention_mask is not None:  # as in the step above, a
@@ -178,16 +171,13 @@ class DenseRetNetBlock(GradientCheckpointingLayer):
         return (hidden_states + out, *features)
 
 
-class DenseRetNetPreTrainedModel(DenseSSMSaveMixin, PreTrainedModel):
-    """Weight init and flags shared by the DenseRetNet models."""
+class DenseRetNetPreTrainedModel(DenseSSMPreTrainedModel):
+    """Weight init and names shared by the DenseRetNet models (the published ones': ``model``, ``embed_tokens``)."""
 
     config_class = DenseRetNetConfig
     config: DenseRetNetConfig
     base_model_prefix = "model"
     _no_split_modules = ["DenseRetNetBlock"]
-    supports_gradient_checkpointing = True
-    _is_stateful = True
-    old_cache_names = OLD_CACHE_NAMES
 
     @torch.no_grad()
     def _init_weights(self, module):
@@ -206,9 +196,11 @@ class DenseRetNetPreTrainedModel(DenseSSMSaveMixin, PreTrainedModel):
                 init.zeros_(module.bias)
 
 
-class DenseRetNetModel(DenseRetNetPreTrainedModel):
+class DenseRetNetModel(DenseSSMModel, DenseRetNetPreTrainedModel):
     """The DenseRetNet backbone: ``embed_tokens``, ``num_hidden_layers`` :class:`DenseRetNetBlock` with the dense
-    KV connection, final RMSNorm ``norm``."""
+    KV connection, final RMSNorm ``norm``; ``forward``: :meth:`DenseSSMModel.forward
+    <hf_densessm.modeling.modeling_densessm.DenseSSMModel.forward>`, returning a ``BaseModelOutputWithPast`` (its cache
+    must be a ``DenseSSMCache``: it counts each row's tokens)."""
 
     def __init__(self, config: DenseRetNetConfig):
         super().__init__(config)
@@ -218,73 +210,18 @@ class DenseRetNetModel(DenseRetNetPreTrainedModel):
         self.gradient_checkpointing = False
         self.post_init()
 
-    @takes_cache(*OLD_CACHE_NAMES)
-    def forward(
-        self,
-        input_ids: torch.LongTensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        cache=None,
-        inputs_embeds: torch.Tensor | None = None,
-        use_cache: bool | None = None,
-        output_hidden_states: bool | None = None,
-        return_dict: bool | None = None,
-        **kwargs,
-    ) -> tuple | BaseModelOutputWithPast:
-        r"""
-        As :meth:`DenseMambaModel.forward <hf_densessm.modeling.modeling_densemamba.DenseMambaModel.forward>`, except:
-        ``cache`` must be a ``DenseSSMCache`` (a plain ``DynamicCache`` is refused), also taken as ``past_key_values``.
-        Returns a ``BaseModelOutputWithPast``.
-        """
-        hidden_states, cache, all_hidden_states = run_backbone(
-            self, self.embed_tokens, self.norm, input_ids, inputs_embeds, cache, use_cache, output_hidden_states,
-            attention_mask, **kwargs,
-        )
-        return backbone_output(self, BaseModelOutputWithPast, return_dict, hidden_states, cache, all_hidden_states)
 
-
-class DenseRetNetForCausalLM(DenseSSMCausalLMMixin, DenseRetNetPreTrainedModel, GenerationMixin):
-    """DenseRetNet with an (untied by default) language-modeling head ``lm_head``."""
+class DenseRetNetForCausalLM(DenseSSMForCausalLM, DenseRetNetPreTrainedModel):
+    """DenseRetNet with an (untied by default) language-modeling head ``lm_head``; ``forward`` returns a
+    ``CausalLMOutputWithPast``."""
 
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
-
-    def __init__(self, config: DenseRetNetConfig):
-        super().__init__(config)
-        self.model = DenseRetNetModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.post_init()
-
-    @takes_cache(*OLD_CACHE_NAMES)
-    def forward(
-        self,
-        input_ids: torch.LongTensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        cache=None,
-        inputs_embeds: torch.Tensor | None = None,
-        labels: torch.LongTensor | None = None,
-        use_cache: bool | None = None,
-        output_hidden_states: bool | None = None,
-        return_dict: bool | None = None,
-        logits_to_keep: int | torch.Tensor = 0,
-        **kwargs,
-    ) -> tuple | CausalLMOutputWithPast:
-        r"""
-        Args:
-            labels: ``(batch, seq_len)``, shifted inside, -100 ignored.
-            logits_to_keep: see :func:`~hf_densessm.modeling.modeling_densessm.check_logits_to_keep`.
-            others: see :meth:`DenseRetNetModel.forward`.
-        """
-        outputs = self.model(
-            input_ids, attention_mask=attention_mask, cache=cache, inputs_embeds=inputs_embeds, use_cache=use_cache,
-            output_hidden_states=output_hidden_states, return_dict=True, **kwargs,
-        )
-        return self._causal_lm_output(outputs, labels, logits_to_keep, return_dict, CausalLMOutputWithPast, **kwargs)
+    backbone_class = DenseRetNetModel
 
 
-class DenseRetNetForSequenceClassification(DenseSSMForSequenceClassificationMixin, DenseRetNetPreTrainedModel):
-    """DenseRetNet with a sequence-classification head, as
-    :class:`~hf_densessm.modeling.modeling_densemamba.DenseMambaForSequenceClassification`."""
+class DenseRetNetForSequenceClassification(DenseSSMForSequenceClassification, DenseRetNetPreTrainedModel):
+    """DenseRetNet with a sequence-classification head (docs/design.md §5)."""
 
-    base_model_prefix = "model"
     backbone_class = DenseRetNetModel
 
 

@@ -15,7 +15,8 @@ import torch
 
 __all__ = [
     "ARCHS", "BACKENDS", "GPUArch", "OpGroup", "check_backend", "compute_dtype", "device_arch", "inputs_compute_dtype",
-    "interpreting", "own_precision", "resolve_backend", "tracing", "triton_available", "use_triton",
+    "chosen_backend", "interpreting", "own_precision", "require", "resolve_backend", "tracing", "triton_available",
+    "use_backend", "use_triton",
 ]
 
 #: The values of every op's ``backend`` argument (and of the models' ``config.kernel_backend``).
@@ -26,6 +27,42 @@ def check_backend(backend) -> None:
     """Raise ``ValueError`` unless ``backend`` is one of :data:`BACKENDS`."""
     if not isinstance(backend, str) or backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got backend={backend!r}")
+
+
+_active_backend = "auto"  # what an op given no backend runs (use_backend); module state that Dynamo guards on
+
+
+class use_backend:
+    """``with use_backend(backend):`` ops called without a ``backend`` inside the block run ``backend`` (one of
+    :data:`BACKENDS`), as ``torch.nn.attention.sdpa_kernel`` chooses attention kernels: how a model's
+    ``config.kernel_backend`` reaches its ops, read in one place (the backbone's ``forward``). Nests; restored on
+    exit; traced by ``torch.compile`` (a graph guards on it). Process-wide while the block runs (like
+    ``sdpa_kernel``): threads running models of different backends at once would see each other's.
+
+    Raises:
+        ValueError: ``backend`` is not one of :data:`BACKENDS`.
+    """
+
+    def __init__(self, backend: str):
+        check_backend(backend)
+        self.backend = backend
+
+    def __enter__(self):
+        global _active_backend
+        self.previous, _active_backend = _active_backend, self.backend
+
+    def __exit__(self, *exc):
+        global _active_backend
+        _active_backend = self.previous
+
+
+def chosen_backend(backend: str | None) -> str:
+    """``backend`` checked (:func:`check_backend`), or for ``None`` the one of the innermost :class:`use_backend`
+    block (``"auto"`` outside any)."""
+    if backend is None:
+        return _active_backend
+    check_backend(backend)
+    return backend
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -43,6 +80,23 @@ def tracing(device: torch.device) -> bool:
     """Whether checks that read tensor values must be skipped: ``torch.compile`` traces (the values are not known),
     or a CUDA graph is captured on a CUDA ``device`` (a host read would break the capture)."""
     return torch.compiler.is_compiling() or (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+
+
+def require(condition: torch.Tensor, message: str, host_read: bool = True) -> None:
+    """Refuse an input by a test of its values, alike in eager and compiled runs (docs/design.md §6): a
+    ``ValueError(message)`` from a host read of the 0-dim bool ``condition`` when not :func:`tracing` (on an
+    accelerator only where ``host_read`` allows the sync), else ``torch._assert_async(condition, message)``, which a
+    compiled graph keeps (a ``RuntimeError`` with ``message`` on the CPU, a device-side assert on an accelerator).
+
+    Raises:
+        ValueError: ``condition`` is False (eager).
+        RuntimeError: ``condition`` is False (traced, or an accelerator without ``host_read``).
+    """
+    if not tracing(condition.device) and (host_read or condition.device.type == "cpu"):
+        if not bool(condition):
+            raise ValueError(message)
+    else:
+        torch._assert_async(condition, message)
 
 
 def own_precision(device: torch.device):

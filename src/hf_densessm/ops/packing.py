@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from .backend import tracing
+from .backend import require
 
 __all__ = ["check_reset", "document_positions"]
 
@@ -16,9 +16,9 @@ def check_reset(reset, batch: int, length: int, device: torch.device) -> torch.T
 
     Raises:
         TypeError: ``reset`` is not a bool or integer tensor.
-        ValueError: its shape is not ``(batch, length)``, an integer ``reset`` holds values other than 0 and 1 (not
-            checked while tracing or capturing, :func:`~.backend.tracing`), or it lies on another
-            device. Messages name ``reset``.
+        ValueError: its shape is not ``(batch, length)``, it lies on another device, or an integer ``reset`` holds
+            values other than 0 and 1 (:func:`~.backend.require`: a ``RuntimeError`` in a compiled graph and without a
+            host read on an accelerator). Messages name ``reset``.
     """
     if reset is None:
         return None
@@ -29,8 +29,8 @@ def check_reset(reset, batch: int, length: int, device: torch.device) -> torch.T
     if reset.device != device:
         raise ValueError(f"reset is on {reset.device} but the inputs are on {device}")
     if reset.dtype != torch.bool:
-        if not tracing(device) and bool(((reset != 0) & (reset != 1)).any()):
-            raise ValueError("reset must hold only 0 and 1 (True where a packed document starts)")
+        require(((reset == 0) | (reset == 1)).all(), "reset must hold only 0 and 1 (True where a packed document "
+                "starts)", host_read=False)
         reset = reset.bool()
     return reset
 

@@ -7,7 +7,7 @@ from typing import Optional
 
 import torch
 
-from ..backend import OpGroup, own_precision, resolve_backend
+from ..backend import OpGroup, chosen_backend, own_precision, resolve_backend
 from ..packing import check_reset
 from .torch_path import causal_conv1d_backward_torch, causal_conv1d_torch
 
@@ -71,7 +71,7 @@ def causal_conv1d(
     window: torch.Tensor | None = None,
     reset: torch.Tensor | None = None,
     activation: str | None = None,
-    backend: str = "auto",
+    backend: str | None = None,
 ) -> torch.Tensor:
     """``act(bias + sum_k weight[:, k] * x_{t - (kernel - 1) + k})``: ``nn.Conv1d(groups=channels)`` with ``kernel - 1``
     zeros (or a cached window) on the left, over tokens.
@@ -84,7 +84,8 @@ def causal_conv1d(
         reset: ``(batch, seq_len)`` bool (or 0/1 integer) or ``None``: a tap reads only its token's packed document;
             the window precedes the row's first document only.
         activation: ``None`` or ``"silu"``.
-        backend: checked as every op's, but every value runs the PyTorch path.
+        backend: checked as every op's (``None``: the active one, :class:`~..backend.use_backend`), but every value
+            runs the PyTorch path.
 
     Returns:
         ``(batch, seq_len, channels)`` contiguous in ``x``'s dtype (computed in float32, float64 for float64 ``x``),
@@ -92,7 +93,7 @@ def causal_conv1d(
 
     Raises:
         ValueError: a shape that does not match, a bad ``activation`` or ``backend``, a ``reset`` on another device
-            or (unless tracing or capturing) with values other than 0/1.
+            or with values other than 0/1 (:func:`~..backend.require`).
         TypeError: a non-tensor or non-float ``x``, ``weight``, ``bias`` or ``window``, a non-bool/integer ``reset``.
         RuntimeError: ``backend="triton"`` without triton, or on CPU tensors without the Triton interpreter.
     """
@@ -115,7 +116,7 @@ def causal_conv1d(
     if activation not in _ACTIVATIONS:
         raise ValueError(f"activation must be one of {_ACTIVATIONS}, got {activation!r}")
     reset = check_reset(reset, batch, length, x.device)
-    resolve_backend(backend, x.device)  # checks the argument; every backend runs the one PyTorch path
+    resolve_backend(chosen_backend(backend), x.device)  # checks the argument; every backend runs the PyTorch path
     taps = weight.reshape(channels, kernel)
     if window is not None:
         window = window.clone()  # a cache the caller updates in place after the call; the backward pass reads this

@@ -10,7 +10,7 @@ from typing import Optional
 
 import torch
 
-from ..backend import OpGroup, check_backend, compute_dtype, own_precision, resolve_backend
+from ..backend import OpGroup, chosen_backend, compute_dtype, own_precision, resolve_backend
 from ..packing import check_reset
 from .chunked_torch import chunk_retention_torch, chunk_retention_torch_backward, retention_state_update_torch
 from .naive import retention_gamma, retention_log2_gamma
@@ -163,7 +163,7 @@ _ops.define()
 # ---------------------------------------------------------------------------------------------- public functions
 
 
-def chunk_retention(q, k, v, scale=None, initial_state=None, output_final_state=False, backend="auto", reset=None):
+def chunk_retention(q, k, v, scale=None, initial_state=None, output_final_state=False, backend=None, reset=None):
     """Multi-scale retention over a sequence in chunkwise form, accumulated in float32 (float64 for float64 inputs).
     Per head ``h``, ``gamma_h = 1 - 2**(-5 - h)``: ``S_t = gamma_h S_{t-1} + k_t^T v_t`` (Eq. 18, ``S_0 =
     initial_state`` or 0), ``o_t = (scale q_t) S_t`` (Eq. 19, equal to Eq. 24). fla's plain semantics, without the
@@ -176,7 +176,8 @@ def chunk_retention(q, k, v, scale=None, initial_state=None, output_final_state=
         initial_state (Tensor, optional): ``(batch, heads, key_dim, value_dim)`` float32 (float64 allowed with
             float64 inputs), the state before token 0; gradients flow into it if it requires grad.
         output_final_state (bool): also return the state after the last token.
-        backend (str): ``"auto"``, ``"triton"`` or ``"torch"`` (docs/kernels.md, "The backend switch").
+        backend (str, optional): ``"auto"``, ``"triton"`` or ``"torch"`` (docs/kernels.md, "The backend switch");
+            ``None``: the active one (:class:`~..backend.use_backend`, ``"auto"`` by default).
         reset (Tensor, optional): ``(batch, length)`` bool, True at the first token of each packed document (the
             state before it is dropped; docs/kernels.md, "Packed sequences").
 
@@ -196,12 +197,12 @@ def chunk_retention(q, k, v, scale=None, initial_state=None, output_final_state=
     if initial_state is not None:
         _check_state("initial_state", initial_state, q, v)
     reset = check_reset(reset, q.shape[0], q.shape[1], q.device)
-    check_backend(backend)
+    backend = chosen_backend(backend)
     o, final_state = _ops.chunk_retention(q, k, v, scale, initial_state, reset, backend)
     return o, (final_state if output_final_state else None)
 
 
-def retention_state_update(state, q, k, v, scale=None, backend="auto"):
+def retention_state_update(state, q, k, v, scale=None, backend=None):
     """One decoding step of multi-scale retention (Eq. 18, 19): ``state <- gamma_h state + k^T v``, then
     ``o = (scale q) state``; continues :func:`chunk_retention`'s ``final_state`` by one token.
 
@@ -221,5 +222,5 @@ def retention_state_update(state, q, k, v, scale=None, backend="auto"):
     _check_qkv(q, k, v, ("batch", "heads"))
     scale = _check_scale(scale, q.shape[-1])
     _check_state("state", state, q, v)
-    check_backend(backend)
+    backend = chosen_backend(backend)
     return _ops.retention_state_update(state, q, k, v, scale, backend)

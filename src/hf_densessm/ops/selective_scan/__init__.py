@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from ..backend import OpGroup, own_precision, resolve_backend, tracing
+from ..backend import OpGroup, chosen_backend, own_precision, require, resolve_backend
 try:  # remote code ships no C++ build code (docs/hub_and_conversion.md): the PyTorch path runs
     from ..cpu_kernel import scan_bwd as cpu_scan_bwd, scan_fwd as cpu_scan_fwd, use_kernel
 except ImportError:
@@ -50,11 +50,9 @@ def _check_tensor(name, t, shape, device, optional=False):
 
 
 def _check_decay(A: torch.Tensor) -> None:
-    if A.numel() and bool(A.max() > 0):
-        raise ValueError(
-            "A must have entries <= 0 (continuous-time decay, e.g. A = -exp(A_log)); got a positive entry, "
-            f"max(A) = {A.max().item():.4g}"
-        )
+    """``A <= 0`` with no host sync (:func:`~..backend.require`)."""
+    require((A <= 0).all(), "A must have entries <= 0 (continuous-time decay, e.g. A = -exp(A_log)); got a positive "
+            "entry", host_read=False)
 
 
 def _check_scan_args(u, delta, A, B, C, D, z, delta_bias, initial_state):
@@ -226,7 +224,7 @@ def selective_scan(
     delta_softplus: bool = False,
     initial_state: torch.Tensor | None = None,
     return_last_state: bool = False,
-    backend: str = "auto",
+    backend: str | None = None,
     reset: torch.Tensor | None = None,
 ):
     """Selective scan over a whole sequence (Mamba paper, Algorithm 2; fused kernel of §3.3.2 and App. D).
@@ -247,7 +245,8 @@ def selective_scan(
         delta_bias: (dim,) optional. delta_softplus: apply softplus to ``delta + delta_bias``.
         initial_state: (batch, dim, state) state before the first token (e.g. a cache), any float dtype.
         return_last_state: also return the state after the last token.
-        backend: ``"auto"`` | ``"triton"`` | ``"torch"`` (see the module docstring).
+        backend: ``"auto"`` | ``"triton"`` | ``"torch"`` (see the module docstring); ``None``: the active one
+            (:class:`~..backend.use_backend`, ``"auto"`` by default).
         reset: (batch, length) bool, True at the first token of each packed document: ``h_{t-1}`` is taken as 0
             there (the initial state too at ``t = 0``), so no state crosses a document boundary (:mod:`..packing`).
 
@@ -265,10 +264,10 @@ def selective_scan(
     """
     _check_scan_args(u, delta, A, B, C, D, z, delta_bias, initial_state)
     reset = check_reset(reset, u.shape[0], u.shape[2], u.device)
-    if not tracing(u.device):
-        _check_decay(A)
+    _check_decay(A)
     tensors = (u, delta, A, B, C, D, z, delta_bias, initial_state)
     save_states = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    backend = chosen_backend(backend)
     y, last_state, _ = _ops.selective_scan(
         u, delta, A, B, C, D, z, delta_bias, bool(delta_softplus), initial_state, reset, save_states, backend
     )
@@ -286,7 +285,7 @@ def selective_state_update(
     z: torch.Tensor | None = None,
     dt_bias: torch.Tensor | None = None,
     dt_softplus: bool = False,
-    backend: str = "auto",
+    backend: str | None = None,
 ) -> torch.Tensor:
     """One decoding step of the selective SSM (Mamba paper eq. 2a/2b in recurrent mode), O(1) in the context.
 
@@ -301,7 +300,7 @@ def selective_state_update(
         A: (dim, state), entries <= 0 (not checked here, see the module docstring).
         B, C: (batch, state). D: (dim,) optional. z: (batch, dim) gate, optional. dt_bias: (dim,) optional.
         dt_softplus: apply softplus to ``dt + dt_bias``.
-        backend: ``"auto"`` | ``"triton"`` | ``"torch"``.
+        backend: as :func:`selective_scan`.
 
     Returns:
         ``y`` (batch, dim) in ``x``'s dtype.
@@ -336,4 +335,5 @@ def selective_state_update(
             "torch.inference_mode()), or run the whole sequence through selective_scan(..., initial_state=state, "
             "return_last_state=True), which is differentiable"
         )
-    return _ops.selective_state_update(state, x, dt, A, B, C, D, z, dt_bias, bool(dt_softplus), backend)
+    return _ops.selective_state_update(state, x, dt, A, B, C, D, z, dt_bias, bool(dt_softplus),
+                                       chosen_backend(backend))
