@@ -280,10 +280,12 @@ def test_triton_kernels_match_naive_float64(shape, mode, activation, with_bias):
 
 
 @needs_triton
-def test_triton_kernels_blocks_shorter_than_the_window():
-    """2-token blocks with 4 taps: a block's taps and gradients reach two blocks back, into the window."""
+@pytest.mark.parametrize("block_t", [1, 2, 4])
+def test_triton_kernels_blocks_shorter_than_the_window(block_t):
+    """Blocks of 1, 2, 4 tokens with 4 taps: a block's taps and gradients reach up to three blocks back, into the
+    window, and its backward walk runs past the next blocks."""
     x, weight, bias, window, reset = make_inputs((2, 9, 6, 4), "window+packed")
-    mine, refs = _kernels_and_naive(x, weight, bias, window, reset, "silu", 2)
+    mine, refs = _kernels_and_naive(x, weight, bias, window, reset, "silu", block_t)
     for name, a, b in zip(("out", "x", "weight", "bias", "window"), mine, refs):
         torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12, msg=lambda m: f"{name}: {m}")
 

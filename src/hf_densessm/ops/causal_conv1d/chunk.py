@@ -150,10 +150,11 @@ def _causal_conv1d_fwd_kernel(
 
 
 @triton.jit
-def _backward_token(x_ptrs, g_ptrs, reset_ptr, r_off, s_x_l, s_g_l, s_r_l, i, rem, n, xs, pos, accs, dws, dbias, ws,
-                    bias, mask_c, K: tl.constexpr, SILU: tl.constexpr, HAS_RESET: tl.constexpr, ACC: tl.constexpr):
+def _backward_token(x_ptrs, g_ptrs, reset_ptr, r_off, s_x_l, s_g_l, s_r_l, i, rem, xs, pos, accs, dws, dbias, ws,
+                    bias, mask_c, K: tl.constexpr, SILU: tl.constexpr, HAS_RESET: tl.constexpr, ACC: tl.constexpr,
+                    SUMS: tl.constexpr):
     """Token ``t = t0 + i`` of the backward walk: ``g_t = dL/dpre_t`` (``pre`` recomputed) added to the partial
-    gradients ``accs`` of ``x_{t-1} .. x_{t-K+1}`` (same document) and, for the block's own tokens (``i < n``), to
+    gradients ``accs`` of ``x_{t-1} .. x_{t-K+1}`` (same document) and, with ``SUMS`` (the block's own tokens), to
     the sums ``dws`` (``sum_t g_t x_{t-s}``, ``s = 0 .. K - 1``) and ``dbias``. Returns ``(xs, pos, accs, dws,
     dbias)`` for the next token and the complete gradient of ``x_{t-K+1}``."""
     xt, pos = _token(x_ptrs, reset_ptr, r_off, s_x_l, s_r_l, i, i < rem, pos, mask_c, K, HAS_RESET, ACC)
@@ -162,15 +163,16 @@ def _backward_token(x_ptrs, g_ptrs, reset_ptr, r_off, s_x_l, s_g_l, s_r_l, i, re
         pre = _pre(ws, xs, xt, bias, pos, K, HAS_RESET)
         sig = _sigmoid(pre)
         g = g * sig * (1.0 + pre * (1.0 - sig))
-    new, d = (), (tl.where(i < n, dws[0] + g * xt, dws[0]),)
+    new, d = (), (dws[0] + g * xt,)
     for s in tl.static_range(1, K):
         new = new + (_fma(accs[s - 1], ws[K - 1 - s], g, pos, s, HAS_RESET),)
-        d = d + (tl.where(i < n, _fma(dws[s], g, xs[s - 1], pos, s, HAS_RESET), dws[s]),)
+        d = d + (_fma(dws[s], g, xs[s - 1], pos, s, HAS_RESET),)
     done = ws[K - 1] * g
     if K > 1:
         done = new[K - 2]
-    dbias = tl.where(i < n, dbias + g, dbias)
-    return _push(xs, xt, K - 1), pos, _push(new, ws[K - 1] * g, K - 1), d, dbias, done
+    if SUMS:
+        dws, dbias = d, dbias + g
+    return _push(xs, xt, K - 1), pos, _push(new, ws[K - 1] * g, K - 1), dws, dbias, done
 
 
 @triton.jit
@@ -181,35 +183,45 @@ def _causal_conv1d_bwd_kernel(
     K: tl.constexpr, SILU: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_RESET: tl.constexpr,
     ACC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, UNROLL: tl.constexpr,
 ):
-    """Grid as the forward's. Walks the block's ``n`` tokens ``t`` in order, then ``K - 1`` more: ``g_t`` flows
-    to ``x_{t-s}`` through tap ``K - 1 - s``, so the gradient of ``x_{t-K+1}`` is complete at token ``t``: the
-    first ``K - 1`` tokens complete the inputs before the block (before token 0: the window's, into columns
-    ``1 .. K - 1`` of ``dwin``, ``(batch, channels, K)``), the others the block's (into ``dx``, ``(batch, length,
-    channels)``). The block's sums ``sum_t g_t x_{t-s}`` (tap ``K - 1 - s``) and ``sum_t g_t`` go to ``dw``
-    (``(batch x token blocks, channels, K)``) and ``db`` (``(batch x token blocks, channels)``), summed outside.
-    Every output contiguous."""
+    """Grid as the forward's. Walks the block's tokens ``t`` in order (the first ``K - 1``, rounded up to ``UNROLL``,
+    unrolled, then a loop, past the sequence's end with zeros), then ``K - 1`` more: ``g_t`` flows to ``x_{t-s}``
+    through tap ``K - 1 - s``, so the gradient of ``x_{t-K+1}`` is complete at token ``t``: the first ``K - 1``
+    tokens complete the inputs before the block (before token 0: the window's, into columns ``1 .. K - 1`` of
+    ``dwin``, ``(batch, channels, K)``), the others the block's (into ``dx``, ``(batch, length, channels)``). The
+    block's sums ``sum_t g_t x_{t-s}`` (tap ``K - 1 - s``) and ``sum_t g_t`` go to ``dw`` (``(batch x token blocks,
+    channels, K)``) and ``db`` (``(batch x token blocks, channels)``), summed outside. Every output contiguous."""
     t0, pid_b, offs_c, mask_c, ws, bias, x_ptrs, r_off, xs, pos = _setup(
         x_ptr, w_ptr, bias_ptr, win_ptr, reset_ptr, s_x_b, s_x_l, s_x_c, s_w_c, s_w_k, s_win_b, s_win_c, s_win_k,
         s_r_b, s_r_l, length, channels, K, HAS_BIAS, HAS_WINDOW, HAS_RESET, ACC, BLOCK_T, BLOCK_C)
     g_ptrs = g_ptr + pid_b.to(tl.int64) * s_g_b + t0.to(tl.int64) * s_g_l + offs_c * s_g_c
     dx_ptrs = dx_ptr + (pid_b.to(tl.int64) * length + t0 - (K - 1)) * channels + offs_c  # row i: input i - (K - 1)
     rem = length - t0
-    n = tl.minimum(rem, BLOCK_T)
+    own = tl.minimum(rem, BLOCK_T)
+    n = own + K - 1  # rows of dx_ptrs in the block
     accs, dws, dbias = _zeros(bias, K - 1), _zeros(bias, K), tl.zeros((BLOCK_C,), ACC)
-    for j in tl.static_range(K - 1):
+    HEAD: tl.constexpr = (K - 2 + UNROLL) // UNROLL * UNROLL  # the tokens completing inputs before the block
+    for j in tl.static_range(HEAD):
         xs, pos, accs, dws, dbias, done = _backward_token(x_ptrs, g_ptrs, reset_ptr, r_off, s_x_l, s_g_l, s_r_l, j,
-                                                          rem, n, xs, pos, accs, dws, dbias, ws, bias, mask_c, K,
-                                                          SILU, HAS_RESET, ACC)
-        if HAS_WINDOW:
+                                                          rem, xs, pos, accs, dws, dbias, ws, bias, mask_c, K,
+                                                          SILU, HAS_RESET, ACC, j < BLOCK_T)
+        if j >= K - 1:
+            tl.store(dx_ptrs + j * channels, done, mask=tl.where(j < n, mask_c, False))
+        elif HAS_WINDOW:
             if t0 == 0:
                 tl.store(dwin_ptr + (pid_b * channels + offs_c) * K + 1 + j, done, mask=mask_c)
-    for i0 in range(K - 1, n + K - 1, UNROLL):
+    end = tl.maximum(tl.cdiv(own, UNROLL) * UNROLL, HEAD)
+    for i0 in range(HEAD, end, UNROLL):  # no token past the block's end but past the sequence's (g = 0)
         for u in tl.static_range(UNROLL):
             i = i0 + u
             xs, pos, accs, dws, dbias, done = _backward_token(x_ptrs, g_ptrs, reset_ptr, r_off, s_x_l, s_g_l, s_r_l,
-                                                              i, rem, n, xs, pos, accs, dws, dbias, ws, bias, mask_c,
-                                                              K, SILU, HAS_RESET, ACC)
-            tl.store(dx_ptrs + i * channels, done, mask=tl.where(i < n + K - 1, mask_c, False))
+                                                              i, rem, xs, pos, accs, dws, dbias, ws, bias, mask_c,
+                                                              K, SILU, HAS_RESET, ACC, True)
+            tl.store(dx_ptrs + i * channels, done, mask=tl.where(i < n, mask_c, False))
+    for u in tl.static_range(K - 1):  # the tokens after the block complete its last inputs
+        xs, pos, accs, dws, dbias, done = _backward_token(x_ptrs, g_ptrs, reset_ptr, r_off, s_x_l, s_g_l, s_r_l,
+                                                          end + u, rem, xs, pos, accs, dws, dbias, ws, bias, mask_c,
+                                                          K, SILU, HAS_RESET, ACC, False)
+        tl.store(dx_ptrs + (end + u) * channels, done, mask=tl.where(end + u < n, mask_c, False))
     row = tl.program_id(0) * channels + offs_c
     for s in tl.static_range(K):
         tl.store(dw_ptr + row * K + K - 1 - s, dws[s], mask=mask_c)
