@@ -173,6 +173,8 @@ def test_window_is_read_not_kept():
         (dict(reset=torch.zeros(1, 3)), TypeError, "reset must be a bool"),
         (dict(reset=torch.full((1, 3), 2)), ValueError, "reset must hold only 0 and 1"),
         (dict(backend="cuda"), ValueError, "backend must be one of"),
+        (dict(weight=torch.randn(4, 1, 4, device="meta")), ValueError, "weight is on meta but x is on cpu"),
+        (dict(bias=torch.randn(4, device="meta")), ValueError, "bias is on meta but x is on cpu"),
     ],
 )
 def test_bad_inputs(kwargs, error, match):

@@ -105,8 +105,9 @@ def causal_conv1d(
         differentiable in ``x``, ``weight``, ``bias`` and ``window``.
 
     Raises:
-        ValueError: a shape that does not match, a bad ``activation`` or ``backend``, a ``reset`` on another device
-            or (unless tracing or capturing) with values other than 0/1.
+        ValueError: a shape that does not match, a bad ``activation`` or ``backend``, a ``weight``, ``bias``,
+            ``window`` or ``reset`` on another device than ``x``, a ``reset`` (unless tracing or capturing) with values
+            other than 0/1.
         TypeError: a non-tensor or non-float ``x``, ``weight``, ``bias`` or ``window``, a non-bool/integer ``reset``.
         RuntimeError: ``backend="triton"`` without triton, or on CPU tensors without the Triton interpreter.
     """
@@ -118,6 +119,8 @@ def causal_conv1d(
     for name, value in (("weight", weight), ("bias", bias), ("window", window)):
         if value is not None and (not isinstance(value, torch.Tensor) or not value.is_floating_point()):
             raise TypeError(f"{name} must be a floating-point tensor or None, got {value!r:.60}")
+        if value is not None and value.device != x.device:
+            raise ValueError(f"{name} is on {value.device} but x is on {x.device}")
     if weight.dim() not in (2, 3) or weight.shape[0] != channels or (weight.dim() == 3 and weight.shape[1] != 1):
         raise ValueError(f"weight must have shape ({channels}, 1, kernel) or ({channels}, kernel), got {tuple(weight.shape)}")
     kernel = weight.shape[-1]
