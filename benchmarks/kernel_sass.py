@@ -19,7 +19,7 @@ reported with:
 
 An element is the kernel's unit of work: a (channel, state, token) triple for the selective scan (the decode step:
 a (channel, state) pair), a (token, key, value) multiply-add for retention's chunk kernels, a (key, value) state
-entry for its decode step. Targets (issue 36): scan forward <= 15 instructions per element, backward <= 40, no
+entry for its decode step, a (token, channel) pair for the causal conv. Targets (issue 36): scan forward <= 15 instructions per element, backward <= 40, no
 spills, occupancy >= 25% on sm_90. Usage (the table of docs/kernels.md, "Efficiency from the compiled code")::
 
     TRITON_INTERPRET=0 python benchmarks/kernel_sass.py                   # sm_80 and sm_90, every dtype, presets
@@ -45,8 +45,9 @@ import kernel_compile  # noqa: E402  (the launch recorder and compiler of the co
 
 ARCHS = ("sm_80", "sm_90")
 DTYPES = ("float32", "bfloat16", "float16")
-#: (op, shape) pairs reported: the presets' shapes (kernel_compile.SCAN_SHAPES / RETENTION_SHAPES)
-VARIANTS = (("selective_scan", "DenseMamba-360M"), ("retention", "DenseRetNet-350M"), ("retention", "DenseRetNet-1.3B"))
+#: (op, shape) pairs reported: the presets' shapes (kernel_compile.SHAPES); the quick mode takes the first three
+VARIANTS = (("selective_scan", "DenseMamba-360M"), ("retention", "DenseRetNet-350M"),
+            ("causal_conv1d", "DenseMamba-360M"), ("retention", "DenseRetNet-1.3B"))
 _BRANCH = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?BRA(?:\.\w+)*\s+(?:`\()?0x([0-9a-f]+)")
 _INSTRUCTION = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)")
 
@@ -190,6 +191,28 @@ def _retention_step(a, c, warps, ctx):
                 moved=2 * state.numel() * _size(state), least=2 * state.numel() * _size(state))
 
 
+def _conv(a, c, warps, ctx, backward):
+    """The causal conv's kernels, grid (batch x token blocks, channel blocks): one token loop, ``UNROLL`` tokens x the
+    thread's channels per iteration. Bytes: ``x`` re-read ``K - 1`` tokens before each block (the backward also
+    ``K - 1`` after it, with ``dy``), the output (``dx``) once, a reset byte per token per channel block, the taps
+    and bias per program, the window (and its gradient) once; the backward's float32 per-block sums of the taps'
+    and the bias' gradients (its least: their totals)."""
+    x = a["x_ptr"]
+    batch, length, channels = x.shape
+    s, K, bt, bc = x.element_size(), c["K"], c["BLOCK_T"], c["BLOCK_C"]
+    t_blocks, c_blocks = math.ceil(length / bt), math.ceil(channels / bc)
+    tokens = batch * length * channels
+    halo = (bt + (1 + backward) * (K - 1)) / bt
+    params = (K + c["HAS_BIAS"]) * a["w_ptr"].element_size()  # per channel
+    window = 0 if a["win_ptr"] is None else (1 + backward) * batch * channels * (K - 1) * a["win_ptr"].element_size()
+    resets = batch * length if c["HAS_RESET"] else 0
+    sums = batch * t_blocks * channels * (K + c["HAS_BIAS"]) * (8 if "fp64" in str(c["ACC"]) else 4) * backward
+    moved = (tokens * s * ((1 + backward) * halo + 1) + batch * t_blocks * c_blocks * bc * params + window
+             + resets * halo * c_blocks + sums)
+    least = (2 + backward) * tokens * s + (1 + backward) * channels * params + window + resets
+    return dict(elements=c["UNROLL"] * bc / (32 * warps), loops=1, total=tokens, moved=moved, least=least)
+
+
 MODELS = {
     "_selective_scan_chunk_state_kernel": lambda a, c, w, ctx: _scan_walk(a, c, w, ctx, "state"),
     "_selective_scan_chunk_adjoint_kernel": lambda a, c, w, ctx: _scan_walk(a, c, w, ctx, "adjoint"),
@@ -203,6 +226,8 @@ MODELS = {
     "_retention_chunk_dv_kernel": lambda a, c, w, ctx: _retention_out(a, c, w, "dv"),
     "_retention_chunk_dqk_kernel": lambda a, c, w, ctx: _retention_out(a, c, w, "dqk"),
     "_retention_step_kernel": _retention_step,
+    "_causal_conv1d_fwd_kernel": lambda a, c, w, ctx: _conv(a, c, w, ctx, False),
+    "_causal_conv1d_bwd_kernel": lambda a, c, w, ctx: _conv(a, c, w, ctx, True),
 }
 #: The kernels of each pass of each op, and the op's least bytes per element of that pass: its inputs read once,
 #: its outputs written once, from the recorded launch of ``first`` (sizes as in the models).
@@ -211,12 +236,17 @@ PASSES = {
                                     "_selective_scan_chunk_output_kernel"),
     ("selective_scan", "backward"): ("_selective_scan_chunk_adjoint_kernel", "_selective_scan_carry_kernel",
                                      "_selective_scan_chunk_bwd_kernel"),
+    ("causal_conv1d", "forward"): ("_causal_conv1d_fwd_kernel",),
+    ("causal_conv1d", "backward"): ("_causal_conv1d_bwd_kernel",),
 }
 
 
 def op_least(op: str, direction: str, a) -> float:
     """Least bytes per element of a whole pass: the selective scan's forward reads u, delta, z, B, C and writes y;
-    its backward also reads dy and writes du, ddelta, dz, dB, dC (the chunk states it reads are not counted)."""
+    its backward also reads dy and writes du, ddelta, dz, dB, dC (the chunk states it reads are not counted). The
+    causal conv's forward reads x and writes out; its backward reads x, dy and writes dx."""
+    if op == "causal_conv1d":
+        return (2 if direction == "forward" else 3) * a["x_ptr"].element_size()
     batch, dim, length, n, s = _scan_sizes(a)
     per_channel, per_state = (4, 2) if direction == "forward" else (7, 4)
     return (per_channel * batch * dim * length + per_state * batch * n * length) * s / (batch * dim * n * length)
@@ -272,7 +302,7 @@ def analyze(job: dict) -> list[dict]:
             row.update(elements_per_iteration=m["elements"], hot_loops=hot,
                        per_element=sum(hot) / m["elements"], moved=m["moved"] / m["total"],
                        least=m["least"] / m["total"])
-        if fn.__name__ in forward + backward and bound is ctx:
+        if fn.__name__ in (forward[:1] if direction == "forward" else backward[:1]):
             row["op_least"] = op_least(job["op"], direction, bound)
         rows.append(row)
     return rows
@@ -280,9 +310,10 @@ def analyze(job: dict) -> list[dict]:
 
 def variants(quick: bool) -> list[dict]:
     """The jobs reported: every optional input on (gate, softplus, gradients, packed documents for the scan; initial
-    and final state, gradients, packed documents for retention), at the presets' shapes."""
+    and final state, gradients, packed documents for retention; bias, window, SiLU, gradients, packed documents for
+    the conv), at the presets' shapes."""
     out = []
-    for op, shape in VARIANTS[:2] if quick else VARIANTS:
+    for op, shape in VARIANTS[:3] if quick else VARIANTS:
         for arch in ("sm_90",) if quick else ARCHS:
             for dtype in ("bfloat16",) if quick else DTYPES:
                 out.append(dict(op=op, arch=arch, dtype=dtype, shape=shape, flags=list(kernel_compile.flags(op))))

@@ -38,19 +38,26 @@ RETENTION_SHAPES = {
     "DenseRetNet-1.3B": dict(heads=4, key_dim=320, value_dim=1280),
     "small": dict(heads=2, key_dim=16, value_dim=32),
 }
+#: Channels and taps of the causal conv: DenseMamba-360M's (its inner width, 4 taps) and a small one.
+CONV_SHAPES = {"DenseMamba-360M": dict(channels=2048, kernel=4), "small": dict(channels=20, kernel=3)}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 ARCH_NAMES = ("sm_80", "sm_86", "sm_89", "sm_90")
 #: Optional inputs / outputs whose presence changes a kernel's constexprs; "full" switches all of them on. Packed
 #: sequences (``reset``) join them where the op's Triton form takes a ``reset`` argument (see :func:`flags`).
 SCAN_FLAGS = ("gate", "softplus", "grad")
 RETENTION_FLAGS = ("initial_state", "final_state", "grad")
+CONV_FLAGS = ("bias", "window", "silu", "grad", "reset")
+SHAPES = {"selective_scan": SCAN_SHAPES, "retention": RETENTION_SHAPES, "causal_conv1d": CONV_SHAPES}
 _TRITON_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64",
                   torch.int8: "i8", torch.uint8: "u8", torch.int32: "i32", torch.int64: "i64", torch.bool: "i1"}
 _LENGTH = 64  # tokens of the recorded launches: a runtime argument, any multiple of 16 compiles the same code
 
 
 def flags(op: str) -> tuple[str, ...]:
-    """The optional inputs of ``op`` ("selective_scan" or "retention") that change its kernels' constexprs."""
+    """The optional inputs of ``op`` ("selective_scan", "retention" or "causal_conv1d") that change its kernels'
+    constexprs."""
+    if op == "causal_conv1d":
+        return CONV_FLAGS
     base = SCAN_FLAGS if op == "selective_scan" else RETENTION_FLAGS
     try:
         if op == "selective_scan":
@@ -66,20 +73,19 @@ def jobs() -> list[dict]:
     """What the compile test compiles.
 
     - Every architecture x dtype x shape, with every optional input on (the variant that does the most work:
-      gate, softplus and gradients for the scan; initial and final state and gradients for retention), forward,
-      backward and decode kernels.
+      gate, softplus and gradients for the scan; initial and final state and gradients for retention; bias, window,
+      SiLU, gradients and packed documents for the conv), forward, backward and decode kernels.
     - Every other combination of the optional inputs (each a distinct set of constexprs the code can launch), for
       sm_90 and bfloat16 at the presets' shapes: they compile to subsets of the full variant's code.
     - Retention's kernels with Python floats typed fp64 (``float_scalars``), as Inductor launches them.
     """
-    scan, retention = list(flags("selective_scan")), list(flags("retention"))
     out = []
-    for arch, dtype in itertools.product(ARCH_NAMES, DTYPES):
-        for shape in SCAN_SHAPES:
-            out.append(dict(op="selective_scan", arch=arch, dtype=dtype, shape=shape, flags=scan))
-        for shape in RETENTION_SHAPES:
-            out.append(dict(op="retention", arch=arch, dtype=dtype, shape=shape, flags=retention))
-    for op, names, shape in (("selective_scan", scan, "DenseMamba-360M"), ("retention", retention, "DenseRetNet-350M")):
+    for arch, dtype, op in itertools.product(ARCH_NAMES, DTYPES, SHAPES):
+        for shape in SHAPES[op]:
+            out.append(dict(op=op, arch=arch, dtype=dtype, shape=shape, flags=list(flags(op))))
+    for op, shape in (("selective_scan", "DenseMamba-360M"), ("retention", "DenseRetNet-350M"),
+                      ("causal_conv1d", "DenseMamba-360M")):
+        names = flags(op)
         for on in itertools.product((False, True), repeat=len(names)):
             if not all(on):
                 chosen = [flag for flag, keep in zip(names, on) if keep]
@@ -88,8 +94,8 @@ def jobs() -> list[dict]:
     # kernels cast every scalar to their accumulator dtype (the step kernel once failed on CUDA with "Loop-carried
     # variable o_acc fp32 re-assigned to fp64")
     for dtype in ("float32", "bfloat16"):
-        out.append(dict(op="retention", arch="sm_90", dtype=dtype, shape="DenseRetNet-350M", flags=retention,
-                        float_scalars="fp64"))
+        out.append(dict(op="retention", arch="sm_90", dtype=dtype, shape="DenseRetNet-350M",
+                        flags=list(flags("retention")), float_scalars="fp64"))
     return out
 
 
@@ -127,10 +133,8 @@ def _record_launches(job: dict) -> list[tuple]:
 
     JITFunction.run = record
     try:
-        if job["op"] == "selective_scan":
-            _launch_scan(arch, dtype, SCAN_SHAPES[job["shape"]], chosen)
-        else:
-            _launch_retention(arch, dtype, RETENTION_SHAPES[job["shape"]], chosen)
+        launcher = dict(selective_scan=_launch_scan, retention=_launch_retention, causal_conv1d=_launch_conv)
+        launcher[job["op"]](arch, dtype, SHAPES[job["op"]][job["shape"]], chosen)
     finally:
         JITFunction.run = original
     return launches
@@ -194,6 +198,20 @@ def _launch_retention(arch, dtype, shape, flags):
     state = torch.zeros(1, H, K, V)
     retention_state_update_triton(state, q[:, 0], k[:, 0], v[:, 0], K**-0.5,
                                   config=retention_state_update_config(arch, K, V))
+
+
+def _launch_conv(arch, dtype, shape, flags):
+    from hf_densessm.ops.causal_conv1d.chunk import causal_conv1d_triton_bwd, causal_conv1d_triton_fwd
+
+    del arch  # one choice of tiles for every architecture
+    channels, K, L = shape["channels"], shape["kernel"], 4 * _LENGTH  # several token blocks
+    x = torch.randn(1, L, 2 * channels, dtype=dtype)[..., :channels]  # DenseMamba's: a view of the in_proj output
+    args = (x, torch.randn(channels, K, dtype=dtype), torch.randn(channels, dtype=dtype) if "bias" in flags else None,
+            torch.randn(1, channels, K, dtype=dtype) if "window" in flags else None,
+            _reset(L) if "reset" in flags else None, "silu" in flags)
+    out = causal_conv1d_triton_fwd(*args)
+    if "grad" in flags:
+        causal_conv1d_triton_bwd(torch.randn_like(out), *args)
 
 
 # ----------------------------------------------------------------------------------------------- compiling

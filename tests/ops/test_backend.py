@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from hf_densessm.ops import backend, chunk_retention, selective_scan
+from hf_densessm.ops import backend, causal_conv1d, chunk_retention, selective_scan
 
 
 @pytest.mark.parametrize("value", ["1", "true", "TRUE", "yes", "on", " On "])
@@ -43,8 +43,8 @@ def test_use_triton_resolution(monkeypatch):
             backend.use_triton(bad, cpu)
 
 
-def test_both_ops_share_the_switch(monkeypatch):
-    """The same spelling of the interpreter variable is accepted, or refused, by both ops alike."""
+def test_every_op_shares_the_switch(monkeypatch):
+    """The same spelling of the interpreter variable is accepted, or refused, by every op alike."""
     monkeypatch.setattr(backend, "triton_available", lambda: True)
     monkeypatch.setenv("TRITON_INTERPRET", "off")
     u = torch.randn(1, 2, 3)
@@ -53,21 +53,25 @@ def test_both_ops_share_the_switch(monkeypatch):
         selective_scan(u, u.abs(), -torch.ones(2, 2), torch.randn(1, 2, 3), torch.randn(1, 2, 3), backend="triton")
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
         chunk_retention(q, q, q, backend="triton")
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        causal_conv1d(q[:, :, 0], torch.randn(4, 3), backend="triton")
 
 
 NO_TRITON = """
 import sys
 sys.modules["triton"] = None  # as on a machine without triton
 import torch
-from hf_densessm.ops import chunk_retention, retention_state_update, selective_scan, selective_state_update
+from hf_densessm.ops import (causal_conv1d, chunk_retention, retention_state_update, selective_scan,
+                             selective_state_update)
 from hf_densessm.ops.backend import triton_available
 assert not triton_available()
 u = torch.randn(1, 2, 5)
 y = selective_scan(u, u.abs(), -torch.ones(2, 3), torch.randn(1, 3, 5), torch.randn(1, 3, 5))
 q = torch.randn(1, 5, 2, 4)
 o, _ = chunk_retention(q, q, q)
+c = causal_conv1d(u.transpose(1, 2), torch.randn(2, 4), activation="silu")
 for name in ("selective_scan.chunk", "selective_scan.fused_recurrent", "retention.chunk", "retention.fused_recurrent",
-             "triton_utils"):
+             "causal_conv1d.chunk", "triton_utils"):
     try:
         __import__("hf_densessm.ops." + name)
     except ImportError as error:

@@ -2,7 +2,13 @@
 (``naive.py``) against ``F.conv1d`` (channels first, left zero padding; packed documents run one by one), the op
 (``hf_densessm::causal_conv1d``, its PyTorch path and hand-written backward) against the token loop: values and the
 gradients of ``x``, ``weight``, ``bias`` and ``window``; cached windows, packed documents and both at once; half
-precision; argument checks; ``torch.library.opcheck``; ``torch.compile(fullgraph=True)`` against eager."""
+precision; argument checks; ``torch.library.opcheck``; ``torch.compile(fullgraph=True)`` against eager. The fused
+Triton kernels (``chunk.py``, under the interpreter) against the token loop in every dtype, across token blocks,
+with every optional input; that ``backend`` picks them; their trace on fake CUDA tensors."""
+
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -153,16 +159,6 @@ def test_window_is_read_not_kept():
     assert g[1][:, :, 0].abs().max() == 0  # column 0 (the oldest input) is never read
 
 
-def test_backends_run_the_same_path():
-    """No Triton kernel: "torch", "auto" and (under the interpreter the tests turn on) "triton" give the same
-    bits; a bad value is refused."""
-    x, weight, bias, window, reset = make_inputs((2, 10, 6, 4), "packed")
-    backends = ("auto", "torch", "triton") if triton_available() else ("auto", "torch")
-    outs = [causal_conv1d(x, weight, bias, None, reset, "silu", backend=b) for b in backends]
-    for out in outs[1:]:
-        assert torch.equal(out, outs[0])
-
-
 @pytest.mark.parametrize(
     "kwargs,error,match",
     [
@@ -177,6 +173,8 @@ def test_backends_run_the_same_path():
         (dict(reset=torch.zeros(1, 3)), TypeError, "reset must be a bool"),
         (dict(reset=torch.full((1, 3), 2)), ValueError, "reset must hold only 0 and 1"),
         (dict(backend="cuda"), ValueError, "backend must be one of"),
+        (dict(weight=torch.randn(4, 1, 4, device="meta")), ValueError, "weight is on meta but x is on cpu"),
+        (dict(bias=torch.randn(4, device="meta")), ValueError, "bias is on meta but x is on cpu"),
     ],
 )
 def test_bad_inputs(kwargs, error, match):
@@ -191,20 +189,28 @@ def _op_args(mode, with_bias=True):
     return x, weight.detach().reshape(5, 4).requires_grad_(), bias if with_bias else None, window, reset
 
 
+# under the interpreter (tests/conftest.py) opcheck runs the schema and autograd checks only on the Triton branch:
+# wrap_triton hands back the interpreted kernel, which cannot run on fake tensors (test_triton_branch_traces...)
+OPCHECK = [("torch", None)] + ([("triton", ("test_schema", "test_autograd_registration"))] if triton_available()
+                               else [])
+
+
+@pytest.mark.parametrize("backend,utils", OPCHECK)
 @pytest.mark.parametrize("mode,with_bias", [("plain", False), ("window+packed", True)])
-def test_opcheck_forward(mode, with_bias):
+def test_opcheck_forward(mode, with_bias, backend, utils):
     x, taps, bias, window, reset = _op_args(mode, with_bias)
-    torch.library.opcheck(torch.ops.hf_densessm.causal_conv1d.default, (x, taps, bias, window, reset, True))
+    torch.library.opcheck(torch.ops.hf_densessm.causal_conv1d.default, (x, taps, bias, window, reset, True, backend),
+                          **({} if utils is None else dict(test_utils=utils)))
 
 
+@pytest.mark.parametrize("backend,utils", OPCHECK)
 @pytest.mark.parametrize("mode,with_bias", [("plain", False), ("window+packed", True)])
-def test_opcheck_backward(mode, with_bias):
+def test_opcheck_backward(mode, with_bias, backend, utils):
     x, taps, bias, window, reset = _op_args(mode, with_bias)
     grad = torch.randn(x.shape)
     detached = [None if t is None else t.detach() for t in (x, taps, bias, window)]
-    torch.library.opcheck(
-        torch.ops.hf_densessm.causal_conv1d_backward.default, (grad, *detached, reset, True)
-    )
+    torch.library.opcheck(torch.ops.hf_densessm.causal_conv1d_backward.default,
+                          (grad, *detached, reset, True, backend), **({} if utils is None else dict(test_utils=utils)))
 
 
 @pytest.mark.parametrize("mode", ["plain", "window+packed"])
@@ -230,3 +236,141 @@ def test_compile_fullgraph_matches_eager(mode):
     for a, b in zip(compiled, eager):
         scale = b.abs().max().item()
         torch.testing.assert_close(a, b, atol=1e-5 * max(scale, 1.0), rtol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------- the Triton kernels
+
+needs_triton = pytest.mark.skipif(not triton_available(), reason="triton is not installed")
+
+
+def _kernels_and_naive(x, weight, bias, window, reset, activation, block_t):
+    """``[out, grad_x, grad_weight, grad_bias, grad_window]`` of the Triton forms called with ``block_t`` tokens per
+    program, and of the token loop (zeros for the gradients of absent inputs)."""
+    from hf_densessm.ops.causal_conv1d.chunk import causal_conv1d_triton_bwd, causal_conv1d_triton_fwd
+
+    taps = weight.detach().reshape(weight.shape[0], -1)
+    args = [None if t is None else t.detach() for t in (x, bias, window)]
+    out = causal_conv1d_triton_fwd(args[0], taps, args[1], args[2], reset, activation == "silu", block_t=block_t)
+    ref = causal_conv1d_naive(x, weight, bias, window, reset, activation)
+    go = torch.randn(ref.shape, generator=torch.Generator().manual_seed(1), dtype=ref.dtype)
+    gx, gw, gb, gwin = causal_conv1d_triton_bwd(go.to(x.dtype), args[0], taps, args[1], args[2], reset,
+                                                activation == "silu", block_t=block_t)
+    leaves = [t for t in (x, weight, bias, window) if t is not None]
+    refs = iter(torch.autograd.grad((ref * go).sum(), leaves, allow_unused=True))  # K = 1 reads no window
+    refs = [None if t is None else next(refs) for t in (x, weight, bias, window)]
+    refs = [torch.zeros_like(t) if r is None and t is not None else r for t, r in zip((x, weight, bias, window), refs)]
+    mine = [out, gx, gw.reshape(weight.shape), gb if bias is not None else None, gwin if window is not None else None]
+    return mine, [ref] + refs
+
+
+KERNEL_SHAPES = [(2, 19, 5, 4), (1, 17, 20, 3), (2, 9, 3, 2), (2, 6, 3, 1), (2, 2, 4, 4)]
+
+
+@needs_triton
+@pytest.mark.parametrize("shape", KERNEL_SHAPES)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("activation,with_bias", [("silu", True), (None, False)])
+def test_triton_kernels_match_naive_float64(shape, mode, activation, with_bias):
+    """The kernels in float64 against the token loop, 8-token blocks (the lengths cross 1-2 block boundaries, the
+    last shape is shorter than the window): the output and every gradient."""
+    x, weight, bias, window, reset = make_inputs(shape, mode)
+    mine, refs = _kernels_and_naive(x, weight, bias if with_bias else None, window, reset, activation, 8)
+    for name, a, b in zip(("out", "x", "weight", "bias", "window"), mine, refs):
+        if b is not None:
+            assert a.shape == b.shape and a.dtype == b.dtype, name
+            torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12, msg=lambda m: f"{name}: {m}")
+
+
+@needs_triton
+@pytest.mark.parametrize("block_t", [1, 2, 4])
+def test_triton_kernels_blocks_shorter_than_the_window(block_t):
+    """Blocks of 1, 2, 4 tokens with 4 taps: a block's taps and gradients reach up to three blocks back, into the
+    window, and its backward walk runs past the next blocks."""
+    x, weight, bias, window, reset = make_inputs((2, 9, 6, 4), "window+packed")
+    mine, refs = _kernels_and_naive(x, weight, bias, window, reset, "silu", block_t)
+    for name, a, b in zip(("out", "x", "weight", "bias", "window"), mine, refs):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12, msg=lambda m: f"{name}: {m}")
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 1e-5), (torch.bfloat16, 2e-2),
+                                       (torch.float16, 4e-3)])
+def test_triton_op_dtypes(dtype, tol):
+    """``backend="triton"`` through the op, its own tiles (40 tokens cross a 32-token block), window, packed
+    documents, SiLU and bias: the output and every gradient in the inputs' dtypes, against the token loop on the
+    same (rounded) inputs, within ``tol`` of each tensor's scale."""
+    x, weight, bias, window, reset = make_inputs((2, 40, 24, 4), "window+packed", dtype=dtype)
+    out = causal_conv1d(x, weight, bias, window, reset, "silu", backend="triton")
+    ref = causal_conv1d_naive(x, weight, bias, window, reset, "silu")
+    go = torch.randn(ref.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    grads = torch.autograd.grad(out, (x, weight, bias, window), go.to(dtype))
+    refs = torch.autograd.grad((ref * go.to(dtype).double()).sum(), (x, weight, bias, window))
+    assert out.dtype == dtype and out.is_contiguous()
+    for name, a, b in zip(("out", "x", "weight", "bias", "window"), (out, *grads), (ref, *refs)):
+        assert a.dtype == dtype and a.shape == b.shape, name
+        scale = b.abs().max().item()
+        torch.testing.assert_close(a.double(), b.double(), atol=tol * scale, rtol=tol, msg=lambda m: f"{name}: {m}")
+
+
+@needs_triton
+def test_triton_channel_major_input_and_expanded_gradient():
+    """An ``x`` whose channels are not unit-strided (a transposed ``(batch, channels, seq_len)`` tensor) and the
+    stride-0 output gradient of ``out.sum()``: the same values and gradients as the token loop."""
+    x = torch.randn(2, 6, 35, dtype=torch.float64).transpose(1, 2).requires_grad_()
+    weight = torch.randn(6, 1, 3, dtype=torch.float64, requires_grad=True)
+    out = causal_conv1d(x, weight, None, activation="silu", backend="triton")
+    ref = causal_conv1d_naive(x, weight, None, activation="silu")
+    torch.testing.assert_close(out, ref, atol=1e-12, rtol=1e-12)
+    for a, b in zip(torch.autograd.grad(out.sum(), (x, weight)), torch.autograd.grad(ref.sum(), (x, weight))):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12)
+
+
+@needs_triton
+def test_backend_picks_the_kernels(monkeypatch):
+    """``backend="triton"`` runs the Triton forms, forward and backward; ``"torch"`` and ``"auto"`` (CPU tensors)
+    the PyTorch path, bit for bit alike; the two paths agree."""
+    import importlib
+
+    chunk = importlib.import_module("hf_densessm.ops.causal_conv1d.chunk")
+    calls = []
+    for name in ("causal_conv1d_triton_fwd", "causal_conv1d_triton_bwd"):
+        monkeypatch.setattr(chunk, name, lambda *a, _f=getattr(chunk, name), _n=name: calls.append(_n) or _f(*a))
+    x, weight, bias, window, reset = make_inputs((2, 10, 6, 4), "window+packed", dtype=torch.float32)
+    results = {}
+    for backend in ("torch", "auto", "triton"):
+        calls.clear()
+        out = causal_conv1d(x, weight, bias, window, reset, "silu", backend=backend)
+        results[backend] = [out, *torch.autograd.grad(out.square().sum(), (x, weight, bias, window))]
+        assert calls == (["causal_conv1d_triton_fwd", "causal_conv1d_triton_bwd"] if backend == "triton" else [])
+    for a, b, c in zip(results["auto"], results["torch"], results["triton"]):
+        assert torch.equal(a, b)
+        torch.testing.assert_close(c, b, atol=1e-5, rtol=1e-5)
+
+
+TRACE = """
+import sys
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+sys.path.insert(0, sys.argv[1])
+from scan_trace_worker import traced_kernels
+from hf_densessm.ops.causal_conv1d import causal_conv1d
+
+with FakeTensorMode():
+    x, w, b, win = (torch.randn(*s, device="cuda") for s in ((2, 40, 64), (64, 1, 4), (64,), (2, 64, 4)))
+    reset = torch.zeros(2, 40, dtype=torch.bool, device="cuda")
+    print("kernels", *traced_kernels(lambda *a: causal_conv1d(*a, "silu", "triton"), x, w, b, win, reset))
+    print("kernels", *traced_kernels(lambda *a: torch.ops.hf_densessm.causal_conv1d_backward(*a, True, "triton"),
+                                     x, x, w.reshape(64, 4), b, win, reset))
+"""
+
+
+@needs_triton
+def test_triton_branch_traces_on_fake_cuda_tensors():
+    """Without a GPU: AOTAutograd (what ``torch.compile`` runs) traces both ops with ``backend="triton"`` on fake
+    CUDA tensors down to their kernels (``wrap_triton``), in a subprocess with ``TRITON_INTERPRET=0``."""
+    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=os.pathsep.join(sys.path))
+    done = subprocess.run([sys.executable, "-c", TRACE, os.path.dirname(__file__)], capture_output=True, text=True,
+                          env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [line for line in done.stdout.splitlines() if line.startswith("kernels ")]
+    assert lines == ["kernels _causal_conv1d_fwd_kernel", "kernels _causal_conv1d_bwd_kernel"], done.stdout

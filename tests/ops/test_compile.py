@@ -1,6 +1,7 @@
-"""Every Triton kernel compiles for sm_80, sm_86, sm_89 and sm_90 in float32, bfloat16 and float16, at the presets'
-shapes and a small one, within each architecture's limits: its shared memory fits the per-block maximum and it
-spills no registers (cuobjdump's stack frame and local memory are 0). No GPU is needed: see ``kernel_compile.py``.
+"""Every Triton kernel (selective scan, retention, causal conv) compiles for sm_80, sm_86, sm_89 and sm_90 in
+float32, bfloat16 and float16, at the presets' shapes and a small one, within each architecture's limits: its shared
+memory fits the per-block maximum and it spills no registers (cuobjdump's stack frame and local memory are 0). No GPU
+is needed: see ``kernel_compile.py``.
 
 The compiling runs once per test session, in worker processes (the kernels must be defined without the
 interpreter, which ``tests/conftest.py`` turns on for this process), two at a time; each test reads its share.
@@ -89,11 +90,13 @@ def test_kernels_compile_within_the_architecture_limits(compiled, job):
     expected = {"selective_scan": {"_selective_scan_chunk_state_kernel", "_selective_scan_carry_kernel",
                                    "_selective_scan_chunk_output_kernel", "_selective_state_update_kernel"},
                 "retention": {"_retention_chunk_h_kernel", "_retention_chunk_o_kernel",
-                              "_retention_step_kernel"}}[job["op"]]
+                              "_retention_step_kernel"},
+                "causal_conv1d": {"_causal_conv1d_fwd_kernel"}}[job["op"]]
     if "grad" in job["flags"]:
         expected |= {"selective_scan": {"_selective_scan_chunk_adjoint_kernel", "_selective_scan_chunk_bwd_kernel"},
                      "retention": {"_retention_chunk_dh_kernel", "_retention_chunk_dqk_kernel",
-                                   "_retention_chunk_dv_kernel"}}[job["op"]]
+                                   "_retention_chunk_dv_kernel"},
+                     "causal_conv1d": {"_causal_conv1d_bwd_kernel"}}[job["op"]]
     assert {r["kernel"] for r in results} == expected, results
     if job["op"] == "retention" and "grad" in job["flags"]:  # the forward's state walk and the backward's recompute
         assert [r["kernel"] for r in results].count("_retention_chunk_h_kernel") == 2, results

@@ -1,6 +1,7 @@
 """Mamba's causal depthwise convolution (Mamba paper §3.4, Fig. 3), SiLU optional, token-major, as the
-``torch.library`` ops ``hf_densessm::causal_conv1d`` / ``_backward`` (autograd registered; ``triton_op``s with only
-the PyTorch path, ``torch_path.py``, on every device). Formulas and why token-major: docs/kernels.md.
+``torch.library`` ops ``hf_densessm::causal_conv1d`` / ``_backward`` (autograd registered; ``triton_op``s whose
+bodies dispatch by :func:`~..backend.resolve_backend` between the fused Triton kernels, ``chunk.py``, and the
+PyTorch path, ``torch_path.py``). Formulas, kernels and why token-major: docs/kernels.md.
 """
 
 from typing import Optional
@@ -25,8 +26,14 @@ def _causal_conv1d_op(
     window: Optional[torch.Tensor],
     reset: Optional[torch.Tensor],
     silu: bool,
+    backend: str,
 ) -> torch.Tensor:
-    """:func:`causal_conv1d_torch`, no checks (``taps``: ``(channels, kernel)``)."""
+    """:func:`~.chunk.causal_conv1d_triton_fwd` or :func:`causal_conv1d_torch` as ``backend`` resolves, no checks
+    (``taps``: ``(channels, kernel)``)."""
+    if resolve_backend(backend, x.device) == "triton":
+        from .chunk import causal_conv1d_triton_fwd
+
+        return causal_conv1d_triton_fwd(x, taps, bias, window, reset, silu)
     with own_precision(x.device):
         return causal_conv1d_torch(x, taps, bias, window, reset, silu)
 
@@ -40,24 +47,31 @@ def _causal_conv1d_backward_op(
     window: Optional[torch.Tensor],
     reset: Optional[torch.Tensor],
     silu: bool,
+    backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`causal_conv1d_backward_torch`: the gradients of ``x``, ``taps``, ``bias``, ``window``."""
+    """The gradients of ``x``, ``taps``, ``bias``, ``window``: :func:`~.chunk.causal_conv1d_triton_bwd` or
+    :func:`causal_conv1d_backward_torch` as ``backend`` resolves."""
+    if resolve_backend(backend, x.device) == "triton":
+        from .chunk import causal_conv1d_triton_bwd
+
+        return causal_conv1d_triton_bwd(grad_out, x, taps, bias, window, reset, silu)
     with own_precision(x.device):
         return causal_conv1d_backward_torch(grad_out, x, taps, bias, window, reset, silu)
 
 
 def _setup_context(ctx, inputs, output):
-    x, taps, bias, window, reset, silu = inputs
+    x, taps, bias, window, reset, silu, backend = inputs
     ctx.save_for_backward(x, taps, bias, window, reset)
-    ctx.silu = silu
+    ctx.silu, ctx.backend = silu, backend
 
 
 def _backward(ctx, grad_out):
     x, taps, bias, window, reset = ctx.saved_tensors
     grad_x, grad_taps, grad_bias, grad_window = _ops.causal_conv1d_backward(
-        grad_out, x, taps, bias, window, reset, ctx.silu
+        grad_out, x, taps, bias, window, reset, ctx.silu, ctx.backend
     )
-    return grad_x, grad_taps, None if bias is None else grad_bias, None if window is None else grad_window, None, None
+    return (grad_x, grad_taps, None if bias is None else grad_bias, None if window is None else grad_window, None,
+            None, None)
 
 
 _ops.register_autograd("causal_conv1d", _backward, setup_context=_setup_context)
@@ -84,16 +98,18 @@ def causal_conv1d(
         reset: ``(batch, seq_len)`` bool (or 0/1 integer) or ``None``: a tap reads only its token's packed document;
             the window precedes the row's first document only.
         activation: ``None`` or ``"silu"``.
-        backend: checked as every op's (``None``: the active one, :class:`~..backend.use_backend`), but every value
-            runs the PyTorch path.
+        backend: ``"auto"`` (the Triton kernels on CUDA tensors with triton installed, else the PyTorch path),
+            ``"triton"`` or ``"torch"`` (docs/kernels.md, "The backend switch"); ``None``: the active one
+            (:class:`~..backend.use_backend`).
 
     Returns:
         ``(batch, seq_len, channels)`` contiguous in ``x``'s dtype (computed in float32, float64 for float64 ``x``),
         differentiable in ``x``, ``weight``, ``bias`` and ``window``.
 
     Raises:
-        ValueError: a shape that does not match, a bad ``activation`` or ``backend``, a ``reset`` on another device
-            or with values other than 0/1 (:func:`~..backend.require`).
+        ValueError: a shape that does not match, a bad ``activation`` or ``backend``, a ``weight``, ``bias``,
+            ``window`` or ``reset`` on another device than ``x``, a ``reset`` with values other than 0/1
+            (:func:`~..backend.require`).
         TypeError: a non-tensor or non-float ``x``, ``weight``, ``bias`` or ``window``, a non-bool/integer ``reset``.
         RuntimeError: ``backend="triton"`` without triton, or on CPU tensors without the Triton interpreter.
     """
@@ -105,6 +121,8 @@ def causal_conv1d(
     for name, value in (("weight", weight), ("bias", bias), ("window", window)):
         if value is not None and (not isinstance(value, torch.Tensor) or not value.is_floating_point()):
             raise TypeError(f"{name} must be a floating-point tensor or None, got {value!r:.60}")
+        if value is not None and value.device != x.device:
+            raise ValueError(f"{name} is on {value.device} but x is on {x.device}")
     if weight.dim() not in (2, 3) or weight.shape[0] != channels or (weight.dim() == 3 and weight.shape[1] != 1):
         raise ValueError(f"weight must have shape ({channels}, 1, kernel) or ({channels}, kernel), got {tuple(weight.shape)}")
     kernel = weight.shape[-1]
@@ -116,8 +134,9 @@ def causal_conv1d(
     if activation not in _ACTIVATIONS:
         raise ValueError(f"activation must be one of {_ACTIVATIONS}, got {activation!r}")
     reset = check_reset(reset, batch, length, x.device)
-    resolve_backend(chosen_backend(backend), x.device)  # checks the argument; every backend runs the PyTorch path
+    backend = chosen_backend(backend)
+    resolve_backend(backend, x.device)  # the argument's errors here, at the boundary
     taps = weight.reshape(channels, kernel)
     if window is not None:
         window = window.clone()  # a cache the caller updates in place after the call; the backward pass reads this
-    return _ops.causal_conv1d(x, taps, bias, window, reset, activation == "silu")
+    return _ops.causal_conv1d(x, taps, bias, window, reset, activation == "silu", backend)
