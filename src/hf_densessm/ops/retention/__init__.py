@@ -88,10 +88,29 @@ def _retention_torch_backward(
         return chunk_retention_torch_backward(d_o, d_final_state, q, k, v, scale, initial_state, reset=reset)
 
 
-# The whole-sequence PyTorch path as opaque ops ``hf_densessm::chunk_retention_torch`` / ``_backward`` (fake: the same
-# functions), run eagerly inside a compiled graph rather than its loop over chunks unrolled into it.
-for _suffix, _fn in (("", _retention_torch), ("_backward", _retention_torch_backward)):
-    torch.library.custom_op(f"hf_densessm::chunk_retention_torch{_suffix}", _fn, mutates_args=()).register_fake(_fn)
+def _transposed_like(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """An empty ``(batch, length, heads, dim)`` tensor with the strides of the PyTorch path's outputs (transposed views
+    of ``(batch, heads, length, dim)`` ones)."""
+    batch, length, heads, dim = x.shape
+    return x.new_empty(batch, heads, length, dim, dtype=dtype).transpose(1, 2)
+
+
+def _retention_torch_fake(q, k, v, scale, initial_state, reset):
+    state = q.new_empty(q.shape[0], q.shape[2], q.shape[3], v.shape[3], dtype=compute_dtype(v.dtype))
+    return _transposed_like(v, v.dtype), state
+
+
+def _retention_torch_backward_fake(d_o, d_final_state, q, k, v, scale, initial_state, reset):
+    d_state = q.new_empty(q.shape[0], q.shape[2], q.shape[3], v.shape[3], dtype=compute_dtype(v.dtype))
+    return _transposed_like(q, q.dtype), _transposed_like(k, k.dtype), _transposed_like(v, v.dtype), d_state
+
+
+# The whole-sequence PyTorch path as opaque ops ``hf_densessm::chunk_retention_torch`` / ``_backward``, run eagerly
+# inside a compiled graph rather than its loop over chunks unrolled into it. Their fakes give the shapes only, so a
+# graph over a dynamic length holds no guard on how the length splits into chunks.
+for _suffix, _fn, _fake in (("", _retention_torch, _retention_torch_fake),
+                            ("_backward", _retention_torch_backward, _retention_torch_backward_fake)):
+    torch.library.custom_op(f"hf_densessm::chunk_retention_torch{_suffix}", _fn, mutates_args=()).register_fake(_fake)
 
 
 @torch.library.triton_op("hf_densessm::chunk_retention", mutates_args=())
