@@ -216,6 +216,8 @@ def run_backbone(
     attention_mask = prepare_attention_mask(attention_mask, batch, seq_len)
     if reset is not None and attention_mask is not None:
         raise ValueError("Packed documents need no padding: give no `attention_mask` with zeros alongside them.")
+    if attention_mask is not None:  # padding enters the blocks as zeros, whatever it held (docs/design.md §5)
+        inputs_embeds = torch.where(attention_mask[..., None].bool(), inputs_embeds, 0)
     hidden_states, all_hidden_states = run_dense_layers(
         model.layers, inputs_embeds, config, output_hidden_states,
         cache=cache, attention_mask=attention_mask, reset=reset,
