@@ -64,6 +64,30 @@ def test_compiled_training_step_equals_eager(family, inputs):
         torch.testing.assert_close(grads[name], ref, atol=atol, rtol=1e-3, msg=lambda m: f"{name}: {m}")
 
 
+def test_compiled_training_over_a_dynamic_length_serves_chunk_multiples():
+    """One training graph traced over a dynamic length (17 tokens) serves 64 and 128 tokens (multiples of the
+    retention's 64-token chunk) with the eager loss and without recompiling (issue 33, item 8: the retention op's fake
+    put ``length % 64`` in a divisor of the graph's guards, a ZeroDivisionError at 64). DenseRetNet, two layers;
+    DenseMamba's scan and the prefill are covered by tests/ops (``dynamic_length``) and tests/models/test_export.py.
+    Inductor's caches are off: a cached graph would bring back the guards it was compiled with."""
+    model = micro_model("denseretnet", num_hidden_layers=2, dense_layers=1).train()
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    compiled = torch.compile(model, fullgraph=True, dynamic=True)
+    try:
+        with torch._inductor.config.patch(force_disable_caches=True):
+            for length in (17, 64, 128):
+                ids = random_ids(2, length, seed=length)
+                eager_loss, _ = _loss_and_grads(model, ids)
+                loss, grads = _loss_and_grads(compiled, ids)
+                torch.testing.assert_close(loss, eager_loss, **TOL)
+                assert all(g.isfinite().all() for g in grads.values())
+                torch.compiler.set_stance("fail_on_recompile")
+    finally:
+        torch.compiler.set_stance("default")
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_compiled_decoding_step_equals_eager_without_recompiling(family):
     model = micro_model(family)

@@ -625,6 +625,23 @@ def test_compile_fullgraph_inductor_training(initial_state, output_final_state):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
 
 
+def test_compile_dynamic_length_serves_every_length_without_recompiling():
+    """One graph traced over a dynamic length (17 tokens, ``dynamic=True``) serves 64, 65 and 128 tokens (chunk
+    multiples, and past them) in training as eager does, without recompiling (issue 33, item 8: the fakes' chunk
+    split put ``length % 64`` in a divisor of the graph's guards). ``aot_eager``: the guards come from tracing."""
+    torch._dynamo.reset()
+    fn = _training_fn("torch", True)
+    compiled = torch.compile(fn, fullgraph=True, dynamic=True, backend="aot_eager")
+    try:
+        for length in (17, 64, 65, 128):
+            args = _op_args("torch", length=length)
+            for a, b in zip(_run_with_grads(compiled, args), _run_with_grads(fn, args)):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+            torch.compiler.set_stance("fail_on_recompile")
+    finally:
+        torch.compiler.set_stance("default")
+
+
 def test_compile_fullgraph_inductor_decoding_steps():
     """Several decoding steps through one compiled function (Inductor, CPU): the outputs and states of eager, and
     no recompilation after the first step."""

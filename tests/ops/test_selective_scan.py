@@ -673,6 +673,26 @@ def test_compile_fullgraph_inductor_forward_backward():
         assert_close(a, b, 1e-5, name)
 
 
+@pytest.mark.parametrize("cpu_kernel", ["0", "1"])
+def test_compile_dynamic_length_serves_every_length_without_recompiling(monkeypatch, cpu_kernel):
+    """One graph traced over a dynamic length (17 tokens, ``dynamic=True``) serves 64, 65 and 128 tokens in training
+    as eager does, without recompiling, on the chunked PyTorch path (its chunk count an unbacked size) and the C++
+    kernel's (a ceil-division of the length; the saved states 3-D, which no channels-last test guards). ``aot_eager``:
+    the guards come from tracing."""
+    monkeypatch.setenv("HF_DENSESSM_CPU_KERNEL", cpu_kernel)
+    torch._dynamo.reset()
+    compiled = torch.compile(_scan_loss("auto"), fullgraph=True, dynamic=True, backend="aot_eager")
+    try:
+        for length in (17, 64, 65, 128):
+            kw, reset = _compile_inputs(length)
+            for name, a, b in zip(["loss", *kw], _loss_and_grads(compiled, kw, reset),
+                                  _loss_and_grads(_scan_loss("auto"), kw, reset)):
+                assert_close(a, b, 1e-5, f"{name} at {length}")
+            torch.compiler.set_stance("fail_on_recompile")
+    finally:
+        torch.compiler.set_stance("default")
+
+
 def test_compile_fullgraph_inductor_decode_steps_no_recompile():
     """Decoding: a compiled step (Inductor, CPU) run several tokens in a row gives the eager states and outputs, and
     does not recompile after the first token."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 from transformers.cache_utils import Cache, DynamicCache, LinearAttentionCacheLayerMixin
+from transformers.exporters.exporter_dynamo import register_pytree_node
 
 class DenseSSMCache(DynamicCache):
     """transformers' ``DynamicCache`` (one ``LinearAttentionLayer`` per block), plus counts of the tokens seen
@@ -66,6 +67,11 @@ class DenseSSMCache(DynamicCache):
         for count in (self.positions_seen, self.real_tokens_seen):
             if count is not None:
                 count.zero_()
+
+
+# torch.export takes and returns the cache as a pytree of its tensors: transformers' own registration of a cache class,
+# which its exporters apply to every transformers cache when they export (docs/design.md §5, "torch.export").
+register_pytree_node(DenseSSMCache)
 
 
 def new_cache(config) -> DenseSSMCache:
@@ -156,11 +162,17 @@ def store_recurrent_state(cache: Cache, layer_idx: int, state: torch.Tensor, slo
 def store_conv_inputs(cache: Cache, layer_idx: int, inputs: torch.Tensor, conv_kernel_size: int) -> None:
     """Append ``inputs`` ``(batch, channels, seq_len)`` (the window's dtype), detached, to the conv window of block
     ``layer_idx`` (transformers' ``update_conv_state``, keeping the last ``conv_kernel_size``); with gradients on,
-    into a copy of the window (docs/design.md §5, "Backpropagating through a cache")."""
+    into a copy of the window (docs/design.md §5, "Backpropagating through a cache"). transformers is handed the
+    window's new ``conv_kernel_size`` columns, so that it pads nothing: its test of a prefill's length would guard a
+    traced dynamic length (docs/design.md §5, "torch.export")."""
     layer = cache.layers[layer_idx]
-    if torch.is_grad_enabled() and layer.is_conv_states_initialized[0]:
-        layer.conv_states[0] = layer.conv_states[0].clone()
-    cache.update_conv_state(inputs.detach(), layer_idx, conv_kernel_size=conv_kernel_size)
+    window = conv_state(cache, layer_idx)
+    if window is None:
+        window = inputs.new_zeros(*inputs.shape[:-1], conv_kernel_size)
+    elif torch.is_grad_enabled():
+        layer.conv_states[0] = window.clone()
+    inputs = torch.cat([window, inputs.detach()], dim=-1)[..., -conv_kernel_size:]
+    cache.update_conv_state(inputs, layer_idx, conv_kernel_size=conv_kernel_size)
 
 
 def recurrent_state(cache: Cache | None, layer_idx: int, slot: int = 0) -> torch.Tensor | None:

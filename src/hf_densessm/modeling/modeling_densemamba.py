@@ -106,19 +106,19 @@ class DenseMambaMixer(nn.Module):
         """
         batch, seq_len, _ = hidden_states.shape
         dtype = hidden_states.dtype
-        mask = attention_mask[:, None, :].to(dtype) if attention_mask is not None else None
+        keep = attention_mask[..., None].bool() if attention_mask is not None else None  # selects, never multiplies
         acc = torch.promote_types(self.A_log.dtype, torch.float32)  # the scan's float32 (float64 in float64 models)
 
         # 1. input projection: x (to the conv) and the gate z, token-major (batch, seq_len, D): every tensor of the
         # block keeps the memory order of the projections' outputs (transposing them costs more than the conv)
         x, z = self.in_proj(hidden_states).chunk(2, dim=-1)
-        if mask is not None:
-            x = x * attention_mask[:, :, None].to(dtype)
+        if keep is not None:
+            x = torch.where(keep, x, 0)
         z = z.transpose(1, 2)  # (batch, D, seq_len) view, the scan's layout
 
         # 2. causal depthwise convolution, continuing from the cached window of the last `conv_kernel` inputs
         window = conv_state(cache, self.layer_idx)
-        previous_window = window.clone() if window is not None and mask is not None else None
+        previous_window = window.clone() if window is not None and keep is not None else None
         # (packed documents: no tap reaches into the previous document); SiLU fused
         u = causal_conv1d(x, self.conv1d.weight, self.conv1d.bias, window, reset=reset, activation="silu")
         if cache is not None:
@@ -127,8 +127,8 @@ class DenseMambaMixer(nn.Module):
                 padded_rows = ~attention_mask.bool().any(dim=-1)
                 updated = conv_state(cache, self.layer_idx)
                 updated.copy_(torch.where(padded_rows[:, None, None], previous_window, updated))
-        if mask is not None:
-            u = u * attention_mask[:, :, None].to(dtype)
+        if keep is not None:
+            u = torch.where(keep, u, 0)
 
         # 3. input-dependent dt, B, C from the un-fused u
         time_step, B, C = torch.split(
@@ -137,8 +137,8 @@ class DenseMambaMixer(nn.Module):
         # dt_proj is called as a module (bias included), so adapters such as LoRA on it take effect
         dt = self.dt_proj(time_step).transpose(1, 2)  # (batch, D, seq_len), before the softplus
         softplus = True
-        if mask is not None:  # dt = 0 at padding: exp(0 * A) = 1 and no input, the state is left as it was
-            dt = F.softplus(dt.to(acc)) * mask
+        if keep is not None:  # dt = 0 at padding: exp(0 * A) = 1 and no input, the state is left as it was
+            dt = torch.where(keep.transpose(1, 2), F.softplus(dt.to(acc)), 0)
             softplus = False
 
         A = -torch.exp(self.A_log.to(acc))

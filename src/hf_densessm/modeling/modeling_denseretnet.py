@@ -106,9 +106,9 @@ class DenseRetNetRetention(nn.Module):
         q = F.silu(self.q_proj(hidden_states))
         k = F.silu(self.k_proj(hidden_states)) * self.key_scale
         v, g = F.silu(self.hidden_proj(hidden_states)).chunk(2, dim=-1)
-        if attention_mask is not None:
-            keep = attention_mask[..., None].to(k.dtype)
-            k, v = k * keep, v * keep
+        if attention_mask is not None:  # selected, not multiplied: 0 * NaN is NaN
+            keep = attention_mask[..., None].bool()
+            k, v = torch.where(keep, k, 0), torch.where(keep, v, 0)
         features = (k, v)
         if self.dense_k is not None:  # dense KV connection, Eq. 20-23
             dense_k, dense_v = split_dense_inputs(dense_inputs, 2)

@@ -120,6 +120,8 @@ class DenseSSMModel(DenseSSMPreTrainedModel):
         attention_mask = prepare_attention_mask(attention_mask, batch, seq_len, decoding=decoding)
         if reset is not None and attention_mask is not None:
             raise ValueError("Packed documents need no padding: give no `attention_mask` with zeros alongside them.")
+        if attention_mask is not None:  # padding enters the blocks as zeros, whatever it held (docs/design.md §5)
+            embeds = torch.where(attention_mask[..., None].bool(), embeds, 0)
         with use_backend(config.kernel_backend):  # the one place the ops' backend is read (docs/kernels.md)
             hidden_states, all_hidden_states = run_dense_layers(
                 self.layers, embeds, config, output_hidden_states, cache=cache, attention_mask=attention_mask,

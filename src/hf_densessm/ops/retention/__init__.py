@@ -88,11 +88,30 @@ def _retention_torch_backward(
         return chunk_retention_torch_backward(d_o, d_final_state, q, k, v, scale, initial_state, reset=reset)
 
 
+def _transposed_like(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """An empty ``(batch, length, heads, dim)`` tensor with the strides of the PyTorch path's outputs (transposed views
+    of ``(batch, heads, length, dim)`` ones)."""
+    batch, length, heads, dim = x.shape
+    return x.new_empty(batch, heads, length, dim, dtype=dtype).transpose(1, 2)
+
+
+def _retention_torch_fake(q, k, v, scale, initial_state, reset):
+    state = q.new_empty(q.shape[0], q.shape[2], q.shape[3], v.shape[3], dtype=compute_dtype(v.dtype))
+    return _transposed_like(v, v.dtype), state
+
+
+def _retention_torch_backward_fake(d_o, d_final_state, q, k, v, scale, initial_state, reset):
+    d_state = q.new_empty(q.shape[0], q.shape[2], q.shape[3], v.shape[3], dtype=compute_dtype(v.dtype))
+    return _transposed_like(q, q.dtype), _transposed_like(k, k.dtype), _transposed_like(v, v.dtype), d_state
+
+
+# The whole-sequence PyTorch path as opaque ops ``hf_densessm::chunk_retention_torch`` / ``_backward``, run eagerly
+# inside a compiled graph rather than its loop over chunks unrolled into it. Their fakes give the shapes only, so a
+# graph over a dynamic length holds no guard on how the length splits into chunks.
 _ops = OpGroup()
-# The whole-sequence PyTorch path as opaque ops ``hf_densessm::chunk_retention_torch`` / ``_backward`` (fake: the same
-# functions), run eagerly inside a compiled graph rather than its loop over chunks unrolled into it.
-for _suffix, _fn in (("", _retention_torch), ("_backward", _retention_torch_backward)):
-    _ops.custom_op(f"chunk_retention_torch{_suffix}", _fn, fake=_fn)
+for _suffix, _fn, _fake in (("", _retention_torch, _retention_torch_fake),
+                            ("_backward", _retention_torch_backward, _retention_torch_backward_fake)):
+    _ops.custom_op(f"chunk_retention_torch{_suffix}", _fn, fake=_fake)
 
 
 @_ops.triton_op("chunk_retention")

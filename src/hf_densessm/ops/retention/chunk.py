@@ -215,9 +215,12 @@ def _retention_chunk_o_kernel(
         scores += _dot(q_blk, tl.trans(k_blk), ACC, PRECISION)
         o_state += _dot(q_blk, h_blk.to(dt), ACC, PRECISION)
     intra, q_decay, _, _ = _chunk_decays(log2_gamma, docs, i_b, start, L, HAS_RESET, False, BT, ACC)
-    scores = scores * scale * intra
+    scores = tl.where(intra > 0, scores * scale * intra, 0.0)  # selected: a later token's NaN or inf stays out
     v_blk = tl.load(v + i_b * L * H * V + i_h * V + t[:, None] * (H * V) + offs_v[None, :], mask=mask_tv, other=0.0)
-    out = _dot(scores.to(dt), v_blk, ACC, PRECISION) + o_state * (scale * q_decay)[:, None]
+    # the finite part of v through the product, the rest by a running sum over the chunk (as chunked_torch.py)
+    finite_v = tl.where(tl.abs(v_blk) < float("inf"), v_blk, 0.0)
+    out = _dot(scores.to(dt), finite_v, ACC, PRECISION) + o_state * (scale * q_decay)[:, None]
+    out += tl.cumsum((v_blk - finite_v).to(ACC), axis=0)
     tl.store(o + i_b * L * H * V + i_h * V + t[:, None] * (H * V) + offs_v[None, :], out.to(dt), mask=mask_tv)
 
 
@@ -308,7 +311,7 @@ def _retention_chunk_dqk_kernel(
         dk_state += _dot(v_blk, tl.trans(dh_blk), ACC, PRECISION)
     intra, q_decay, k_decay, _ = _chunk_decays(log2_gamma, docs, i_b, start, L, HAS_RESET, False, BT, ACC)
     # scale here, not on the (BT, BK) results: that crashed LLVM's SLP vectorizer (float32, fp64 scale, sm_90)
-    d_scores = (d_scores * scale * intra).to(dt)
+    d_scores = tl.where(intra > 0, d_scores * scale * intra, 0.0).to(dt)
     tk_offs = t[:, None] * (H * K) + offs_k[None, :]
     q_blk = tl.load(q + i_b * L * H * K + i_h * K + tk_offs, mask=mask_tk, other=0.0)
     k_blk = tl.load(k + i_b * L * H * K + i_h * K + tk_offs, mask=mask_tk, other=0.0)
@@ -355,7 +358,7 @@ def _retention_chunk_dv_kernel(
         scores_t += _dot(k_blk, tl.trans(q_blk), ACC, PRECISION)
         dv_state += _dot(k_blk, dh_blk.to(dt), ACC, PRECISION)
     intra_t, _, k_decay, _ = _chunk_decays(log2_gamma, docs, i_b, start, L, HAS_RESET, True, BT, ACC)
-    scores_t = scores_t * scale * intra_t
+    scores_t = tl.where(intra_t > 0, scores_t * scale * intra_t, 0.0)
     do_blk = tl.load(do + i_b * L * H * V + i_h * V + t[:, None] * (H * V) + offs_v[None, :], mask=mask_tv,
                      other=0.0)
     dv_blk = _dot(scores_t.to(dt), do_blk, ACC, PRECISION) + dv_state * k_decay[:, None]

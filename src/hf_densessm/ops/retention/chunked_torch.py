@@ -41,11 +41,21 @@ def _block_masks(log2_gamma, C, n, segments, dtype):
     return intra, q_decay, k_decay, chunk_decay
 
 
+def _causal(scores, intra):
+    """``scores * intra`` where ``intra`` is nonzero (``j <= i`` in one document), else 0, by selection: a NaN or inf
+    in a masked entry (a later token's) is not multiplied by 0 (docs/kernels.md, "Non-finite values")."""
+    return torch.where(intra > 0, scores * intra, 0)
+
+
 def _block_forward(q, k, v, state, masks):
     """Retention over ``n`` chunks of ``C``: ``q`` (scaled), ``k`` ``(B, H, n, C, K)``, ``v`` ``(B, H, n, C, V)``,
     ``state`` ``(B, H, K, V)``; returns ``o``, the states before each chunk ``(B, H, n, K, V)`` and the last one."""
     intra, q_decay, k_decay, chunk_decay = masks
-    o = (q @ k.transpose(-1, -2) * intra) @ v  # intra-chunk ((q k^T) * D) v, all chunks at once
+    # intra-chunk ((q k^T) * D) v, all chunks at once. A product with v would carry a later token's NaN or inf into
+    # earlier rows (0 * inf): the finite part goes through the product, the rest reaches token j's row and later ones
+    # through a running sum, so a non-finite v stays non-finite where the recurrence would carry it
+    finite_v = torch.where(v.isfinite(), v, 0)
+    o = _causal(q @ k.transpose(-1, -2), intra) @ finite_v + (v - finite_v).cumsum(-2)
     updates = (k * k_decay).transpose(-1, -2) @ v  # (B, H, n, K, V): sum_j gamma^(C-1-j) k_j^T v_j
     states = []
     for c, update in enumerate(updates.unbind(2)):  # the only loop, over chunks: S_c = gamma^C S_{c-1} + U_c
@@ -67,10 +77,10 @@ def _block_backward(q, k, v, previous, masks, d_o, d_state):
         d_after.append(d_state)
         d_state = torch.addcmul(read_grads[:, :, c], d_state, chunk_decay[:, :, c])
     d_after = torch.stack(d_after[::-1], dim=2)  # (B, H, n, K, V): gradient of the state after each chunk
-    d_scores = d_o @ v.transpose(-1, -2) * intra  # (dO v^T) * D
+    d_scores = _causal(d_o @ v.transpose(-1, -2), intra)  # (dO v^T) * D
     dq = d_scores @ k + (d_o @ previous.transpose(-1, -2)) * q_decay
     dk = d_scores.transpose(-1, -2) @ q + (v @ d_after.transpose(-1, -2)) * k_decay
-    dv = (q @ k.transpose(-1, -2) * intra).transpose(-1, -2) @ d_o + (k * k_decay) @ d_after
+    dv = _causal(q @ k.transpose(-1, -2), intra).transpose(-1, -2) @ d_o + (k * k_decay) @ d_after
     return dq, dk, dv, d_state
 
 

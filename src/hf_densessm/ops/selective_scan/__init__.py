@@ -13,10 +13,13 @@ from typing import Optional
 
 import torch
 
-from ..backend import OpGroup, chosen_backend, own_precision, require, resolve_backend
+from ..backend import OpGroup, chosen_backend, inputs_compute_dtype, own_precision, require, resolve_backend
+
 try:  # remote code ships no C++ build code (docs/hub_and_conversion.md): the PyTorch path runs
-    from ..cpu_kernel import scan_bwd as cpu_scan_bwd, scan_fwd as cpu_scan_fwd, use_kernel
+    from ..cpu_kernel import CHECKPOINT, scan_bwd as cpu_scan_bwd, scan_fwd as cpu_scan_fwd, use_kernel
 except ImportError:
+    CHECKPOINT = 64
+
     def use_kernel(u, state_size):
         return False
 from ..packing import check_reset
@@ -98,6 +101,9 @@ def _scan_torch(
     u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Optional[Tensor], z: Optional[Tensor],
     delta_bias: Optional[Tensor], delta_softplus: bool, initial_state: Optional[Tensor], reset: Optional[Tensor],
 ) -> tuple[Tensor, Tensor, Tensor]:
+    """``(y, last_state, chunk_states)``, all contiguous; ``chunk_states`` 3-D (a 4-D output's channels-last test
+    would guard a dynamic length to one chunk): the kernel's ``(batch, dim, n_chunks * state)``, the chunked path's
+    ``(batch, n_chunks, state * dim)``."""
     with own_precision(u.device):
         if use_kernel(u, A.shape[1]):  # CPU tensors: the C++ kernel (ops/cpu_kernel.py), when it is built
             # the kernel returns y token-major (a (batch, dim, length) view of a (batch, length, dim) tensor); the
@@ -105,8 +111,10 @@ def _scan_torch(
             # outputs although its fake gave the kernel's (tests/ops/test_selective_scan.py::
             # test_compile_fullgraph_inductor_forward_backward; cause not found yet)
             y, last, states = cpu_scan_fwd(u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, reset)
-            return y.contiguous(), last, states
-        return selective_scan_torch_fwd(u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, reset)
+            return y.contiguous(), last, states.flatten(2)
+        y, last, states = selective_scan_torch_fwd(u, delta, A, B, C, D, z, delta_bias, delta_softplus,
+                                                   initial_state, reset)
+        return y, last, states.flatten(2)
 
 
 def _scan_torch_backward(
@@ -114,18 +122,44 @@ def _scan_torch_backward(
     D: Optional[Tensor], z: Optional[Tensor], delta_bias: Optional[Tensor], delta_softplus: bool,
     initial_state: Optional[Tensor], reset: Optional[Tensor], chunk_states: Tensor,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    n = A.shape[1]
     with own_precision(u.device):
         # the forward op chose its path by the same test: chunk_states has that path's layout (each refuses the other's)
-        bwd = cpu_scan_bwd if use_kernel(u, A.shape[1]) else selective_scan_torch_bwd
+        if use_kernel(u, n):
+            bwd, chunk_states = cpu_scan_bwd, chunk_states.unflatten(2, (-1, n))
+        else:
+            bwd, chunk_states = selective_scan_torch_bwd, chunk_states.unflatten(2, (n, -1))
         grads = bwd(dy, dlast, u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, reset, chunk_states)
     # contiguous on both paths (the kernel's du, ddelta, dz, dB, dC are token-major): see _scan_torch
     return tuple(_or_empty(g, u).contiguous() for g in grads)
 
 
-# ``hf_densessm::selective_scan_torch`` / ``selective_scan_torch_backward``: the PyTorch path as opaque ops, their
-# fake implementations the same functions (they read no values).
-_ops.custom_op("selective_scan_torch", _scan_torch, fake=_scan_torch)
-_ops.custom_op("selective_scan_torch_backward", _scan_torch_backward, fake=_scan_torch_backward)
+def _scan_torch_fake(u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, reset):
+    """Shapes, dtypes and strides of :func:`_scan_torch`'s outputs, with no guard on the length: the kernel saves a
+    state every ``CHECKPOINT`` tokens (a ceil-division of the length); the chunked path's chunk length follows the
+    length (``default_chunk_size``), so its number of chunks is a size only the run knows (an unbacked size)."""
+    batch, dim, length = u.shape
+    n = A.shape[1]
+    cdt = inputs_compute_dtype(u, delta, A, B, C, D, z, delta_bias, initial_state)
+    if use_kernel(u, n):
+        states = u.new_empty(batch, dim, (length + CHECKPOINT - 1) // CHECKPOINT * n, dtype=cdt)
+    else:
+        states = u.new_empty(batch, torch.library.get_ctx().new_dynamic_size(min=1), n * dim, dtype=cdt)
+    return u.new_empty(batch, dim, length), u.new_empty(batch, dim, n, dtype=cdt), states
+
+
+def _scan_torch_backward_fake(dy, dlast, u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, reset,
+                              chunk_states):
+    """Shapes and dtypes of :func:`_scan_torch_backward`'s gradients (contiguous)."""
+    grads = [u.new_empty(0) if t is None else u.new_empty(t.shape, dtype=t.dtype)
+             for t in (u, delta, A, B, C, D, z, delta_bias)]
+    dtype = inputs_compute_dtype(u, delta, A, B, C, D, z, delta_bias) if initial_state is None else initial_state.dtype
+    return (*grads, u.new_empty(u.shape[0], u.shape[1], A.shape[1], dtype=dtype))
+
+
+# ``hf_densessm::selective_scan_torch`` / ``selective_scan_torch_backward``: the PyTorch path as opaque ops.
+_ops.custom_op("selective_scan_torch", _scan_torch, fake=_scan_torch_fake)
+_ops.custom_op("selective_scan_torch_backward", _scan_torch_backward, fake=_scan_torch_backward_fake)
 
 
 @_ops.triton_op("selective_scan")
@@ -169,17 +203,18 @@ def _selective_scan_backward_op(
 
 
 def _scan_setup_context(ctx, inputs, output):
-    u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, reset, _save_states, backend = inputs
+    u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, reset, save_states, backend = inputs
     ctx.save_for_backward(u, delta, A, B, C, D, z, delta_bias, initial_state, reset, output[2])
     ctx.delta_softplus = delta_softplus
     ctx.backend = backend
+    ctx.save_states = save_states
     ctx.mark_non_differentiable(output[2])
 
 
 def _scan_backward(ctx, dy, dlast, _dchunk_states):
     u, delta, A, B, C, D, z, delta_bias, initial_state, reset, chunk_states = ctx.saved_tensors
     args = (u, delta, A, B, C, D, z, delta_bias, ctx.delta_softplus, initial_state, reset)
-    if chunk_states.shape[1] == 0:  # the forward op ran with save_states=False: recompute the chunk states
+    if not ctx.save_states:  # the forward op ran with save_states=False (the Triton kernel saved no chunk states)
         chunk_states = _ops.selective_scan(*args, True, ctx.backend)[2]
     grads = _ops.selective_scan_backward(dy, dlast, *args, chunk_states, ctx.backend)
     du, ddelta, dA, dB, dC, dD, dz, dbias, dinitial = (
