@@ -93,12 +93,13 @@ using VF = __m256;
 template <>
 inline at::vec::Vectorized<float> fexp<float>(const at::vec::Vectorized<float>& xv) {
   VF x = xv;
+  // the clamps take x second: max/min return their second operand when either is NaN, so NaN stays NaN
 #if defined(CPU_CAPABILITY_AVX512)
-  x = VOP(max_ps)(x, VOP(set1_ps)(-103.9f));
+  x = VOP(max_ps)(VOP(set1_ps)(-103.9f), x);
 #else
-  x = VOP(max_ps)(x, VOP(set1_ps)(-87.33654f));  // 2^k stays a normal number below
+  x = VOP(max_ps)(VOP(set1_ps)(-87.33654f), x);  // 2^k stays a normal number below
 #endif
-  x = VOP(min_ps)(x, VOP(set1_ps)(88.72283f));
+  x = VOP(min_ps)(VOP(set1_ps)(88.72283f), x);
 #if defined(CPU_CAPABILITY_AVX512)
   const VF k = _mm512_roundscale_ps(VOP(mul_ps)(x, VOP(set1_ps)(1.44269504088896341f)),
                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
