@@ -128,7 +128,9 @@ def test_saved_folder_loads_with_the_package_too(saved, family):
         loaded = AutoModelForCausalLM.from_pretrained(folder, **kwargs)
         assert type(loaded) is type(model)
         with torch.no_grad():
-            torch.testing.assert_close(loaded(ids).logits, model(ids).logits, atol=0, rtol=0)
+            # fp32 tolerance, not bitwise: the loaded weights lie at other addresses, and oneDNN's matmul rounds by
+            # address (a copy of one Linear weight at a 12-byte offset moves these logits by 2.4e-7)
+            torch.testing.assert_close(loaded(ids).logits, model(ids).logits)
 
 
 REMOTE_SCRIPT = """

@@ -13,6 +13,8 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, modeling_utils
 
 from hf_densessm import DenseMambaForCausalLM
@@ -152,6 +154,22 @@ def test_the_save_id_is_read_never_carried(pair, tmp_path):
     PreTrainedModel.save_pretrained(DenseMambaForCausalLM(config), tmp_path / "plain")  # transformers alone
     assert set(save_ids(tmp_path / "plain").values()) == {None}
     assert isinstance(DenseMambaForCausalLM.from_pretrained(tmp_path / "plain"), DenseMambaForCausalLM)
+
+
+def test_weights_written_by_another_tool_load_unless_a_save_was_cut_off(pair, tmp_path):
+    """A weight file without a save id (safetensors' own ``save_file``, as transformers' common tests and conversion
+    scripts write it) loads with the config of our save; once an interrupted save left its backup in the folder, the
+    same file is refused, since it may be the old save's."""
+    old, new = pair
+    old.save_pretrained(tmp_path)
+    save_file({k: v.contiguous() for k, v in new.state_dict().items() if k != "lm_head.weight"},
+              tmp_path / "model.safetensors", metadata={"format": "pt"})
+    loaded = DenseMambaForCausalLM.from_pretrained(tmp_path)
+    assert loaded.config.dense_layers == old.config.dense_layers
+    assert torch.equal(loaded.backbone.layers[1].mixer.D, new.backbone.layers[1].mixer.D)
+    (tmp_path / f"{BACKUP_PREFIX}0123").mkdir()
+    with pytest.raises(MixedSaveError, match="no save id: model.safetensors"):
+        DenseMambaForCausalLM.from_pretrained(tmp_path)
 
 
 REMOTE_SCRIPT = r"""

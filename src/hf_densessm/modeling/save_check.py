@@ -112,8 +112,8 @@ def _error(folder: Path, ids: dict, running: bool) -> MixedSaveError:
 
 def load_one_save(load, path, kwargs: dict):
     """``load()`` (transformers' ``from_pretrained(path, **kwargs)``), checked when ``path`` is a local folder: its
-    ``config.json`` and weight files (:func:`save_ids`), and the ``config`` object passed in, must carry one save id
-    (or none) before and after the load. A load that saw the folder change runs again; a mixed folder is waited for
+    ``config.json`` and weight files (:func:`save_ids`), and the ``config`` object passed in, must name one save
+    (:func:`one_save`) before and after the load. A load that saw the folder change runs again; a mixed folder is waited for
     (up to :data:`WAIT_S` seconds) while a save runs in it. The loaded config's save id is dropped.
 
     Raises:
@@ -132,12 +132,22 @@ def load_one_save(load, path, kwargs: dict):
     return model
 
 
+def one_save(ids: dict, folder: Path) -> bool:
+    """Whether the save ids ``ids`` (:func:`save_ids`) name one save. A file without an id (weights written by another
+    tool, or by transformers alone) is not held against the others unless a save of this package was cut off or runs
+    in ``folder`` (its staging or backup folder is there)."""
+    found = set(ids.values())
+    if None in found and len(found) > 1 and not any(entry.name.startswith(OWN_PREFIX) for entry in folder.iterdir()):
+        found.discard(None)
+    return len(found) == 1
+
+
 def _checked_load(load, folder: Path, variant: str | None, passed: dict):
     """:func:`load_one_save` of a local folder; ``passed``: ``{PASSED: the config's save id}`` or ``{}``."""
     deadline = time.monotonic() + WAIT_S
     while True:
         before = {**save_ids(folder, variant), **passed}
-        if len(set(before.values())) == 1:
+        if one_save(before, folder):
             try:
                 model = load()
             except Exception:
