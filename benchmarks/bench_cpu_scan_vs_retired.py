@@ -79,8 +79,8 @@ def _child(args) -> None:
     if args.child == "current":  # the kernel: the torch.library ops through their Python entry points
         from hf_densessm.ops import cpu_kernel
 
-        if not cpu_kernel.use_kernel(kw["u"], n):
-            raise SystemExit("the C++ kernel is not available")
+        if cpu_kernel.missing(kw["u"].device, n):
+            raise SystemExit(f"the C++ kernel {cpu_kernel.missing(kw['u'].device, n)}")
         kernel = (lambda: cpu_kernel.scan_fwd(**kw), lambda out: cpu_kernel.scan_bwd(dy, None, **kw,
                                                                                      chunk_states=out[2]))
     else:  # the kernel: softplus in PyTorch, then the ctypes kernel's autograd.Function

@@ -15,7 +15,7 @@ import torch
 import torch._inductor.config
 import torch.nn.functional as F
 
-from hf_densessm.ops.backend import triton_available
+from hf_densessm.ops.dispatch import triton_available
 from hf_densessm.ops.causal_conv1d import causal_conv1d
 from hf_densessm.ops.causal_conv1d.naive import causal_conv1d_naive
 

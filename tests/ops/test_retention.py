@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from hf_densessm.ops import backend
+from hf_densessm.ops import dispatch
 from hf_densessm.ops.retention import chunk_retention, retention_gamma, retention_state_update
 from hf_densessm.ops.retention.chunked_torch import (
     chunk_retention_torch,
@@ -487,13 +487,13 @@ def test_bad_inputs_raise_at_entry(name, call, error, match):
 @pytest.mark.skipif(ON_CUDA, reason="CPU tensors only")
 def test_triton_backend_on_cpu_needs_the_interpreter(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    monkeypatch.setattr(backend, "triton_available", lambda: True)
+    monkeypatch.setattr(dispatch, "triton_available", lambda: True)
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
         chunk_retention(_Q, _K, _V, backend="triton")
 
 
 def test_missing_triton(monkeypatch):
-    monkeypatch.setattr(backend, "triton_available", lambda: False)
+    monkeypatch.setattr(dispatch, "triton_available", lambda: False)
     with pytest.raises(RuntimeError, match="needs the triton package"):
         chunk_retention(_Q, _K, _V, backend="triton")
     o, _ = chunk_retention(_Q, _K, _V, backend="auto")  # falls back to the PyTorch reference

@@ -592,10 +592,16 @@ def _opcheck_inputs(backend, seed=0):
     return fwd, bwd, step
 
 
-def test_opcheck_torch_backend():
+@pytest.mark.parametrize("impl", ["torch", "cpp"])
+def test_opcheck_torch_backend(impl):
     """``torch.library.opcheck`` (schema, autograd registration, fake tensors, AOT dispatch with dynamic shapes) on
-    each op, PyTorch path."""
-    fwd, bwd, step = _opcheck_inputs("torch")
+    each op, the chunked PyTorch path and the C++ kernel (the decoding step has no C++ entry: its PyTorch path)."""
+    from hf_densessm.ops import cpu_kernel
+
+    if impl == "cpp" and cpu_kernel.missing(torch.device("cpu"), state_size=3):
+        pytest.skip(f"the C++ kernel {cpu_kernel.missing(torch.device('cpu'), state_size=3)}")
+    fwd, bwd, step = _opcheck_inputs(impl)
+    step = step[:-1] + ("torch",)
     torch.library.opcheck(torch.ops.hf_densessm.selective_scan.default, fwd)
     torch.library.opcheck(torch.ops.hf_densessm.selective_scan_backward.default, bwd)
     torch.library.opcheck(torch.ops.hf_densessm.selective_state_update.default, step)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from hf_densessm.ops import cpu_kernel
+from hf_densessm.ops.dispatch import choose
 from hf_densessm.ops.selective_scan import selective_scan
 from hf_densessm.ops.selective_scan.chunked_torch import selective_scan_torch_fwd
 from hf_densessm.ops.selective_scan.naive import selective_scan_naive
@@ -343,19 +344,20 @@ def test_bad_inputs_are_refused(enabled):
 
 
 def test_env_var_disables_kernel(kernel, monkeypatch):
-    """``HF_DENSESSM_CPU_KERNEL=0``: the ops of the PyTorch path run ``chunked_torch.py`` (its chunk-state layout),
-    and the results agree with the kernel's."""
+    """``HF_DENSESSM_CPU_KERNEL=0``: the scan's table chooses the chunked PyTorch path (its saved layout), and the
+    results agree with the kernel's."""
     kw = make_inputs(2, 6, 5, 2 * K + 3, seed=1)
     args = (kw["u"], kw["delta"], kw["A"], kw["B"], kw["C"], kw["D"], kw["z"], kw["delta_bias"], True,
-            kw["initial_state"], None)
+            kw["initial_state"], None, True)
+    cpu = torch.device("cpu")
     monkeypatch.setenv("HF_DENSESSM_CPU_KERNEL", "0")
-    assert not cpu_kernel.use_kernel(kw["u"], 5)
-    y_t, _, states_t = torch.ops.hf_densessm.selective_scan_torch(*args)
-    assert states_t.shape == selective_scan_torch_fwd(*args)[2].flatten(2).shape  # handed out 3-D
+    assert choose("selective_scan", cpu, "torch", state_size=5) == "torch"
+    y_t, _, states_t = torch.ops.hf_densessm.selective_scan(*args, "torch")
+    assert states_t.shape == selective_scan_torch_fwd(*args[:-1])[2].flatten(2).shape  # handed out 3-D
     y0, last0, grads0 = grads_of(public, kw)
     monkeypatch.setenv("HF_DENSESSM_CPU_KERNEL", "1")
-    assert cpu_kernel.use_kernel(kw["u"], 5)
-    y_k, _, states_k = torch.ops.hf_densessm.selective_scan_torch(*args)
+    assert choose("selective_scan", cpu, "torch", state_size=5) == "cpp"
+    y_k, _, states_k = torch.ops.hf_densessm.selective_scan(*args, "cpp")
     assert states_k.shape == (2, 6, 3 * 5)  # (batch, dim, n_chunks * state): handed out 3-D
     y1, last1, grads1 = grads_of(public, kw)
     assert_close(y_k, y_t, 1e-12)
@@ -370,11 +372,8 @@ def test_failed_load_falls_back_to_chunked_path(monkeypatch):
     monkeypatch.delenv("HF_DENSESSM_CPU_KERNEL", raising=False)
     monkeypatch.setattr(cpu_kernel, "load_kernel", lambda: False)
     kw = packed(make_inputs(2, 6, 5, K + 3, seed=6), {0: [0, 9]})
-    assert not cpu_kernel.use_kernel(kw["u"], 5)
-    states = torch.ops.hf_densessm.selective_scan(kw["u"], kw["delta"], kw["A"], kw["B"], kw["C"], kw["D"], kw["z"],
-                                                  kw["delta_bias"], True, kw["initial_state"], kw["reset"], True,
-                                                  "torch")[2]
-    assert states.shape == selective_scan_torch_fwd(**kw)[2].flatten(2).shape  # handed out 3-D
+    assert choose("selective_scan", kw["u"].device, "torch", state_size=5) == "torch"
+    assert cpu_kernel.missing(kw["u"].device, state_size=5) == "is not available (see the build warning)"
     check_all(kw)
 
 

@@ -9,6 +9,8 @@ from typing import ClassVar
 
 from transformers import PretrainedConfig
 
+from ..ops.dispatch import BACKENDS as KERNEL_BACKENDS  # the values of kernel_backend (never saved)
+
 
 #: Largest width, layer count or vocabulary a config accepts (beyond it the kernels' 32-bit offsets overflow).
 MAX_SIZE = 2**24
@@ -107,9 +109,6 @@ DENSE_KNOBS: tuple[Knob, ...] = (
          minimum=1, optional=True),
 )
 
-#: The values of ``kernel_backend``, a runtime setting (never saved): ``"auto"`` (Triton on CUDA, PyTorch
-#: elsewhere), ``"triton"``, ``"torch"`` (:mod:`hf_densessm.ops.backend`).
-KERNEL_BACKENDS = ("auto", "triton", "torch")
 
 #: The key of a save's id in ``config.json`` (and the weights; ``hf_densessm.modeling.save_check``): read on load,
 #: never written back by ``to_dict`` (each save writes its own).

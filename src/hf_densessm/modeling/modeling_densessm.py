@@ -11,7 +11,7 @@ from transformers.modeling_layers import GenericForSequenceClassification
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.utils import logging
 
-from ..ops.backend import use_backend
+from ..ops.dispatch import use_backend
 from .cache import check_cache, new_cache, record_tokens
 from .cache_names import CACHE_FIELDS, generate_keyword, model_output, output_cache, takes_cache
 from .dense_connection import run_dense_layers

@@ -1,69 +1,21 @@
-"""Which form of an op runs (:func:`resolve_backend`, the one dispatch of every op; ``backend="auto" | "triton" |
-"torch"``), the PyTorch path's precision under autocast, and the GPUs the kernels' tile choices are built for
-(:data:`ARCHS`): docs/kernels.md, "The backend switch" and "Tile, warp and stage choices"; and :class:`OpGroup`, which
-defines each op once per process (docs/design.md §8). Imports no ``triton``.
+"""What the ops share besides the dispatch (``dispatch.py``): the PyTorch path's precision under autocast, the value
+checks that behave alike in eager and compiled runs (:func:`require`), the GPUs the kernels' tile choices are built
+for (:data:`ARCHS`; docs/kernels.md, "Tile, warp and stage choices"), and :class:`OpGroup`, which defines each op once
+per process (docs/design.md §8). Imports no ``triton``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
-import os
 from dataclasses import dataclass, replace
 
 import torch
 
 __all__ = [
-    "ARCHS", "BACKENDS", "GPUArch", "OpGroup", "check_backend", "compute_dtype", "device_arch", "inputs_compute_dtype",
-    "chosen_backend", "interpreting", "own_precision", "require", "resolve_backend", "tracing", "triton_available",
-    "use_backend", "use_triton",
+    "ARCHS", "GPUArch", "OpGroup", "compute_dtype", "device_arch", "inputs_compute_dtype", "own_precision", "require",
+    "tracing",
 ]
-
-#: The values of every op's ``backend`` argument (and of the models' ``config.kernel_backend``).
-BACKENDS = ("auto", "triton", "torch")
-
-
-def check_backend(backend) -> None:
-    """Raise ``ValueError`` unless ``backend`` is one of :data:`BACKENDS`."""
-    if not isinstance(backend, str) or backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got backend={backend!r}")
-
-
-_active_backend = "auto"  # what an op given no backend runs (use_backend); module state that Dynamo guards on
-
-
-class use_backend:
-    """``with use_backend(backend):`` ops called without a ``backend`` inside the block run ``backend`` (one of
-    :data:`BACKENDS`), as ``torch.nn.attention.sdpa_kernel`` chooses attention kernels: how a model's
-    ``config.kernel_backend`` reaches its ops, read in one place (the backbone's ``forward``). Nests; restored on
-    exit; traced by ``torch.compile`` (a graph guards on it). Process-wide while the block runs (like
-    ``sdpa_kernel``): threads running models of different backends at once would see each other's.
-
-    Raises:
-        ValueError: ``backend`` is not one of :data:`BACKENDS`.
-    """
-
-    def __init__(self, backend: str):
-        check_backend(backend)
-        self.backend = backend
-
-    def __enter__(self):
-        global _active_backend
-        self.previous, _active_backend = _active_backend, self.backend
-
-    def __exit__(self, *exc):
-        global _active_backend
-        _active_backend = self.previous
-
-
-def chosen_backend(backend: str | None) -> str:
-    """``backend`` checked (:func:`check_backend`), or for ``None`` the one of the innermost :class:`use_backend`
-    block (``"auto"`` outside any)."""
-    if backend is None:
-        return _active_backend
-    check_backend(backend)
-    return backend
-
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """The accumulation dtype of the ops for inputs of ``dtype``: float64 for float64, else float32."""
@@ -106,46 +58,6 @@ def own_precision(device: torch.device):
     if torch.is_autocast_enabled(device.type):
         return torch.autocast(device.type, enabled=False)
     return contextlib.nullcontext()
-
-
-def triton_available() -> bool:
-    """Whether the ``triton`` package imports (it is imported once, then cached by Python)."""
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def interpreting() -> bool:
-    """Whether ``TRITON_INTERPRET`` is ``1``, ``true``, ``yes`` or ``on`` (any case), as Triton reads it when a kernel
-    file is first imported."""
-    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
-
-
-def use_triton(backend: str, device: torch.device) -> bool:
-    """Whether ``backend`` (one of :data:`BACKENDS`) runs the Triton kernel on tensors on ``device``: ``"triton"``,
-    or ``"auto"`` with a CUDA ``device`` and triton installed.
-
-    Raises:
-        ValueError: ``backend`` is not one of :data:`BACKENDS`.
-        RuntimeError: ``backend="triton"`` without the triton package, or on non-CUDA tensors without the
-            interpreter (:func:`interpreting`).
-    """
-    check_backend(backend)
-    if backend == "torch":
-        return False
-    if backend == "auto":
-        return device.type == "cuda" and triton_available()
-    if not triton_available():
-        raise RuntimeError("backend='triton' needs the triton package, which is not installed; use backend='torch'")
-    if device.type != "cuda" and not interpreting():
-        raise RuntimeError(
-            f"backend='triton' on {device.type} tensors needs the Triton interpreter: set the environment variable "
-            "TRITON_INTERPRET=1 before triton kernels are defined (before a kernel file of this package is first "
-            "imported), or use backend='torch'"
-        )
-    return True
 
 
 @dataclass(frozen=True)
@@ -194,15 +106,6 @@ def device_arch(device: torch.device) -> GPUArch:
     arch = max(known, key=lambda a: a.capability) if known else ARCHS["sm_80"]
     shared = getattr(props, "shared_memory_per_block_optin", None)
     return replace(arch, shared_per_block=shared) if shared else arch
-
-
-def resolve_backend(backend: str, device: torch.device) -> str:
-    """``"triton"`` where :func:`use_triton` says so for ``backend`` on ``device``, else ``"torch"``.
-
-    Raises:
-        ValueError, RuntimeError: as :func:`use_triton`.
-    """
-    return "triton" if use_triton(backend, device) else "torch"
 
 
 class OpGroup:

@@ -1,7 +1,7 @@
 """The C++ CPU kernel of the selective scan (``csrc/selective_scan_cpu.cpp``; Mamba paper Alg. 2, eq. 2a/2b, 4),
 forward and recompute backward, registered in C++ as ``hf_densessm::selective_scan_cpu_fwd`` / ``_bwd``, built on
-first use (:func:`load_kernel`, :func:`extension_name`) and called by the PyTorch path's ops on CPU tensors
-(:func:`use_kernel`). Build, key, layouts and fallback: docs/kernels.md, "The C++ CPU kernel".
+first use (:func:`load_kernel`, :func:`extension_name`): the ``"cpp"`` entry of the selective scan's table
+(:data:`IMPLEMENTATION`). Build, key, layouts and fallback: docs/kernels.md, "The C++ CPU kernel".
 """
 
 from __future__ import annotations
@@ -18,10 +18,11 @@ from pathlib import Path
 import torch
 
 from .backend import inputs_compute_dtype
+from .dispatch import Implementation
 
 __all__ = [
-    "CHECKPOINT", "MAX_STATE", "SOURCE", "SWITCH", "capability_flags", "extension_name", "kernel_enabled",
-    "load_kernel", "scan_bwd", "scan_fwd", "use_kernel",
+    "CHECKPOINT", "IMPLEMENTATION", "MAX_STATE", "SOURCE", "SWITCH", "capability_flags", "extension_name",
+    "kernel_enabled", "load_kernel", "missing", "scan_bwd", "scan_fwd",
 ]
 
 #: The C++ source; absent from an install that did not ship ``csrc/`` (then the kernel is never built).
@@ -61,7 +62,8 @@ SWITCH = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false":
 
 
 def kernel_enabled() -> bool:
-    """Whether the environment variable ``HF_DENSESSM_CPU_KERNEL`` (read at every call) leaves the kernel on.
+    """Whether the environment variable ``HF_DENSESSM_CPU_KERNEL`` leaves the kernel on (read when a scan chooses its
+    implementation: once per call of ``selective_scan``).
 
     Raises:
         ValueError: the variable is set to anything but a spelling in :data:`SWITCH` or the empty string.
@@ -103,14 +105,13 @@ def _register_fakes() -> None:
 
 @functools.cache
 def load_kernel() -> bool:
-    """Load the C++ kernel from the cache, building it there first if needed (never while ``torch.compile``
-    traces), once per process.
+    """Load the C++ kernel from the cache, building it there first if needed, once per process.
 
     Returns:
         True when the ops ``hf_densessm::selective_scan_cpu_fwd`` / ``_bwd`` are registered; False when the source
-        file is absent (silently), when ``torch.compile`` traces and no complete library is cached, or when the
-        build or load failed (one ``RuntimeWarning`` with the reason and the cache folder; the PyTorch path runs
-        instead). Never waits on another process. Does not read ``HF_DENSESSM_CPU_KERNEL``: see :func:`use_kernel`.
+        file is absent (silently), or when the build or load failed (one ``RuntimeWarning`` with the reason and the
+        cache folder; the PyTorch path runs instead). Never waits on another process. Does not read
+        ``HF_DENSESSM_CPU_KERNEL``: see :func:`missing`.
     """
     if hasattr(torch.ops.hf_densessm, "selective_scan_cpu_fwd"):  # loaded by another copy of this module
         _register_fakes()
@@ -139,13 +140,6 @@ def _build(source: Path) -> bool:
         library, digest = folder / f"{name}{cpp_extension.LIB_EXT}", folder / f"{name}.sha256"
         if library.is_file() and digest.is_file() and digest.read_text(errors="replace").strip() == _sha256(library):
             torch.ops.load_library(str(library))
-        elif torch.compiler.is_compiling():  # the graph's fakes must match every later call: no kernel here
-            warnings.warn(
-                f"hf_densessm: the C++ CPU kernel of the selective scan has no complete build in {folder} and "
-                "torch.compile is tracing, so the PyTorch path runs in this process; build it once with an eager CPU "
-                "forward or python -c 'from hf_densessm.ops.cpu_kernel import load_kernel; load_kernel()'",
-                RuntimeWarning, stacklevel=3)
-            return False
         else:
             logging.getLogger(__name__).warning(
                 "hf_densessm: building the C++ CPU kernel of the selective scan in %s (once per CPU capability, "
@@ -174,12 +168,23 @@ def _build(source: Path) -> bool:
         return False
 
 
-def use_kernel(u: Tensor, state_size: int) -> bool:
-    """Whether the ops of the PyTorch path run the C++ kernel for these inputs: CPU tensors, a state size up to
-    :data:`MAX_STATE`, ``HF_DENSESSM_CPU_KERNEL`` on (:func:`kernel_enabled`, whose ``ValueError`` it raises), and
-    the kernel loaded (:func:`load_kernel`).
-    The forward and backward ops ask the same question, so the ``chunk_states`` one saves is the other's."""
-    return u.device.type == "cpu" and state_size <= MAX_STATE and kernel_enabled() and load_kernel()
+def missing(device: torch.device, state_size: int, **facts) -> str | None:
+    """Why the kernel cannot run a scan (``None`` when it can): a non-CPU ``device``, a state size beyond
+    :data:`MAX_STATE`, ``HF_DENSESSM_CPU_KERNEL`` off (:func:`kernel_enabled`, whose ``ValueError`` it raises), or no
+    kernel loaded (:func:`load_kernel`, which it calls: the first call may build it)."""
+    if device.type != "cpu":
+        return "runs on CPU tensors only"
+    if state_size > MAX_STATE:
+        return f"takes a state size up to {MAX_STATE}"
+    return _switch_and_build()
+
+
+@torch.compiler.assume_constant_result
+def _switch_and_build() -> str | None:
+    """:func:`missing`'s reading of the switch and the build, a constant while Dynamo traces."""
+    if not kernel_enabled():
+        return "is off (HF_DENSESSM_CPU_KERNEL)"
+    return None if load_kernel() else "is not available (see the build warning)"
 
 
 def _cast(t, dtype):
@@ -250,3 +255,27 @@ def scan_bwd(dy, dlast, u, delta, A, B, C, D=None, z=None, delta_bias=None, delt
     likes = (u, delta, A, B, C, D, z, delta_bias, initial_state)
     return tuple(None if like is None and i in (5, 6, 7) else g if like is None else g.to(like.dtype)
                  for i, (g, like) in enumerate(zip(grads, likes)))
+
+
+def _forward(*args):
+    """The entry's "forward" (``selective_scan/__init__.py``): :func:`scan_fwd`, the checkpoints flattened to
+    (batch, dim, n_chunks * state)."""
+    y, last, states = scan_fwd(*args[:-1])
+    return y, last, states.flatten(2)
+
+
+def _backward(*args):
+    """The entry's "backward": :func:`scan_bwd` from the flattened checkpoints."""
+    *args, saved = args
+    return scan_bwd(*args, saved.unflatten(2, (-1, args[4].shape[1])))
+
+
+def _saved(u, A, dtype):
+    """The entry's "saved" (the fake of its checkpoints): a state every :data:`CHECKPOINT` tokens."""
+    return u.new_empty(u.shape[0], u.shape[1], (u.shape[2] + CHECKPOINT - 1) // CHECKPOINT * A.shape[1], dtype=dtype)
+
+
+#: The selective scan's ``"cpp"`` entry (``selective_scan/__init__.py``): CPU tensors, taken by ``"auto"`` and
+#: ``"torch"`` before the chunked PyTorch path.
+IMPLEMENTATION = Implementation("cpp", ("auto", "torch"), ("cpu",), missing,
+                                calls=dict(forward=_forward, backward=_backward, saved=_saved))

@@ -10,7 +10,7 @@ except ImportError as error:
 
 import torch
 
-from .backend import interpreting
+from .dispatch import interpreting
 
 __all__ = ["acc", "launch", "silu", "softplus"]
 

@@ -1,14 +1,16 @@
 """Mamba's causal depthwise convolution (Mamba paper §3.4, Fig. 3), SiLU optional, token-major, as the
-``torch.library`` ops ``hf_densessm::causal_conv1d`` / ``_backward`` (autograd registered; ``triton_op``s whose
-bodies dispatch by :func:`~..backend.resolve_backend` between the fused Triton kernels, ``chunk.py``, and the
-PyTorch path, ``torch_path.py``). Formulas, kernels and why token-major: docs/kernels.md.
+``torch.library`` ops ``hf_densessm::causal_conv1d`` / ``_backward`` (autograd registered; ``triton_op``s that run
+the implementation chosen from the op's table, :data:`~..dispatch.TABLES`: the fused Triton kernels of ``chunk.py``
+or the PyTorch path of ``torch_path.py``, both traced by ``torch.compile``). Formulas, kernels and why token-major:
+docs/kernels.md.
 """
 
 from typing import Optional
 
 import torch
 
-from ..backend import OpGroup, chosen_backend, own_precision, resolve_backend
+from ..backend import OpGroup, own_precision
+from ..dispatch import TABLES, Implementation, choose, implementation, triton_missing
 from ..packing import check_reset
 from .torch_path import causal_conv1d_backward_torch, causal_conv1d_torch
 
@@ -16,6 +18,40 @@ __all__ = ["causal_conv1d"]
 
 _ACTIVATIONS = (None, "silu")
 _ops = OpGroup()
+
+
+# The entries' functions (docs/kernels.md, "The dispatch table"): "forward"(x, taps, bias, window, reset, silu) -> out
+# and "backward"(grad_out, x, taps, bias, window, reset, silu) -> the gradients of x, taps, bias, window.
+
+
+def _triton_forward(*args):
+    from .chunk import causal_conv1d_triton_fwd
+
+    return causal_conv1d_triton_fwd(*args)
+
+
+def _triton_backward(*args):
+    from .chunk import causal_conv1d_triton_bwd
+
+    return causal_conv1d_triton_bwd(*args)
+
+
+def _torch_forward(*args):
+    with own_precision(args[0].device):
+        return causal_conv1d_torch(*args)
+
+
+def _torch_backward(*args):
+    with own_precision(args[0].device):
+        return causal_conv1d_backward_torch(*args)
+
+
+TABLES["causal_conv1d"] = [
+    Implementation("triton", ("auto", "triton"), ("cuda",), triton_missing, traced=True,
+                   calls=dict(forward=_triton_forward, backward=_triton_backward)),
+    Implementation("torch", ("auto", "torch"), traced=True, calls=dict(forward=_torch_forward,
+                                                                       backward=_torch_backward)),
+]
 
 
 @_ops.triton_op("causal_conv1d")
@@ -26,16 +62,10 @@ def _causal_conv1d_op(
     window: Optional[torch.Tensor],
     reset: Optional[torch.Tensor],
     silu: bool,
-    backend: str,
+    impl: str,
 ) -> torch.Tensor:
-    """:func:`~.chunk.causal_conv1d_triton_fwd` or :func:`causal_conv1d_torch` as ``backend`` resolves, no checks
-    (``taps``: ``(channels, kernel)``)."""
-    if resolve_backend(backend, x.device) == "triton":
-        from .chunk import causal_conv1d_triton_fwd
-
-        return causal_conv1d_triton_fwd(x, taps, bias, window, reset, silu)
-    with own_precision(x.device):
-        return causal_conv1d_torch(x, taps, bias, window, reset, silu)
+    """The implementation ``impl``'s forward, no checks (``taps``: ``(channels, kernel)``)."""
+    return implementation("causal_conv1d", impl).calls["forward"](x, taps, bias, window, reset, silu)
 
 
 @_ops.triton_op("causal_conv1d_backward")
@@ -47,28 +77,22 @@ def _causal_conv1d_backward_op(
     window: Optional[torch.Tensor],
     reset: Optional[torch.Tensor],
     silu: bool,
-    backend: str,
+    impl: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The gradients of ``x``, ``taps``, ``bias``, ``window``: :func:`~.chunk.causal_conv1d_triton_bwd` or
-    :func:`causal_conv1d_backward_torch` as ``backend`` resolves."""
-    if resolve_backend(backend, x.device) == "triton":
-        from .chunk import causal_conv1d_triton_bwd
-
-        return causal_conv1d_triton_bwd(grad_out, x, taps, bias, window, reset, silu)
-    with own_precision(x.device):
-        return causal_conv1d_backward_torch(grad_out, x, taps, bias, window, reset, silu)
+    """The gradients of ``x``, ``taps``, ``bias``, ``window`` by the implementation ``impl``."""
+    return implementation("causal_conv1d", impl).calls["backward"](grad_out, x, taps, bias, window, reset, silu)
 
 
 def _setup_context(ctx, inputs, output):
-    x, taps, bias, window, reset, silu, backend = inputs
+    x, taps, bias, window, reset, silu, impl = inputs
     ctx.save_for_backward(x, taps, bias, window, reset)
-    ctx.silu, ctx.backend = silu, backend
+    ctx.silu, ctx.impl = silu, impl
 
 
 def _backward(ctx, grad_out):
     x, taps, bias, window, reset = ctx.saved_tensors
     grad_x, grad_taps, grad_bias, grad_window = _ops.causal_conv1d_backward(
-        grad_out, x, taps, bias, window, reset, ctx.silu, ctx.backend
+        grad_out, x, taps, bias, window, reset, ctx.silu, ctx.impl
     )
     return (grad_x, grad_taps, None if bias is None else grad_bias, None if window is None else grad_window, None,
             None, None)
@@ -100,7 +124,7 @@ def causal_conv1d(
         activation: ``None`` or ``"silu"``.
         backend: ``"auto"`` (the Triton kernels on CUDA tensors with triton installed, else the PyTorch path),
             ``"triton"`` or ``"torch"`` (docs/kernels.md, "The backend switch"); ``None``: the active one
-            (:class:`~..backend.use_backend`).
+            (:class:`~..dispatch.use_backend`).
 
     Returns:
         ``(batch, seq_len, channels)`` contiguous in ``x``'s dtype (computed in float32, float64 for float64 ``x``),
@@ -134,9 +158,8 @@ def causal_conv1d(
     if activation not in _ACTIVATIONS:
         raise ValueError(f"activation must be one of {_ACTIVATIONS}, got {activation!r}")
     reset = check_reset(reset, batch, length, x.device)
-    backend = chosen_backend(backend)
-    resolve_backend(backend, x.device)  # the argument's errors here, at the boundary
+    impl = choose("causal_conv1d", x.device, backend)
     taps = weight.reshape(channels, kernel)
     if window is not None:
         window = window.clone()  # a cache the caller updates in place after the call; the backward pass reads this
-    return _ops.causal_conv1d(x, taps, bias, window, reset, activation == "silu", backend)
+    return _ops.causal_conv1d(x, taps, bias, window, reset, activation == "silu", impl)

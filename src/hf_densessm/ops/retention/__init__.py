@@ -1,7 +1,8 @@
 """Multi-scale retention (DenseSSM paper Eq. 18, 19, 24; RetNet) as the ``torch.library`` ops
 ``hf_densessm::chunk_retention`` (+ ``_backward``) and ``hf_densessm::retention_state_update``, and the public
-functions that check their arguments and call them. Forms (``naive.py``, ``chunked_torch.py``, ``chunk.py``,
-``fused_recurrent.py``), dispatch and compile behaviour: docs/kernels.md, "The ops" and "The forms of an op".
+functions that check their arguments and call them; the ops run the implementation chosen from their tables
+(:data:`~..dispatch.TABLES`). Forms (``naive.py``, ``chunked_torch.py``, ``chunk.py``, ``fused_recurrent.py``),
+dispatch and compile behaviour: docs/kernels.md, "The ops", "The forms of an op" and "The dispatch table".
 """
 
 import math
@@ -10,7 +11,8 @@ from typing import Optional
 
 import torch
 
-from ..backend import OpGroup, chosen_backend, compute_dtype, own_precision, resolve_backend
+from ..backend import OpGroup, compute_dtype, own_precision
+from ..dispatch import TABLES, Implementation, choose, implementation, triton_missing
 from ..packing import check_reset
 from .chunked_torch import chunk_retention_torch, chunk_retention_torch_backward, retention_state_update_torch
 from .naive import retention_gamma, retention_log2_gamma
@@ -69,23 +71,81 @@ def _check_state(name, state, q, v):
         raise ValueError(f"{name} must be on the device of q ({q.device}), got {state.device}")
 
 
+# ---------------------------------------------------------------------------------------------- the tables
+#
+# The entries' functions (docs/kernels.md, "The dispatch table"), arguments as the ops below take them:
+#   "forward"(q, k, v, scale, initial_state, reset) -> (o, final_state), o (batch, length, heads, value_dim) in v's
+#       dtype with the strides of a transposed (batch, heads, length, value_dim) tensor where not traced (the opaque
+#       op's fake), final_state (batch, heads, key_dim, value_dim) in the compute dtype;
+#   "backward"(d_o, d_final_state, q, k, v, scale, initial_state, reset) -> (dq, dk, dv, d_initial_state);
+#   "step"(state, q, k, v, scale) -> o, state updated in place (retention_state_update's entries).
+
+
+def _triton_forward(*args):
+    from .chunk import chunk_retention_fwd_triton
+
+    return chunk_retention_fwd_triton(*args)
+
+
+def _triton_backward(*args):
+    from .chunk import chunk_retention_bwd_triton
+
+    return chunk_retention_bwd_triton(*args)
+
+
+def _triton_step(*args):
+    from .fused_recurrent import retention_state_update_triton
+
+    return retention_state_update_triton(*args)
+
+
+def _torch_forward(q, k, v, scale, initial_state, reset):
+    return chunk_retention_torch(q, k, v, scale, initial_state, True, reset=reset)
+
+
+def _torch_backward(d_o, d_final_state, q, k, v, scale, initial_state, reset):
+    return chunk_retention_torch_backward(d_o, d_final_state, q, k, v, scale, initial_state, reset=reset)
+
+
+def _torch_step(state, q, k, v, scale):
+    with own_precision(q.device):
+        return retention_state_update_torch(state, q, k, v, scale)
+
+
+_TRITON = dict(backends=("auto", "triton"), auto_devices=("cuda",), missing=triton_missing, traced=True)
+TABLES["chunk_retention"] = [
+    Implementation("triton", **_TRITON, calls=dict(forward=_triton_forward, backward=_triton_backward)),
+    Implementation("torch", ("auto", "torch"), calls=dict(forward=_torch_forward, backward=_torch_backward)),
+]
+TABLES["retention_state_update"] = [
+    Implementation("triton", **_TRITON, calls=dict(step=_triton_step)),
+    Implementation("torch", ("auto", "torch"), traced=True, calls=dict(step=_torch_step)),
+]
+
+
 # ---------------------------------------------------------------------------------------------------- the ops
+#
+# As the selective scan's (selective_scan/__init__.py): the ops run the entry named by ``impl``; an entry that is not
+# traced runs inside the opaque ops ``chunk_retention_eager`` (+ ``_backward``), eagerly inside a compiled graph,
+# rather than its loop over chunks unrolled into it. Their fakes give the shapes only, so a graph over a dynamic
+# length holds no guard on how the length splits into chunks.
 
 
-def _retention_torch(
+def _eager(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, initial_state: Optional[torch.Tensor],
-    reset: Optional[torch.Tensor],
+    reset: Optional[torch.Tensor], impl: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     with own_precision(q.device):
-        return chunk_retention_torch(q, k, v, scale, initial_state, True, reset=reset)
+        return implementation("chunk_retention", impl).calls["forward"](q, k, v, scale, initial_state, reset)
 
 
-def _retention_torch_backward(
+def _eager_backward(
     d_o: torch.Tensor, d_final_state: Optional[torch.Tensor], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-    scale: float, initial_state: Optional[torch.Tensor], reset: Optional[torch.Tensor],
+    scale: float, initial_state: Optional[torch.Tensor], reset: Optional[torch.Tensor], impl: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     with own_precision(q.device):
-        return chunk_retention_torch_backward(d_o, d_final_state, q, k, v, scale, initial_state, reset=reset)
+        return implementation("chunk_retention", impl).calls["backward"](d_o, d_final_state, q, k, v, scale,
+                                                                         initial_state, reset)
 
 
 def _transposed_like(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -95,58 +155,51 @@ def _transposed_like(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x.new_empty(batch, heads, length, dim, dtype=dtype).transpose(1, 2)
 
 
-def _retention_torch_fake(q, k, v, scale, initial_state, reset):
+def _eager_fake(q, k, v, scale, initial_state, reset, impl):
     state = q.new_empty(q.shape[0], q.shape[2], q.shape[3], v.shape[3], dtype=compute_dtype(v.dtype))
     return _transposed_like(v, v.dtype), state
 
 
-def _retention_torch_backward_fake(d_o, d_final_state, q, k, v, scale, initial_state, reset):
+def _eager_backward_fake(d_o, d_final_state, q, k, v, scale, initial_state, reset, impl):
     d_state = q.new_empty(q.shape[0], q.shape[2], q.shape[3], v.shape[3], dtype=compute_dtype(v.dtype))
     return _transposed_like(q, q.dtype), _transposed_like(k, k.dtype), _transposed_like(v, v.dtype), d_state
 
 
-# The whole-sequence PyTorch path as opaque ops ``hf_densessm::chunk_retention_torch`` / ``_backward``, run eagerly
-# inside a compiled graph rather than its loop over chunks unrolled into it. Their fakes give the shapes only, so a
-# graph over a dynamic length holds no guard on how the length splits into chunks.
 _ops = OpGroup()
-for _suffix, _fn, _fake in (("", _retention_torch, _retention_torch_fake),
-                            ("_backward", _retention_torch_backward, _retention_torch_backward_fake)):
-    _ops.custom_op(f"chunk_retention_torch{_suffix}", _fn, fake=_fake)
+_ops.custom_op("chunk_retention_eager", _eager, fake=_eager_fake)
+_ops.custom_op("chunk_retention_eager_backward", _eager_backward, fake=_eager_backward_fake)
 
 
 @_ops.triton_op("chunk_retention")
 def _chunk_retention_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, initial_state: Optional[torch.Tensor],
-    reset: Optional[torch.Tensor], backend: str,
+    reset: Optional[torch.Tensor], impl: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(o, final_state)`` of :func:`chunk_retention` (arguments checked there): the Triton kernels or the
-    PyTorch path."""
-    if resolve_backend(backend, q.device) == "triton":
-        from .chunk import chunk_retention_fwd_triton
-
-        return chunk_retention_fwd_triton(q, k, v, scale, initial_state, reset)
-    return _ops.chunk_retention_torch(q, k, v, scale, initial_state, reset)
+    """``(o, final_state)`` of :func:`chunk_retention` (arguments checked there) by the implementation ``impl``."""
+    entry = implementation("chunk_retention", impl)
+    if entry.traced:
+        return entry.calls["forward"](q, k, v, scale, initial_state, reset)
+    return _ops.chunk_retention_eager(q, k, v, scale, initial_state, reset, impl)
 
 
 @_ops.triton_op("chunk_retention_backward")
 def _chunk_retention_backward_op(
     d_o: torch.Tensor, d_final_state: Optional[torch.Tensor], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-    scale: float, initial_state: Optional[torch.Tensor], reset: Optional[torch.Tensor], backend: str,
+    scale: float, initial_state: Optional[torch.Tensor], reset: Optional[torch.Tensor], impl: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dq, dk, dv, d_initial_state)`` of ``hf_densessm::chunk_retention`` (``d_final_state`` None: zero);
-    ``d_initial_state`` in ``initial_state``'s dtype, else the state dtype."""
-    if resolve_backend(backend, q.device) == "triton":
-        from .chunk import chunk_retention_bwd_triton as backward
-    else:
-        backward = _ops.chunk_retention_torch_backward
-    dq, dk, dv, d_initial_state = backward(d_o, d_final_state, q, k, v, scale, initial_state, reset)
+    """``(dq, dk, dv, d_initial_state)`` of ``hf_densessm::chunk_retention`` by the implementation ``impl``
+    (``d_final_state`` None: zero); ``d_initial_state`` in ``initial_state``'s dtype, else the state dtype."""
+    args = (d_o, d_final_state, q, k, v, scale, initial_state, reset)
+    entry = implementation("chunk_retention", impl)
+    dq, dk, dv, d_initial_state = (entry.calls["backward"](*args) if entry.traced
+                                   else _ops.chunk_retention_eager_backward(*args, impl))
     return dq, dk, dv, d_initial_state.to(compute_dtype(v.dtype) if initial_state is None else initial_state.dtype)
 
 
 def _chunk_retention_setup(ctx, inputs, output):
-    q, k, v, scale, initial_state, reset, backend = inputs
+    q, k, v, scale, initial_state, reset, impl = inputs
     ctx.save_for_backward(q, k, v, initial_state, reset)
-    ctx.scale, ctx.backend = scale, backend
+    ctx.scale, ctx.impl = scale, impl
     ctx.set_materialize_grads(False)  # an unused final state arrives as None: the kernel skips reading it
 
 
@@ -155,7 +208,7 @@ def _chunk_retention_backward(ctx, d_o, d_final_state):
     if d_o is None:  # only the final state was used
         d_o = torch.zeros_like(v)
     dq, dk, dv, d_initial_state = _ops.chunk_retention_backward(
-        d_o, d_final_state, q, k, v, ctx.scale, initial_state, reset, ctx.backend
+        d_o, d_final_state, q, k, v, ctx.scale, initial_state, reset, ctx.impl
     )
     return dq, dk, dv, None, (None if initial_state is None else d_initial_state), None, None
 
@@ -165,15 +218,11 @@ _ops.register_autograd("chunk_retention", _chunk_retention_backward, setup_conte
 
 @_ops.triton_op("retention_state_update", mutates_args=("state",))
 def _retention_state_update_op(
-    state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, backend: str
+    state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, impl: str
 ) -> torch.Tensor:
-    """``o`` of :func:`retention_state_update` (arguments checked there); ``state`` updated in place."""
-    if resolve_backend(backend, q.device) == "triton":
-        from .fused_recurrent import retention_state_update_triton
-
-        return retention_state_update_triton(state, q, k, v, scale)
-    with own_precision(q.device):
-        return retention_state_update_torch(state, q, k, v, scale)
+    """``o`` of :func:`retention_state_update` (arguments checked there) by the implementation ``impl``; ``state``
+    updated in place."""
+    return implementation("retention_state_update", impl).calls["step"](state, q, k, v, scale)
 
 
 _ops.define()
@@ -196,7 +245,7 @@ def chunk_retention(q, k, v, scale=None, initial_state=None, output_final_state=
             float64 inputs), the state before token 0; gradients flow into it if it requires grad.
         output_final_state (bool): also return the state after the last token.
         backend (str, optional): ``"auto"``, ``"triton"`` or ``"torch"`` (docs/kernels.md, "The backend switch");
-            ``None``: the active one (:class:`~..backend.use_backend`, ``"auto"`` by default).
+            ``None``: the active one (:class:`~..dispatch.use_backend`, ``"auto"`` by default).
         reset (Tensor, optional): ``(batch, length)`` bool, True at the first token of each packed document (the
             state before it is dropped; docs/kernels.md, "Packed sequences").
 
@@ -216,8 +265,8 @@ def chunk_retention(q, k, v, scale=None, initial_state=None, output_final_state=
     if initial_state is not None:
         _check_state("initial_state", initial_state, q, v)
     reset = check_reset(reset, q.shape[0], q.shape[1], q.device)
-    backend = chosen_backend(backend)
-    o, final_state = _ops.chunk_retention(q, k, v, scale, initial_state, reset, backend)
+    impl = choose("chunk_retention", q.device, backend)
+    o, final_state = _ops.chunk_retention(q, k, v, scale, initial_state, reset, impl)
     return o, (final_state if output_final_state else None)
 
 
@@ -241,5 +290,4 @@ def retention_state_update(state, q, k, v, scale=None, backend=None):
     _check_qkv(q, k, v, ("batch", "heads"))
     scale = _check_scale(scale, q.shape[-1])
     _check_state("state", state, q, v)
-    backend = chosen_backend(backend)
-    return _ops.retention_state_update(state, q, k, v, scale, backend)
+    return _ops.retention_state_update(state, q, k, v, scale, choose("retention_state_update", q.device, backend))

@@ -1,27 +1,24 @@
 """Selective scan of Mamba (Mamba paper, Algorithm 2, §3.3, App. D): the public entry points :func:`selective_scan`
 (whole sequence; ``mamba_ssm``'s ``selective_scan_fn`` layout) and :func:`selective_state_update` (one decoding
 token, state updated in place), their argument checks, and the ``torch.library`` ops ``hf_densessm::selective_scan``
-(+ ``_backward``) and ``hf_densessm::selective_state_update`` they call. Each op's body is the one dispatch
-(:func:`hf_densessm.ops.backend.resolve_backend`) between the chunk-parallel Triton kernels (``chunk.py``,
-``fused_recurrent.py``) and the PyTorch path (``chunked_torch.py``, or on CPU tensors the C++ kernel of
-``../cpu_kernel.py``); the forms, schemas and backends are in docs/kernels.md ("Layout", "The ops"). ``A <= 0`` is
-checked by :func:`selective_scan` (a host read: skipped while compiling or capturing a CUDA graph), not per decoding
-step.
+(+ ``_backward``) and ``hf_densessm::selective_state_update`` they call, which run the implementation chosen
+from the ops' tables (:data:`~..dispatch.TABLES`: the chunk-parallel Triton kernels of ``chunk.py`` /
+``fused_recurrent.py``, the C++ kernel of ``../cpu_kernel.py`` on CPU tensors, the PyTorch path of
+``chunked_torch.py``); the forms, schemas and the dispatch are in docs/kernels.md ("Layout", "The ops", "The dispatch
+table"). ``A <= 0`` is checked by :func:`selective_scan` with no host sync, not per decoding step.
 """
 
 from typing import Optional
 
 import torch
 
-from ..backend import OpGroup, chosen_backend, inputs_compute_dtype, own_precision, require, resolve_backend
+from ..backend import OpGroup, inputs_compute_dtype, own_precision, require
+from ..dispatch import TABLES, Implementation, choose, implementation, triton_missing
 
-try:  # remote code ships no C++ build code (docs/hub_and_conversion.md): the PyTorch path runs
-    from ..cpu_kernel import CHECKPOINT, scan_bwd as cpu_scan_bwd, scan_fwd as cpu_scan_fwd, use_kernel
+try:  # remote code ships no C++ build code (docs/hub_and_conversion.md): the table has no "cpp" entry there
+    from .. import cpu_kernel
 except ImportError:
-    CHECKPOINT = 64
-
-    def use_kernel(u, state_size):
-        return False
+    cpu_kernel = None
 from ..packing import check_reset
 from .chunked_torch import selective_scan_torch_bwd, selective_scan_torch_fwd, selective_state_update_torch
 
@@ -86,137 +83,169 @@ def _or_empty(grad: Optional[Tensor], like: Tensor) -> Tensor:
     return like.new_empty(0) if grad is None else grad
 
 
+# ---------------------------------------------------------------------------------------------- the tables
+#
+# The entries' functions (docs/kernels.md, "The dispatch table"), with ``args`` = (u, delta, A, B, C, D, z,
+# delta_bias, delta_softplus, initial_state, reset) as :func:`selective_scan` takes them (reset: bool or None):
+#   "forward"(*args, save_states) -> (y, last_state, saved): y (batch, dim, length) in u's dtype;
+#       last_state (batch, dim, state) in the compute dtype; saved: what "backward" starts from, in the entry's own
+#       layout (a traced entry may return it with no elements when save_states is False: it is then recomputed);
+#   "backward"(dy, dlast, *args, saved) -> (du, ddelta, dA, dB, dC, dD, dz, ddelta_bias, dinitial_state), each in
+#       its input's dtype (None or empty for an absent input), dy / dlast None for zero;
+#   "saved"(u, A, compute_dtype) -> an empty tensor with the shape, dtype and strides of "saved" (entries that are
+#       not traced: the fake of the opaque op that runs them).
+# selective_state_update's entries: "step"(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus) -> y, state updated.
+
+
+def _triton_forward(*args):
+    from .chunk import selective_scan_triton_fwd
+
+    return selective_scan_triton_fwd(*args)
+
+
+def _triton_backward(*args):
+    from .chunk import selective_scan_triton_bwd
+
+    return selective_scan_triton_bwd(*args)
+
+
+def _triton_step(*args):
+    from .fused_recurrent import selective_state_update_triton
+
+    return selective_state_update_triton(*args)
+
+
+def _torch_forward(*args):
+    y, last, states = selective_scan_torch_fwd(*args[:-1])
+    return y, last, states.flatten(2)  # 3-D: a 4-D output's channels-last test would guard the length to one chunk
+
+
+def _torch_backward(*args):
+    *args, saved = args
+    return selective_scan_torch_bwd(*args, saved.unflatten(2, (args[2].shape[1], -1)))
+
+
+def _torch_saved(u, A, dtype):
+    """The chunked path's chunk length follows the length (``default_chunk_size``): its chunk count is a size only
+    the run knows (an unbacked size), so a graph over a dynamic length holds no guard on it."""
+    chunks = torch.library.get_ctx().new_dynamic_size(min=1)
+    return u.new_empty(u.shape[0], chunks, A.shape[1] * u.shape[1], dtype=dtype)
+
+
+def _torch_step(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus):
+    with own_precision(state.device):
+        return selective_state_update_torch(state, x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus)
+
+
+_TRITON = dict(backends=("auto", "triton"), auto_devices=("cuda",), missing=triton_missing, traced=True)
+TABLES["selective_scan"] = [
+    Implementation("triton", **_TRITON, calls=dict(forward=_triton_forward, backward=_triton_backward)),
+    *([cpu_kernel.IMPLEMENTATION] if cpu_kernel else []),
+    Implementation("torch", ("auto", "torch"), calls=dict(forward=_torch_forward, backward=_torch_backward,
+                                                          saved=_torch_saved)),
+]
+TABLES["selective_state_update"] = [
+    Implementation("triton", **_TRITON, calls=dict(step=_triton_step)),
+    Implementation("torch", ("auto", "torch"), traced=True, calls=dict(step=_torch_step)),
+]
+
+
 # ------------------------------------------------------------------------------------------------------ the ops
 #
-# Each op's body is its one dispatch: ``resolve_backend(backend, device)`` picks the Triton kernels (launched
-# through ``torch.library.wrap_triton``) or the PyTorch path. ``triton_op`` registers the body as the fake
-# implementation too, and ``torch.compile`` decomposes the op into it, so the bodies read no tensor values.
-# The whole-sequence PyTorch path is itself a ``custom_op`` (``selective_scan_torch`` and its backward), opaque to
-# ``torch.compile``: its Python loop over chunks would otherwise be unrolled into the graph (measured: 350 s to
-# compile a 4-block micro model's training step at 37 tokens, growing with the length); it runs eagerly inside a
-# compiled graph, which fuses everything around it.
+# ``hf_densessm::selective_scan`` (+ ``_backward``) run the implementation named by their ``impl`` argument, which
+# :func:`selective_scan` chose and the backward receives from the forward's context. ``triton_op`` registers each
+# body as its own fake, and ``torch.compile`` decomposes the op into it: a traced entry's kernels enter the graph;
+# any other entry runs inside the opaque ops ``selective_scan_eager`` (+ ``_backward``), run eagerly inside a
+# compiled graph (the chunked path's Python loop over chunks would otherwise be unrolled into it: measured, 350 s
+# to compile a 4-block micro model's training step at 37 tokens).
 
 
-def _scan_torch(
-    u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Optional[Tensor], z: Optional[Tensor],
-    delta_bias: Optional[Tensor], delta_softplus: bool, initial_state: Optional[Tensor], reset: Optional[Tensor],
-) -> tuple[Tensor, Tensor, Tensor]:
-    """``(y, last_state, chunk_states)``, all contiguous; ``chunk_states`` 3-D (a 4-D output's channels-last test
-    would guard a dynamic length to one chunk): the kernel's ``(batch, dim, n_chunks * state)``, the chunked path's
-    ``(batch, n_chunks, state * dim)``."""
+def _eager(u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Optional[Tensor], z: Optional[Tensor],
+           delta_bias: Optional[Tensor], delta_softplus: bool, initial_state: Optional[Tensor],
+           reset: Optional[Tensor], save_states: bool, impl: str) -> tuple[Tensor, Tensor, Tensor]:
     with own_precision(u.device):
-        if use_kernel(u, A.shape[1]):  # CPU tensors: the C++ kernel (ops/cpu_kernel.py), when it is built
-            # the kernel returns y token-major (a (batch, dim, length) view of a (batch, length, dim) tensor); the
-            # op hands out contiguous tensors on both paths: Inductor asserted contiguous strides for this op's
-            # outputs although its fake gave the kernel's (tests/ops/test_selective_scan.py::
-            # test_compile_fullgraph_inductor_forward_backward; cause not found yet)
-            y, last, states = cpu_scan_fwd(u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, reset)
-            return y.contiguous(), last, states.flatten(2)
-        y, last, states = selective_scan_torch_fwd(u, delta, A, B, C, D, z, delta_bias, delta_softplus,
-                                                   initial_state, reset)
-        return y, last, states.flatten(2)
+        y, last, saved = implementation("selective_scan", impl).calls["forward"](
+            u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, reset, save_states)
+    # contiguous whatever the entry returns (the C++ kernel's y is token-major): Inductor asserted contiguous strides
+    # for this op's outputs although the fake gave the kernel's (issue 35 asks to drop this copy)
+    return y.contiguous(), last, saved
 
 
-def _scan_torch_backward(
+def _eager_backward(
     dy: Optional[Tensor], dlast: Optional[Tensor], u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor,
     D: Optional[Tensor], z: Optional[Tensor], delta_bias: Optional[Tensor], delta_softplus: bool,
-    initial_state: Optional[Tensor], reset: Optional[Tensor], chunk_states: Tensor,
+    initial_state: Optional[Tensor], reset: Optional[Tensor], saved: Tensor, impl: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    n = A.shape[1]
     with own_precision(u.device):
-        # the forward op chose its path by the same test: chunk_states has that path's layout (each refuses the other's)
-        if use_kernel(u, n):
-            bwd, chunk_states = cpu_scan_bwd, chunk_states.unflatten(2, (-1, n))
-        else:
-            bwd, chunk_states = selective_scan_torch_bwd, chunk_states.unflatten(2, (n, -1))
-        grads = bwd(dy, dlast, u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, reset, chunk_states)
-    # contiguous on both paths (the kernel's du, ddelta, dz, dB, dC are token-major): see _scan_torch
+        grads = implementation("selective_scan", impl).calls["backward"](
+            dy, dlast, u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, reset, saved)
     return tuple(_or_empty(g, u).contiguous() for g in grads)
 
 
-def _scan_torch_fake(u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, reset):
-    """Shapes, dtypes and strides of :func:`_scan_torch`'s outputs, with no guard on the length: the kernel saves a
-    state every ``CHECKPOINT`` tokens (a ceil-division of the length); the chunked path's chunk length follows the
-    length (``default_chunk_size``), so its number of chunks is a size only the run knows (an unbacked size)."""
-    batch, dim, length = u.shape
-    n = A.shape[1]
+def _eager_fake(u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, reset, save_states, impl):
     cdt = inputs_compute_dtype(u, delta, A, B, C, D, z, delta_bias, initial_state)
-    if use_kernel(u, n):
-        states = u.new_empty(batch, dim, (length + CHECKPOINT - 1) // CHECKPOINT * n, dtype=cdt)
-    else:
-        states = u.new_empty(batch, torch.library.get_ctx().new_dynamic_size(min=1), n * dim, dtype=cdt)
-    return u.new_empty(batch, dim, length), u.new_empty(batch, dim, n, dtype=cdt), states
+    saved = implementation("selective_scan", impl).calls["saved"](u, A, cdt)
+    return u.new_empty(u.shape), u.new_empty(u.shape[0], u.shape[1], A.shape[1], dtype=cdt), saved
 
 
-def _scan_torch_backward_fake(dy, dlast, u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, reset,
-                              chunk_states):
-    """Shapes and dtypes of :func:`_scan_torch_backward`'s gradients (contiguous)."""
+def _eager_backward_fake(dy, dlast, u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, reset,
+                         saved, impl):
     grads = [u.new_empty(0) if t is None else u.new_empty(t.shape, dtype=t.dtype)
              for t in (u, delta, A, B, C, D, z, delta_bias)]
     dtype = inputs_compute_dtype(u, delta, A, B, C, D, z, delta_bias) if initial_state is None else initial_state.dtype
     return (*grads, u.new_empty(u.shape[0], u.shape[1], A.shape[1], dtype=dtype))
 
 
-# ``hf_densessm::selective_scan_torch`` / ``selective_scan_torch_backward``: the PyTorch path as opaque ops.
-_ops.custom_op("selective_scan_torch", _scan_torch, fake=_scan_torch_fake)
-_ops.custom_op("selective_scan_torch_backward", _scan_torch_backward, fake=_scan_torch_backward_fake)
+_ops.custom_op("selective_scan_eager", _eager, fake=_eager_fake)
+_ops.custom_op("selective_scan_eager_backward", _eager_backward, fake=_eager_backward_fake)
 
 
 @_ops.triton_op("selective_scan")
 def _selective_scan_op(
     u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Optional[Tensor], z: Optional[Tensor],
     delta_bias: Optional[Tensor], delta_softplus: bool, initial_state: Optional[Tensor], reset: Optional[Tensor],
-    save_states: bool, backend: str,
+    save_states: bool, impl: str,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """``hf_densessm::selective_scan``: ``(y, last_state, chunk_states)``; see :func:`selective_scan` for the
-    arguments. ``reset`` is a (batch, length) bool tensor or None. ``chunk_states`` holds what the backward pass
-    starts from (its layout depends on the backend: ``chunk.py`` / ``chunked_torch.py``); with ``save_states``
-    False the Triton kernel stores none and returns it with 0 chunks (the backward pass then recomputes them)."""
-    form = resolve_backend(backend, u.device)
-    if form == "triton":
-        from .chunk import selective_scan_triton_fwd
-
-        return selective_scan_triton_fwd(u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, reset,
-                                         save_states)
-    return _ops.selective_scan_torch(u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, reset)
+    """``hf_densessm::selective_scan``: ``(y, last_state, saved)`` of the implementation ``impl`` (the table's
+    "forward"); see :func:`selective_scan` for the arguments (``reset``: (batch, length) bool or None)."""
+    entry = implementation("selective_scan", impl)
+    if entry.traced:
+        return entry.calls["forward"](u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, reset,
+                                      save_states)
+    return _ops.selective_scan_eager(u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, reset,
+                                     save_states, impl)
 
 
 @_ops.triton_op("selective_scan_backward")
 def _selective_scan_backward_op(
     dy: Optional[Tensor], dlast: Optional[Tensor], u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor,
     D: Optional[Tensor], z: Optional[Tensor], delta_bias: Optional[Tensor], delta_softplus: bool,
-    initial_state: Optional[Tensor], reset: Optional[Tensor], chunk_states: Tensor, backend: str,
+    initial_state: Optional[Tensor], reset: Optional[Tensor], saved: Tensor, impl: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``hf_densessm::selective_scan_backward``: ``(du, ddelta, dA, dB, dC, dD, dz, ddelta_bias, dinitial_state)``
-    from the gradients ``dy`` (batch, dim, length) and ``dlast`` (batch, dim, state) (None: zero), the forward
-    op's arguments and its ``chunk_states`` (with all its chunks). Each gradient is in its input's dtype; the
-    gradient of an absent ``D``, ``z`` or ``delta_bias`` is an empty tensor."""
-    form = resolve_backend(backend, u.device)
-    if form == "triton":
-        from .chunk import selective_scan_triton_bwd
-
-        grads = selective_scan_triton_bwd(dy, dlast, u, delta, A, B, C, D, z, delta_bias, delta_softplus,
-                                          initial_state, reset, chunk_states)
-        return tuple(_or_empty(g, u) for g in grads)
-    return _ops.selective_scan_torch_backward(dy, dlast, u, delta, A, B, C, D, z, delta_bias, delta_softplus,
-                                              initial_state, reset, chunk_states)
+    of the implementation ``impl`` from the gradients ``dy`` (batch, dim, length) and ``dlast`` (batch, dim, state)
+    (None: zero), the forward op's arguments and its ``saved`` (with all its chunks). Each gradient is in its input's
+    dtype; the gradient of an absent ``D``, ``z`` or ``delta_bias`` is an empty tensor."""
+    entry = implementation("selective_scan", impl)
+    args = (dy, dlast, u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, reset, saved)
+    if entry.traced:
+        return tuple(_or_empty(g, u) for g in entry.calls["backward"](*args))
+    return _ops.selective_scan_eager_backward(*args, impl)
 
 
 def _scan_setup_context(ctx, inputs, output):
-    u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, reset, save_states, backend = inputs
+    u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, reset, save_states, impl = inputs
     ctx.save_for_backward(u, delta, A, B, C, D, z, delta_bias, initial_state, reset, output[2])
-    ctx.delta_softplus = delta_softplus
-    ctx.backend = backend
-    ctx.save_states = save_states
+    ctx.delta_softplus, ctx.impl, ctx.save_states = delta_softplus, impl, save_states
     ctx.mark_non_differentiable(output[2])
 
 
-def _scan_backward(ctx, dy, dlast, _dchunk_states):
-    u, delta, A, B, C, D, z, delta_bias, initial_state, reset, chunk_states = ctx.saved_tensors
+def _scan_backward(ctx, dy, dlast, _dsaved):
+    u, delta, A, B, C, D, z, delta_bias, initial_state, reset, saved = ctx.saved_tensors
     args = (u, delta, A, B, C, D, z, delta_bias, ctx.delta_softplus, initial_state, reset)
-    if not ctx.save_states:  # the forward op ran with save_states=False (the Triton kernel saved no chunk states)
-        chunk_states = _ops.selective_scan(*args, True, ctx.backend)[2]
-    grads = _ops.selective_scan_backward(dy, dlast, *args, chunk_states, ctx.backend)
+    if not ctx.save_states:  # the forward op ran with save_states=False (it may have saved nothing)
+        saved = _ops.selective_scan(*args, True, ctx.impl)[2]
+    grads = _ops.selective_scan_backward(dy, dlast, *args, saved, ctx.impl)
     du, ddelta, dA, dB, dC, dD, dz, dbias, dinitial = (
         g if t is not None and ctx.needs_input_grad[i] else None
         for g, t, i in zip(grads, (u, delta, A, B, C, D, z, delta_bias, initial_state), (0, 1, 2, 3, 4, 5, 6, 7, 9))
@@ -230,18 +259,12 @@ _ops.register_autograd("selective_scan", _scan_backward, setup_context=_scan_set
 @_ops.triton_op("selective_state_update", mutates_args=("state",))
 def _selective_state_update_op(
     state: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Optional[Tensor], z: Optional[Tensor],
-    dt_bias: Optional[Tensor], dt_softplus: bool, backend: str,
+    dt_bias: Optional[Tensor], dt_softplus: bool, impl: str,
 ) -> Tensor:
-    """``hf_densessm::selective_state_update``: one decoding step, ``state`` updated in place, ``y`` returned; see
-    :func:`selective_state_update`. No autograd formula: decoding only."""
-    form = resolve_backend(backend, state.device)
-    if form == "triton":
-        from .fused_recurrent import selective_state_update_triton
-
-        return selective_state_update_triton(state, x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias,
-                                             dt_softplus=dt_softplus)
-    with own_precision(state.device):
-        return selective_state_update_torch(state, x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus)
+    """``hf_densessm::selective_state_update``: one decoding step of the implementation ``impl``, ``state`` updated
+    in place, ``y`` returned; see :func:`selective_state_update`. No autograd formula: decoding only."""
+    return implementation("selective_state_update", impl).calls["step"](state, x, dt, A, B, C, D, z, dt_bias,
+                                                                        dt_softplus)
 
 
 _ops.define()
@@ -281,7 +304,7 @@ def selective_scan(
         initial_state: (batch, dim, state) state before the first token (e.g. a cache), any float dtype.
         return_last_state: also return the state after the last token.
         backend: ``"auto"`` | ``"triton"`` | ``"torch"`` (see the module docstring); ``None``: the active one
-            (:class:`~..backend.use_backend`, ``"auto"`` by default).
+            (:class:`~..dispatch.use_backend`, ``"auto"`` by default).
         reset: (batch, length) bool, True at the first token of each packed document: ``h_{t-1}`` is taken as 0
             there (the initial state too at ``t = 0``), so no state crosses a document boundary (:mod:`..packing`).
 
@@ -302,9 +325,9 @@ def selective_scan(
     _check_decay(A)
     tensors = (u, delta, A, B, C, D, z, delta_bias, initial_state)
     save_states = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
-    backend = chosen_backend(backend)
+    impl = choose("selective_scan", u.device, backend, state_size=A.shape[1])
     y, last_state, _ = _ops.selective_scan(
-        u, delta, A, B, C, D, z, delta_bias, bool(delta_softplus), initial_state, reset, save_states, backend
+        u, delta, A, B, C, D, z, delta_bias, bool(delta_softplus), initial_state, reset, save_states, impl
     )
     return (y, last_state) if return_last_state else y
 
@@ -370,5 +393,5 @@ def selective_state_update(
             "torch.inference_mode()), or run the whole sequence through selective_scan(..., initial_state=state, "
             "return_last_state=True), which is differentiable"
         )
-    return _ops.selective_state_update(state, x, dt, A, B, C, D, z, dt_bias, bool(dt_softplus),
-                                       chosen_backend(backend))
+    impl = choose("selective_state_update", state.device, backend, state_size=n)
+    return _ops.selective_state_update(state, x, dt, A, B, C, D, z, dt_bias, bool(dt_softplus), impl)

@@ -1,0 +1,190 @@
+"""Which implementation of an op runs: one ordered table per op (:data:`TABLES`, filled by each op's module and by
+:func:`register`), the user's ``backend`` (:data:`BACKENDS`, :class:`use_backend`), and :func:`choose`, called once
+per call of a public op function; the op and its backward run the implementation named. docs/kernels.md, "The
+dispatch table"; docs/contributing.md, "Adding a kernel". Imports no ``triton``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+__all__ = [
+    "BACKENDS", "Implementation", "TABLES", "check_backend", "choose", "chosen_backend", "implementation",
+    "interpreting", "register", "triton_available", "triton_missing", "use_backend",
+]
+
+#: The values of every op's ``backend`` argument and of the models' ``config.kernel_backend``: ``"auto"`` (the first
+#: implementation of the table for the device), ``"triton"`` (the Triton kernels), ``"torch"`` (no Triton).
+BACKENDS = ("auto", "triton", "torch")
+
+
+def check_backend(backend) -> None:
+    """Raise ``ValueError`` unless ``backend`` is one of :data:`BACKENDS`."""
+    if not isinstance(backend, str) or backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got backend={backend!r}")
+
+
+_active_backend = "auto"  # what an op given no backend runs (use_backend); module state that Dynamo guards on
+
+
+class use_backend:
+    """``with use_backend(backend):`` ops called without a ``backend`` inside the block run ``backend`` (one of
+    :data:`BACKENDS`), as ``torch.nn.attention.sdpa_kernel`` chooses attention kernels: how a model's
+    ``config.kernel_backend`` reaches its ops, read in one place (the backbone's ``forward``). Nests; restored on
+    exit; traced by ``torch.compile`` (a graph guards on it). Process-wide while the block runs (like
+    ``sdpa_kernel``): threads running models of different backends at once would see each other's.
+
+    Raises:
+        ValueError: ``backend`` is not one of :data:`BACKENDS`.
+    """
+
+    def __init__(self, backend: str):
+        check_backend(backend)
+        self.backend = backend
+
+    def __enter__(self):
+        global _active_backend
+        self.previous, _active_backend = _active_backend, self.backend
+
+    def __exit__(self, *exc):
+        global _active_backend
+        _active_backend = self.previous
+
+
+def chosen_backend(backend: str | None) -> str:
+    """``backend`` checked (:func:`check_backend`), or for ``None`` the one of the innermost :class:`use_backend`
+    block (``"auto"`` outside any)."""
+    if backend is None:
+        return _active_backend
+    check_backend(backend)
+    return backend
+
+
+def triton_available() -> bool:
+    """Whether the ``triton`` package imports (it is imported once, then cached by Python)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def interpreting() -> bool:
+    """Whether ``TRITON_INTERPRET`` is ``1``, ``true``, ``yes`` or ``on`` (any case), as Triton reads it when a kernel
+    file is first imported."""
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+@torch.compiler.assume_constant_result
+def _triton_state() -> str:
+    """``"missing"``, ``"interpreting"`` or ``"installed"``: read once per call, a constant while Dynamo traces."""
+    return "missing" if not triton_available() else "interpreting" if interpreting() else "installed"
+
+
+def triton_missing(device: torch.device, **facts) -> str | None:
+    """Why the Triton kernels cannot run on ``device`` (``None`` when they can): the package is not installed, or a
+    non-CUDA device without the interpreter (:func:`interpreting`). The ``missing`` of every Triton entry."""
+    state = _triton_state()
+    if state == "missing":
+        return "needs the triton package, which is not installed"
+    if device.type != "cuda" and state != "interpreting":
+        return (f"on {device.type} tensors needs the Triton interpreter: set the environment variable "
+                "TRITON_INTERPRET=1 before triton kernels are defined (before a kernel file of this package is first "
+                "imported)")
+    return None
+
+
+@dataclass(frozen=True)
+class Implementation:
+    """One implementation of an op, an entry of its table in :data:`TABLES`.
+
+    Attributes:
+        name: its name, unique in the table (``"triton"``, ``"cpp"``, ``"torch"``, a peer's such as ``"mamba_ssm"``);
+            the op and its backward receive it, so the backward runs what the forward ran.
+        backends: the :data:`BACKENDS` values that may choose it.
+        auto_devices: the device types ``backend="auto"`` takes it on (empty: every type); an explicit backend takes
+            it wherever :attr:`missing` allows.
+        missing: ``missing(device, **facts)``: ``None`` when it runs a call on ``device`` with these facts (the op's
+            sizes and options, e.g. ``state_size``), else why not, in words. Dynamo traces it when ``torch.compile``
+            traces the op's caller: what it reads besides its arguments (the environment, a build) goes through a
+            function marked ``torch.compiler.assume_constant_result``, and a test of a symbolic size guards on it.
+        traced: whether ``torch.compile`` traces its functions into the graph (Triton kernels launched through
+            ``torch.library.wrap_triton``); if False, the op runs them inside an opaque ``torch.library.custom_op``.
+        calls: its functions, by the names the op's module gives them (``"forward"``, ``"backward"``, ``"step"``,
+            a fake's ``"saved"`` ...): the op's module documents each one's contract.
+    """
+
+    name: str
+    backends: tuple[str, ...]
+    auto_devices: tuple[str, ...] = ()
+    missing: Callable[..., str | None] = lambda device, **facts: None
+    traced: bool = False
+    calls: dict[str, Callable] = field(default_factory=dict)
+
+
+#: ``{op name: [Implementation, ...]}``, in the order :func:`choose` tries them (each op's module fills its own).
+TABLES: dict[str, list[Implementation]] = {}
+
+
+def register(op: str, entry: Implementation, before: str | None = None) -> None:
+    """Add ``entry`` to ``op``'s table: before the entry named ``before`` (so that ``"auto"`` prefers it there), else
+    last; an entry of the same name is replaced in place. The one call a new or peer implementation makes.
+
+    Raises:
+        ValueError: unknown ``op`` (not in :data:`TABLES`), a backend not in :data:`BACKENDS`, or no entry
+            ``before`` in the table.
+    """
+    if op not in TABLES:
+        raise ValueError(f"op must be one of {sorted(TABLES)}, got {op!r}")
+    for backend in entry.backends:
+        check_backend(backend)
+    table = TABLES[op]
+    names = [e.name for e in table]
+    if entry.name in names:
+        table[names.index(entry.name)] = entry
+    elif before is None:
+        table.append(entry)
+    elif before in names:
+        table.insert(names.index(before), entry)
+    else:
+        raise ValueError(f"before must name an implementation of {op} ({names}), got {before!r}")
+
+
+def implementation(op: str, name: str) -> Implementation:
+    """The entry ``name`` of ``op``'s table.
+
+    Raises:
+        KeyError: no such op or entry.
+    """
+    for entry in TABLES[op]:
+        if entry.name == name:
+            return entry
+    raise KeyError(f"{op} has no implementation {name!r} (it has {[e.name for e in TABLES[op]]})")
+
+
+def choose(op: str, device: torch.device, backend: str | None = None, **facts) -> str:
+    """The name of the first entry of ``op``'s table that ``backend`` (``None``: :func:`chosen_backend`'s) selects
+    on ``device`` and whose :attr:`~Implementation.missing` finds nothing missing for ``facts`` (the op's sizes and
+    options). While ``torch.compile`` traces, the choice is a constant of the graph, guarded like any Python branch.
+
+    Raises:
+        ValueError: ``backend`` is not one of :data:`BACKENDS`.
+        RuntimeError: no entry runs it; the message gives each candidate's reason (e.g. ``backend="triton"`` without
+            the triton package, or on CPU tensors without ``TRITON_INTERPRET=1``).
+    """
+    backend = chosen_backend(backend)
+    reasons = []
+    for entry in TABLES[op]:
+        if backend not in entry.backends or (backend == "auto" and entry.auto_devices
+                                             and device.type not in entry.auto_devices):
+            continue
+        why = entry.missing(device, **facts)
+        if why is None:
+            return entry.name
+        reasons.append(f"{entry.name} {why}")
+    raise RuntimeError(f"{op}: backend={backend!r} has no implementation for {device.type} tensors "
+                       f"({'; '.join(reasons) or 'none registered'}); use backend='torch'")
