@@ -5,8 +5,8 @@ is needed: see ``kernel_compile.py``.
 
 The compiling runs once per test session, in worker processes (the kernels must be defined without the
 interpreter, which ``tests/conftest.py`` turns on for this process), two at a time; each test reads its share.
-Registers, shared memory and theoretical occupancy of every kernel are printed at the end of the module (the
-table of ``docs/kernels.md``).
+Registers, shared memory and theoretical occupancy of every kernel are printed at the end of the module under
+``pytest -v`` (the table of ``docs/kernels.md``).
 """
 
 import json
@@ -76,7 +76,7 @@ def compiled(request):
     yield results
     reporter = request.config.pluginmanager.get_plugin("terminalreporter")
     capture = request.config.pluginmanager.get_plugin("capturemanager")
-    if reporter is not None and capture is not None:
+    if reporter is not None and capture is not None and request.config.getoption("verbose") > 0:  # with -v only
         rows = [(job, r) for job in JOBS for r in results.get(kernel_compile.job_id(job), [])]
         with capture.global_and_fixture_disabled():
             reporter.write_line("\nTriton kernels compiled for CUDA (registers, shared memory, spills, occupancy):")
