@@ -108,10 +108,8 @@ class DenseMambaConfig(DenseSSMConfig):
         self.conv_kernel = check_int("conv_kernel", conv_kernel, 1, MAX_CONV_KERNEL)
         self.intermediate_size = int(self.expand * self.hidden_size)
         if intermediate_size is not None and intermediate_size != self.intermediate_size:
-            raise ValueError(
-                f"`intermediate_size` is derived, `expand * hidden_size` = {self.intermediate_size}; got "
-                f"{intermediate_size!r}. Set `expand` (an int) instead, or leave `intermediate_size` out."
-            )
+            raise ValueError(f"`intermediate_size` is derived, `expand * hidden_size` = {self.intermediate_size}; got "
+                             f"{intermediate_size!r}. Set `expand` (an int) instead, or leave `intermediate_size` out.")
         self.use_bias = check_bool("use_bias", use_bias)
         self.use_conv_bias = check_bool("use_conv_bias", use_conv_bias)
         self.hidden_act = check_choice("hidden_act", hidden_act, ("silu",))
@@ -130,10 +128,8 @@ class DenseMambaConfig(DenseSSMConfig):
         self.time_step_init_scheme = check_choice("time_step_init_scheme", time_step_init_scheme, schemes)
         self.time_step_floor = check_positive_float("time_step_floor", time_step_floor)
         if 2 * self.time_step_scale * self.time_step_rank**-0.5 > 3.4e38:  # the dt_proj init range in float32
-            raise ValueError(
-                f"`time_step_scale` ({time_step_scale}) is too large: the dt_proj init range "
-                "2 * time_step_scale / sqrt(time_step_rank) must fit in float32 (<= 3.4e38)."
-            )
+            raise ValueError(f"`time_step_scale` ({time_step_scale}) is too large: the dt_proj init range "
+                             "2 * time_step_scale / sqrt(time_step_rank) must fit in float32 (<= 3.4e38).")
         self.rescale_prenorm_residual = check_bool("rescale_prenorm_residual", rescale_prenorm_residual)
         self.use_cache = check_bool("use_cache", use_cache)
         super().__init__(pad_token_id=pad_token_id, bos_token_id=bos_token_id, eos_token_id=eos_token_id,

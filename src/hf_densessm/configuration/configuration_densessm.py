@@ -205,10 +205,8 @@ class DenseSSMConfig(PretrainedConfig):
         names = [knob.name for knob in self.knobs()]
         foreign = [name for name in kwargs if name.startswith("dense_") and name not in names]
         if foreign:
-            raise ValueError(
-                f"{', '.join(f'`{name}`' for name in foreign)} is not a {self.model_type} knob (only "
-                f"{', '.join(names)}); leave it out."
-            )
+            raise ValueError(f"{', '.join(f'`{name}`' for name in foreign)} is not a {self.model_type} knob (only "
+                             f"{', '.join(names)}); leave it out.")
         for knob in self.knobs():
             default = self.dense_defaults.get(knob.name, knob.default)
             setattr(self, knob.name, knob.check(kwargs.pop(knob.name, default)))
