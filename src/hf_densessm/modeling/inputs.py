@@ -44,10 +44,8 @@ def check_inputs(
         got = inputs_embeds.dtype if isinstance(inputs_embeds, torch.Tensor) else type(inputs_embeds).__name__
         raise TypeError(f"`inputs_embeds` must be a floating-point tensor, got {got}.")
     elif inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != hidden_size or 0 in inputs_embeds.shape[:2]:
-        raise ValueError(
-            f"`inputs_embeds` must have shape (batch, sequence_length, {hidden_size}) with batch >= 1 and "
-            f"sequence_length >= 1, got {tuple(inputs_embeds.shape)}."
-        )
+        raise ValueError(f"`inputs_embeds` must have shape (batch, sequence_length, {hidden_size}) with batch >= 1 and "
+                         f"sequence_length >= 1, got {tuple(inputs_embeds.shape)}.")
 
 
 def prepare_attention_mask(
@@ -172,10 +170,8 @@ def check_logits_to_keep(logits_to_keep, seq_len: int):
                 f"`logits_to_keep` holds positions outside [-{seq_len}, {seq_len}).")
         return logits_to_keep
     if isinstance(logits_to_keep, bool) or not isinstance(logits_to_keep, int):
-        raise TypeError(
-            f"`logits_to_keep` must be an int >= 0 or a 1-D integer tensor, got {logits_to_keep!r} "
-            f"({type(logits_to_keep).__name__})."
-        )
+        raise TypeError(f"`logits_to_keep` must be an int >= 0 or a 1-D integer tensor, got {logits_to_keep!r} "
+                        f"({type(logits_to_keep).__name__}).")
     if logits_to_keep < 0:
         raise ValueError(f"`logits_to_keep` must be >= 0 (0 keeps every position), got {logits_to_keep}.")
     return slice(-logits_to_keep, None) if logits_to_keep else slice(None)
