@@ -9,8 +9,10 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelF
 from . import configuration, modeling
 from .configuration import *  # noqa: F403 (the config classes, presets and knob table)
 from .modeling import *  # noqa: F403 (every family's model classes)
+from .configuration.configuration_densemamba import DENSEMAMBA_PAPER_TRAINING
+from .configuration.configuration_densessm import resolve_preset
+from .configuration.configuration_denseretnet import DENSERETNET_PAPER_TRAINING
 from .modeling.modeling_densessm import DenseSSMForCausalLM, DenseSSMForSequenceClassification, DenseSSMModel
-from .recipes import paper_training_arguments
 
 __version__ = "0.1.0"
 
@@ -23,5 +25,17 @@ for _module in modeling.FAMILIES:  # each Auto class gets the family's class bui
         for _cls in _classes:
             if issubclass(_cls, _base):
                 _auto.register(_config, _cls, exist_ok=True)
+
+
+def paper_training_arguments(preset: str) -> dict:
+    """The paper's training settings for a paper preset, as keywords of ``transformers.TrainingArguments``:
+    ``learning_rate``, ``adam_beta1``, ``adam_beta2`` (Tables 2 and 3) and ``PAPER_OPTIMIZER`` (§4.2; how to
+    reach the paper's batch size: docs/design.md §7).
+
+    Raises:
+        ValueError: ``preset`` is not one of the paper's presets (the message lists them).
+    """
+    return resolve_preset({**DENSEMAMBA_PAPER_TRAINING, **DENSERETNET_PAPER_TRAINING}, preset, "paper-trained")
+
 
 __all__ = [*configuration.__all__, *modeling.__all__, "paper_training_arguments"]

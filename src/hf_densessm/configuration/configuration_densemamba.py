@@ -5,14 +5,7 @@ from __future__ import annotations
 import math
 
 from .configuration_densessm import (
-    PAPER_OPTIMIZER,
-    DenseSSMConfig,
-    Knob,
-    check_bool,
-    check_choice,
-    check_int,
-    check_positive_float,
-    check_size,
+    PAPER_OPTIMIZER, DenseSSMConfig, Knob, check_bool, check_choice, check_int, check_positive_float, check_size,
 )
 
 #: Widest causal convolution: each tap is one pass over the activations in the PyTorch path (unrolled when compiled);
@@ -96,33 +89,14 @@ class DenseMambaConfig(DenseSSMConfig):
         }
 
     def __init__(
-        self,
-        vocab_size: int = 32000,
-        hidden_size: int = 768,
-        state_size: int = 16,
-        num_hidden_layers: int = 32,
-        layer_norm_epsilon: float = 1e-5,
-        pad_token_id: int | None = 0,
-        bos_token_id: int | None = 1,
-        eos_token_id: int | list[int] | None = 2,
-        expand: int = 2,
-        conv_kernel: int = 4,
-        use_bias: bool = False,
-        use_conv_bias: bool = True,
-        hidden_act: str = "silu",
-        initializer_range: float = 0.1,
-        init_scheme: str = "transformers",
-        residual_in_fp32: bool = True,
-        time_step_rank: int | str = "auto",
-        time_step_scale: float = 1.0,
-        time_step_min: float = 0.001,
-        time_step_max: float = 0.1,
-        time_step_init_scheme: str = "random",
-        time_step_floor: float = 1e-4,
-        rescale_prenorm_residual: bool = False,
-        use_cache: bool = True,
-        tie_word_embeddings: bool = True,
-        **kwargs,
+        self, vocab_size: int = 32000, hidden_size: int = 768, state_size: int = 16, num_hidden_layers: int = 32,
+        layer_norm_epsilon: float = 1e-5, pad_token_id: int | None = 0, bos_token_id: int | None = 1,
+        eos_token_id: int | list[int] | None = 2, expand: int = 2, conv_kernel: int = 4, use_bias: bool = False,
+        use_conv_bias: bool = True, hidden_act: str = "silu", initializer_range: float = 0.1,
+        init_scheme: str = "transformers", residual_in_fp32: bool = True, time_step_rank: int | str = "auto",
+        time_step_scale: float = 1.0, time_step_min: float = 0.001, time_step_max: float = 0.1,
+        time_step_init_scheme: str = "random", time_step_floor: float = 1e-4, rescale_prenorm_residual: bool = False,
+        use_cache: bool = True, tie_word_embeddings: bool = True, **kwargs,
     ):
         intermediate_size = kwargs.pop("intermediate_size", None)  # derived (expand * hidden_size); in saved configs
         self.vocab_size = check_size("vocab_size", vocab_size)
@@ -134,10 +108,8 @@ class DenseMambaConfig(DenseSSMConfig):
         self.conv_kernel = check_int("conv_kernel", conv_kernel, 1, MAX_CONV_KERNEL)
         self.intermediate_size = int(self.expand * self.hidden_size)
         if intermediate_size is not None and intermediate_size != self.intermediate_size:
-            raise ValueError(
-                f"`intermediate_size` is derived, `expand * hidden_size` = {self.intermediate_size}; got "
-                f"{intermediate_size!r}. Set `expand` (an int) instead, or leave `intermediate_size` out."
-            )
+            raise ValueError(f"`intermediate_size` is derived, `expand * hidden_size` = {self.intermediate_size}; got "
+                             f"{intermediate_size!r}. Set `expand` (an int) instead, or leave `intermediate_size` out.")
         self.use_bias = check_bool("use_bias", use_bias)
         self.use_conv_bias = check_bool("use_conv_bias", use_conv_bias)
         self.hidden_act = check_choice("hidden_act", hidden_act, ("silu",))
@@ -152,19 +124,13 @@ class DenseMambaConfig(DenseSSMConfig):
         self.time_step_max = check_positive_float("time_step_max", time_step_max)
         if self.time_step_min > self.time_step_max:
             raise ValueError(f"`time_step_min` ({time_step_min}) must be <= `time_step_max` ({time_step_max}).")
-        self.time_step_init_scheme = check_choice("time_step_init_scheme", time_step_init_scheme, ("random", "constant"))
+        schemes = ("random", "constant")
+        self.time_step_init_scheme = check_choice("time_step_init_scheme", time_step_init_scheme, schemes)
         self.time_step_floor = check_positive_float("time_step_floor", time_step_floor)
         if 2 * self.time_step_scale * self.time_step_rank**-0.5 > 3.4e38:  # the dt_proj init range in float32
-            raise ValueError(
-                f"`time_step_scale` ({time_step_scale}) is too large: the dt_proj init range "
-                "2 * time_step_scale / sqrt(time_step_rank) must fit in float32 (<= 3.4e38)."
-            )
+            raise ValueError(f"`time_step_scale` ({time_step_scale}) is too large: the dt_proj init range "
+                             "2 * time_step_scale / sqrt(time_step_rank) must fit in float32 (<= 3.4e38).")
         self.rescale_prenorm_residual = check_bool("rescale_prenorm_residual", rescale_prenorm_residual)
         self.use_cache = check_bool("use_cache", use_cache)
-        super().__init__(
-            pad_token_id=pad_token_id,
-            bos_token_id=bos_token_id,
-            eos_token_id=eos_token_id,
-            tie_word_embeddings=tie_word_embeddings,
-            **kwargs,
-        )
+        super().__init__(pad_token_id=pad_token_id, bos_token_id=bos_token_id, eos_token_id=eos_token_id,
+                         tie_word_embeddings=tie_word_embeddings, **kwargs)

@@ -2,14 +2,7 @@
 
 from __future__ import annotations
 
-from .configuration_densessm import (
-    PAPER_OPTIMIZER,
-    DenseSSMConfig,
-    check_bool,
-    check_choice,
-    check_positive_float,
-    check_size,
-)
+from .configuration_densessm import PAPER_OPTIMIZER, DenseSSMConfig, check_bool, check_positive_float, check_size
 
 _SHARED = dict(v_factor=2.0, dense_layers=2)  # every preset's
 # Table 3 of the DenseSSM paper (vocabulary 32000), plus small sizes for examples, tests and CPU benchmarks.
@@ -73,23 +66,11 @@ class DenseRetNetConfig(DenseSSMConfig):
         return {("recurrent", 0): (batch, heads, self.query_key_dim // heads, self.value_dim // heads)}
 
     def __init__(
-        self,
-        vocab_size: int = 32000,
-        hidden_size: int = 1536,
-        num_hidden_layers: int = 16,
-        num_attention_heads: int = 2,
-        query_key_dim: int = 768,
-        v_factor: float = 2.0,
-        rms_norm_eps: float = 1e-6,
-        dropout: float = 0.0,
-        rope_theta: float = 10000.0,
-        initializer_range: float = 0.02,
-        pad_token_id: int | None = 0,
-        bos_token_id: int | None = 1,
-        eos_token_id: int | list[int] | None = 2,
-        use_cache: bool = True,
-        tie_word_embeddings: bool = False,
-        **kwargs,
+        self, vocab_size: int = 32000, hidden_size: int = 1536, num_hidden_layers: int = 16,
+        num_attention_heads: int = 2, query_key_dim: int = 768, v_factor: float = 2.0, rms_norm_eps: float = 1e-6,
+        dropout: float = 0.0, rope_theta: float = 10000.0, initializer_range: float = 0.02,
+        pad_token_id: int | None = 0, bos_token_id: int | None = 1, eos_token_id: int | list[int] | None = 2,
+        use_cache: bool = True, tie_word_embeddings: bool = False, **kwargs,
     ):
         self.vocab_size = check_size("vocab_size", vocab_size)
         self.hidden_size = check_size("hidden_size", hidden_size)
@@ -119,13 +100,8 @@ class DenseRetNetConfig(DenseSSMConfig):
         self.use_cache = check_bool("use_cache", use_cache)
         # Configs saved before the cache redesign carry `number_of_conv_states: 2` (docs/design.md §5): dropped.
         kwargs.pop("number_of_conv_states", None)
-        super().__init__(
-            pad_token_id=pad_token_id,
-            bos_token_id=bos_token_id,
-            eos_token_id=eos_token_id,
-            tie_word_embeddings=tie_word_embeddings,
-            **kwargs,
-        )
+        super().__init__(pad_token_id=pad_token_id, bos_token_id=bos_token_id, eos_token_id=eos_token_id,
+                         tie_word_embeddings=tie_word_embeddings, **kwargs)
 
     @property
     def value_dim(self) -> int:

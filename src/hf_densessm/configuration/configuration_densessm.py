@@ -11,7 +11,6 @@ from transformers import PretrainedConfig
 
 from ..ops.dispatch import BACKENDS as KERNEL_BACKENDS  # the values of kernel_backend (never saved)
 
-
 #: Largest width, layer count or vocabulary a config accepts (beyond it the kernels' 32-bit offsets overflow).
 MAX_SIZE = 2**24
 
@@ -32,16 +31,6 @@ def check_size(name: str, value) -> int:
     return check_int(name, value, 1, MAX_SIZE)
 
 
-def check_token_ids(**token_ids) -> None:
-    """Check ``pad_token_id``, ``bos_token_id``, ``eos_token_id``: ``None``, an int >= 0, or (``eos_token_id``) a
-    list of such ints. Raises ``TypeError`` naming the field."""
-    for name, value in token_ids.items():
-        values = value if isinstance(value, (list, tuple)) and name == "eos_token_id" else [value]
-        for v in values:
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
-                raise TypeError(f"`{name}` must be None or an int >= 0 (a list of them for eos), got {value!r}.")
-
-
 def check_positive_float(name: str, value) -> float:
     """Return ``float(value)`` if it is a finite real number ``> 0``; else raise ``TypeError`` (not a real number; a
     ``bool`` is refused) or ``ValueError`` (not finite or not ``> 0``), both naming the field ``name``."""
@@ -60,7 +49,7 @@ def check_bool(name: str, value) -> bool:
 
 
 def check_choice(name: str, value, allowed: tuple[str, ...]) -> str:
-    """Return ``value`` if it is one of ``allowed``; else raise ``ValueError`` naming ``name`` and the allowed values."""
+    """Return ``value`` if it is one of ``allowed``; else raise ``ValueError`` naming ``name`` and what is allowed."""
     if not isinstance(value, str) or value not in allowed:
         raise ValueError(f"`{name}` must be one of {', '.join(repr(a) for a in allowed)}; got {value!r}.")
     return value
@@ -114,12 +103,10 @@ DENSE_KNOBS: tuple[Knob, ...] = (
 #: never written back by ``to_dict`` (each save writes its own).
 SAVE_ID = "_save_id"
 
-
 #: The optimizer settings of every model of the paper (§4.2), as ``TrainingArguments`` keywords (a float
 #: ``warmup_steps`` below 1 is a fraction of the steps).
-PAPER_OPTIMIZER = dict(
-    optim="adamw_torch", lr_scheduler_type="polynomial", warmup_steps=0.015, weight_decay=0.01, max_grad_norm=1.0
-)
+PAPER_OPTIMIZER = dict(optim="adamw_torch", lr_scheduler_type="polynomial", warmup_steps=0.015, weight_decay=0.01,
+                       max_grad_norm=1.0)
 
 
 def resolve_preset(presets: dict, name, family: str) -> dict:
@@ -162,16 +149,15 @@ class DenseSSMConfig(PretrainedConfig):
     def __init__(
         self, pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=True, kernel_backend="auto", **kwargs
     ):
-        check_token_ids(pad_token_id=pad_token_id, bos_token_id=bos_token_id, eos_token_id=eos_token_id)
+        token_ids = dict(pad_token_id=pad_token_id, bos_token_id=bos_token_id, eos_token_id=eos_token_id)
+        for name, value in token_ids.items():  # None, an int >= 0, or (eos) a list of them
+            for v in value if isinstance(value, (list, tuple)) and name == "eos_token_id" else [value]:
+                if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+                    raise TypeError(f"`{name}` must be None or an int >= 0 (a list of them for eos), got {value!r}.")
         self.kernel_backend = kernel_backend
         self.set_dense_knobs(kwargs)
-        super().__init__(
-            pad_token_id=pad_token_id,
-            bos_token_id=bos_token_id,
-            eos_token_id=eos_token_id,
-            tie_word_embeddings=check_bool("tie_word_embeddings", tie_word_embeddings),
-            **kwargs,
-        )
+        tie_word_embeddings = check_bool("tie_word_embeddings", tie_word_embeddings)
+        super().__init__(**token_ids, tie_word_embeddings=tie_word_embeddings, **kwargs)
 
     @property
     def kernel_backend(self) -> str:
@@ -205,9 +191,7 @@ class DenseSSMConfig(PretrainedConfig):
         """Build a config from one of the family's named sizes (:attr:`presets`), with any field overridden (e.g.
         ``vocab_size`` of your tokenizer, ``dense_layers=0`` for the base model). Raises ``TypeError`` if ``name`` is
         not a string, ``ValueError`` for an unknown ``name`` (listing the known presets) or a bad override."""
-        kwargs = resolve_preset(cls.presets, name, cls.__name__.removesuffix("Config"))
-        kwargs.update(overrides)
-        return cls(**kwargs)
+        return cls(**{**resolve_preset(cls.presets, name, cls.__name__.removesuffix("Config")), **overrides})
 
     @classmethod
     def knobs(cls) -> tuple[Knob, ...]:
@@ -220,17 +204,14 @@ class DenseSSMConfig(PretrainedConfig):
         names = [knob.name for knob in self.knobs()]
         foreign = [name for name in kwargs if name.startswith("dense_") and name not in names]
         if foreign:
-            raise ValueError(
-                f"{', '.join(f'`{name}`' for name in foreign)} is not a {self.model_type} knob (only "
-                f"{', '.join(names)}); leave it out."
-            )
+            raise ValueError(f"{', '.join(f'`{name}`' for name in foreign)} is not a {self.model_type} knob (only "
+                             f"{', '.join(names)}); leave it out.")
         for knob in self.knobs():
             default = self.dense_defaults.get(knob.name, knob.default)
             setattr(self, knob.name, knob.check(kwargs.pop(knob.name, default)))
         if self.dense_gate_hidden_size is None:
             self.dense_gate_hidden_size = max(1, self.hidden_size // 32)
-        layers = self.num_hidden_layers
-        if self.dense_layers and self.dense_every >= layers:
+        if self.dense_layers and self.dense_every >= (layers := self.num_hidden_layers):
             raise ValueError(
                 f"`dense_every` ({self.dense_every}) must be smaller than `num_hidden_layers` ({layers}) when "
                 f"`dense_layers` > 0: only layers whose index is a multiple of `dense_every` fuse, and layer 0 has no "
@@ -254,7 +235,4 @@ class DenseSSMConfig(PretrainedConfig):
 
     def to_diff_dict(self) -> dict:
         """transformers' diff against the defaults, plus every knob (a saved ``config.json`` always carries them)."""
-        diff = super().to_diff_dict()
-        for knob in self.knobs():
-            diff[knob.name] = getattr(self, knob.name)
-        return diff
+        return {**super().to_diff_dict(), **{knob.name: getattr(self, knob.name) for knob in self.knobs()}}

@@ -3,6 +3,7 @@ transformers Mamba, :func:`denseretnet_from_official` loads the authors' DenseRe
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import os
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import torch
 from huggingface_hub.utils import HFValidationError, validate_repo_id
+from safetensors import safe_open
 from torch import nn
 from transformers import MambaForCausalLM, PretrainedConfig
 from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, WEIGHTS_INDEX_NAME, WEIGHTS_NAME, cached_file
@@ -27,24 +29,16 @@ WEIGHT_FILES = (SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, WEIGHTS_NAME, WEIGHT
 #: The keywords :func:`densemamba_from_mamba` takes: DenseMamba's dense knobs.
 DENSE_ARGUMENTS = tuple(knob.name for knob in DenseMambaConfig.knobs())
 # Config fields a transformers MambaConfig shares with DenseMambaConfig (same names and meanings).
-MAMBA_FIELDS = tuple(
-    name
-    for name, parameter in inspect.signature(DenseMambaConfig.__init__).parameters.items()
-    if name != "self" and parameter.kind is parameter.POSITIONAL_OR_KEYWORD
-)
+MAMBA_FIELDS = tuple(name for name, p in inspect.signature(DenseMambaConfig.__init__).parameters.items()
+                     if name != "self" and p.kind is p.POSITIONAL_OR_KEYWORD)
 # The authors' config keys (docs/hub_and_conversion.md): required (named as ours but ``dense_block_layers``, which is
 # ``dense_layers``), taken when present, and their fixed dense connection.
-OFFICIAL_DENSERETNET_KEYS = (
-    "hidden_size", "query_key_dim", "num_attention_heads", "num_hidden_layers", "v_factor", "dense_block_layers",
-    "vocab_size",
-)
-OFFICIAL_OPTIONAL_KEYS = (
-    "rms_norm_eps", "dropout", "initializer_range", "pad_token_id", "bos_token_id", "eos_token_id",
-    "tie_word_embeddings",
-)
-OFFICIAL_CONNECTION = dict(
-    dense_projection="identity", dense_selection="mlp", dense_shared_gate=True, dense_fusion="add", dense_every=1
-)
+OFFICIAL_DENSERETNET_KEYS = ("hidden_size", "query_key_dim", "num_attention_heads", "num_hidden_layers", "v_factor",
+                             "dense_block_layers", "vocab_size")
+OFFICIAL_OPTIONAL_KEYS = ("rms_norm_eps", "dropout", "initializer_range", "pad_token_id", "bos_token_id",
+                          "eos_token_id", "tie_word_embeddings")
+OFFICIAL_CONNECTION = dict(dense_projection="identity", dense_selection="mlp", dense_shared_gate=True,
+                           dense_fusion="add", dense_every=1)
 # Our DenseRetNet parameter name -> the authors' (docs/hub_and_conversion.md); names not listed are the same in both.
 OFFICIAL_DENSERETNET_RENAMES = (
     (".self_attn.hidden_proj.", ".self_attn.to_hidden.0."),
@@ -68,11 +62,9 @@ def _is_local(src: str | os.PathLike) -> bool:
     if os.path.isdir(src):
         return True
     if not isinstance(src, Path) and not os.path.exists(src):
-        try:
+        with contextlib.suppress(HFValidationError):
             validate_repo_id(str(src))
             return False
-        except HFValidationError:
-            pass
     raise FileNotFoundError(f"Checkpoint folder {str(src)!r} does not exist or is not a folder.")
 
 
@@ -123,8 +115,6 @@ def read_tensors(src: str | os.PathLike, names: set[str]) -> dict[str, torch.Ten
     for file in files:
         try:
             if file.endswith(".safetensors"):
-                from safetensors import safe_open
-
                 with safe_open(file, framework="pt") as weights:
                     tensors.update({name: weights.get_tensor(name) for name in names & set(weights.keys())})
             else:
@@ -138,14 +128,10 @@ def read_tensors(src: str | os.PathLike, names: set[str]) -> dict[str, torch.Ten
 def _raise_mismatch(source: str, missing, unexpected, wrong) -> None:
     """Raise one ``ValueError`` listing every missing name, unexpected name and shape mismatch, if there are any."""
     problems = [
-        f"{title} ({len(names)}):\n  "
-        + "\n  ".join(names[:40])
+        f"{title} ({len(names)}):\n  " + "\n  ".join(names[:40])
         + (f"\n  ... and {len(names) - 40} more" if len(names) > 40 else "")
-        for title, names in (
-            ("missing parameters", sorted(missing)),
-            ("unexpected parameters", sorted(unexpected)),
-            ("wrong shapes", sorted(wrong)),
-        )
+        for title, names in (("missing parameters", sorted(missing)), ("unexpected parameters", sorted(unexpected)),
+                             ("wrong shapes", sorted(wrong)))
         if names
     ]
     if problems:
@@ -161,9 +147,7 @@ def _check_loading_info(info: dict, source: str, rename=lambda name: name, optio
 
 
 def check_state_dict(
-    provided: dict[str, torch.Tensor],
-    expected: dict[str, tuple[int, ...]],
-    source: str,
+    provided: dict[str, torch.Tensor], expected: dict[str, tuple[int, ...]], source: str,
     optional: frozenset[str] | set[str] = frozenset(),
 ) -> None:
     """Check that ``provided`` has exactly the names of ``expected`` with those shapes (``optional`` names may be
@@ -183,9 +167,8 @@ def check_state_dict(
 def _check_model_type(config: dict, allowed: tuple, source: str, expected_what: str) -> None:
     model_type = config.get("model_type")
     if model_type not in allowed:
-        hint = ""
-        if model_type in ("densemamba", "denseretnet"):
-            hint = " It is already an hf_densessm model: load it with `AutoModelForCausalLM.from_pretrained`."
+        hint = " It is already an hf_densessm model: load it with `AutoModelForCausalLM.from_pretrained`."
+        hint = hint if model_type in ("densemamba", "denseretnet") else ""
         raise ValueError(f"config.json of {source} has model_type {model_type!r}; expected {expected_what}.{hint}")
 
 
@@ -236,11 +219,8 @@ def densemamba_from_mamba(src, **dense_kwargs) -> DenseMambaForCausalLM:
         state_dict = {f"backbone.{name}": tensor for name, tensor in state_dict.items()}
     model = DenseMambaForCausalLM(dense_config)
     tied = dense_config.tie_word_embeddings
-    expected = {
-        name: tuple(t.shape)
-        for name, t in model.state_dict().items()
-        if "dense" not in name and not (tied and name == "lm_head.weight")
-    }
+    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()
+                if "dense" not in name and not (tied and name == "lm_head.weight")}
     check_state_dict(state_dict, expected, source, optional={"lm_head.weight"} if tied else set())
     model.load_state_dict({name: state_dict[name] for name in expected}, strict=False)
     if dense_config.dense_fusion == "add":
@@ -262,11 +242,8 @@ def official_denseretnet_config(config: dict, source: str = "the checkpoint") ->
     _check_model_type(
         config, ("llama", None), source, "'llama' with the DenseRetNet keys (the authors' published config.json)"
     )
-    missing = [key for key in OFFICIAL_DENSERETNET_KEYS if key not in config]
-    if missing:
-        raise ValueError(
-            f"config.json of {source} is not an authors' DenseRetNet config: missing {', '.join(missing)}."
-        )
+    if missing := ", ".join(key for key in OFFICIAL_DENSERETNET_KEYS if key not in config):
+        raise ValueError(f"config.json of {source} is not an authors' DenseRetNet config: missing {missing}.")
     m = config["dense_block_layers"]
     if isinstance(m, bool) or not isinstance(m, int) or m < 1:
         raise ValueError(f"`dense_block_layers` of {source} must be an int >= 1, got {m!r}.")
@@ -309,9 +286,8 @@ def denseretnet_from_official(src: str | os.PathLike) -> DenseRetNetForCausalLM:
     source = repr(str(src))
     config = official_denseretnet_config(read_config(src), source)
     rel_pos = read_tensors(src, set(OFFICIAL_REL_POS))  # first: a clear error on an unreadable weights file
-    model, info = DenseRetNetForCausalLM.from_pretrained(
-        src, config=config, key_mapping=OFFICIAL_KEY_MAPPING, **_LOAD_KWARGS
-    )
+    model, info = DenseRetNetForCausalLM.from_pretrained(src, config=config, key_mapping=OFFICIAL_KEY_MAPPING,
+                                                         **_LOAD_KWARGS)
     vars(model).pop("_weight_conversions", None)  # else save_pretrained would write the authors' names back
     optional = set(OFFICIAL_REL_POS)
     for i, layer in enumerate(model.model.layers):

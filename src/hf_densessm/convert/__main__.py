@@ -27,37 +27,30 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     mamba = commands.add_parser(
-        "mamba",
-        help="upcycle a transformers Mamba checkpoint into DenseMamba (same logits at conversion)",
+        "mamba", help="upcycle a transformers Mamba checkpoint into DenseMamba (same logits at conversion)",
         description="Upcycle a transformers Mamba checkpoint (e.g. state-spaces/mamba-130m-hf) into DenseMamba "
         "whose dense gates start closed (the Mamba's function); fine-tune it to learn the dense connection.",
     )
     for knob in DenseMambaConfig.knobs():
         default = DenseMambaConfig.dense_defaults.get(knob.name, knob.default)
-        option = "--" + knob.name.replace("_", "-")
-        help_text = f"{knob.help} (default {default})"
+        option, help_text = "--" + knob.name.replace("_", "-"), f"{knob.help} (default {default})"
         if knob.kind is bool:
             mamba.add_argument(option, action=argparse.BooleanOptionalAction, default=None, help=help_text)
         else:
             mamba.add_argument(option, type=knob.kind, choices=knob.choices, default=None, help=help_text)
 
     official = commands.add_parser(
-        "official-denseretnet",
-        help="convert a checkpoint of the authors' published DenseRetNet",
+        "official-denseretnet", help="convert a checkpoint of the authors' published DenseRetNet",
         description="Convert a checkpoint of the authors' published DenseRetNet (their config.json with "
         "dense_block_layers and pytorch_model.bin or safetensors weights) into DenseRetNetForCausalLM.",
     )
     for command, what in ((mamba, "the Mamba's"), (official, "the authors'")):
         source = f"folder or Hub repository id with {what} config.json and weights"
         command.add_argument("src", metavar="SRC", help=source)
-        command.add_argument(
-            "out",
-            metavar="OUT",
-            help="folder to write, kill-safely (files of an existing OUT that the save does not own are kept)",
-        )
-        command.add_argument(
-            "--dtype", choices=tuple(DTYPES), default="float32", help="dtype of the saved weights (default float32)"
-        )
+        command.add_argument("out", metavar="OUT", help="folder to write, kill-safely (files of an existing OUT "
+                             "that the save does not own are kept)")
+        command.add_argument("--dtype", choices=tuple(DTYPES), default="float32",
+                             help="dtype of the saved weights (default float32)")
     return parser
 
 

@@ -29,12 +29,8 @@ def replaced_by_save(path: Path, variant: str | None = None) -> bool:
 
 
 def save_pretrained(
-    model: PreTrainedModel,
-    save_directory: str | os.PathLike,
-    is_main_process: bool = True,
-    state_dict: dict | None = None,
-    push_to_hub: bool = False,
-    **kwargs,
+    model: PreTrainedModel, save_directory: str | os.PathLike, is_main_process: bool = True,
+    state_dict: dict | None = None, push_to_hub: bool = False, **kwargs,
 ):
     """``model.save_pretrained``: ``PreTrainedModel.save_pretrained`` (same arguments), plus the generated remote
     code, ``auto_map`` and the model card (an existing ``README.md`` this package did not write is kept), all written
@@ -54,11 +50,7 @@ def save_pretrained(
         or getattr(model, "_hf_peft_config_loaded", False)
     ):
         return PreTrainedModel.save_pretrained(
-            model,
-            save_directory,
-            is_main_process=is_main_process,
-            state_dict=state_dict,
-            push_to_hub=push_to_hub,
+            model, save_directory, is_main_process=is_main_process, state_dict=state_dict, push_to_hub=push_to_hub,
             **kwargs,
         )
     hub_kwargs = {key: kwargs.pop(key) for key in _HUB_ARGUMENTS if key in kwargs}
@@ -77,17 +69,9 @@ def save_pretrained(
 
 
 def push_to_hub(
-    model: PreTrainedModel,
-    repo_id: str,
-    *,
-    commit_message: str | None = None,
-    commit_description: str | None = None,
-    private: bool | None = None,
-    token: bool | str | None = None,
-    revision: str | None = None,
-    create_pr: bool = False,
-    max_shard_size: int | str | None = "50GB",
-    tags: list[str] | None = None,
+    model: PreTrainedModel, repo_id: str, *, commit_message: str | None = None, commit_description: str | None = None,
+    private: bool | None = None, token: bool | str | None = None, revision: str | None = None, create_pr: bool = False,
+    max_shard_size: int | str | None = "50GB", tags: list[str] | None = None,
 ):
     """``model.push_to_hub``: upload the folder :func:`save_pretrained` writes to the Hub repository ``repo_id``
     (created if needed) as one commit, with transformers' arguments and return value (the commit info) but the
@@ -110,26 +94,12 @@ def push_to_hub(
         else:
             write_model_card(model, folder, repo_id=repo_id, tags=tags)
         return api.upload_folder(
-            repo_id=repo_id,
-            folder_path=folder,
-            commit_message=commit_message or "Upload model",
-            commit_description=commit_description,
-            revision=revision,
-            create_pr=create_pr,
+            repo_id=repo_id, folder_path=folder, commit_message=commit_message or "Upload model",
+            commit_description=commit_description, revision=revision, create_pr=create_pr,
         )
 
 
 __all__ = [
-    "BUNDLE_MARKER",
-    "CARD_MARKER",
-    "BundleError",
-    "hub_auto_map",
-    "model_card",
-    "push_to_hub",
-    "remote_code",
-    "replaced_by_save",
-    "save_pretrained",
-    "staged_save",
-    "write_bundle",
-    "write_model_card",
+    "BUNDLE_MARKER", "CARD_MARKER", "BundleError", "hub_auto_map", "model_card", "push_to_hub", "remote_code",
+    "replaced_by_save", "save_pretrained", "staged_save", "write_bundle", "write_model_card",
 ]

@@ -46,11 +46,8 @@ def config_rows(config) -> list[tuple[str, object, str]]:
     with their docstring meaning), then every dense knob of the family (with its :class:`Knob` help)."""
     docs = field_docs(type(config))
     parameters = inspect.signature(type(config).__init__).parameters.values()
-    rows = [
-        (p.name, getattr(config, p.name, None), docs.get(p.name, ""))
-        for p in parameters
-        if p.name != "self" and p.kind is p.POSITIONAL_OR_KEYWORD
-    ]
+    rows = [(p.name, getattr(config, p.name, None), docs.get(p.name, ""))
+            for p in parameters if p.name != "self" and p.kind is p.POSITIONAL_OR_KEYWORD]
     rows += [(knob.name, getattr(config, knob.name), _markdown(knob.help)) for knob in type(config).knobs()]
     return rows
 
@@ -114,9 +111,7 @@ same call works without `trust_remote_code`. Weights: {weights or "none"}.
 """
 
 
-def write_model_card(
-    model, folder: str | os.PathLike, repo_id: str | None = None, tags: list[str] | None = None
-) -> Path:
+def write_model_card(model, folder: str | os.PathLike, repo_id: str | None = None, tags: list[str] | None = None):
     """Write :func:`model_card` as ``folder/README.md`` (listing the files already in ``folder``); returns its path."""
     folder = Path(folder)
     files = sorted(p.name for p in folder.iterdir() if p.is_file() and p.name != "README.md")

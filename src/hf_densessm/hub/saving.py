@@ -101,10 +101,9 @@ def _fsync(path: Path) -> None:
 
 
 def keep_previous(target: Path, paths: list[Path], save_id: str, variant: str | None = None) -> None:
-    """Before a save moves its files in: hard-link (copy where links are impossible) the existing files of ``paths``
-    (those it replaces or deletes) into a new backup folder ``<BACKUP_PREFIX><save_id>`` in ``target`` if ``target``
-    holds one whole save (what it loads with ``variant`` carries one save id, or none), then delete older backups. If
-    it does not (a killed save mixed it), nothing changes: the backup that save left holds the last whole save."""
+    """Hard-link (else copy) the existing files of ``paths`` into a new backup folder ``<BACKUP_PREFIX><save_id>`` in
+    ``target`` and delete older backups, if ``target`` holds one whole save (what it loads with ``variant`` carries one
+    save id, or none); else change nothing (docs/hub_and_conversion.md, "Saving survives a hard kill", step 4)."""
     if len(set(save_ids(target, variant).values())) > 1:
         return
     old = [path for path in paths if path.is_file()]
@@ -141,14 +140,11 @@ def _publishing(target: Path) -> Iterator[None]:
 def staged_save(
     save_directory: str | os.PathLike, is_stale: Callable[[Path], bool] = lambda path: False, variant: str | None = None
 ) -> Iterator[Path]:
-    """Save into ``save_directory`` kill-safely: yields an empty staging folder inside it; on a clean exit, the
-    written files get a new save id (:func:`stamp`) and the process's new-file mode, are flushed, and (one save at a
-    time, the previous whole save, of weights ``variant``, kept by :func:`keep_previous`) replace the files of the
-    same name in ``save_directory`` by ``os.replace``, weights first; then the entries the save did not write and for
-    which ``is_stale(path)`` is true are deleted; then ``config.json`` is moved in, and the backup deleted. Other
-    entries are never touched. On an exception inside the ``with`` block, ``save_directory`` is left as it was
-    (removed if this call created it and it is still empty). Staging folders of killed saves are deleted first
-    (:func:`remove_stale_staging`).
+    """Save into ``save_directory`` kill-safely (docs/hub_and_conversion.md, "Saving survives a hard kill"): yields an
+    empty staging folder inside it; on a clean exit its files, stamped with a new save id (:func:`stamp`), replace
+    those of the same name, ``config.json`` last, and the entries the save did not write for which ``is_stale(path)``
+    is true are deleted (``variant``: the weights :func:`keep_previous` checks); other entries are never touched. On
+    an exception inside the ``with`` block, ``save_directory`` is left as it was (removed if this call created it).
 
     Raises:
         NotADirectoryError: ``save_directory`` exists and is not a folder.

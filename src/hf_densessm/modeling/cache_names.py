@@ -67,9 +67,8 @@ def cache_field(output_class: type) -> str:
         TypeError: ``output_class`` declares none of them.
     """
     declared = getattr(output_class, "__dataclass_fields__", {})
-    for name in CACHE_FIELDS:
-        if name in declared:
-            return name
+    if name := next((name for name in CACHE_FIELDS if name in declared), None):
+        return name
     raise TypeError(f"{output_class.__name__} has no cache field (one of {CACHE_FIELDS}).")
 
 

@@ -10,7 +10,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-
 GATE_INIT_GAIN = 2**-2.5  # Xavier-uniform gain of DenseMamba's gates (docs/design.md §4)
 
 
@@ -65,13 +64,7 @@ class DenseGate(nn.Module):
             raise ValueError(f"`dense_selection` must be 'mlp' or 'linear' for a gate, got {selection!r}.")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.silu(self.pre_activation(x))
-
-    def pre_activation(self, x: torch.Tensor) -> torch.Tensor:
-        """The gate before its last SiLU: ``fc2(SiLU(fc1(x)))`` or ``fc(x)``, ``(..., feature_size)``."""
-        if self.selection == "mlp":
-            return self.fc2(F.silu(self.fc1(x)))
-        return self.fc(x)
+        return F.silu(self.fc2(F.silu(self.fc1(x))) if self.selection == "mlp" else self.fc(x))
 
     def output_layer(self) -> nn.Linear:
         """The gate's last linear layer (zero it to make the dense connection an exact no-op)."""
@@ -91,41 +84,31 @@ class DenseHiddenConnection(nn.Module):
     """
 
     def __init__(
-        self,
-        hidden_size: int,
-        feature_size: int,
-        num_predecessors: int,
-        projection: str,
-        selection: str,
-        shared_gate: bool,
-        fusion: str,
-        gate_hidden_size: int,
+        self, hidden_size: int, feature_size: int, num_predecessors: int, projection: str, selection: str,
+        shared_gate: bool, fusion: str, gate_hidden_size: int,
     ):
         super().__init__()
         self.num_predecessors = num_predecessors
         self.fusion = fusion
         self.selection = selection
         self.shared_gate = shared_gate
-        if selection != "none":
-            if shared_gate:
-                self.gate = DenseGate(hidden_size, feature_size, gate_hidden_size, selection)
-            else:
-                self.gates = nn.ModuleList(
-                    DenseGate(hidden_size, feature_size, gate_hidden_size, selection) for _ in range(num_predecessors)
-                )
-        self.projections = (
-            nn.ModuleList(_dense_linear(feature_size, feature_size, "identity") for _ in range(num_predecessors))
-            if projection == "linear"
-            else None
-        )
+        if selection != "none" and shared_gate:
+            self.gate = DenseGate(hidden_size, feature_size, gate_hidden_size, selection)
+        elif selection != "none":
+            self.gates = nn.ModuleList(
+                DenseGate(hidden_size, feature_size, gate_hidden_size, selection) for _ in range(num_predecessors)
+            )
+        self.projections = None
+        if projection == "linear":
+            self.projections = nn.ModuleList(
+                _dense_linear(feature_size, feature_size, "identity") for _ in range(num_predecessors)
+            )
         if fusion == "concat":
             self.reduce = _dense_linear((num_predecessors + 1) * feature_size, feature_size, "concat")
 
     def gate_modules(self) -> list[DenseGate]:
         """The gates of this connection (one if shared), in predecessor order."""
-        if self.selection == "none":
-            return []
-        return [self.gate] if self.shared_gate else list(self.gates)
+        return [] if self.selection == "none" else [self.gate] if self.shared_gate else list(self.gates)
 
     def forward(self, x: torch.Tensor, feature: torch.Tensor, predecessors: list[torch.Tensor]) -> torch.Tensor:
         if len(predecessors) != self.num_predecessors:
@@ -162,18 +145,11 @@ class DenseHiddenConnection(nn.Module):
 def build_dense_connection(config, layer_idx: int, feature_size: int) -> DenseHiddenConnection | None:
     """The :class:`DenseHiddenConnection` of ``feature_size`` for layer ``layer_idx`` of ``config``, or ``None`` when
     the layer has no predecessors."""
-    n = dense_predecessor_count(layer_idx, config.dense_layers, config.dense_every)
-    if n == 0:
+    if not (n := dense_predecessor_count(layer_idx, config.dense_layers, config.dense_every)):
         return None
     return DenseHiddenConnection(
-        hidden_size=config.hidden_size,
-        feature_size=feature_size,
-        num_predecessors=n,
-        projection=config.dense_projection,
-        selection=config.dense_selection,
-        shared_gate=config.dense_shared_gate,
-        fusion=config.dense_fusion,
-        gate_hidden_size=config.dense_gate_hidden_size,
+        config.hidden_size, feature_size, n, config.dense_projection, config.dense_selection,
+        config.dense_shared_gate, config.dense_fusion, config.dense_gate_hidden_size,
     )
 
 
@@ -190,11 +166,7 @@ def split_dense_inputs(dense_inputs: tuple[torch.Tensor, ...], num_features: int
 
 
 def run_dense_layers(
-    layers: nn.ModuleList,
-    hidden_states: torch.Tensor,
-    config,
-    output_hidden_states: bool,
-    **layer_kwargs,
+    layers: nn.ModuleList, hidden_states: torch.Tensor, config, output_hidden_states: bool, **layer_kwargs
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
     """Run the blocks with the dense connection: ``block(hidden_states, *dense_inputs, **layer_kwargs)`` returns
     ``(hidden_states, *features)``; ``dense_inputs`` are its predecessors' features grouped by feature, nearest first.

@@ -11,9 +11,6 @@ from ..ops.backend import require, tracing
 
 _ID_DTYPES = (torch.int64, torch.int32)
 
-#: The keyword arguments of transformers' padding-free (packed) batches.
-PACKING_KEYS = ("cu_seq_lens_q", "seq_idx", "position_ids")
-
 
 def check_inputs(
     input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None, hidden_size: int, vocab_size: int,
@@ -47,10 +44,8 @@ def check_inputs(
         got = inputs_embeds.dtype if isinstance(inputs_embeds, torch.Tensor) else type(inputs_embeds).__name__
         raise TypeError(f"`inputs_embeds` must be a floating-point tensor, got {got}.")
     elif inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != hidden_size or 0 in inputs_embeds.shape[:2]:
-        raise ValueError(
-            f"`inputs_embeds` must have shape (batch, sequence_length, {hidden_size}) with batch >= 1 and "
-            f"sequence_length >= 1, got {tuple(inputs_embeds.shape)}."
-        )
+        raise ValueError(f"`inputs_embeds` must have shape (batch, sequence_length, {hidden_size}) with batch >= 1 and "
+                         f"sequence_length >= 1, got {tuple(inputs_embeds.shape)}.")
 
 
 def prepare_attention_mask(
@@ -85,14 +80,9 @@ def prepare_attention_mask(
 
 
 def packed_document_starts(
-    batch: int,
-    seq_len: int,
-    device: torch.device,
-    keeps_cache: bool = False,
-    cu_seq_lens_q: torch.Tensor | None = None,
-    seq_idx: torch.Tensor | None = None,
-    position_ids: torch.Tensor | None = None,
-    **others,
+    batch: int, seq_len: int, device: torch.device, keeps_cache: bool = False,
+    cu_seq_lens_q: torch.Tensor | None = None, seq_idx: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None, **others,
 ) -> torch.Tensor | None:
     """The ``(batch, seq_len)`` bool ``reset`` of packed documents (True at each document's first token) from
     transformers' padding-free inputs, or ``None`` when each row holds one document (or, while tracing, when none is
@@ -123,7 +113,9 @@ def packed_document_starts(
     if seq_idx is not None:
         ids = _integer_tensor("seq_idx", seq_idx).to(device)
         if tuple(ids.shape) != (batch, seq_len):
-            raise ValueError(f"`seq_idx` must have shape (batch, sequence_length) = {(batch, seq_len)}, got {tuple(ids.shape)}.")
+            raise ValueError(
+                f"`seq_idx` must have shape (batch, sequence_length) = {(batch, seq_len)}, got {tuple(ids.shape)}."
+            )
         step = ids[:, 1:] - ids[:, :-1]
         require((step >= 0).all(), "`seq_idx` must not decrease along a row (one index per packed document).")
         starts["seq_idx"] = F.pad(step != 0, (1, 0), value=True)
@@ -137,9 +129,9 @@ def packed_document_starts(
             )
         restart = pos == 0
         # positions that restart inside a row (packed) must start at 0 and rise by 1 inside a document
-        require(~restart[:, 1:].any() | (restart[:, 0].all() & (restart[:, 1:] | (pos[:, 1:] == pos[:, :-1] + 1)).all()),
-                "`position_ids` of packed documents must start at 0 and, inside a document, rise by 1 (they restart "
-                "at 0 where a document starts).")
+        rises = restart[:, 1:] | (pos[:, 1:] == pos[:, :-1] + 1)
+        require(~restart[:, 1:].any() | (restart[:, 0].all() & rises.all()), "`position_ids` of packed documents "
+                "must start at 0 and, inside a document, rise by 1 (they restart at 0 where a document starts).")
         starts["position_ids"] = restart
     if not starts:
         return None
@@ -172,17 +164,14 @@ def check_logits_to_keep(logits_to_keep, seq_len: int):
         if logits_to_keep.dtype.is_floating_point or logits_to_keep.dtype == torch.bool:
             raise TypeError(f"`logits_to_keep` as a tensor must hold integer positions, got {logits_to_keep.dtype}.")
         if logits_to_keep.dim() != 1:
-            raise ValueError(
-                f"`logits_to_keep` as a tensor must be 1-D (positions to keep), got shape {tuple(logits_to_keep.shape)}."
-            )
+            shape = tuple(logits_to_keep.shape)
+            raise ValueError(f"`logits_to_keep` as a tensor must be 1-D (positions to keep), got shape {shape}.")
         require(((logits_to_keep >= -seq_len) & (logits_to_keep < seq_len)).all(),
                 f"`logits_to_keep` holds positions outside [-{seq_len}, {seq_len}).")
         return logits_to_keep
     if isinstance(logits_to_keep, bool) or not isinstance(logits_to_keep, int):
-        raise TypeError(
-            f"`logits_to_keep` must be an int >= 0 or a 1-D integer tensor, got {logits_to_keep!r} "
-            f"({type(logits_to_keep).__name__})."
-        )
+        raise TypeError(f"`logits_to_keep` must be an int >= 0 or a 1-D integer tensor, got {logits_to_keep!r} "
+                        f"({type(logits_to_keep).__name__}).")
     if logits_to_keep < 0:
         raise ValueError(f"`logits_to_keep` must be >= 0 (0 keeps every position), got {logits_to_keep}.")
     return slice(-logits_to_keep, None) if logits_to_keep else slice(None)

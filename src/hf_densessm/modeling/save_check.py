@@ -113,8 +113,8 @@ def _error(folder: Path, ids: dict, running: bool) -> MixedSaveError:
 def load_one_save(load, path, kwargs: dict):
     """``load()`` (transformers' ``from_pretrained(path, **kwargs)``), checked when ``path`` is a local folder: its
     ``config.json`` and weight files (:func:`save_ids`), and the ``config`` object passed in, must name one save
-    (:func:`one_save`) before and after the load. A load that saw the folder change runs again; a mixed folder is waited for
-    (up to :data:`WAIT_S` seconds) while a save runs in it. The loaded config's save id is dropped.
+    (:func:`one_save`) before and after the load. A load that saw the folder change runs again; a mixed folder is
+    waited for (up to :data:`WAIT_S` seconds) while a save runs in it. The loaded config's save id is dropped.
 
     Raises:
         MixedSaveError: (an ``OSError``) the files belong to different saves (the message lists which file belongs to
