@@ -87,7 +87,8 @@ def _or_empty(grad: Optional[Tensor], like: Tensor) -> Tensor:
 #
 # The entries' functions (docs/kernels.md, "The dispatch table"), with ``args`` = (u, delta, A, B, C, D, z,
 # delta_bias, delta_softplus, initial_state, reset) as :func:`selective_scan` takes them (reset: bool or None):
-#   "forward"(*args, save_states) -> (y, last_state, saved): y (batch, dim, length) in u's dtype;
+#   "forward"(*args, save_states) -> (y, last_state, saved): y (batch, dim, length) in u's dtype (an untraced entry's
+#       y, du, ddelta, dB, dC, dz are handed out token-major, the layout of the model's tensors: copied if need be);
 #       last_state (batch, dim, state) in the compute dtype; saved: what "backward" starts from, in the entry's own
 #       layout (a traced entry may return it with no elements when save_states is False: it is then recomputed);
 #   "backward"(dy, dlast, *args, saved) -> (du, ddelta, dA, dB, dC, dD, dz, ddelta_bias, dinitial_state), each in
@@ -160,15 +161,26 @@ TABLES["selective_state_update"] = [
 # to compile a 4-block micro model's training step at 37 tokens).
 
 
+_TOKEN_MAJOR_GRADS = (0, 1, 3, 4, 6)  # du, ddelta, dB, dC, dz: the layout of the model's u, delta, B, C, z
+
+
+def _token_major(x: Tensor) -> Tensor:
+    """``x`` (batch, channels, length) laid out token-major, (batch, length, channels) contiguous in memory, as the
+    model's tensors are (no copy if it already is)."""
+    return x.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def _token_major_like(x: Tensor) -> Tensor:
+    return x.new_empty(x.shape[0], x.shape[2], x.shape[1]).transpose(1, 2)
+
+
 def _eager(u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Optional[Tensor], z: Optional[Tensor],
            delta_bias: Optional[Tensor], delta_softplus: bool, initial_state: Optional[Tensor],
            reset: Optional[Tensor], save_states: bool, impl: str) -> tuple[Tensor, Tensor, Tensor]:
     with own_precision(u.device):
         y, last, saved = implementation("selective_scan", impl).calls["forward"](
             u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, reset, save_states)
-    # contiguous whatever the entry returns (the C++ kernel's y is token-major): Inductor asserted contiguous strides
-    # for this op's outputs although the fake gave the kernel's (issue 35 asks to drop this copy)
-    return y.contiguous(), last, saved
+    return _token_major(y), last, saved
 
 
 def _eager_backward(
@@ -179,19 +191,20 @@ def _eager_backward(
     with own_precision(u.device):
         grads = implementation("selective_scan", impl).calls["backward"](
             dy, dlast, u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, reset, saved)
-    return tuple(_or_empty(g, u).contiguous() for g in grads)
+    return tuple(_token_major(g) if i in _TOKEN_MAJOR_GRADS and g is not None else _or_empty(g, u).contiguous()
+                 for i, g in enumerate(grads))
 
 
 def _eager_fake(u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, reset, save_states, impl):
     cdt = inputs_compute_dtype(u, delta, A, B, C, D, z, delta_bias, initial_state)
     saved = implementation("selective_scan", impl).calls["saved"](u, A, cdt)
-    return u.new_empty(u.shape), u.new_empty(u.shape[0], u.shape[1], A.shape[1], dtype=cdt), saved
+    return _token_major_like(u), u.new_empty(u.shape[0], u.shape[1], A.shape[1], dtype=cdt), saved
 
 
 def _eager_backward_fake(dy, dlast, u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, reset,
                          saved, impl):
-    grads = [u.new_empty(0) if t is None else u.new_empty(t.shape, dtype=t.dtype)
-             for t in (u, delta, A, B, C, D, z, delta_bias)]
+    grads = [u.new_empty(0) if t is None else _token_major_like(t) if i in _TOKEN_MAJOR_GRADS else
+             u.new_empty(t.shape, dtype=t.dtype) for i, t in enumerate((u, delta, A, B, C, D, z, delta_bias))]
     dtype = inputs_compute_dtype(u, delta, A, B, C, D, z, delta_bias) if initial_state is None else initial_state.dtype
     return (*grads, u.new_empty(u.shape[0], u.shape[1], A.shape[1], dtype=dtype))
 
