@@ -126,13 +126,15 @@ class Implementation:
     calls: dict[str, Callable] = field(default_factory=dict)
 
 
-#: ``{op name: [Implementation, ...]}``, in the order :func:`choose` tries them (each op's module fills its own).
+#: ``{op name: [Implementation, ...]}``, in the order :func:`choose` tries them (each op's module fills its own). The
+#: last entry of a table is the op's PyTorch path, which runs every call on every device.
 TABLES: dict[str, list[Implementation]] = {}
 
 
 def register(op: str, entry: Implementation, before: str | None = None) -> None:
-    """Add ``entry`` to ``op``'s table: before the entry named ``before`` (so that ``"auto"`` prefers it there), else
-    last; an entry of the same name is replaced in place. The one call a new or peer implementation makes.
+    """Add ``entry`` to ``op``'s table before the entry named ``before`` (so that ``"auto"`` prefers it there), by
+    default before the last one (the PyTorch path stays last); an entry of the same name is replaced in place. The
+    one call a new or peer implementation makes.
 
     Raises:
         ValueError: unknown ``op`` (not in :data:`TABLES`), a backend not in :data:`BACKENDS`, or no entry
@@ -144,10 +146,9 @@ def register(op: str, entry: Implementation, before: str | None = None) -> None:
         check_backend(backend)
     table = TABLES[op]
     names = [e.name for e in table]
+    before = names[-1] if before is None else before
     if entry.name in names:
         table[names.index(entry.name)] = entry
-    elif before is None:
-        table.append(entry)
     elif before in names:
         table.insert(names.index(before), entry)
     else:
@@ -155,15 +156,17 @@ def register(op: str, entry: Implementation, before: str | None = None) -> None:
 
 
 def implementation(op: str, name: str) -> Implementation:
-    """The entry ``name`` of ``op``'s table.
+    """The entry ``name`` of ``op``'s table; for a name this copy of the module lacks, the table's last entry (the
+    PyTorch path). The op's body and fake call this: in a process where several copies of the package run (the
+    installed one, saved folders' remote code), the ops are the first copy's (``OpGroup``), and another copy's
+    :func:`choose` may name an entry only it has (the C++ kernel, which remote code does not ship, or a peer it
+    registered); the op then runs its PyTorch path, forward, fake and backward alike.
 
     Raises:
-        KeyError: no such op or entry.
+        KeyError: no such op.
     """
-    for entry in TABLES[op]:
-        if entry.name == name:
-            return entry
-    raise KeyError(f"{op} has no implementation {name!r} (it has {[e.name for e in TABLES[op]]})")
+    table = TABLES[op]
+    return next((entry for entry in table if entry.name == name), table[-1])
 
 
 def choose(op: str, device: torch.device, backend: str | None = None, **facts) -> str:
