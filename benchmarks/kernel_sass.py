@@ -11,7 +11,9 @@ reported with:
   address), their body the instructions from the target to the branch; the hot loops of a kernel are its
   ``loops`` largest innermost loops (its model, :data:`MODELS`), each body divided by the elements one iteration
   handles per thread (the model, from the launch's tiles and warps). A kernel without a hot loop (a decode step)
-  is counted whole. The counts are static: every instruction of the body once, branches inside it included;
+  is counted whole; so is one whose constant-trip loop the compiler unrolled (retention's output kernels on
+  sm_8x: the loop column shows none), over the elements of all its trips. The counts are static: every
+  instruction of the body once, branches inside it included;
 - **bytes moved per element against the minimum**: the model's bytes the kernel's loads and stores move between
   the SMs and L2 (each program's tiles, re-reads by several programs included) and the least it must move (each
   distinct byte it reads or writes once), both divided by the kernel's elements. One line per op and pass adds up
@@ -93,6 +95,7 @@ def instructions_of(sass: str) -> int:
 # A model maps one recorded launch (its arguments by name, its constexprs, warps; ``ctx``: the arguments of the
 # op's last launch that held its inputs, for a kernel that sees only buffers) to
 # ``elements`` (per thread per hot-loop iteration), ``loops`` (hot loops: the largest innermost loops counted),
+# ``trips`` (iterations of a hot loop of constant trip count, for when the compiler unrolled it),
 # ``total`` (elements of the whole launch), ``moved`` and ``least`` (bytes: what its loads and stores move between
 # the SMs and L2, and each distinct byte it touches once). Sizes are read from the recorded tensors.
 
@@ -182,7 +185,9 @@ def _retention_out(a, c, warps, kind):
         macs = bt * bt * bk + bt * bk * bv
         moved = math.ceil(V / bv) * 2 * tk + state + 2 * tv
         least = 2 * tk + state + 2 * tv
-    return dict(elements=macs / (32 * warps), loops=1, total=bh * length * K * V, moved=moved, least=least)
+    trips = math.ceil((V / bv) if kind == "dqk" else (K / bk))
+    return dict(elements=macs / (32 * warps), loops=1, trips=trips, total=bh * length * K * V, moved=moved,
+                least=least)
 
 
 def _retention_step(a, c, warps, ctx):
@@ -236,6 +241,9 @@ PASSES = {
                                     "_selective_scan_chunk_output_kernel"),
     ("selective_scan", "backward"): ("_selective_scan_chunk_adjoint_kernel", "_selective_scan_carry_kernel",
                                      "_selective_scan_chunk_bwd_kernel"),
+    ("retention", "forward"): ("_retention_chunk_h_kernel", "_retention_chunk_o_kernel"),
+    ("retention", "backward"): ("_retention_chunk_h_kernel", "_retention_chunk_dh_kernel",
+                                "_retention_chunk_dqk_kernel", "_retention_chunk_dv_kernel"),
     ("causal_conv1d", "forward"): ("_causal_conv1d_fwd_kernel",),
     ("causal_conv1d", "backward"): ("_causal_conv1d_bwd_kernel",),
 }
@@ -244,9 +252,15 @@ PASSES = {
 def op_least(op: str, direction: str, a) -> float:
     """Least bytes per element of a whole pass: the selective scan's forward reads u, delta, z, B, C and writes y;
     its backward also reads dy and writes du, ddelta, dz, dB, dC (the chunk states it reads are not counted). The
-    causal conv's forward reads x and writes out; its backward reads x, dy and writes dx."""
+    causal conv's forward reads x and writes out; its backward reads x, dy and writes dx. Retention's forward reads
+    q, k, v and writes o; its backward reads q, k, v, dO and writes dq, dk, dv (the states, per sequence, not
+    counted)."""
     if op == "causal_conv1d":
         return (2 if direction == "forward" else 3) * a["x_ptr"].element_size()
+    if op == "retention":
+        K, V = a["k"].shape[-1], a["v"].shape[-1]
+        per_token = 2 * K + 2 * V if direction == "forward" else 4 * K + 3 * V
+        return per_token * a["k"].element_size() / (K * V)
     batch, dim, length, n, s = _scan_sizes(a)
     per_channel, per_state = (4, 2) if direction == "forward" else (7, 4)
     return (per_channel * batch * dim * length + per_state * batch * n * length) * s / (batch * dim * n * length)
@@ -276,7 +290,10 @@ def analyze(job: dict) -> list[dict]:
         bound.update(kwargs)
         signature, constexprs, attrs, options = kernel_compile._specialize(fn, args, dict(kwargs))
         values = _constexprs(fn, constexprs)
-        direction = "backward" if values.get("REVERSE") or fn.__name__ in set(backward) - set(forward) else "forward"
+        # a kernel of both passes runs backward if it walks in reverse (the scan's carry) or stores no final state
+        # (retention's state walk, rerun by the backward)
+        reverse = values.get("REVERSE") or not values.get("STORE_FINAL_STATE", True)
+        direction = "backward" if reverse or fn.__name__ in set(backward) - set(forward) else "forward"
         key = (fn.__name__, repr(sorted(constexprs.items())), repr(options), direction)
         if key in seen:
             continue
@@ -299,8 +316,11 @@ def analyze(job: dict) -> list[dict]:
         if model is not None:
             m = model(bound, values, warps, ctx)
             hot = sorted(row["loop_bodies"], reverse=True)[:m["loops"]] if m["loops"] else [row["instructions"]]
-            row.update(elements_per_iteration=m["elements"], hot_loops=hot,
-                       per_element=sum(hot) / m["elements"], moved=m["moved"] / m["total"],
+            elements = m["elements"]
+            if len(hot) < m["loops"]:  # a constant-trip loop the compiler unrolled: the whole kernel, all trips
+                hot, elements = [row["instructions"]], elements * m["trips"]
+            row.update(elements_per_iteration=elements, hot_loops=hot,
+                       per_element=sum(hot) / elements, moved=m["moved"] / m["total"],
                        least=m["least"] / m["total"])
         if fn.__name__ in (forward[:1] if direction == "forward" else backward[:1]):
             row["op_least"] = op_least(job["op"], direction, bound)

@@ -9,6 +9,7 @@ import os
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from hf_densessm.ops import dispatch
 from hf_densessm.ops.retention import chunk_retention, retention_gamma, retention_state_update
@@ -402,6 +403,67 @@ def test_triton_low_precision(dtype):
     got_all, expected_all = [o, state] + [x.grad for x in leaves], [o64, state64] + [x.grad for x in leaves64]
     for name, got, expected in zip(NAMES, got_all, expected_all):
         assert _rel_err(got, expected) < tolerance, name
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_triton_stores_chunk_states_in_the_input_dtype(monkeypatch, dtype):
+    """The per-chunk states ``h`` and their gradients ``dh`` are stored in the inputs' dtype (half the state traffic
+    of float32 ones in half precision), and the output kernels read those buffers."""
+    from hf_densessm.ops.retention import chunk
+
+    launches, launch = {}, chunk._launch
+
+    def record(kernel, grid, block_t, tiles, key_dim, value_dim, *args, **meta):
+        launches[kernel.__name__] = args
+        return launch(kernel, grid, block_t, tiles, key_dim, value_dim, *args, **meta)
+
+    monkeypatch.setattr(chunk, "_launch", record)
+    q, k, v, s0 = _inputs(1, 40, 2, 16, 32, dtype=dtype, initial_state=True)
+    o, final_state = chunk.chunk_retention_fwd_triton(q, k, v, SCALE, s0, config=_small_config())
+    chunk.chunk_retention_bwd_triton(torch.ones_like(o), final_state, q, k, v, SCALE, s0, config=_small_config())
+    h, dh = launches["_retention_chunk_h_kernel"][2], launches["_retention_chunk_dh_kernel"][2]
+    assert h.dtype == dh.dtype == dtype and h.shape == dh.shape == (1, 2, 3, 16, 32)
+    assert launches["_retention_chunk_o_kernel"][3].dtype == dtype
+    assert launches["_retention_chunk_dqk_kernel"][4] is h and launches["_retention_chunk_dqk_kernel"][5] is dh
+    assert launches["_retention_chunk_dv_kernel"][3] is dh
+    assert final_state.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+
+
+def _init_scale_inputs(length, heads, key_dim, value_dim):
+    """float64 ``q``, ``k``, ``v`` as DenseRetNet's retention receives them at the published init: SiLU of
+    projections of RMS-normed hidden states by normal(0, 0.02) weights (width 1536: std 0.02 sqrt(1536) = 0.78), ``k``
+    times ``key_dim ** -0.5``; the model calls the op with ``scale=1``. All positive on average, so the states grow to
+    about ``1 / (1 - gamma)`` tokens' worth: the case where rounding the stored states matters most."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (F.silu(0.78 * torch.randn(1, length, heads, d, generator=gen, dtype=torch.float64))
+               for d in (key_dim, key_dim, value_dim))
+    return q, k * key_dim**-0.5, v
+
+
+#: Largest error, relative to the largest entry, of the Triton kernels' o, final state and gradients against float64
+#: on the same (rounded) inputs, at the init scale and 2048 tokens (docs/kernels.md, "States in the input dtype").
+HALF_BOUNDS = {torch.float16: 2e-3, torch.bfloat16: 2e-2}
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_triton_half_precision_at_init_scale_and_2048_tokens(dtype):
+    if dtype == torch.bfloat16 and not ON_CUDA:
+        pytest.skip("the Triton interpreter computes bfloat16 tl.dot and arithmetic wrongly (numpy has no bfloat16)")
+    from hf_densessm.ops.retention.chunk import chunk_retention_bwd_triton, chunk_retention_fwd_triton
+
+    q, k, v = (x.to(dtype).to(DEVICE) for x in _init_scale_inputs(2048, 2, 16, 32))
+    gen = torch.Generator().manual_seed(1)
+    d_o = torch.randn(v.shape, generator=gen, dtype=torch.float64).to(DEVICE, dtype)
+    d_final = torch.randn(1, 2, 16, 32, generator=gen, dtype=torch.float64).to(DEVICE)
+    o, final_state = chunk_retention_fwd_triton(q, k, v, 1.0)
+    got = [o, final_state, *chunk_retention_bwd_triton(d_o, d_final.float(), q, k, v, 1.0)]
+    args = [x.double() for x in (q, k, v)]
+    expected = [*chunk_retention_torch(*args, 1.0, None, True),
+                *chunk_retention_torch_backward(d_o.double(), d_final, *args, 1.0, None)]
+    for name, a, b in zip(NAMES, got, expected):
+        assert _rel_err(a, b) < HALF_BOUNDS[dtype], f"{name}: relative error {_rel_err(a, b):.2e}"
 
 
 @needs_triton

@@ -72,13 +72,16 @@ def chunk_retention_config(arch: GPUArch, dtype: torch.dtype, key_dim: int, valu
     Returns:
         A :class:`ChunkRetentionConfig`.
     """
-    half = dtype in (torch.float16, torch.bfloat16)
-    if half:
-        stages = 2 if arch.shared_per_block >= 160 * 1024 else 1
-        walk = out = StateTiles(64, 64, 4, stages)
-        dqk = StateTiles(64, 64 if stages == 2 else 32, 8, stages)
+    if dtype in (torch.float16, torch.bfloat16):  # tensor-core products, 64-token chunks
+        stages = 2 if arch.shared_per_block >= 96 * 1024 else 1  # 2 stages: <= 48 KB (sm_8x), 65 KB (sm_90)
+        # the tile of the axis an output kernel keeps (o, dv: value; dqk: key), 64 or 128: the one with fewer
+        # multiply-adds, the (64, 64) scores being recomputed per tile; dqk on sm_90: 150 registers at 128, 117 at 64
+        wide = lambda dim: min((128, 64), key=lambda b: triton.cdiv(dim, b) * (64 + 2 * b))  # noqa: E731
+        tile_v = wide(value_dim) if value_dim > 64 else 64
+        walk, out = StateTiles(64, 64, 4, stages), StateTiles(64, tile_v, tile_v // 16, stages)  # 4 or 8 warps
+        dqk = StateTiles(64 if arch.capability >= (9, 0) else wide(key_dim), 64, 8, stages)
         config = ChunkRetentionConfig(64, walk, out, walk, dqk, out)
-    else:
+    else:  # float32 / float64: exact products on the FMA units, operands in registers
         walk, out = StateTiles(32, 64, 8), StateTiles(32, 32, 8)
         config = ChunkRetentionConfig(64, walk, out, walk, out, out)
     return config.fit(key_dim, value_dim)
@@ -213,7 +216,7 @@ def _retention_chunk_o_kernel(
         h_blk = tl.load(h_base + offs_k[:, None] * V + offs_v[None, :], mask=mask_k[:, None] & (offs_v < V)[None, :],
                         other=0.0)
         scores += _dot(q_blk, tl.trans(k_blk), ACC, PRECISION)
-        o_state += _dot(q_blk, h_blk.to(dt), ACC, PRECISION)
+        o_state += _dot(q_blk, h_blk, ACC, PRECISION)
     intra, q_decay, _, _ = _chunk_decays(log2_gamma, docs, i_b, start, L, HAS_RESET, False, BT, ACC)
     scores = tl.where(intra > 0, scores * scale * intra, 0.0)  # selected: a later token's NaN or inf stays out
     v_blk = tl.load(v + i_b * L * H * V + i_h * V + t[:, None] * (H * V) + offs_v[None, :], mask=mask_tv, other=0.0)
@@ -304,8 +307,8 @@ def _retention_chunk_dqk_kernel(
         v_blk = tl.load(v_base + t[:, None] * (H * V) + offs_v[None, :], mask=mask_tv, other=0.0)
         do_blk = tl.load(do_base + t[:, None] * (H * V) + offs_v[None, :], mask=mask_tv, other=0.0)
         state_offs = state_base + offs_k[:, None] * V + offs_v[None, :]
-        h_blk = tl.load(h + state_offs, mask=mask_kv, other=0.0).to(dt)
-        dh_blk = tl.load(dh + state_offs, mask=mask_kv, other=0.0).to(dt)
+        h_blk = tl.load(h + state_offs, mask=mask_kv, other=0.0)
+        dh_blk = tl.load(dh + state_offs, mask=mask_kv, other=0.0)
         d_scores += _dot(do_blk, tl.trans(v_blk), ACC, PRECISION)
         dq_state += _dot(do_blk, tl.trans(h_blk), ACC, PRECISION)
         dk_state += _dot(v_blk, tl.trans(dh_blk), ACC, PRECISION)
@@ -356,7 +359,7 @@ def _retention_chunk_dv_kernel(
         dh_blk = tl.load(dh_base + offs_k[:, None] * V + offs_v[None, :], mask=mask_k[:, None] & mask_v[None, :],
                          other=0.0)
         scores_t += _dot(k_blk, tl.trans(q_blk), ACC, PRECISION)
-        dv_state += _dot(k_blk, dh_blk.to(dt), ACC, PRECISION)
+        dv_state += _dot(k_blk, dh_blk, ACC, PRECISION)
     intra_t, _, k_decay, _ = _chunk_decays(log2_gamma, docs, i_b, start, L, HAS_RESET, True, BT, ACC)
     scores_t = tl.where(intra_t > 0, scores_t * scale * intra_t, 0.0)
     do_blk = tl.load(do + i_b * L * H * V + i_h * V + t[:, None] * (H * V) + offs_v[None, :], mask=mask_tv,
@@ -405,12 +408,11 @@ def _prepare(q, k, v, initial_state, config):
 
 def _chunk_states(k, v, initial_state, final_state, docs, log2_gamma, config, acc_tl, precision):
     """Run ``_retention_chunk_h_kernel``: the states entering every chunk, ``(batch, heads, NT, key_dim,
-    value_dim)`` in the state dtype; the final state is written to ``final_state`` unless it is None."""
+    value_dim)`` in the inputs' dtype; the final state is written to ``final_state`` unless it is None."""
     batch, length, heads, key_dim = k.shape
     value_dim = v.shape[-1]
     tiles = config.h
-    h = k.new_empty(batch, heads, triton.cdiv(length, config.block_t), key_dim, value_dim,
-                    dtype=compute_dtype(v.dtype))
+    h = k.new_empty(batch, heads, triton.cdiv(length, config.block_t), key_dim, value_dim)
     grid = (triton.cdiv(value_dim, tiles.block_v), triton.cdiv(key_dim, tiles.block_k), batch * heads)
     _launch(
         _retention_chunk_h_kernel, grid, config.block_t, tiles, key_dim, value_dim,
@@ -426,7 +428,7 @@ def chunk_retention_fwd_triton(q, k, v, scale, initial_state=None, reset=None, c
     :func:`hf_densessm.ops.retention.chunk_retention` (``scale`` a float), plus ``config`` (a
     :class:`ChunkRetentionConfig`; default :func:`chunk_retention_config` for ``q``'s device). The per-chunk
     states (``_retention_chunk_h_kernel``), ``batch * heads * ceil(length / block_t) * key_dim * value_dim``
-    floats, live until the outputs (``_retention_chunk_o_kernel``) are written."""
+    values in the inputs' dtype, live until the outputs (``_retention_chunk_o_kernel``) are written."""
     batch, length, heads, key_dim = q.shape
     value_dim = v.shape[-1]
     config, q, k, v, initial_state, acc_tl, precision, log2_gamma = _prepare(q, k, v, initial_state, config)
