@@ -207,8 +207,11 @@ class DenseSSMForCausalLM(DenseSSMPreTrainedModel, GenerationMixin):
         cache = next((model_kwargs[name] for name in CACHE_FIELDS if model_kwargs.get(name) is not None), None)
         if cache is None:
             cache = model_kwargs[generate_keyword(self.old_cache_names)] = new_cache(self.config)
-        if generation_mode == GenerationMode.ASSISTED_GENERATION:  # where 5.17-5.23's assisted decoding looks for it
-            model_kwargs.setdefault("cache" if CACHE_RENAMED else "past_key_values", cache)
+        if generation_mode == GenerationMode.ASSISTED_GENERATION and not CACHE_RENAMED:  # 5.17-5.23's assisted
+            # decoding knows only this name (and hands every other one to the assistant)
+            for name in CACHE_FIELDS:
+                model_kwargs.pop(name, None)
+            model_kwargs["past_key_values"] = cache
         if not isinstance(cache, DenseSSMCache):
             return
         if generation_config.is_assistant:
