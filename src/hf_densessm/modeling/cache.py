@@ -3,6 +3,8 @@ and store its states (docs/design.md §5); its name under each transformers rele
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from transformers.cache_utils import Cache, DynamicCache, LinearAttentionCacheLayerMixin
 from transformers.exporters.exporter_dynamo import register_pytree_node
@@ -152,14 +154,15 @@ def record_tokens(cache: Cache | None, inputs: torch.Tensor, attention_mask: tor
         cache.record_tokens(inputs, attention_mask)
 
 
-def record_states(cache: Cache | None, layer_idx: int, state: torch.Tensor | None, run) -> None:
+def record_states(cache: Cache | None, layer_idx: int, state: torch.Tensor | None, run, *inputs) -> None:
     """While a :class:`DenseSSMCache` is :attr:`~DenseSSMCache.recording`, keep what its ``crop`` needs for the
     recurrent state of block ``layer_idx`` in the forward under way: ``state`` (before the forward, copied; ``None``
-    before the first) and ``run(initial_state, n)``, the state after the forward's first ``n >= 1`` tokens from
-    ``initial_state`` (``None``: zeros), the block's own op on its own inputs. Call before the block updates its state."""
+    before the first) and ``run(*inputs, initial_state, n)``, the state after the forward's first ``n >= 1`` tokens
+    from ``initial_state`` (``None``: zeros): the block's own op on its own ``inputs``, kept by reference. Call before
+    the block updates its state; otherwise it does nothing."""
     if isinstance(cache, DenseSSMCache) and cache.recording:
         before = None if state is None else state.clone()
-        cache._pending.setdefault(layer_idx, {})["state"] = (before, run, chosen_backend(None))
+        cache._pending.setdefault(layer_idx, {})["state"] = (before, partial(run, *inputs), chosen_backend(None))
 
 
 def check_cache(cache, config, batch: int) -> None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -176,7 +175,7 @@ class DenseMambaMixer(nn.Module):
         # and the SiLU(z) gate come after the fusion
         D = None if fuse_states else self.D.to(acc)
         z_scan = None if fuse_states else z
-        record_states(cache, self.layer_idx, state, partial(_state_after, u, dt, A, B, C, softplus))
+        record_states(cache, self.layer_idx, state, _state_after, u, dt, A, B, C, softplus)
         if decode:
             y = selective_state_update(
                 state, u[:, 0], dt[..., 0], A, B[:, 0], C[:, 0], D, z=None if z_scan is None else z_scan[..., 0],

@@ -5,8 +5,6 @@ docs/design.md §3.
 
 from __future__ import annotations
 
-from functools import partial
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -70,7 +68,8 @@ def retention_row_sums(positions: torch.Tensor, num_heads: int, dtype: torch.dty
 def _state_after(q, k, v, initial_state, n):
     """The retention state after the first ``n`` of a forward's tokens, for a speculative ``crop``
     (:func:`~.cache.record_states`)."""
-    return chunk_retention(q[:, :n], k[:, :n], v[:, :n], scale=1.0, initial_state=initial_state, output_final_state=True)[1]
+    kept = (q[:, :n], k[:, :n], v[:, :n])
+    return chunk_retention(*kept, scale=1.0, initial_state=initial_state, output_final_state=True)[1]
 
 
 class DenseRetNetRetention(nn.Module):
@@ -137,7 +136,7 @@ class DenseRetNetRetention(nn.Module):
         q = self.theta_shift(q.view(batch, seq_len, self.num_heads, self.head_dim), positions)
         k = self.theta_shift(k.view(batch, seq_len, self.num_heads, self.head_dim), positions)
         v = v.reshape(batch, seq_len, self.num_heads, -1)
-        record_states(cache, self.layer_idx, state, partial(_state_after, q, k, v))
+        record_states(cache, self.layer_idx, state, _state_after, q, k, v)
 
         if state is not None and seq_len == 1 and not torch.is_grad_enabled():
             # decode: S = gamma S + k^T v; o = q S (Eq. 18, 19), the state updated in place
