@@ -118,7 +118,9 @@ def rollback_costs(model, prompt, draft: int, repeats: int) -> dict:
     return {name: statistics.median(values[1:]) for name, values in times.items()}
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> dict:
+    """Prints the table and the rollback's costs; returns ``{method: {"tokens_per_s", "speedup", "same_tokens",
+    "acceptance", "copied"}}``."""
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     if not is_held_out(f"stdlib/{args.file}"):
@@ -150,18 +152,24 @@ def main(argv=None) -> None:
     print(f"# {environment()}")
     print("| method | tokens/s | speed-up | same tokens | tokens per target forward | acceptance | copies the file |")
     print("|---|---|---|---|---|---|---|")
+    results = {}
     for name in methods:
         s, seconds = stats[name], statistics.median(times[name])
         new = s["tokens"][0, prompt.shape[1] :]
-        copied = (new[: truth.numel()] == truth[: new.numel()]).float().mean().item()
-        acceptance = f"{s['accepted'] / s['drafted']:.0%} of {s['drafted']}" if s["drafted"] else "-"
-        print(f"| {name} | {args.new_tokens / seconds:.1f} | {paired_ratio(times, 'plain greedy', name):.2f}x | "
-              f"{'yes' if torch.equal(s['tokens'], plain) else 'NO'} | {args.new_tokens / s['forwards']:.2f} | "
-              f"{acceptance} | {copied:.0%} |")
+        results[name] = row = {
+            "tokens_per_s": args.new_tokens / seconds, "speedup": paired_ratio(times, "plain greedy", name),
+            "same_tokens": torch.equal(s["tokens"], plain), "tokens_per_forward": args.new_tokens / s["forwards"],
+            "acceptance": s["accepted"] / s["drafted"] if s["drafted"] else None,
+            "copied": (new[: truth.numel()] == truth[: new.numel()]).float().mean().item(),
+        }
+        acceptance = f"{row['acceptance']:.0%} of {s['drafted']}" if s["drafted"] else "-"
+        print(f"| {name} | {row['tokens_per_s']:.1f} | {row['speedup']:.2f}x | {'yes' if row['same_tokens'] else 'NO'} "
+              f"| {row['tokens_per_forward']:.2f} | {acceptance} | {row['copied']:.0%} |")
     costs = rollback_costs(model, prompt, args.lookup_tokens, args.repeats)
     print(f"\nrollback of {(args.lookup_tokens + 1) // 2} of {args.lookup_tokens + 1} verified tokens: verification "
           f"forward {costs['verify'] * 1e3:.1f} ms, crop (recurrence re-run) {costs['crop'] * 1e3:.1f} ms, "
           f"recomputing the kept tokens instead {costs['recompute'] * 1e3:.1f} ms")
+    return results
 
 
 if __name__ == "__main__":
