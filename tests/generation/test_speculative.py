@@ -330,7 +330,9 @@ def test_compiled_decoding_around_speculative_decoding(family):
     config._compile_all_devices = True
     m.generation_config.compile_config = config
     with watched_crops() as crops:
-        out = m.generate(ids, max_new_tokens=6, do_sample=False, prompt_lookup_num_tokens=3, return_dict_in_generate=True)
+        out = m.generate(
+            ids, max_new_tokens=6, do_sample=False, prompt_lookup_num_tokens=3, return_dict_in_generate=True
+        )
     assert graphs == []
     cache = output_cache(out)
     assert len({tuple(found.items()) for *_, found in crops} | {tuple(addresses(cache).items())}) == 1
