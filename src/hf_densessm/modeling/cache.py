@@ -74,8 +74,9 @@ class DenseSSMCache(DynamicCache):
 
     @property
     def is_croppable(self) -> bool:
-        """Always: :meth:`crop` takes back any token fed since the last crop while :attr:`recording`."""
-        return True
+        """Whether :meth:`crop` can take tokens back: while :attr:`recording` (so that transformers' deferred stop
+        check, which would turn recording on, leaves plain decoding alone)."""
+        return self.recording
 
     @property
     def is_compileable(self) -> bool:
