@@ -191,6 +191,17 @@ def test_assistants_of_other_kinds():
 
 
 @pytest.mark.parametrize("family", ["densemamba", "denseretnet"])
+def test_early_exit_assistant(family):
+    """transformers' early-exit drafts (``assistant_early_exit=2``: the model's first 2 blocks, its norm and head,
+    with a cache of 2 layers): the plain greedy tokens, and the model has all its blocks again after."""
+    m = model(family)
+    ids = random_ids(1, 10)
+    plain, fast, crops = plain_and_speculative(m, ids, assistant_early_exit=2)
+    assert torch.equal(fast.sequences, plain.sequences)
+    assert {len(cache.layers) for cache, *_ in crops} == {2, 4} and m.config.num_hidden_layers == 4
+
+
+@pytest.mark.parametrize("family", ["densemamba", "denseretnet"])
 def test_float32_gives_the_plain_greedy_tokens(family):
     m = model(family, dtype=torch.float32)
     prompt = random_ids(1, 12, seed=5)

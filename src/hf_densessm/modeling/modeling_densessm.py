@@ -124,9 +124,10 @@ class DenseSSMModel(DenseSSMPreTrainedModel):
         if attention_mask is not None:  # padding enters the blocks as zeros, whatever it held (docs/design.md §5)
             embeds = torch.where(attention_mask[..., None].bool(), embeds, 0)
         with use_backend(config.kernel_backend):  # the one place the ops' backend is read (docs/kernels.md)
-            hidden_states, all_hidden_states = run_dense_layers(
-                self.layers, embeds, config, output_hidden_states, cache=cache, attention_mask=attention_mask,
-                reset=reset,
+            hidden_states, all_hidden_states = run_dense_layers(  # the first `num_hidden_layers`: all, but fewer
+                # while transformers' early-exit assistant drafts (`generate(..., assistant_early_exit=k)`)
+                self.layers[: config.num_hidden_layers], embeds, config, output_hidden_states, cache=cache,
+                attention_mask=attention_mask, reset=reset,
             )
         record_tokens(cache, embeds, attention_mask)
         hidden_states = getattr(self, self.final_norm_name)(hidden_states)
