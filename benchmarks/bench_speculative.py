@@ -35,10 +35,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-import hf_densessm  # noqa: E402,F401  (registers the Auto classes)
 from bench_cpu import environment, interleaved_times, paired_ratio  # noqa: E402
 from corpus import is_held_out, stdlib_root  # noqa: E402
-from hf_densessm.modeling.cache import DenseSSMCache  # noqa: E402
+from hf_densessm.modeling.cache import DenseSSMCache  # noqa: E402  (importing hf_densessm registers the Auto classes)
 
 DEFAULT_FILE = "code.py"  # held out of examples/pretrain.py's training (corpus.is_held_out)
 

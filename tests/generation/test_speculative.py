@@ -220,8 +220,8 @@ def test_batches_larger_than_one_are_refused_by_transformers():
 
 
 def test_plain_decoding_records_nothing():
-    """A cache an assisted generate() returned, continued by a plain generate(): it stops recording (nothing kept,
-    nothing compiled away), and the tokens are plain greedy's over the whole run."""
+    """A cache an assisted generate() returned, continued by a plain generate(): it stops recording (nothing kept),
+    and the tokens are plain greedy's over the whole run."""
     m = model("denseretnet")
     ids = random_ids(1, 8)
     out = m.generate(ids, max_new_tokens=6, do_sample=False, assistant_model=perturbed(m), return_dict_in_generate=True)
