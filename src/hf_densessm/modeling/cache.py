@@ -3,9 +3,13 @@ and store its states (docs/design.md §5); its name under each transformers rele
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from transformers.cache_utils import Cache, DynamicCache, LinearAttentionCacheLayerMixin
 from transformers.exporters.exporter_dynamo import register_pytree_node
+
+from ..ops.dispatch import chosen_backend, use_backend
 
 class DenseSSMCache(DynamicCache):
     """transformers' ``DynamicCache`` (one ``LinearAttentionLayer`` per block), plus counts of the tokens seen
@@ -17,6 +21,8 @@ class DenseSSMCache(DynamicCache):
         positions_seen: positions processed, padding included, 0-dim int64 (``None`` before the first forward).
         real_tokens_seen: with ``counts_row_tokens``, each row's real tokens, ``(batch,)`` int64 (``None`` before the
             first forward and otherwise).
+        recording: whether each forward keeps what :meth:`crop` needs to take its tokens back (speculative decoding,
+            from :meth:`activate_past_recording`; docs/design.md §5, "Speculative decoding").
     """
 
     def __init__(self, config=None, **kwargs):
@@ -25,6 +31,9 @@ class DenseSSMCache(DynamicCache):
         self.counts_row_tokens = getattr(config, "cache_counts_row_tokens", False)
         self.positions_seen: torch.Tensor | None = None
         self.real_tokens_seen: torch.Tensor | None = None
+        self.recording = False
+        self._records: list = []  # per recorded forward: (tokens, attention mask or None, {layer: what it kept})
+        self._pending: dict = {}  # the forward under way's layers
 
     @staticmethod
     def _new_count(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
@@ -45,11 +54,71 @@ class DenseSSMCache(DynamicCache):
         if self.positions_seen is None:
             self.positions_seen = self._new_count((), inputs.device)
         self.positions_seen.add_(count)
+        if self.recording:
+            self._records.append((count, attention_mask, self._pending))
+            self._pending = {}
         if not self.counts_row_tokens:
             return
         if self.real_tokens_seen is None:
             self.real_tokens_seen = self._new_count((batch,), inputs.device)
         self.real_tokens_seen.add_(count if attention_mask is None else attention_mask.long().sum(-1))
+
+    def activate_past_recording(self) -> None:
+        """transformers' hook before speculative decoding: from now on every forward keeps what :meth:`crop` needs
+        to take its tokens back, until :meth:`stop_recording`. The layers' states stay in place (static addresses)."""
+        self.recording = True
+
+    def stop_recording(self) -> None:
+        """Back to plain decoding: forwards keep nothing, and what was kept is dropped."""
+        self.recording, self._records, self._pending = False, [], {}
+
+    @property
+    def is_croppable(self) -> bool:
+        """Whether :meth:`crop` can take tokens back: while :attr:`recording` (so that transformers' deferred stop
+        check, which would turn recording on, leaves plain decoding alone)."""
+        return self.recording
+
+    @property
+    def is_compileable(self) -> bool:
+        """As transformers' layers: not while recording (speculative forwards run eagerly, their lengths vary)."""
+        return not self.recording and super().is_compileable
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """transformers' rollback after a speculative verification: take the last ``-tokens_to_remove`` tokens back,
+        every state, conv window and count becoming what feeding only the others would have left (states written in
+        place); then drop the records, so ``crop(0)`` only frees them (docs/design.md §5, "Speculative decoding").
+
+        Raises:
+            RuntimeError: not :attr:`recording`, ``tokens_to_remove > 0``, or more tokens than fed since the last crop.
+        """
+        remove = -tokens_to_remove
+        recorded = sum(record[0] for record in self._records)
+        if not self.recording or remove < 0 or remove > recorded:
+            raise RuntimeError(
+                f"`crop` takes back 0 to {recorded} tokens (the tokens fed since the last crop) as a negative int, "
+                f"after `activate_past_recording()` (recording: {self.recording}); got {tokens_to_remove}."
+            )
+        while remove:
+            length, mask, layers = self._records.pop()
+            keep = max(length - remove, 0)
+            for layer_idx, kept in layers.items():
+                layer = self.layers[layer_idx]
+                if "state" in kept:
+                    before, run, backend = kept["state"]
+                    with use_backend(backend):  # the kernels of the forward
+                        state = run(before, keep) if keep else before
+                    if state is None:  # the forward filled an empty cache
+                        layer.recurrent_states[0].zero_()
+                    else:
+                        layer.recurrent_states[0].copy_(state)
+                if "window" in kept:  # the window before the forward, then its conv inputs
+                    window = layer.conv_states[0]
+                    window.copy_(kept["window"][..., keep : keep + window.shape[-1]])
+            self.positions_seen.sub_(length - keep)
+            if self.real_tokens_seen is not None:
+                self.real_tokens_seen.sub_(length - keep if mask is None else mask[:, keep:].long().sum(-1))
+            remove -= length - keep
+        self._records, self._pending = [], {}
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Number of positions processed so far, an ``int`` (reading it waits for the device)."""
@@ -64,6 +133,7 @@ class DenseSSMCache(DynamicCache):
     def reset(self) -> None:
         """transformers' reset (states zeroed in place), and both counts back to zero."""
         super().reset()
+        self._records, self._pending = [], {}
         for count in (self.positions_seen, self.real_tokens_seen):
             if count is not None:
                 count.zero_()
@@ -83,6 +153,17 @@ def record_tokens(cache: Cache | None, inputs: torch.Tensor, attention_mask: tor
     """:meth:`DenseSSMCache.record_tokens` on ``cache`` if it is a :class:`DenseSSMCache`."""
     if isinstance(cache, DenseSSMCache):
         cache.record_tokens(inputs, attention_mask)
+
+
+def record_states(cache: Cache | None, layer_idx: int, state: torch.Tensor | None, run, *inputs) -> None:
+    """While a :class:`DenseSSMCache` is :attr:`~DenseSSMCache.recording`, keep what its ``crop`` needs for the
+    recurrent state of block ``layer_idx`` in the forward under way: ``state`` (before the forward, copied; ``None``
+    before the first) and ``run(*inputs, initial_state, n)``, the state after the forward's first ``n >= 1`` tokens
+    from ``initial_state`` (``None``: zeros): the block's own op on its own ``inputs``, kept by reference. Call before
+    the block updates its state; otherwise it does nothing."""
+    if isinstance(cache, DenseSSMCache) and cache.recording:
+        before = None if state is None else state.clone()
+        cache._pending.setdefault(layer_idx, {})["state"] = (before, partial(run, *inputs), chosen_backend(None))
 
 
 def check_cache(cache, config, batch: int) -> None:
@@ -164,15 +245,18 @@ def store_conv_inputs(cache: Cache, layer_idx: int, inputs: torch.Tensor, conv_k
     ``layer_idx`` (transformers' ``update_conv_state``, keeping the last ``conv_kernel_size``); with gradients on,
     into a copy of the window (docs/design.md §5, "Backpropagating through a cache"). transformers is handed the
     window's new ``conv_kernel_size`` columns, so that it pads nothing: its test of a prefill's length would guard a
-    traced dynamic length (docs/design.md §5, "torch.export")."""
+    traced dynamic length (docs/design.md §5, "torch.export"). A recording :class:`DenseSSMCache` keeps the window
+    before and ``inputs`` for its ``crop``."""
     layer = cache.layers[layer_idx]
     window = conv_state(cache, layer_idx)
     if window is None:
         window = inputs.new_zeros(*inputs.shape[:-1], conv_kernel_size)
     elif torch.is_grad_enabled():
         layer.conv_states[0] = window.clone()
-    inputs = torch.cat([window, inputs.detach()], dim=-1)[..., -conv_kernel_size:]
-    cache.update_conv_state(inputs, layer_idx, conv_kernel_size=conv_kernel_size)
+    inputs = torch.cat([window, inputs.detach()], dim=-1)
+    if isinstance(cache, DenseSSMCache) and cache.recording:  # what `crop` reads the window back from
+        cache._pending.setdefault(layer_idx, {})["window"] = inputs
+    cache.update_conv_state(inputs[..., -conv_kernel_size:], layer_idx, conv_kernel_size=conv_kernel_size)
 
 
 def recurrent_state(cache: Cache | None, layer_idx: int, slot: int = 0) -> torch.Tensor | None:

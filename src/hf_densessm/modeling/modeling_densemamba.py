@@ -18,13 +18,22 @@ from transformers.models.mamba.modeling_mamba import MambaCausalLMOutput, MambaO
 from ..configuration.configuration_densemamba import DenseMambaConfig
 from ..ops.causal_conv1d import causal_conv1d
 from ..ops.selective_scan import selective_scan, selective_state_update
-from .cache import conv_state, recurrent_state, store_conv_inputs, store_recurrent_state
+from .cache import conv_state, record_states, recurrent_state, store_conv_inputs, store_recurrent_state
 from .cache_names import with_old_name
 from .dense_connection import build_dense_connection, init_dense_linear, split_dense_inputs
 from .norm import DenseSSMRMSNorm
 from .modeling_densessm import (
     DenseSSMForCausalLM, DenseSSMForSequenceClassification, DenseSSMModel, DenseSSMPreTrainedModel,
 )
+
+
+def _state_after(u, dt, A, B, C, softplus, initial_state, n):
+    """The SSM state after the first ``n`` of a forward's tokens (``u``, ``B``, ``C`` token-major, ``dt`` channel-major,
+    as the mixer holds them), for a speculative ``crop`` (:func:`~.cache.record_states`)."""
+    return selective_scan(
+        u[:, :n].transpose(1, 2), dt[..., :n], A, B[:, :n].transpose(1, 2), C[:, :n].transpose(1, 2),
+        delta_softplus=softplus, initial_state=initial_state, return_last_state=True,
+    )[1]
 
 
 class DenseMambaMixer(nn.Module):
@@ -166,6 +175,7 @@ class DenseMambaMixer(nn.Module):
         # and the SiLU(z) gate come after the fusion
         D = None if fuse_states else self.D.to(acc)
         z_scan = None if fuse_states else z
+        record_states(cache, self.layer_idx, state, _state_after, u, dt, A, B, C, softplus)
         if decode:
             y = selective_state_update(
                 state, u[:, 0], dt[..., 0], A, B[:, 0], C[:, 0], D, z=None if z_scan is None else z_scan[..., 0],
@@ -280,6 +290,7 @@ class DenseMambaOutput(MambaOutput):
     attentions: tuple[torch.Tensor, ...] | None = None  # always None (no attention); read by generic heads
 
 
+@with_old_name
 @dataclass
 class DenseMambaCausalLMOutput(MambaCausalLMOutput):
     """Output of :class:`DenseMambaForCausalLM`: transformers' ``MambaCausalLMOutput`` (cache field as in

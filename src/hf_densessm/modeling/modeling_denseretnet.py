@@ -14,7 +14,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from ..configuration.configuration_denseretnet import DenseRetNetConfig
 from ..ops.packing import document_positions
 from ..ops.retention import chunk_retention, retention_state_update
-from .cache import recurrent_state, store_recurrent_state
+from .cache import record_states, recurrent_state, store_recurrent_state
 from .dense_connection import build_dense_connection, init_dense_linear, split_dense_inputs
 from .norm import DenseSSMRMSNorm
 from .modeling_densessm import (
@@ -63,6 +63,13 @@ def retention_row_sums(positions: torch.Tensor, num_heads: int, dtype: torch.dty
     log_gamma = torch.log1p(-torch.exp2(-5.0 - heads))  # log(gamma_h), (H,)
     count = positions.clamp(min=0).to(torch.float64)[..., None] + 1  # t + 1
     return (torch.expm1(count * log_gamma) / torch.expm1(log_gamma)).to(dtype)[..., None]
+
+
+def _state_after(q, k, v, initial_state, n):
+    """The retention state after the first ``n`` of a forward's tokens, for a speculative ``crop``
+    (:func:`~.cache.record_states`)."""
+    kept = (q[:, :n], k[:, :n], v[:, :n])
+    return chunk_retention(*kept, scale=1.0, initial_state=initial_state, output_final_state=True)[1]
 
 
 class DenseRetNetRetention(nn.Module):
@@ -129,6 +136,7 @@ class DenseRetNetRetention(nn.Module):
         q = self.theta_shift(q.view(batch, seq_len, self.num_heads, self.head_dim), positions)
         k = self.theta_shift(k.view(batch, seq_len, self.num_heads, self.head_dim), positions)
         v = v.reshape(batch, seq_len, self.num_heads, -1)
+        record_states(cache, self.layer_idx, state, _state_after, q, k, v)
 
         if state is not None and seq_len == 1 and not torch.is_grad_enabled():
             # decode: S = gamma S + k^T v; o = q S (Eq. 18, 19), the state updated in place

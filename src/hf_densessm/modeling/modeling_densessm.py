@@ -7,13 +7,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 from transformers import CompileConfig, GenerationMixin, PreTrainedModel
+from transformers.generation import GenerationMode
 from transformers.modeling_layers import GenericForSequenceClassification
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.utils import logging
 
 from ..ops.dispatch import use_backend
-from .cache import check_cache, new_cache, record_tokens
-from .cache_names import CACHE_FIELDS, generate_keyword, model_output, output_cache, takes_cache
+from .cache import DenseSSMCache, check_cache, new_cache, record_tokens
+from .cache_names import CACHE_FIELDS, CACHE_RENAMED, generate_keyword, model_output, output_cache, takes_cache
 from .dense_connection import run_dense_layers
 from .inputs import check_inputs, check_logits_to_keep, packed_document_starts, prepare_attention_mask
 from .save_check import load_one_save
@@ -123,9 +124,10 @@ class DenseSSMModel(DenseSSMPreTrainedModel):
         if attention_mask is not None:  # padding enters the blocks as zeros, whatever it held (docs/design.md §5)
             embeds = torch.where(attention_mask[..., None].bool(), embeds, 0)
         with use_backend(config.kernel_backend):  # the one place the ops' backend is read (docs/kernels.md)
-            hidden_states, all_hidden_states = run_dense_layers(
-                self.layers, embeds, config, output_hidden_states, cache=cache, attention_mask=attention_mask,
-                reset=reset,
+            hidden_states, all_hidden_states = run_dense_layers(  # the first `num_hidden_layers`: all, but fewer
+                # while transformers' early-exit assistant drafts (`generate(..., assistant_early_exit=k)`)
+                self.layers[: config.num_hidden_layers], embeds, config, output_hidden_states, cache=cache,
+                attention_mask=attention_mask, reset=reset,
             )
         record_tokens(cache, embeds, attention_mask)
         hidden_states = getattr(self, self.final_norm_name)(hidden_states)
@@ -141,6 +143,7 @@ class DenseSSMForCausalLM(DenseSSMPreTrainedModel, GenerationMixin):
 
     backbone_class: type = None
     output_class: type = CausalLMOutputWithPast
+    _is_stateful = False  # transformers' flag that refuses speculative decoding: the cache's `crop` rolls back
 
     def __init__(self, config):
         super().__init__(config)
@@ -194,13 +197,28 @@ class DenseSSMForCausalLM(DenseSSMPreTrainedModel, GenerationMixin):
     def _supports_default_dynamic_cache(cls) -> bool:
         return False
 
-    def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, *args, **kwargs):
         """transformers' hook: ``generate()`` gets a new, empty ``DenseSSMCache`` under the installed release's cache
-        name before the prefill, unless one was passed in or ``use_cache=False``."""
-        super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
-        if generation_config.use_cache is False or any(model_kwargs.get(name) is not None for name in CACHE_FIELDS):
+        name before the prefill, unless one was passed in or ``use_cache=False``. A ``DenseSSMCache`` records for
+        ``crop`` in an assistant's ``generate()`` only (assisted decoding turns it on itself), so that plain decoding
+        keeps nothing (docs/design.md §5, "Speculative decoding")."""
+        super()._prepare_cache_for_generation(generation_config, model_kwargs, generation_mode, *args, **kwargs)
+        if generation_config.use_cache is False:
             return
-        model_kwargs[generate_keyword(self.old_cache_names)] = new_cache(self.config)
+        cache = next((model_kwargs[name] for name in CACHE_FIELDS if model_kwargs.get(name) is not None), None)
+        if cache is None:
+            cache = model_kwargs[generate_keyword(self.old_cache_names)] = new_cache(self.config)
+        if generation_mode == GenerationMode.ASSISTED_GENERATION and not CACHE_RENAMED:  # 5.17-5.23's assisted
+            # decoding knows only this name (and hands every other one to the assistant)
+            for name in CACHE_FIELDS:
+                model_kwargs.pop(name, None)
+            model_kwargs["past_key_values"] = cache
+        if not isinstance(cache, DenseSSMCache):
+            return
+        if generation_config.is_assistant:
+            cache.activate_past_recording()
+        else:
+            cache.stop_recording()
 
     def compile_decode_step(self, enable: bool = True):
         """Compile ``generate()``'s one-token decoding steps on every device: ``generation_config.compile_config``
@@ -231,17 +249,17 @@ class DenseSSMForCausalLM(DenseSSMPreTrainedModel, GenerationMixin):
         **kwargs,
     ):
         """As transformers' default, except: the 2-D padding mask is cut to the columns of the tokens fed (a
-        ``(batch, 1)`` mask per decoding step, a fresh tensor); a ``cache`` holding ``p < input_ids.shape[1]``
-        positions is continued with ``input_ids[:, p:]``; the cache goes to ``forward`` as ``cache``
-        (docs/design.md §5, "Continuing a cache").
+        ``(batch, 1)`` mask per decoding step, a fresh tensor); given no ``next_sequence_length``, a ``cache`` holding
+        ``p < input_ids.shape[1]`` positions is continued with ``input_ids[:, p:]`` (a prompt passed with a cache, an
+        assistant's next draft); the cache goes to ``forward`` as ``cache`` (docs/design.md §5, "Continuing a cache").
 
         Raises:
             ValueError: at the first step, a ``cache`` holding as many positions as the prompt or more.
         """
-        if is_first_iteration and cache is not None:
+        if cache is not None and (is_first_iteration or next_sequence_length is None):
             seen = cache.get_seq_length()
             length = (inputs_embeds if inputs_embeds is not None else input_ids).shape[1]
-            if seen and seen >= length:
+            if is_first_iteration and seen and seen >= length:
                 raise ValueError(
                     f"The `cache` passed to generate() holds {seen} positions, but the prompt has {length}: a cache "
                     "continues the prompt its positions came from, so give that prompt plus at least one new token "
