@@ -16,11 +16,18 @@ time in those products: the speed-up the model would have if everything else it 
 ``--compiled`` adds DenseMamba m=0 with ``compile_decode_step()`` (transformers' generation compile path).
 ``lm_head_ms`` times one call of the LM head (transformers' Mamba's, the same shape in every model) against one read
 of its weight.
+
+``--ops`` counts instead (no timing): the operators one eager decoding step (one token after a ``--prompt-len``
+prefill, float32) dispatches per block and outside the blocks, for the 30M presets (``--size``) of both families at
+m = 0 and the default m (:func:`decode_ops`; tests/models/test_decode_ops.py bounds them)::
+
+    python benchmarks/profile_cpu_decode.py --ops --out benchmarks/results/cpu_decode_ops.json
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import statistics
 import sys
@@ -28,11 +35,81 @@ import time
 from pathlib import Path
 
 import torch
+from torch._library.custom_ops import OPDEFS
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from hf_densessm.modeling.cache_names import output_cache
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_cpu import GENERATE_CALL, MAMBA, build_models, environment  # noqa: E402
 
 GEMM_OPS = ("aten::mm", "aten::addmm")
+
+
+_NO_KERNEL = (torch.ops.aten._unsafe_view.default,)  # a view of a fresh tensor (nn.Linear's reshapes)
+
+
+class _OpCounter(TorchDispatchMode):
+    """Counts the operators dispatched, per ``where`` (a block's index, ``None`` outside the blocks): the package's
+    ``hf_densessm`` ops are counted as the operators their bodies run (what ``torch.compile`` decomposes them into;
+    a C++ or Triton body counts as one); views (``OpOverload.is_view``, ``_unsafe_view``) apart from the rest, ops
+    that return no tensor (``promote_types``) not at all."""
+
+    def __init__(self):
+        super().__init__()
+        self.where, self.counts = None, collections.defaultdict(collections.Counter)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        body = OPDEFS.get(func._schema.name) if func.namespace == "hf_densessm" else None
+        if body is not None:
+            with self:
+                return body._abstract_fn(*args, **(kwargs or {}))
+        out = func(*args, **(kwargs or {}))
+        if any(isinstance(t, torch.Tensor) for t in (out if isinstance(out, (tuple, list)) else (out,))):
+            self.counts[self.where][("views" if func.is_view or func in _NO_KERNEL else "ops", str(func))] += 1
+        return out
+
+
+def decode_ops(model, prompt_len=8, attention_mask=False):
+    """The operators of one eager decoding step of ``model`` (one token after a ``prompt_len``-token prefill, batch
+    1, no gradients; ``attention_mask``: pass an all-ones mask): ``{"per_block": [{"ops", "views"} per block],
+    "outside": {...}}`` (the embedding, the final norm and head, the shared per-forward terms)."""
+    ids = torch.randint(3, model.config.vocab_size, (1, prompt_len + 1), generator=torch.Generator().manual_seed(0))
+    mask = {"attention_mask": torch.ones_like(ids)} if attention_mask else {}
+    counter, layers = _OpCounter(), model.base_model.layers
+    hooks = [h for i, layer in enumerate(layers) for h in (
+        layer.register_forward_pre_hook(lambda *_, i=i: setattr(counter, "where", i)),
+        layer.register_forward_hook(lambda *_: setattr(counter, "where", None)))]
+    try:
+        with torch.no_grad():
+            cache = output_cache(model(ids[:, :-1], use_cache=True))
+            with counter:
+                model(ids[:, -1:], cache=cache, use_cache=True, **mask)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    def totals(counts):
+        return {kind: sum(n for (k, _), n in counts.items() if k == kind) for kind in ("ops", "views")} | {
+            "by_op": {name: n for (k, name), n in sorted(counts.items()) if k == "ops"}}
+
+    return {"per_block": [totals(counter.counts[i]) for i in range(len(layers))], "outside": totals(counter.counts[None])}
+
+
+def count_ops(args, built):
+    """``--ops``: :func:`decode_ops` of the DenseSSM models, printed and returned as rows."""
+    rows = []
+    for name, model in built.items():
+        if name == MAMBA:
+            continue
+        counts = decode_ops(model, args.prompt_len)
+        ops = [block.get("ops", 0) for block in counts["per_block"]]
+        views = [block.get("views", 0) for block in counts["per_block"]]
+        rows.append(dict(model=name, layers=len(ops), ops_per_block=ops, views_per_block=views,
+                         outside=counts["outside"]))
+        print(f"{name:18s} ops per block: first {ops[0]}, max {max(ops)}, mean {sum(ops) / len(ops):.1f} "
+              f"(+ views mean {sum(views) / len(views):.1f}); outside the blocks {counts['outside']['ops']} "
+              f"(+ {counts['outside']['views']} views)")
+    return rows
 
 
 def per_token_ms(models, prompt, new_tokens, repeats):
@@ -89,12 +166,18 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
     parser.add_argument("--compiled", action="store_true", help="add DenseMamba m=0 with compile_decode_step()")
+    parser.add_argument("--ops", action="store_true", help="count each block's operators of one step; no timing")
     parser.add_argument("--out", default="benchmarks/results/cpu_decode_profile.json")
     # For CI: the package's tiny presets instead of the 30M ones (a plumbing check, not a measurement).
     parser.add_argument("--size", choices=("30m", "tiny"), default="30m", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     built = build_models(size=args.size)
+    if args.ops:
+        results = {"command": "python benchmarks/profile_cpu_decode.py " + " ".join(argv or sys.argv[1:]),
+                   "rows": count_ops(args, built)}
+        Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
+        return results
     generator = torch.Generator().manual_seed(0)
     prompt = torch.randint(3, built[MAMBA].config.vocab_size, (1, args.prompt_len), generator=generator)
     results = {"command": "python benchmarks/profile_cpu_decode.py " + " ".join(argv or sys.argv[1:]),
