@@ -21,7 +21,7 @@ from transformers.utils.hub import get_checkpoint_shard_files
 from ..configuration import DenseMambaConfig, DenseRetNetConfig
 from ..modeling import DenseMambaForCausalLM, DenseRetNetForCausalLM
 from ..modeling.dense_connection import DenseHiddenConnection
-from ..modeling.modeling_denseretnet import DenseRetNetThetaShift
+from ..modeling.modeling_denseretnet import rotary_angles
 from ..ops.retention import retention_gamma
 
 #: What transformers reads as a checkpoint's weights, in its order of preference.
@@ -302,7 +302,7 @@ def _check_rel_pos(saved: dict, config: DenseRetNetConfig, source: str) -> None:
     """Compare saved rotary angles / log-decays with the model's own (the published definition, docs/design.md §3:
     angles ``rope_theta^-linspace(0, 1, head_dim/2)``, each repeated for its channel pair; ``log(gamma_h)``)."""
     head_dim = config.query_key_dim // config.num_attention_heads
-    angle = DenseRetNetThetaShift(head_dim, config.rope_theta).compute_theta().double().repeat_interleave(2)
+    angle = rotary_angles(head_dim, config.rope_theta).double().repeat_interleave(2)
     decay = retention_gamma(config.num_attention_heads, dtype=torch.float64).log()
     for name, value in zip(OFFICIAL_REL_POS, (angle, decay)):
         tensor = saved.get(name, value)  # an absent buffer passes

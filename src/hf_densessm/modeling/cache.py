@@ -244,19 +244,20 @@ def store_conv_inputs(cache: Cache, layer_idx: int, inputs: torch.Tensor, conv_k
     """Append ``inputs`` ``(batch, channels, seq_len)`` (the window's dtype), detached, to the conv window of block
     ``layer_idx`` (transformers' ``update_conv_state``, keeping the last ``conv_kernel_size``); with gradients on,
     into a copy of the window (docs/design.md §5, "Backpropagating through a cache"). transformers is handed the
-    window's new ``conv_kernel_size`` columns, so that it pads nothing: its test of a prefill's length would guard a
-    traced dynamic length (docs/design.md §5, "torch.export"). A recording :class:`DenseSSMCache` keeps the window
-    before and ``inputs`` for its ``crop``."""
-    layer = cache.layers[layer_idx]
-    window = conv_state(cache, layer_idx)
-    if window is None:
-        window = inputs.new_zeros(*inputs.shape[:-1], conv_kernel_size)
-    elif torch.is_grad_enabled():
-        layer.conv_states[0] = window.clone()
-    inputs = torch.cat([window, inputs.detach()], dim=-1)
-    if isinstance(cache, DenseSSMCache) and cache.recording:  # what `crop` reads the window back from
-        cache._pending.setdefault(layer_idx, {})["window"] = inputs
-    cache.update_conv_state(inputs[..., -conv_kernel_size:], layer_idx, conv_kernel_size=conv_kernel_size)
+    window's new ``conv_kernel_size`` columns (``inputs`` alone when it continues a window: it appends them), so that
+    it pads nothing: its test of a prefill's length would guard a traced dynamic length (docs/design.md §5,
+    "torch.export"). A recording :class:`DenseSSMCache` keeps the window before and ``inputs`` for its ``crop``."""
+    layer, window, inputs = cache.layers[layer_idx], conv_state(cache, layer_idx), inputs.detach()
+    if window is not None and torch.is_grad_enabled():
+        layer.conv_states[0] = window = window.clone()
+    recording = isinstance(cache, DenseSSMCache) and cache.recording
+    if recording or window is None or not layer.has_previous_state[0]:
+        window = inputs.new_zeros(*inputs.shape[:-1], conv_kernel_size) if window is None else window
+        inputs = torch.cat([window, inputs], dim=-1)
+        if recording:  # what `crop` reads the window back from
+            cache._pending.setdefault(layer_idx, {})["window"] = inputs
+        inputs = inputs[..., -conv_kernel_size:]
+    cache.update_conv_state(inputs, layer_idx, conv_kernel_size=conv_kernel_size)
 
 
 def recurrent_state(cache: Cache | None, layer_idx: int, slot: int = 0) -> torch.Tensor | None:

@@ -22,30 +22,19 @@ from .modeling_densessm import (
 )
 
 
-class DenseRetNetThetaShift(nn.Module):
-    """RetNet's rotary "theta shift": channel pair ``(2j, 2j+1)`` of each head rotated by ``n * theta_j``,
-    ``theta_j = rope_theta^-linspace(0, 1, head_dim/2)_j``, at position ``n``. ``forward(x, positions)``: ``x``
-    ``(batch, seq_len, heads, head_dim)``, ``positions`` ``(batch, seq_len)`` int64; returns ``x``'s shape and dtype."""
+def rotary_angles(head_dim: int, rope_theta: float, device=None) -> torch.Tensor:
+    """RetNet's rotary "theta shift" angles ``theta_j = rope_theta^-linspace(0, 1, head_dim/2)_j``, ``(head_dim / 2,)``
+    float32 (computed in float64): channel pair ``(2j, 2j+1)`` of each head is rotated by ``n theta_j`` at position
+    ``n`` (:func:`theta_shift`)."""
+    return (rope_theta ** -torch.linspace(0, 1, head_dim // 2, dtype=torch.float64, device=device)).float()
 
-    def __init__(self, head_dim: int, rope_theta: float):
-        super().__init__()
-        self.head_dim, self.rope_theta = head_dim, rope_theta
-        self.register_buffer("theta", self.compute_theta(), persistent=False)
 
-    def compute_theta(self, device=None) -> torch.Tensor:
-        """The angles ``(head_dim / 2,)`` float32 (a non-persistent buffer, rebuilt by ``_init_weights`` on load)."""
-        exponents = torch.linspace(0, 1, self.head_dim // 2, dtype=torch.float64, device=device)
-        return (self.rope_theta**-exponents).float()
-
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        compute = torch.promote_types(x.dtype, torch.float32)  # float32, or float64 for a float64 model
-        theta = self.theta.to(device=positions.device, dtype=compute)
-        angles = positions.to(compute)[..., None] * theta  # (batch, seq_len, head_dim / 2)
-        cos = angles.cos().repeat_interleave(2, dim=-1)[:, :, None, :]
-        sin = angles.sin().repeat_interleave(2, dim=-1)[:, :, None, :]
-        xf = x.to(compute)
-        rotated = torch.stack((-xf[..., 1::2], xf[..., ::2]), dim=-1).flatten(-2)
-        return (xf * cos + rotated * sin).to(x.dtype)
+def theta_shift(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x`` ``(..., batch, seq_len, heads, head_dim)`` rotated by ``(cos, sin)`` of ``layer_inputs``:
+    ``x * cos + swap(x) * sin``, ``swap`` exchanging the channels of each pair (the sign is in ``sin``), computed in
+    their dtype; returns ``x``'s shape and dtype."""
+    xf = x.to(cos.dtype)
+    return (xf * cos + xf.unflatten(-1, (-1, 2)).flip(-1).flatten(-2) * sin).to(x.dtype)
 
 
 def retention_row_sums(positions: torch.Tensor, num_heads: int, dtype: torch.dtype) -> torch.Tensor:
@@ -91,7 +80,6 @@ class DenseRetNetRetention(nn.Module):
         self.hidden_proj = nn.Linear(config.hidden_size, 2 * self.value_dim, bias=False)
         self.o_proj = nn.Linear(self.value_dim, config.hidden_size, bias=False)
         self.group_norm = DenseSSMRMSNorm(self.value_dim, eps=config.rms_norm_eps, num_groups=self.num_heads)
-        self.theta_shift = DenseRetNetThetaShift(self.head_dim, config.rope_theta)
         self.dense_k = build_dense_connection(config, layer_idx, self.key_dim)
         self.dense_v = build_dense_connection(config, layer_idx, self.value_dim)
         if self.dense_k is not None:
@@ -106,9 +94,11 @@ class DenseRetNetRetention(nn.Module):
         cache=None,
         attention_mask: torch.Tensor | None = None,
         reset: torch.Tensor | None = None,
+        *, rotary: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """As :meth:`DenseMambaMixer.forward <hf_densessm.modeling.modeling_densemamba.DenseMambaMixer.forward>`, with
-        retention (the features ``(k, v)``, pre-fusion; ``(batch, seq_len, d_qk)``, ``(batch, seq_len, d_v)``)."""
+        retention (the features ``(k, v)``, pre-fusion; ``(batch, seq_len, d_qk)``, ``(batch, seq_len, d_v)``);
+        ``rotary``: the forward's ``(cos, sin, row_sums)`` (:meth:`DenseRetNetModel.layer_inputs`)."""
         batch, seq_len, _ = hidden_states.shape
         q = F.silu(self.q_proj(hidden_states))
         k = F.silu(self.k_proj(hidden_states)) * self.key_scale
@@ -124,18 +114,9 @@ class DenseRetNetRetention(nn.Module):
             k = self.k_norm(self.dense_k(hidden_states, k, dense_k)).to(q.dtype)
             v = self.v_norm(self.dense_v(hidden_states, v, dense_v)).to(q.dtype)
 
-        state = recurrent_state(cache, self.layer_idx)
-        seen = getattr(cache, "real_tokens_seen", None)  # real tokens per row before this call; counted after it
-        offset = seen if seen is not None else torch.zeros(batch, dtype=torch.long, device=q.device)
-        if reset is not None:  # packed documents (no cache, no padding): positions restart at each document
-            positions = document_positions(reset)
-        elif attention_mask is None:
-            positions = offset[:, None] + torch.arange(seq_len, device=q.device)
-        else:  # count real tokens only, so padding never moves a row's position
-            positions = offset[:, None] + attention_mask.long().cumsum(-1) - 1
-        q = self.theta_shift(q.view(batch, seq_len, self.num_heads, self.head_dim), positions)
-        k = self.theta_shift(k.view(batch, seq_len, self.num_heads, self.head_dim), positions)
+        q, k = theta_shift(torch.stack((q, k)).view(2, batch, seq_len, self.num_heads, self.head_dim), *rotary[:2])
         v = v.reshape(batch, seq_len, self.num_heads, -1)
+        state = recurrent_state(cache, self.layer_idx)
         record_states(cache, self.layer_idx, state, _state_after, q, k, v)
 
         if state is not None and seq_len == 1 and not torch.is_grad_enabled():
@@ -146,10 +127,8 @@ class DenseRetNetRetention(nn.Module):
                 state.copy_(torch.where(attention_mask[:, 0, None, None, None].bool(), state, previous))
         else:  # training / prefill, and any call with gradients on (differentiable on every backend, the cached
             # state left as it was): chunkwise form of Eq. 24, continuing from the cached state
-            o, final_state = chunk_retention(
-                q, k, v, scale=1.0, initial_state=state,
-                output_final_state=cache is not None, reset=reset,
-            )
+            o, final_state = chunk_retention(q, k, v, scale=1.0, initial_state=state,
+                                             output_final_state=cache is not None, reset=reset)
             if cache is not None:
                 if state is not None and seq_len == 1 and attention_mask is not None:  # as in the step above, a
                     # padded row keeps its state
@@ -158,24 +137,22 @@ class DenseRetNetRetention(nn.Module):
 
         # The published o_t / sqrt(s_t), folded exactly into the per-head RMSNorm that follows:
         # RMSNorm(o / sqrt(s)) = o / sqrt(mean(o^2) + eps * s), so no pass over o is added.
-        row_sums = retention_row_sums(positions, self.num_heads, torch.promote_types(o.dtype, torch.float32))
-        o = self.group_norm(o.reshape(batch, seq_len, self.value_dim), eps_scale=row_sums)
+        o = self.group_norm(o.reshape(batch, seq_len, self.value_dim), eps_scale=rotary[2])
         return self.dropout(self.o_proj(o * g)), features
 
 
 class DenseRetNetBlock(GradientCheckpointingLayer):
     """Pre-norm residual block ``x + self_attn(input_layernorm(x))`` (GAU-style: no separate FFN); ``forward`` as
-    :class:`~hf_densessm.modeling.modeling_densemamba.DenseMambaBlock`'s."""
+    :class:`~hf_densessm.modeling.modeling_densemamba.DenseMambaBlock`'s, plus ``rotary`` (the retention's)."""
 
     def __init__(self, config: DenseRetNetConfig, layer_idx: int):
         super().__init__()
         self.input_layernorm = DenseSSMRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.self_attn = DenseRetNetRetention(config, layer_idx)
 
-    def forward(self, hidden_states, *dense_inputs, cache=None, attention_mask=None, reset=None):
-        out, features = self.self_attn(
-            self.input_layernorm(hidden_states), dense_inputs, cache=cache, attention_mask=attention_mask, reset=reset
-        )
+    def forward(self, hidden_states, *dense_inputs, cache=None, attention_mask=None, reset=None, rotary):
+        out, features = self.self_attn(self.input_layernorm(hidden_states), dense_inputs, cache=cache,
+                                       attention_mask=attention_mask, reset=reset, rotary=rotary)
         return (hidden_states + out, *features)
 
 
@@ -196,8 +173,9 @@ class DenseRetNetPreTrainedModel(DenseSSMPreTrainedModel):
             return
         if isinstance(module, DenseSSMRMSNorm):
             init.ones_(module.weight)
-        elif isinstance(module, DenseRetNetThetaShift):
-            init.copy_(module.theta, module.compute_theta(module.theta.device))
+        elif isinstance(module, DenseRetNetModel):
+            head_dim, theta = 2 * module.theta.numel(), module.config.rope_theta
+            init.copy_(module.theta, rotary_angles(head_dim, theta, module.theta.device))
         elif isinstance(module, (nn.Linear, nn.Embedding)):
             init.normal_(module.weight, mean=0.0, std=std)
             if getattr(module, "bias", None) is not None:
@@ -215,8 +193,29 @@ class DenseRetNetModel(DenseSSMModel, DenseRetNetPreTrainedModel):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DenseRetNetBlock(config, layer_idx=i) for i in range(config.num_hidden_layers))
         self.norm = DenseSSMRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        head_dim = config.query_key_dim // config.num_attention_heads  # non-persistent, rebuilt by _init_weights
+        self.register_buffer("theta", rotary_angles(head_dim, config.rope_theta), persistent=False)
         self.gradient_checkpointing = False
         self.post_init()
+
+    def layer_inputs(self, embeds, cache, attention_mask, reset) -> dict:
+        """``rotary``: ``(cos, sin, row_sums)`` at each token's position, the same in every block: ``cos``, ``sin``
+        ``(batch, seq_len, 1, head_dim)`` of :func:`rotary_angles` (each repeated for its channel pair, ``sin``
+        negated at the even channels) and :func:`retention_row_sums`, in ``embeds``' dtype promoted to float32; the
+        position: real tokens before it in the row (the cache's count first), or in its packed document."""
+        seen = getattr(cache, "real_tokens_seen", None)  # real tokens per row before this call; counted after it
+        if reset is not None:  # packed documents (no cache, no padding): positions restart at each document
+            positions = document_positions(reset)
+        else:  # count real tokens only, so padding never moves a row's position
+            positions = (torch.arange(embeds.shape[1], device=embeds.device).expand(embeds.shape[:2])
+                         if attention_mask is None else attention_mask.long().cumsum(-1) - 1)
+            positions = positions if seen is None else seen[:, None] + positions
+        compute = torch.promote_types(embeds.dtype, torch.float32)  # float32, or float64 for a float64 model
+        angles = positions.to(compute)[..., None] * self.theta.to(device=positions.device, dtype=compute)
+        cos, sin = angles.cos().repeat_interleave(2, dim=-1), angles.sin()
+        sin = torch.stack((-sin, sin), dim=-1).flatten(2)
+        return {"rotary": (cos[:, :, None], sin[:, :, None],
+                           retention_row_sums(positions, self.config.num_attention_heads, compute))}
 
 
 class DenseRetNetForCausalLM(DenseSSMForCausalLM, DenseRetNetPreTrainedModel):

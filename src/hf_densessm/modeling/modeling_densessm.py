@@ -71,6 +71,10 @@ class DenseSSMModel(DenseSSMPreTrainedModel):
     output_class: type = BaseModelOutputWithPast
     final_norm_name: str = "norm"
 
+    def layer_inputs(self, embeds, cache, attention_mask, reset) -> dict:
+        """The family's hook: more keyword arguments of every block in one forward (terms the same in each; none)."""
+        return {}
+
     @takes_cache("past_key_values", "cache_params")
     def forward(
         self,
@@ -127,7 +131,7 @@ class DenseSSMModel(DenseSSMPreTrainedModel):
             hidden_states, all_hidden_states = run_dense_layers(  # the first `num_hidden_layers`: all, but fewer
                 # while transformers' early-exit assistant drafts (`generate(..., assistant_early_exit=k)`)
                 self.layers[: config.num_hidden_layers], embeds, config, output_hidden_states, cache=cache,
-                attention_mask=attention_mask, reset=reset,
+                attention_mask=attention_mask, reset=reset, **self.layer_inputs(embeds, cache, attention_mask, reset),
             )
         record_tokens(cache, embeds, attention_mask)
         hidden_states = getattr(self, self.final_norm_name)(hidden_states)

@@ -118,7 +118,7 @@ def causal_conv1d(
         x: ``(batch, seq_len, channels)`` float, any strides. weight: ``(channels, 1, kernel)`` or ``(channels,
             kernel)``. bias: ``(channels,)`` or ``None``.
         window: ``(batch, channels, kernel)`` cached inputs, newest last (its last ``kernel - 1`` columns are used),
-            or ``None`` (zeros); copied, so the caller may update it in place afterwards.
+            or ``None`` (zeros); copied with gradients on, so the caller may update it in place afterwards.
         reset: ``(batch, seq_len)`` bool (or 0/1 integer) or ``None``: a tap reads only its token's packed document;
             the window precedes the row's first document only.
         activation: ``None`` or ``"silu"``.
@@ -160,6 +160,6 @@ def causal_conv1d(
     reset = check_reset(reset, batch, length, x.device)
     impl = choose("causal_conv1d", x.device, backend)
     taps = weight.reshape(channels, kernel)
-    if window is not None:
-        window = window.clone()  # a cache the caller updates in place after the call; the backward pass reads this
+    if window is not None and torch.is_grad_enabled():  # a cache the caller updates in place after the call; the
+        window = window.clone()  # backward pass reads this
     return _ops.causal_conv1d(x, taps, bias, window, reset, activation == "silu", impl)

@@ -172,7 +172,7 @@ def retention_state_update_torch(state, q, k, v, scale=None):
     value_dim = v.shape[-1]
     scale = key_dim**-0.5 if scale is None else scale
     sdt = state.dtype
-    gamma = 1.0 - torch.exp2(-torch.arange(5, 5 + heads, device=state.device, dtype=sdt))
+    gamma = 1.0 - torch.exp2(torch.arange(-5, -5 - heads, -1, device=state.device, dtype=sdt))
     work = state if state.is_contiguous() else state.contiguous()
     flat = work.view(batch * heads, key_dim, value_dim)
     work.mul_(gamma[:, None, None])  # Eq. 18: S <- gamma S ...

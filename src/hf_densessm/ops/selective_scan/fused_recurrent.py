@@ -12,7 +12,7 @@ try:  # triton: needed only when a kernel of this file runs
 except ImportError as error:
     raise ImportError(f"{__name__} holds Triton kernels and needs the `triton` package") from error
 
-from ..backend import GPUArch, compute_dtype, device_arch
+from ..backend import GPUArch, device_arch
 from ..triton_utils import acc, launch, silu, softplus
 
 __all__ = ["selective_state_update_config", "selective_state_update_triton"]
@@ -35,7 +35,7 @@ def _selective_state_update_kernel(
     s_C_b, s_C_n,
     s_z_b, s_z_d,
     dim, nstate,
-    HAS_Z: tl.constexpr, SOFTPLUS: tl.constexpr,
+    HAS_Z: tl.constexpr, HAS_D: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
     USE_FP64: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_b = tl.program_id(0)
@@ -50,7 +50,8 @@ def _selective_state_update_kernel(
     h = acc(tl.load(h_ptrs, mask=mask_dn, other=0.0), USE_FP64)
     x = acc(tl.load(x_ptr + pid_b * s_x_b + offs_d * s_x_d, mask=mask_d, other=0.0), USE_FP64)
     dt = acc(tl.load(dt_ptr + pid_b * s_dt_b + offs_d * s_dt_d, mask=mask_d, other=0.0), USE_FP64)
-    dt += acc(tl.load(bias_ptr + offs_d, mask=mask_d, other=0.0), USE_FP64)
+    if HAS_BIAS:
+        dt += acc(tl.load(bias_ptr + offs_d, mask=mask_d, other=0.0), USE_FP64)
     if SOFTPLUS:
         dt = softplus(dt)
     A = acc(tl.load(A_ptr + offs_d[:, None] * s_A_d + offs_n[None, :] * s_A_n, mask=mask_dn, other=0.0), USE_FP64)
@@ -60,7 +61,8 @@ def _selective_state_update_kernel(
     h = tl.exp(dt[:, None] * A) * h + (dt * x)[:, None] * Bv[None, :]  # eq. 2a, discretized as eq. 4
     tl.store(h_ptrs, h.to(state_ptr.dtype.element_ty), mask=mask_dn)
     y = tl.sum(h * Cv[None, :], axis=1)  # eq. 2b
-    y += acc(tl.load(D_ptr + offs_d, mask=mask_d, other=0.0), USE_FP64) * x
+    if HAS_D:
+        y += acc(tl.load(D_ptr + offs_d, mask=mask_d, other=0.0), USE_FP64) * x
     if HAS_Z:
         z = acc(tl.load(z_ptr + pid_b * s_z_b + offs_d * s_z_d, mask=mask_d, other=0.0), USE_FP64)
         y = y * silu(z)
@@ -75,17 +77,16 @@ def selective_state_update_triton(state, x, dt, A, B, C, D=None, z=None, dt_bias
     batch, dim, nstate = state.shape
     block_d, num_warps = config or selective_state_update_config(device_arch(state.device), nstate)
     block_d = min(block_d, triton.next_power_of_2(dim))
-    cdt = compute_dtype(state.dtype)
     # the kernel indexes the (dim,) vectors as contiguous
-    D = torch.zeros(dim, dtype=cdt, device=x.device) if D is None else D.contiguous()
-    dt_bias = torch.zeros(dim, dtype=cdt, device=x.device) if dt_bias is None else dt_bias.contiguous()
+    D, dt_bias = (None if t is None else t.contiguous() for t in (D, dt_bias))
     y = torch.empty(batch, dim, dtype=x.dtype, device=x.device)
     launch(_selective_state_update_kernel)[(batch, triton.cdiv(dim, block_d))](
         state, x, dt, A, B, C, D, z, dt_bias, y,  # then the strides of the 3-D state and the 2-D inputs
         *state.stride(), *x.stride(), *dt.stride(), *A.stride(), *B.stride(), *C.stride(),
         *((0, 0) if z is None else z.stride()),
         dim, nstate,
-        HAS_Z=z is not None, SOFTPLUS=bool(dt_softplus), USE_FP64=state.dtype == torch.float64,
+        HAS_Z=z is not None, HAS_D=D is not None, HAS_BIAS=dt_bias is not None, SOFTPLUS=bool(dt_softplus),
+        USE_FP64=state.dtype == torch.float64,
         BLOCK_D=block_d, BLOCK_N=triton.next_power_of_2(nstate), num_warps=num_warps,
     )
     return y
