@@ -484,6 +484,31 @@ def test_decode_step_float32_state_bfloat16_inputs(backend):
     assert_close(y, y0[..., 0], 1e-2)
 
 
+@needs_triton
+def test_decode_step_triton_fills_nothing_unused():
+    """Issue 36, item 4: an absent ``D`` / ``dt_bias`` is a flag of the Triton step, not a zero-filled tensor (a
+    launch whose result adds nothing); the step still matches the PyTorch one."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from hf_densessm.ops.selective_scan.fused_recurrent import selective_state_update_triton
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    g, seen = torch.Generator().manual_seed(0), []
+    h = torch.randn(2, 8, 4, generator=g)
+    x, dt = torch.randn(2, 8, generator=g), torch.rand(2, 8, generator=g)
+    A, B, C = -torch.rand(8, 4, generator=g), torch.randn(2, 4, generator=g), torch.randn(2, 4, generator=g)
+    h0 = h.clone()
+    with Ops():
+        y = selective_state_update_triton(h, x, dt, A, B, C, dt_softplus=True)  # the op's body: its allocations seen
+    assert not [op for op in seen if "zero" in op or "fill" in op], seen
+    assert_close(y, selective_state_update(h0, x, dt, A, B, C, dt_softplus=True, backend="torch"), 1e-5)
+    assert_close(h, h0, 1e-5)
+
+
 # ---------------------------------------------------------------------------------------------- bad inputs
 
 
