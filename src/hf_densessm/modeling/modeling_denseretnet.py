@@ -114,7 +114,7 @@ class DenseRetNetRetention(nn.Module):
             k = self.k_norm(self.dense_k(hidden_states, k, dense_k)).to(q.dtype)
             v = self.v_norm(self.dense_v(hidden_states, v, dense_v)).to(q.dtype)
 
-        q, k = theta_shift(torch.stack((q, k)).view(2, batch, seq_len, self.num_heads, self.head_dim), *rotary[:2])
+        q, k = (theta_shift(t.view(batch, seq_len, self.num_heads, self.head_dim), *rotary[:2]) for t in (q, k))
         v = v.reshape(batch, seq_len, self.num_heads, -1)
         state = recurrent_state(cache, self.layer_idx)
         record_states(cache, self.layer_idx, state, _state_after, q, k, v)
