@@ -17,6 +17,7 @@ __all__ = [
     "tracing",
 ]
 
+
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """The accumulation dtype of the ops for inputs of ``dtype``: float64 for float64, else float32."""
     return torch.float64 if dtype == torch.float64 else torch.float32
