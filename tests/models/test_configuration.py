@@ -195,7 +195,8 @@ def test_kernel_backend_is_a_runtime_setting(family, tmp_path):
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path, kernel_backend="torch")
     assert loaded.config.kernel_backend == "torch"
     ids = random_ids(1, 5)
-    assert torch.equal(loaded(ids).logits, model(ids).logits)
+    # fp32 tolerance: the loaded weights lie at other addresses, and oneDNN's matmul rounds by address
+    torch.testing.assert_close(loaded(ids).logits, model(ids).logits)
     with pytest.raises(ValueError, match="kernel_backend.*'auto', 'triton', 'torch'"):
         loaded.config.kernel_backend = "cpu"
     with pytest.raises(ValueError, match="kernel_backend"):

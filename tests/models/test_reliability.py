@@ -139,7 +139,8 @@ def test_item5_saved_config_carries_every_knob_and_a_missing_one_is_an_error(fam
         AutoModelForCausalLM.from_pretrained(tmp_path)
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path, dense_layers=default_m)
     ids = random_ids(1, 6)
-    assert torch.equal(loaded(ids).logits, model(ids).logits)
+    # fp32 tolerance: the loaded weights lie at other addresses, and oneDNN's matmul rounds by address
+    torch.testing.assert_close(loaded(ids).logits, model(ids).logits)
 
 
 # 6. ------------------------------------------------------------------------------------------------------------

@@ -75,7 +75,8 @@ def test_lora_trains_only_the_adapters_and_reloads(family, tmp_path):
     inference = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), adapter_dir)
     assert not any(p.requires_grad for p in inference.parameters())
     with torch.no_grad():
-        assert torch.equal(reloaded.eval()(ids).logits, trained)
+        # fp32 tolerance: the loaded weights lie at other addresses, and oneDNN's matmul rounds by address
+        torch.testing.assert_close(reloaded.eval()(ids).logits, trained)
         torch.testing.assert_close(inference.eval()(ids).logits, trained, atol=1e-6, rtol=1e-6)
         # Merged into the base weights, the adapter gives the same outputs up to rounding.
         merged = inference.merge_and_unload()

@@ -43,7 +43,8 @@ def test_save_and_load_round_trip_bit_for_bit(family, tmp_path):
         assert n1 == n2 and torch.equal(p1, p2), n1
     ids = random_ids(2, 6)
     with torch.no_grad():
-        assert torch.equal(model(ids).logits, loaded(ids).logits)
+        # fp32 tolerance: the loaded weights lie at other addresses, and oneDNN's matmul rounds by address
+        torch.testing.assert_close(loaded(ids).logits, model(ids).logits)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -11,6 +11,7 @@ from transformers.exporters.exporter_dynamo import register_pytree_node
 
 from ..ops.dispatch import chosen_backend, use_backend
 
+
 class DenseSSMCache(DynamicCache):
     """transformers' ``DynamicCache`` (one ``LinearAttentionLayer`` per block), plus counts of the tokens seen
     (tensors advanced in place, static addresses: docs/design.md §5).

@@ -17,6 +17,7 @@ __all__ = [
     "tracing",
 ]
 
+
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """The accumulation dtype of the ops for inputs of ``dtype``: float64 for float64, else float32."""
     return torch.float64 if dtype == torch.float64 else torch.float32
@@ -109,20 +110,12 @@ def device_arch(device: torch.device) -> GPUArch:
 
 
 class OpGroup:
-    """The ``torch.library`` ops of one op module (the ops that hand each other tensors: a forward, its backward, the
-    paths they call), defined once per process whichever copies of the module run in it: the installed package's, and
-    those of saved folders loaded as remote code (docs/design.md §8, "One set of ops per process").
-
-    Record each op with :meth:`custom_op` / :meth:`triton_op` (``torch.library``'s arguments; the name without the
-    namespace) and its autograd formula with :meth:`register_autograd`, then call :meth:`define` once. The ops are
-    then the group's attributes (``group.selective_scan``, a ``torch.ops`` packet): call them, never
-    ``torch.ops.<namespace>.<name>``, whose name may carry the hash below.
-
-    :meth:`define` registers the ops under ``<namespace>::<name>`` when none of those names is registered; when every
-    one is, with the schema this copy infers, it registers nothing and uses them (the first copy's implementations,
-    fakes and autograd); otherwise (another version's group) it does the same under ``<name>_<hash>``, ``<hash>``
-    the first 8 hex digits of the SHA-256 of the group's names and schemas. So groups with equal schemas share one set
-    of ops, and groups that differ in any op never share one.
+    """The ``torch.library`` ops of one op module (a forward, its backward, the paths they call: ops that hand each
+    other tensors), defined once per process whichever copies of the module run in it: the installed package's and
+    those of saved folders loaded as remote code (docs/design.md §8, "One set of ops per process"). Record each op
+    with :meth:`custom_op` / :meth:`triton_op` (``torch.library``'s arguments, the name without the namespace) and
+    its autograd formula with :meth:`register_autograd`, call :meth:`define` once, then call the ops as the group's
+    attributes (``group.selective_scan``, a ``torch.ops`` packet), never as ``torch.ops.<namespace>.<name>``.
     """
 
     def __init__(self, namespace: str = "hf_densessm"):
@@ -150,7 +143,10 @@ class OpGroup:
         self._specs[name]["autograd"] = (backward, setup_context)
 
     def define(self) -> None:
-        """Register or find the recorded ops (see the class) and set them as attributes.
+        """Register the recorded ops under ``<namespace>::<name>`` when none of those names is registered; when every
+        one is, with the schema this copy infers, register nothing and use them (the first copy's implementations,
+        fakes and autograd); otherwise (another version's group) do the same under ``<name>_<hash>``, ``<hash>`` the
+        first 8 hex digits of the SHA-256 of the group's names and schemas. Set the ops as attributes.
 
         Raises:
             RuntimeError: some but not all of the hashed names are registered (a failed earlier definition).

@@ -41,10 +41,9 @@ def acc(x, USE_FP64: tl.constexpr):
 
 @triton.jit
 def softplus(x):
-    """``log(1 + exp(x))`` elementwise, the authors' ``log1p(exp(x))`` (Mamba paper App. D). float32:
-    ``max(x, 0) + log1p(v)``, ``v = exp(-|x|)``, ``log1p(v) = v p(v)`` with ``p`` the degree-8 polynomial fit of
-    ``log1p(v) / v`` on ``[0, 1]`` (relative error <= 2.3e-7 in float32, 14 instructions instead of the 33 of an
-    exact ``log``; tests/ops/test_selective_scan.py checks it); float64: ``log(1 + exp(x))``, ``x`` above 20."""
+    """``log(1 + exp(x))`` elementwise (Mamba paper App. D). float32: ``max(x, 0) + v p(v)``, ``v = exp(-|x|)``,
+    ``p`` a degree-8 fit of ``log1p(v) / v`` (relative error <= 2.3e-7; docs/kernels.md); float64: ``log(1 +
+    exp(x))``, ``x`` above 20."""
     if x.dtype == tl.float64:
         return tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))
     v = tl.exp2(-tl.abs(x) * 1.4426950408889634)

@@ -24,60 +24,42 @@ _ops = OpGroup()
 # and "backward"(grad_out, x, taps, bias, window, reset, silu) -> the gradients of x, taps, bias, window.
 
 
-def _triton_forward(*args):
-    from .chunk import causal_conv1d_triton_fwd
-
-    return causal_conv1d_triton_fwd(*args)
-
-
-def _triton_backward(*args):
-    from .chunk import causal_conv1d_triton_bwd
-
-    return causal_conv1d_triton_bwd(*args)
+def _triton(name):
+    """``chunk.py``'s function ``name``, imported when called (``chunk.py`` needs triton)."""
+    def call(*args):
+        from . import chunk
+        return getattr(chunk, name)(*args)
+    return call
 
 
-def _torch_forward(*args):
-    with own_precision(args[0].device):
-        return causal_conv1d_torch(*args)
-
-
-def _torch_backward(*args):
-    with own_precision(args[0].device):
-        return causal_conv1d_backward_torch(*args)
+def _torch(fn):
+    """``fn`` in its own precision (:func:`~..backend.own_precision`)."""
+    def call(*args):
+        with own_precision(args[0].device):
+            return fn(*args)
+    return call
 
 
 TABLES["causal_conv1d"] = [
     Implementation("triton", ("auto", "triton"), ("cuda",), triton_missing, traced=True,
-                   calls=dict(forward=_triton_forward, backward=_triton_backward)),
-    Implementation("torch", ("auto", "torch"), traced=True, calls=dict(forward=_torch_forward,
-                                                                       backward=_torch_backward)),
+                   calls=dict(forward=_triton("causal_conv1d_triton_fwd"),
+                              backward=_triton("causal_conv1d_triton_bwd"))),
+    Implementation("torch", ("auto", "torch"), traced=True,
+                   calls=dict(forward=_torch(causal_conv1d_torch), backward=_torch(causal_conv1d_backward_torch))),
 ]
 
 
 @_ops.triton_op("causal_conv1d")
-def _causal_conv1d_op(
-    x: torch.Tensor,
-    taps: torch.Tensor,
-    bias: Optional[torch.Tensor],
-    window: Optional[torch.Tensor],
-    reset: Optional[torch.Tensor],
-    silu: bool,
-    impl: str,
-) -> torch.Tensor:
+def _causal_conv1d_op(x: torch.Tensor, taps: torch.Tensor, bias: Optional[torch.Tensor], window: Optional[torch.Tensor],
+                      reset: Optional[torch.Tensor], silu: bool, impl: str) -> torch.Tensor:
     """The implementation ``impl``'s forward, no checks (``taps``: ``(channels, kernel)``)."""
     return implementation("causal_conv1d", impl).calls["forward"](x, taps, bias, window, reset, silu)
 
 
 @_ops.triton_op("causal_conv1d_backward")
 def _causal_conv1d_backward_op(
-    grad_out: torch.Tensor,
-    x: torch.Tensor,
-    taps: torch.Tensor,
-    bias: Optional[torch.Tensor],
-    window: Optional[torch.Tensor],
-    reset: Optional[torch.Tensor],
-    silu: bool,
-    impl: str,
+    grad_out: torch.Tensor, x: torch.Tensor, taps: torch.Tensor, bias: Optional[torch.Tensor],
+    window: Optional[torch.Tensor], reset: Optional[torch.Tensor], silu: bool, impl: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The gradients of ``x``, ``taps``, ``bias``, ``window`` by the implementation ``impl``."""
     return implementation("causal_conv1d", impl).calls["backward"](grad_out, x, taps, bias, window, reset, silu)
@@ -91,9 +73,8 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, grad_out):
     x, taps, bias, window, reset = ctx.saved_tensors
-    grad_x, grad_taps, grad_bias, grad_window = _ops.causal_conv1d_backward(
-        grad_out, x, taps, bias, window, reset, ctx.silu, ctx.impl
-    )
+    grad_x, grad_taps, grad_bias, grad_window = _ops.causal_conv1d_backward(grad_out, x, taps, bias, window, reset,
+                                                                            ctx.silu, ctx.impl)
     return (grad_x, grad_taps, None if bias is None else grad_bias, None if window is None else grad_window, None,
             None, None)
 
@@ -102,15 +83,9 @@ _ops.register_autograd("causal_conv1d", _backward, setup_context=_setup_context)
 _ops.define()
 
 
-def causal_conv1d(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    window: torch.Tensor | None = None,
-    reset: torch.Tensor | None = None,
-    activation: str | None = None,
-    backend: str | None = None,
-) -> torch.Tensor:
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  window: torch.Tensor | None = None, reset: torch.Tensor | None = None, activation: str | None = None,
+                  backend: str | None = None) -> torch.Tensor:
     """``act(bias + sum_k weight[:, k] * x_{t - (kernel - 1) + k})``: ``nn.Conv1d(groups=channels)`` with ``kernel - 1``
     zeros (or a cached window) on the left, over tokens.
 
@@ -148,7 +123,8 @@ def causal_conv1d(
         if value is not None and value.device != x.device:
             raise ValueError(f"{name} is on {value.device} but x is on {x.device}")
     if weight.dim() not in (2, 3) or weight.shape[0] != channels or (weight.dim() == 3 and weight.shape[1] != 1):
-        raise ValueError(f"weight must have shape ({channels}, 1, kernel) or ({channels}, kernel), got {tuple(weight.shape)}")
+        raise ValueError(f"weight must have shape ({channels}, 1, kernel) or ({channels}, kernel), "
+                         f"got {tuple(weight.shape)}")
     kernel = weight.shape[-1]
     if bias is not None and tuple(bias.shape) != (channels,):
         raise ValueError(f"bias must have shape ({channels},), got {tuple(bias.shape)}")

@@ -1,8 +1,7 @@
 """Fused Triton causal depthwise convolution, forward and backward (Mamba paper §3.4): the Triton bodies of
 ``hf_densessm::causal_conv1d`` / ``_backward``, one launch each through ``torch.library.wrap_triton``, token-major,
-accumulating in float32 (float64 for float64 inputs). A program walks ``BLOCK_T`` tokens of ``BLOCK_C`` channels
-in order, the last ``K - 1`` inputs in registers; resets and the cached window are read in the kernel, SiLU is
-fused. How the kernels work, tiles and their cost: docs/kernels.md, "Causal convolution".
+accumulating in float32 (float64 for float64 inputs). How the kernels work, tiles and their cost: docs/kernels.md,
+"Causal convolution".
 """
 
 from __future__ import annotations
@@ -23,13 +22,9 @@ __all__ = ["causal_conv1d_triton_bwd", "causal_conv1d_triton_fwd"]
 LOG2E = tl.constexpr(1.4426950408889634)
 
 # ------------------------------------------------------------------------------------------------ device code
-#
-# A program's (BLOCK_C,) vectors give each thread 16 contiguous bytes of channels. ``xs`` holds the inputs of the
-# last K - 1 tokens, newest first (x_{t-1}, ..., x_{t-K+1}), so tap K - 1 - s of token t reads ``xs[s - 1]``; it
-# counts where the token's position in its document ``pos >= s`` (every tap's multiply-add is predicated on it).
-# The token loop is unrolled ``UNROLL`` times: the shifts of ``xs`` are renames. A scalar condition joins a channel
-# mask as ``tl.where(cond, mask_c, False)`` (``mask_c & cond`` is an int32 array under triton 3.9's interpreter,
-# which then refuses it as a mask).
+# ``xs``: the inputs of the last K - 1 tokens, newest first, so tap K - 1 - s of token t reads ``xs[s - 1]``, where
+# the token's position in its document ``pos >= s``. A scalar condition joins a channel mask as ``tl.where(cond,
+# mask_c, False)``: ``mask_c & cond`` is an int32 array under triton 3.9's interpreter, which refuses it as a mask.
 
 
 @triton.jit
@@ -183,13 +178,10 @@ def _causal_conv1d_bwd_kernel(
     K: tl.constexpr, SILU: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_RESET: tl.constexpr,
     ACC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, UNROLL: tl.constexpr,
 ):
-    """Grid as the forward's. Walks the block's tokens ``t`` in order (the first ``K - 1``, rounded up to ``UNROLL``,
-    unrolled, then a loop, past the sequence's end with zeros), then ``K - 1`` more: ``g_t`` flows to ``x_{t-s}``
-    through tap ``K - 1 - s``, so the gradient of ``x_{t-K+1}`` is complete at token ``t``: the first ``K - 1``
-    tokens complete the inputs before the block (before token 0: the window's, into columns ``1 .. K - 1`` of
-    ``dwin``, ``(batch, channels, K)``), the others the block's (into ``dx``, ``(batch, length, channels)``). The
-    block's sums ``sum_t g_t x_{t-s}`` (tap ``K - 1 - s``) and ``sum_t g_t`` go to ``dw`` (``(batch x token blocks,
-    channels, K)``) and ``db`` (``(batch x token blocks, channels)``), summed outside. Every output contiguous."""
+    """Grid as the forward's: walks the block's tokens and ``K - 1`` more (docs/kernels.md); the gradient of
+    ``x_{t-K+1}`` is complete at token ``t``, stored into ``dx`` ``(batch, length, channels)`` or, before token 0,
+    columns ``1 .. K - 1`` of ``dwin`` ``(batch, channels, K)``. The block's sums for the taps and the bias go to
+    ``dw`` ``(batch x token blocks, channels, K)`` and ``db`` ``(batch x token blocks, channels)``, contiguous."""
     t0, pid_b, offs_c, mask_c, ws, bias, x_ptrs, r_off, xs, pos = _setup(
         x_ptr, w_ptr, bias_ptr, win_ptr, reset_ptr, s_x_b, s_x_l, s_x_c, s_w_c, s_w_k, s_win_b, s_win_c, s_win_k,
         s_r_b, s_r_l, length, channels, K, HAS_BIAS, HAS_WINDOW, HAS_RESET, ACC, BLOCK_T, BLOCK_C)
@@ -287,8 +279,7 @@ def causal_conv1d_triton_bwd(grad_out, x, taps, bias=None, window=None, reset=No
     grid, args, strides, flags = _launch_args(x, taps, bias, window, reset, block_t, min(4, 16 // x.element_size()), 4)
     dw = torch.empty((grid[0], channels, kernel), dtype=cdt, device=x.device)
     db = None if bias is None else torch.empty((grid[0], channels), dtype=cdt, device=x.device)
-    grad_window = x.new_empty((0,)) if window is None else torch.zeros(window.shape, dtype=window.dtype,
-                                                                        device=x.device)
+    grad_window = x.new_empty((0,)) if window is None else x.new_zeros(window.shape, dtype=window.dtype)
     if grad_x.numel():
         launch(_causal_conv1d_bwd_kernel)[grid](*args, grad_out, grad_x, None if window is None else grad_window,
                                                 dw, db, *strides, *grad_out.stride(), length, channels, SILU=silu,

@@ -1,6 +1,6 @@
 """The PyTorch path of the causal depthwise convolution, token-major: ``K`` shifted multiply-adds each way (in place
-in eager mode, out of place while ``torch.compile`` traces), the backward written by hand, ``pre`` recomputed, taps
-masked to packed documents. Formulas: docs/kernels.md, "Causal convolution". Static-shape branches only.
+eager, out of place while ``torch.compile`` traces), the backward by hand, taps masked to packed documents.
+Formulas: docs/kernels.md, "Causal convolution". Static-shape branches only.
 """
 
 from __future__ import annotations
@@ -23,17 +23,15 @@ def _masks(reset: torch.Tensor | None, kernel: int, cdt: torch.dtype) -> dict | 
     return {s: (position >= s).to(cdt)[..., None] for s in range(1, kernel)}
 
 
-def _padded(x, window, kernel, cdt) -> torch.Tensor:
-    """``(batch, K - 1 + seq_len, channels)``: the window's newest ``K - 1`` inputs (or zeros), then ``x``."""
+def _padded(x, taps, window, kernel, cdt) -> tuple[torch.Tensor, torch.Tensor]:
+    """The compiled form's operands: ``(batch, K - 1 + seq_len, channels)``, the window's newest ``K - 1`` inputs (or
+    zeros) then ``x``, and a ``(K, channels)`` copy of ``taps`` materialized via ``as_strided`` (docs/kernels.md)."""
     if window is None:
-        return torch.nn.functional.pad(x.to(cdt), (0, 0, kernel - 1, 0))
-    return torch.cat([window[:, :, 1:].to(cdt).transpose(1, 2), x.to(cdt)], dim=1)
-
-
-def _tap_rows(taps: torch.Tensor, cdt: torch.dtype) -> torch.Tensor:
-    """``(K, channels)`` copy of ``taps`` for the compiled form, materialized via ``as_strided`` (docs/kernels.md)."""
+        padded = torch.nn.functional.pad(x.to(cdt), (0, 0, kernel - 1, 0))
+    else:
+        padded = torch.cat([window[:, :, 1:].to(cdt).transpose(1, 2), x.to(cdt)], dim=1)
     rows = taps.to(cdt).t().contiguous()
-    return rows.as_strided(rows.shape, rows.stride())
+    return padded, rows.as_strided(rows.shape, rows.stride())
 
 
 def _pre_activation(x, taps, bias, window, reset, cdt) -> torch.Tensor:
@@ -41,7 +39,7 @@ def _pre_activation(x, taps, bias, window, reset, cdt) -> torch.Tensor:
     length, kernel = x.shape[1], int(taps.shape[1])  # the taps unrolled: K is static (specialized under compile)
     masks = _masks(reset, kernel, cdt)
     if torch.compiler.is_compiling():
-        padded, rows = _padded(x, window, kernel, cdt), _tap_rows(taps, cdt)
+        padded, rows = _padded(x, taps, window, kernel, cdt)
         pre = padded[:, kernel - 1 :] * rows[kernel - 1]
         if bias is not None:
             pre = pre + bias.to(cdt)
@@ -98,7 +96,7 @@ def causal_conv1d_backward_torch(grad_out, x, taps, bias=None, window=None, rese
         g = torch.ops.aten.silu_backward(g, _pre_activation(x, taps, bias, window, reset, cdt))
     masks = _masks(reset, kernel, cdt)
     if torch.compiler.is_compiling():  # out of place, for Inductor (as in _pre_activation)
-        padded, rows = _padded(x, window, kernel, cdt), _tap_rows(taps, cdt)
+        padded, rows = _padded(x, taps, window, kernel, cdt)
         grad_padded = torch.nn.functional.pad(g * rows[kernel - 1], (0, 0, kernel - 1, 0))
         columns = [None] * kernel
         columns[kernel - 1] = (g * padded[:, kernel - 1 :]).sum((0, 1))

@@ -81,22 +81,14 @@ def _check_state(name, state, q, v):
 #   "step"(state, q, k, v, scale) -> o, state updated in place (retention_state_update's entries).
 
 
-def _triton_forward(*args):
-    from .chunk import chunk_retention_fwd_triton
-
-    return chunk_retention_fwd_triton(*args)
-
-
-def _triton_backward(*args):
-    from .chunk import chunk_retention_bwd_triton
-
-    return chunk_retention_bwd_triton(*args)
-
-
-def _triton_step(*args):
-    from .fused_recurrent import retention_state_update_triton
-
-    return retention_state_update_triton(*args)
+def _triton(module: str, name: str):
+    """The function ``name`` of ``chunk.py`` or ``fused_recurrent.py`` (``module``), imported when called (both need
+    triton)."""
+    def call(*args):
+        from . import chunk
+        from . import fused_recurrent
+        return getattr(chunk if module == "chunk" else fused_recurrent, name)(*args)
+    return call
 
 
 def _torch_forward(q, k, v, scale, initial_state, reset):
@@ -114,11 +106,12 @@ def _torch_step(state, q, k, v, scale):
 
 _TRITON = dict(backends=("auto", "triton"), auto_devices=("cuda",), missing=triton_missing, traced=True)
 TABLES["chunk_retention"] = [
-    Implementation("triton", **_TRITON, calls=dict(forward=_triton_forward, backward=_triton_backward)),
+    Implementation("triton", **_TRITON, calls=dict(forward=_triton("chunk", "chunk_retention_fwd_triton"),
+                                                   backward=_triton("chunk", "chunk_retention_bwd_triton"))),
     Implementation("torch", ("auto", "torch"), calls=dict(forward=_torch_forward, backward=_torch_backward)),
 ]
 TABLES["retention_state_update"] = [
-    Implementation("triton", **_TRITON, calls=dict(step=_triton_step)),
+    Implementation("triton", **_TRITON, calls=dict(step=_triton("fused_recurrent", "retention_state_update_triton"))),
     Implementation("torch", ("auto", "torch"), traced=True, calls=dict(step=_torch_step)),
 ]
 

@@ -84,10 +84,20 @@ def _block_backward(q, k, v, previous, masks, d_o, d_state):
     return dq, dk, dv, d_state
 
 
-def _chunks(length, chunk_size):
-    """``(start, stop, size)`` of the full chunks as one block, then of the remainder as one shorter chunk."""
+def _blocks(q, k, v, state, log2_gamma, documents, chunk_size):
+    """:func:`_block_forward` over the full chunks as one block, then the remainder as one shorter chunk: yields
+    each block's ``(start, stop, size)``, inputs, masks, ``o``, states before each chunk and state after it."""
+    length = q.shape[2]
     full = (length // chunk_size) * chunk_size
-    return [(a, b, c) for a, b, c in ((0, full, chunk_size), (full, length, length - full)) if b > a]
+    for start, stop, size in ((0, full, chunk_size), (full, length, length - full)):
+        if stop == start:
+            continue
+        inputs = [_split(x, start, stop, size) for x in (q, k, v)]
+        segments = None if documents is None else torch.cat(  # the document before each chunk, then its tokens'
+            [documents[:, start:stop:size, None], documents[:, 1 + start : 1 + stop].unflatten(1, (-1, size))], -1)
+        masks = _block_masks(log2_gamma, size, inputs[0].shape[2], segments, q.dtype)
+        o, previous, state = _block_forward(*inputs, state, masks)
+        yield (start, stop, size), inputs, masks, o, previous, state
 
 
 def _prepare(q, k, v, scale, initial_state, reset):
@@ -104,13 +114,6 @@ def _prepare(q, k, v, scale, initial_state, reset):
     return q, k, v, state, retention_log2_gamma(heads, q.device, cdt), documents
 
 
-def _segments(documents, start, stop, size):
-    if documents is None:
-        return None
-    tokens = documents[:, 1 + start : 1 + stop].unflatten(1, (-1, size))  # (B, n, C)
-    return torch.cat([documents[:, start:stop:size, None], tokens], dim=-1)
-
-
 def _split(x, start, stop, size):
     return x[:, :, start:stop].unflatten(2, (-1, size))
 
@@ -120,16 +123,13 @@ def chunk_retention_torch(q, k, v, scale=None, initial_state=None, output_final_
     """The forward pass of ``hf_densessm::chunk_retention`` with ``backend="torch"``, no checks: arguments and
     returns as :func:`hf_densessm.ops.retention.chunk_retention`, plus ``chunk_size`` (default
     :func:`default_chunk_size`). A Python loop over chunks only; autograd works through it too."""
-    length, key_dim, value_dim = q.shape[1], q.shape[-1], v.shape[-1]
+    key_dim, value_dim = q.shape[-1], v.shape[-1]
     scale = key_dim**-0.5 if scale is None else scale
     chunk_size = default_chunk_size(key_dim, value_dim) if chunk_size is None else chunk_size
     v_dtype = v.dtype
     q, k, v, state, log2_gamma, documents = _prepare(q, k, v, scale, initial_state, reset)
     outputs = []
-    for start, stop, size in _chunks(length, chunk_size):
-        blocks = [_split(x, start, stop, size) for x in (q, k, v)]
-        masks = _block_masks(log2_gamma, size, blocks[0].shape[2], _segments(documents, start, stop, size), q.dtype)
-        o, _, state = _block_forward(*blocks, state, masks)
+    for _, _, _, o, _, state in _blocks(q, k, v, state, log2_gamma, documents, chunk_size):
         outputs.append(o.flatten(2, 3))
     o = torch.cat(outputs, dim=2) if outputs else v.new_zeros(v.shape)  # (length 0: a fresh tensor)
     o = o.transpose(1, 2).to(v_dtype)
@@ -141,21 +141,17 @@ def chunk_retention_torch_backward(d_o, d_final_state, q, k, v, scale, initial_s
     """Gradients of :func:`chunk_retention_torch` (states recomputed per chunk, then backward in time), given
     ``d_o`` and ``d_final_state`` (None: zero): ``dq, dk, dv`` in the dtypes of q, k, v and the gradient of the
     initial state (of a zero one without ``initial_state``) in the compute dtype."""
-    length, key_dim, value_dim = q.shape[1], q.shape[-1], v.shape[-1]
+    key_dim, value_dim = q.shape[-1], v.shape[-1]
     chunk_size = default_chunk_size(key_dim, value_dim) if chunk_size is None else chunk_size
     dtypes = (q.dtype, k.dtype, v.dtype)
     q, k, v, state, log2_gamma, documents = _prepare(q, k, v, scale, initial_state, reset)
     d_o = d_o.transpose(1, 2).to(q.dtype)
     d_state = torch.zeros_like(state) if d_final_state is None else d_final_state.to(q.dtype, copy=True)
-    blocks = []
-    for start, stop, size in _chunks(length, chunk_size):  # the forward pass, keeping the states before each chunk
-        inputs = [_split(x, start, stop, size) for x in (q, k, v)]
-        masks = _block_masks(log2_gamma, size, inputs[0].shape[2], _segments(documents, start, stop, size), q.dtype)
-        _, previous, state = _block_forward(*inputs, state, masks)
-        blocks.append((start, stop, size, inputs, previous, masks))
+    kept = [(span, inputs, masks, previous) for span, inputs, masks, _, previous, _ in  # the forward pass
+            _blocks(q, k, v, state, log2_gamma, documents, chunk_size)]
     grads = []
-    for start, stop, size, inputs, previous, masks in reversed(blocks):
-        dq, dk, dv, d_state = _block_backward(*inputs, previous, masks, _split(d_o, start, stop, size), d_state)
+    for span, inputs, masks, previous in reversed(kept):  # backward in time
+        dq, dk, dv, d_state = _block_backward(*inputs, previous, masks, _split(d_o, *span), d_state)
         grads.append([g.flatten(2, 3) for g in (dq, dk, dv)])
     # without chunks (length 0), clones of the empty inputs
     dq, dk, dv = (torch.cat(p[::-1], dim=2) for p in zip(*grads)) if grads else (q.clone(), k.clone(), v.clone())

@@ -98,22 +98,14 @@ def _or_empty(grad: Optional[Tensor], like: Tensor) -> Tensor:
 # selective_state_update's entries: "step"(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus) -> y, state updated.
 
 
-def _triton_forward(*args):
-    from .chunk import selective_scan_triton_fwd
-
-    return selective_scan_triton_fwd(*args)
-
-
-def _triton_backward(*args):
-    from .chunk import selective_scan_triton_bwd
-
-    return selective_scan_triton_bwd(*args)
-
-
-def _triton_step(*args):
-    from .fused_recurrent import selective_state_update_triton
-
-    return selective_state_update_triton(*args)
+def _triton(module: str, name: str):
+    """The function ``name`` of ``chunk.py`` or ``fused_recurrent.py`` (``module``), imported when called (both need
+    triton)."""
+    def call(*args):
+        from . import chunk
+        from . import fused_recurrent
+        return getattr(chunk if module == "chunk" else fused_recurrent, name)(*args)
+    return call
 
 
 def _torch_forward(*args):
@@ -140,13 +132,14 @@ def _torch_step(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus):
 
 _TRITON = dict(backends=("auto", "triton"), auto_devices=("cuda",), missing=triton_missing, traced=True)
 TABLES["selective_scan"] = [
-    Implementation("triton", **_TRITON, calls=dict(forward=_triton_forward, backward=_triton_backward)),
+    Implementation("triton", **_TRITON, calls=dict(forward=_triton("chunk", "selective_scan_triton_fwd"),
+                                                   backward=_triton("chunk", "selective_scan_triton_bwd"))),
     *([cpu_kernel.IMPLEMENTATION] if cpu_kernel else []),
     Implementation("torch", ("auto", "torch"), calls=dict(forward=_torch_forward, backward=_torch_backward,
                                                           saved=_torch_saved)),
 ]
 TABLES["selective_state_update"] = [
-    Implementation("triton", **_TRITON, calls=dict(step=_triton_step)),
+    Implementation("triton", **_TRITON, calls=dict(step=_triton("fused_recurrent", "selective_state_update_triton"))),
     Implementation("torch", ("auto", "torch"), traced=True, calls=dict(step=_torch_step)),
 ]
 

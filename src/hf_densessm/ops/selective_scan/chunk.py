@@ -1,9 +1,7 @@
 """Chunk-parallel Triton selective scan, forward and backward by recomputation (Mamba paper Alg. 2, §3.3.2,
-App. D): the Triton bodies of ``hf_densessm::selective_scan`` / ``_backward``, three launches each (per-chunk
-summaries, a scan over the chunks, per-chunk outputs or gradients) through ``torch.library.wrap_triton``,
-accumulating in float32 (float64 for float64 inputs). Each thread owns one channel and its ``state`` states in
-registers and walks its chunk's tokens in order. How the kernels work, packed documents, tile choices:
-docs/kernels.md.
+App. D): the Triton bodies of ``hf_densessm::selective_scan`` / ``_backward``, three launches each through
+``torch.library.wrap_triton``, accumulating in float32 (float64 for float64 inputs). How the kernels work, packed
+documents, tile choices: docs/kernels.md, "Selective scan".
 """
 
 from __future__ import annotations
@@ -54,28 +52,16 @@ class SelectiveScanConfig:
 
 
 def selective_scan_config(arch: GPUArch, dtype: torch.dtype, nstate: int) -> SelectiveScanConfig:
-    """Chunk, tiles and warps of the scan (docs/kernels.md, "Tile, warp and stage choices"): 32-token chunks,
-    one-warp programs, two channels per thread in the forward kernels up to 16 states (one above: a thread holds
-    about ``4 state`` registers per channel), one in the backward ones; the same for every ``arch`` and ``dtype``
-    (every architecture has 64K registers per SM, and the choice is bound by registers and by the programs an H100
-    needs at batch 1).
-
-    Args:
-        arch: the GPU's limits (:func:`hf_densessm.ops.backend.device_arch`). dtype: of ``u``. nstate: ``N``.
-
-    Returns:
-        A :class:`SelectiveScanConfig`.
-    """
+    """The :class:`SelectiveScanConfig` of ``nstate`` states, the same for every ``arch`` (the GPU's limits,
+    :func:`~..backend.device_arch`) and ``dtype`` (``u``'s): 32-token chunks, one-warp programs, two channels per
+    thread in the forward kernels up to 16 states, else one (docs/kernels.md, "Tile, warp and stage choices")."""
     del arch, dtype
     return SelectiveScanConfig(fwd_block_d=64 if nstate <= 16 else 32)
 
 
 # ------------------------------------------------------------------------------------------------ device code
-#
-# Layout: a program's states are a (BLOCK_N, BLOCK_D) tile, built only from (BLOCK_D,) and (BLOCK_N,) vectors
-# (never loaded or stored as one 2-D tile, whose coalescing would spread the states over threads), so Triton's
-# default layout gives each thread one column: a channel and all its states, in registers. The token loops call
-# two helpers only (softplus, _add_over_channels): the interpreter re-patches the language at each call (a ms).
+# A program's states: a (BLOCK_N, BLOCK_D) tile built only from vectors, so that a thread holds whole columns; the
+# token loops call no helper but softplus and _add_over_channels (docs/kernels.md, "Selective scan").
 
 
 @triton.jit
@@ -97,10 +83,8 @@ def _store_rows(ptr, tile, offs_d, mask_d, offs_n, NSTATE: tl.constexpr):
 
 @triton.jit
 def _channels(tile, BLOCK_D: tl.constexpr, CPT: tl.constexpr):
-    """The channels of channel block ``tile``, column ``j`` of a tile holding channel ``CPT (j % T) + j // T``:
-    Triton's default layout gives thread ``i < T = BLOCK_D / CPT`` columns ``i, i + T, ...``, here ``CPT``
-    adjacent channels, so a channel's (BLOCK_D,) vectors (loads of ``u``, ``delta``...) take the tile's layout (a
-    contiguous range would be vectorized across columns and converted through shared memory at every token)."""
+    """The channels of channel block ``tile``: column ``j`` holds channel ``CPT (j % T) + j // T``, ``T = BLOCK_D /
+    CPT``, so that a thread's ``CPT`` columns (``i, i + T, ...``) are adjacent channels (docs/kernels.md)."""
     cols = tl.arange(0, BLOCK_D)
     return tile * BLOCK_D + (cols % (BLOCK_D // CPT)) * CPT + cols // (BLOCK_D // CPT)
 
@@ -223,11 +207,9 @@ def _selective_scan_carry_kernel(
     ACC: tl.constexpr, BLOCK: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     """Phase 2, grid (batch, blocks of ``dim * state``): ``x <- P_c x + vals_c`` over the chunks from ``x0``, in
-    order (forward) or in reverse (backward), ``P_c = exp(A dtsum_c)`` (0 where ``flag_c``). ``out[c]`` receives
-    the ``x`` entering chunk ``c`` (the state before it; backward, the adjoint reaching its end), ``final`` the
-    last ``x``. ``BLOCK_C`` chunks at a time: loaded at once and combined by an associative scan, no memory round
-    trip per chunk. ``vals``, ``out``: ``(batch, n_chunks, dim, state)``; ``x0``, ``final``: ``(batch, dim,
-    state)``."""
+    order (forward) or in reverse (backward), ``P_c = exp(A dtsum_c)`` (0 where ``flag_c``), ``BLOCK_C`` chunks at a
+    time by an associative scan. ``out[c]``: the ``x`` entering chunk ``c`` (backward: reaching its end); ``final``:
+    the last ``x``. ``vals``, ``out``: ``(batch, n_chunks, dim, state)``; ``x0``, ``final``: ``(batch, dim, state)``."""
     pid_b = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     size = dim * NSTATE
@@ -319,12 +301,9 @@ def _selective_scan_chunk_output_kernel(
 
 @triton.jit
 def _sum_over_channels(x, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Row sums of a (BLOCK_N, BLOCK_D) tile (over its channels), scattered over the columns: ``(s, rows, own)``,
-    (max(1, BLOCK_N / BLOCK_D), BLOCK_D) tiles, ``s[k, j]`` the sum of row ``rows[k, j]``, ``own`` one column per
-    row. Each level exchanges half of a column's rows with column ``j ^ m`` and keeps the other half: a warp
-    shuffle per exchanged value when columns are lanes, ``2 BLOCK_N`` in all against ``BLOCK_N log2(BLOCK_D)``
-    for ``tl.sum`` (which leaves every sum in every column). Constexpr arithmetic stays inline: a name assigned
-    one would turn it into a tensor."""
+    """Row sums of a (BLOCK_N, BLOCK_D) tile scattered over its columns by a reduce-scatter (docs/kernels.md):
+    ``(s, rows, own)``, (max(1, BLOCK_N / BLOCK_D), BLOCK_D) tiles, ``s[k, j]`` the sum of row ``rows[k, j]``,
+    ``own`` one column per row. Constexpr arithmetic stays inline: a name assigned one would make it a tensor."""
     cols = tl.arange(0, BLOCK_D)
     base = cols * 0
     own = cols >= 0
@@ -370,11 +349,10 @@ def _selective_scan_chunk_bwd_kernel(
     BLOCK_D: tl.constexpr, D_STEPS: tl.constexpr, BLOCK_N: tl.constexpr, CPT: tl.constexpr, EVEN_D: tl.constexpr,
 ):
     """Backward phase 3, grid (channel blocks, chunks, batch): every gradient of one chunk from the state entering
-    it (``states``) and the adjoint reaching its end (``lam``), in two walks (docs/kernels.md): in reverse, the
-    adjoint ``g`` (``du``; ``dB`` by atomic adds; part of ``d delta`` into the scratch ``w``, ``(batch, length,
-    dim)``), then in order, the states ``h`` (``d delta``, ``dz``; ``dC`` by atomic adds). The chunk's share of
-    ``dA`` goes to ``(batch, n_chunks, dim, state)``, of ``dD`` and ``d delta_bias`` to ``(batch, n_chunks,
-    dim)``. ``A2 = A log2(e)``: the sums over states weighted by ``A`` are taken with ``A2``, then times ``ln 2``."""
+    it (``states``) and the adjoint reaching its end (``lam``), in two walks (docs/kernels.md), ``w`` a ``(batch,
+    length, dim)`` scratch; the chunk's share of ``dA`` into ``(batch, n_chunks, dim, state)``, of ``dD`` and ``d
+    delta_bias`` into ``(batch, n_chunks, dim)``. Sums over states weighted by ``A`` use ``A2 = A log2(e)``, then
+    times ``ln 2``."""
     pid_d, pid_c, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     start = pid_c * CHUNK
     end = tl.minimum(start + CHUNK, length)
@@ -498,14 +476,6 @@ def _config(config, u, nstate) -> SelectiveScanConfig:
     return config
 
 
-def _n_chunks(length, config) -> int:
-    n_chunks = triton.cdiv(length, config.chunk)
-    if n_chunks > MAX_CHUNKS:
-        raise ValueError(f"length {length} needs {n_chunks} chunks of {config.chunk} tokens, over {MAX_CHUNKS}: "
-                         f"take a longer config.chunk")
-    return n_chunks
-
-
 def _grid(batch, dim, n_chunks, block_d, d_steps):
     return (triton.cdiv(dim, block_d * d_steps), n_chunks, batch)
 
@@ -526,26 +496,69 @@ def _token_major(batch, dim, length, dtype, device):
 
 
 def _vectors(x, dtype):
-    """``B`` or ``C`` as a (batch, state, length) view of a token-major tensor in the accumulation ``dtype``: the
-    kernels read each token's states as one vector; a copy unless ``x`` is one already (it is 1/dim-th the size of
-    ``u``; converted once per pass instead of by every thread at every token)."""
+    """``B`` or ``C`` as a (batch, state, length) view of a token-major tensor in the accumulation ``dtype`` (a copy
+    unless ``x`` is one already): the kernels read each token's states as one vector."""
     if x.dtype == dtype and x.stride(1) == 1:
         return x
     return x.transpose(1, 2).to(dtype, memory_format=torch.contiguous_format).transpose(1, 2)
 
 
-def _scan_chunks(x0, vals, dtsum, flag, A, final, reverse, acc_tl, config):
+def _setup(u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, reset, config, backward):
+    """What both passes launch with: the checked config, the accumulation dtype's ``kw`` (dtype, device), ``D``,
+    ``delta_bias`` and ``reset`` as the kernels index them, ``B`` and ``C`` by :func:`_vectors`, the per-chunk
+    kernels' grid and their constants but ``HAS_Z``.
+
+    Raises:
+        ValueError: as :func:`selective_scan_triton_fwd`.
+    """
+    batch, dim, length = u.shape
+    nstate = A.shape[1]
+    config = _config(config, u, nstate)
+    n_chunks = triton.cdiv(length, config.chunk)
+    if n_chunks > MAX_CHUNKS:
+        raise ValueError(f"length {length} needs {n_chunks} chunks of {config.chunk} tokens, over {MAX_CHUNKS}: "
+                         f"take a longer config.chunk")
+    use_fp64 = inputs_compute_dtype(u, delta, A, B, C, D, z, delta_bias, initial_state) == torch.float64
+    kw = dict(dtype=torch.float64 if use_fp64 else torch.float32, device=u.device)
+    D, delta_bias = (None if t is None else t.contiguous() for t in (D, delta_bias))  # indexed as contiguous
+    reset = None if reset is None else reset.to(dtype=torch.int8).contiguous()
+    tiles = _tiles(config, dim, backward)
+    flags = dict(CHUNK=config.chunk, NSTATE=nstate, HAS_BIAS=delta_bias is not None, SOFTPLUS=bool(delta_softplus),
+                 HAS_RESET=reset is not None, ACC=tl.float64 if use_fp64 else tl.float32,
+                 BLOCK_N=triton.next_power_of_2(nstate), num_stages=config.num_stages, **tiles)
+    grid = _grid(batch, dim, n_chunks, tiles["BLOCK_D"], tiles["D_STEPS"])
+    return config, kw, D, delta_bias, reset, _vectors(B, kw["dtype"]), _vectors(C, kw["dtype"]), grid, flags
+
+
+def _summaries(kernel, x, delta, A, V, z, bias, reset, kw, grid, flags):
+    """Phase 1 (:func:`_summary`, by ``kernel``): each chunk's summary ``(batch, n_chunks, dim, state)``, its sum
+    of dt ``(batch, n_chunks, dim)`` and whether a document starts in it (``(batch, n_chunks)`` int8, or None)."""
+    batch, dim, length = x.shape
+    n_chunks = grid[1]
+    out = torch.empty(batch, n_chunks, dim, A.shape[1], **kw)
+    dtsum = torch.empty(batch, n_chunks, dim, **kw)
+    flag = torch.empty(batch, n_chunks, dtype=torch.int8, device=x.device) if reset is not None else None
+    launch(kernel)[grid](
+        x, delta, A, V, z, bias, reset, out, dtsum, flag,
+        *_strides3(x), *_strides3(delta), A.stride(0), A.stride(1), *_strides3(V), *_strides3(z),
+        dim, length, n_chunks, REVERSE=kernel is _selective_scan_chunk_adjoint_kernel, HAS_Z=z is not None, **flags,
+    )
+    return out, dtsum, flag
+
+
+def _scan_chunks(x0, vals, dtsum, flag, A, reverse, acc_tl, config):
     """Phase 2 (:func:`_selective_scan_carry_kernel`): the ``x`` entering each chunk, ``(batch, n_chunks, dim,
-    state)``."""
+    state)``, and the last ``x``, ``(batch, dim, state)``."""
     batch, n_chunks, dim, nstate = vals.shape
     out = torch.empty_like(vals)
+    final = torch.empty(batch, dim, nstate, dtype=vals.dtype, device=vals.device)
     launch(_selective_scan_carry_kernel)[(batch, triton.cdiv(dim * nstate, config.carry_block))](
         x0, vals, dtsum, flag, A, out, final, A.stride(0), A.stride(1), dim, n_chunks,
         NSTATE=nstate, HAS_X0=x0 is not None, REVERSE=reverse, HAS_RESET=flag is not None, ACC=acc_tl,
         BLOCK=config.carry_block, BLOCK_C=min(config.carry_chunks, triton.next_power_of_2(n_chunks)),
         num_warps=config.carry_warps, num_stages=config.num_stages,
     )
-    return out
+    return out, final
 
 
 def selective_scan_triton_fwd(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
@@ -574,42 +587,22 @@ def selective_scan_triton_fwd(u, delta, A, B, C, D=None, z=None, delta_bias=None
         than :data:`MAX_CHUNKS` chunks.
     """
     batch, dim, length = u.shape
-    nstate = A.shape[1]
-    config = _config(config, u, nstate)
-    n_chunks = _n_chunks(length, config)
-    use_fp64 = inputs_compute_dtype(u, delta, A, B, C, D, z, delta_bias, initial_state) == torch.float64
-    kw = dict(dtype=torch.float64 if use_fp64 else torch.float32, device=u.device)
-    acc_tl = tl.float64 if use_fp64 else tl.float32
+    config, kw, D, delta_bias, reset_k, Bv, Cv, grid, flags = _setup(
+        u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, reset, config, backward=False)
     h0 = None if initial_state is None else initial_state.to(kw["dtype"]).contiguous()
-    D, delta_bias = (None if t is None else t.contiguous() for t in (D, delta_bias))  # indexed as contiguous
-    reset_k = None if reset is None else reset.to(dtype=torch.int8).contiguous()
-    Bv, Cv = _vectors(B, kw["dtype"]), _vectors(C, kw["dtype"])
-    tiles = _tiles(config, dim, backward=False)
-    grid = _grid(batch, dim, n_chunks, tiles["BLOCK_D"], tiles["D_STEPS"])
-    flags = dict(CHUNK=config.chunk, NSTATE=nstate, HAS_BIAS=delta_bias is not None, SOFTPLUS=bool(delta_softplus),
-                 HAS_RESET=reset_k is not None, ACC=acc_tl, BLOCK_N=triton.next_power_of_2(nstate),
-                 num_stages=config.num_stages, **tiles)
-    # 1. each chunk's end state from a zero state, its sum of dt and whether a document starts in it
-    ends = torch.empty(batch, n_chunks, dim, nstate, **kw)
-    dtsum = torch.empty(batch, n_chunks, dim, **kw)
-    flag = torch.empty(batch, n_chunks, dtype=torch.int8, device=u.device) if reset_k is not None else None
-    launch(_selective_scan_chunk_state_kernel)[grid](
-        u, delta, A, Bv, None, delta_bias, reset_k, ends, dtsum, flag,
-        *_strides3(u), *_strides3(delta), A.stride(0), A.stride(1), *_strides3(Bv), 0, 0, 0,
-        dim, length, n_chunks, REVERSE=False, HAS_Z=False, **flags,
-    )
-    # 2. the states entering the chunks, and the last state
-    last_state = torch.empty(batch, dim, nstate, **kw)
-    states = _scan_chunks(h0, ends, dtsum, flag, A, last_state, False, acc_tl, config)
+    # 1. each chunk's end state from a zero state; 2. the states entering the chunks, and the last state
+    ends, dtsum, flag = _summaries(_selective_scan_chunk_state_kernel, u, delta, A, Bv, None, delta_bias, reset_k, kw,
+                                   grid, flags)
+    states, last_state = _scan_chunks(h0, ends, dtsum, flag, A, False, flags["ACC"], config)
     # 3. the outputs, token-major
     y = _token_major(batch, dim, length, u.dtype, u.device)
     launch(_selective_scan_chunk_output_kernel)[grid](
         u, delta, A, Bv, Cv, D, z, delta_bias, reset_k, states, y,
         *_strides3(u), *_strides3(delta), A.stride(0), A.stride(1), *_strides3(Bv), *_strides3(Cv), *_strides3(z),
-        *_strides3(y), dim, length, n_chunks, HAS_D=D is not None, HAS_Z=z is not None, **flags,
+        *_strides3(y), dim, length, grid[1], HAS_D=D is not None, HAS_Z=z is not None, **flags,
     )
     if not save_states:
-        states = torch.empty(batch, 0, dim, nstate, **kw)
+        states = torch.empty(batch, 0, dim, A.shape[1], **kw)
     return y, last_state, states
 
 
@@ -639,55 +632,34 @@ def selective_scan_triton_bwd(dy, dlast, u, delta, A, B, C, D=None, z=None, delt
     """
     batch, dim, length = u.shape
     nstate = A.shape[1]
-    config = _config(config, u, nstate)
-    n_chunks = _n_chunks(length, config)
+    config, kw, D_k, bias_k, reset_k, Bv, Cv, grid, flags = _setup(
+        u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, reset, config, backward=True)
+    n_chunks = grid[1]
     if chunk_states is None or chunk_states.shape[1] != n_chunks:
         raise ValueError(
             f"chunk_states must hold the {n_chunks} chunk states of a forward pass with save_states=True and chunk "
             f"{config.chunk}, got {None if chunk_states is None else tuple(chunk_states.shape)}"
         )
-    use_fp64 = inputs_compute_dtype(u, delta, A, B, C, D, z, delta_bias, initial_state) == torch.float64
-    kw = dict(dtype=torch.float64 if use_fp64 else torch.float32, device=u.device)
-    acc_tl = tl.float64 if use_fp64 else tl.float32
     dy = torch.zeros(batch, dim, length, **kw) if dy is None else dy
     dlast = None if dlast is None else dlast.to(kw["dtype"]).contiguous()
-    D_k, bias_k = (None if t is None else t.contiguous() for t in (D, delta_bias))  # indexed as contiguous
-    reset_k = None if reset is None else reset.to(dtype=torch.int8).contiguous()
-    h_chunks = chunk_states.to(kw["dtype"]).contiguous()
-    Bv, Cv = _vectors(B, kw["dtype"]), _vectors(C, kw["dtype"])
-    tiles = _tiles(config, dim, backward=True)
-    grid = _grid(batch, dim, n_chunks, tiles["BLOCK_D"], tiles["D_STEPS"])
-    flags = dict(CHUNK=config.chunk, NSTATE=nstate, HAS_Z=z is not None, HAS_BIAS=delta_bias is not None,
-                 SOFTPLUS=bool(delta_softplus), HAS_RESET=reset_k is not None, ACC=acc_tl,
-                 BLOCK_N=triton.next_power_of_2(nstate), num_stages=config.num_stages, **tiles)
-    # 1. each chunk's adjoint sent out of its start from a zero adjoint at its end, its sum of dt, document flag
-    mu = torch.empty(batch, n_chunks, dim, nstate, **kw)
-    dtsum = torch.empty(batch, n_chunks, dim, **kw)
-    flag = torch.empty(batch, n_chunks, dtype=torch.int8, device=u.device) if reset_k is not None else None
-    launch(_selective_scan_chunk_adjoint_kernel)[grid](
-        dy, delta, A, Cv, z, bias_k, reset_k, mu, dtsum, flag,
-        *_strides3(dy), *_strides3(delta), A.stride(0), A.stride(1), *_strides3(Cv), *_strides3(z),
-        dim, length, n_chunks, REVERSE=True, **flags,
-    )
-    # 2. the adjoints reaching the chunks' ends, and d initial_state
-    dh0 = torch.empty(batch, dim, nstate, **kw)
-    lam = _scan_chunks(dlast, mu, dtsum, flag, A, dh0, True, acc_tl, config)
+    # 1. each chunk's adjoint sent out of its start from a zero adjoint at its end; 2. the adjoints reaching the
+    # chunks' ends, and d initial_state
+    mu, dtsum, flag = _summaries(_selective_scan_chunk_adjoint_kernel, dy, delta, A, Cv, z, bias_k, reset_k, kw,
+                                 grid, flags)
+    lam, dh0 = _scan_chunks(dlast, mu, dtsum, flag, A, True, flags["ACC"], config)
     # 3. every gradient
     du = _token_major(batch, dim, length, u.dtype, u.device)
     ddelta = _token_major(batch, dim, length, delta.dtype, u.device)
     dz = _token_major(batch, dim, length, z.dtype, u.device) if z is not None else None
-    dB = torch.zeros(batch, length, nstate, **kw)
-    dC = torch.zeros(batch, length, nstate, **kw)
+    dB, dC = torch.zeros(batch, length, nstate, **kw), torch.zeros(batch, length, nstate, **kw)
     dA = torch.empty(batch, n_chunks, dim, nstate, **kw)
-    dD = torch.empty(batch, n_chunks, dim, **kw)
-    dbias = torch.empty(batch, n_chunks, dim, **kw)
-    scratch = torch.empty(batch, length, dim, **kw)
+    dD, dbias = torch.empty(batch, n_chunks, dim, **kw), torch.empty(batch, n_chunks, dim, **kw)
     launch(_selective_scan_chunk_bwd_kernel)[grid](
-        u, delta, A, Bv, Cv, D_k, z, bias_k, reset_k, dy, h_chunks, lam, dtsum, scratch,
-        du, ddelta, dz, dB, dC, dA, dD, dbias,
+        u, delta, A, Bv, Cv, D_k, z, bias_k, reset_k, dy, chunk_states.to(kw["dtype"]).contiguous(), lam, dtsum,
+        torch.empty(batch, length, dim, **kw), du, ddelta, dz, dB, dC, dA, dD, dbias,
         *_strides3(u), *_strides3(delta), A.stride(0), A.stride(1), *_strides3(Bv), *_strides3(Cv), *_strides3(z),
         *_strides3(dy), *_strides3(du), *_strides3(ddelta), *_strides3(dz),
-        dim, length, n_chunks, HAS_D=D is not None, **flags,
+        dim, length, n_chunks, HAS_D=D is not None, HAS_Z=z is not None, **flags,
     )
 
     def cast(g, like):

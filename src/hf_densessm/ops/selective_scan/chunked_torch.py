@@ -10,7 +10,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ..backend import inputs_compute_dtype
+from ..backend import compute_dtype, inputs_compute_dtype
 
 __all__ = [
     "default_chunk_size", "discretize_delta", "selective_scan_torch_bwd", "selective_scan_torch_fwd",
@@ -91,20 +91,16 @@ def _chunk_decay(dt_c, At, keep_c, batch, nc):
 
 
 def _scan_fwd(u, dt, A, B, C, D, z, initial_state, chunk_size, keep=None):
-    """Chunked forward scan with the D skip and the gate. ``u, z``: (batch, dim, length); ``dt``: (batch, dim,
-    length) in the compute dtype, already discretized; ``A``: (dim, state); ``B, C``: (batch, state, length);
-    ``D``: (dim,); ``initial_state``: (batch, dim, state); ``D, z, initial_state`` may be None; ``keep``:
-    (batch, 1, length), 0 where a token starts a document (its previous state is dropped), or None.
-
-    Returns ``y`` (batch, dim, length) and ``last_state`` (batch, dim, state) in the compute dtype (``dt``'s),
-    and the chunk entry states (batch, n_chunks, state, dim) that the backward pass starts from."""
-    cdt = dt.dtype
+    """Chunked forward scan with the D skip and the gate: ``u, z`` (batch, dim, length), ``dt`` the same, discretized,
+    in the compute dtype, ``A`` (dim, state), ``B, C`` (batch, state, length), ``D`` (dim,), ``initial_state``
+    (batch, dim, state) (``D, z, initial_state`` may be None), ``keep`` (batch, 1, length), 0 where a token starts
+    a document, or None. Returns ``y`` (batch, dim, length), ``last_state`` (batch, dim, state) and the chunk entry
+    states (batch, n_chunks, state, dim), in the compute dtype."""
     batch, dim, length = u.shape
-    n = A.shape[1]
-    T = chunk_size
+    n, T = A.shape[1], chunk_size
     nc = -(-length // T)
     bc = batch * nc
-    kw = dict(dtype=cdt, device=u.device)
+    kw = dict(dtype=dt.dtype, device=u.device)
     dt_c, dtu_c, B_c, C_c, At, keep_c = _chunked_inputs(u, dt, A, B, C, keep, T, nc)
     decay = torch.empty(bc, n, dim, **kw)  # exp(dt_t A), reused every step
     h = torch.zeros(bc, n, dim, **kw)
@@ -141,16 +137,13 @@ def _scan_fwd(u, dt, A, B, C, D, z, initial_state, chunk_size, keep=None):
 
 
 def _scan_bwd(u, dt, A, B, C, D, z, entry, gout, glast, chunk_size, keep=None):
-    """Gradients of :func:`_scan_fwd` for one block of channels.
-
-    ``gout``: (batch, dim, length) gradient of ``y`` or None; ``glast``: (batch, dim, state) or None.
-    Returns, in the compute dtype, ``du, ddt`` (batch, dim, length), ``dA`` (dim, state), ``dB, dC`` (batch,
-    state, length), ``dD`` (dim,) or None, ``dz`` (batch, dim, length) or None, ``dinitial`` (batch, dim, state)."""
+    """Gradients of :func:`_scan_fwd` for one block of channels, given ``gout`` (batch, dim, length) and ``glast``
+    (batch, dim, state) (None: zero). Returns, in the compute dtype, ``du, ddt`` (batch, dim, length), ``dA`` (dim,
+    state), ``dB, dC`` (batch, state, length), ``dD`` (dim,) or None, ``dz`` (batch, dim, length) or None,
+    ``dinitial`` (batch, dim, state)."""
     cdt = dt.dtype
     batch, dim, length = u.shape
-    n = A.shape[1]
-    T = chunk_size
-    nc = entry.shape[1]
+    n, T, nc = A.shape[1], chunk_size, entry.shape[1]
     bc = batch * nc
     kw = dict(dtype=cdt, device=u.device)
     dt_c, dtu_c, B_c, C_c, At, keep_c = _chunked_inputs(u, dt, A, B, C, keep, T, nc)
@@ -234,17 +227,14 @@ def selective_scan_torch_fwd(u, delta, A, B, C, D=None, z=None, delta_bias=None,
     as in the module docstring): the PyTorch body of the op ``hf_densessm::selective_scan``.
 
     Args:
-        u: (batch, dim, length) input ``x`` of the SSM, any float dtype.
-        delta: (batch, dim, length) time step before ``delta_bias`` and softplus.
-        A: (dim, state) continuous-time diagonal state matrix, entries <= 0 (decay; not checked here).
-        B, C: (batch, state, length) input and output projections.
-        D: (dim,) skip connection, or None. z: (batch, dim, length) gate ``y *= silu(z)``, or None.
-        delta_bias: (dim,) added to ``delta``, or None. delta_softplus: apply softplus to ``delta + delta_bias``.
-        initial_state: (batch, dim, state) state before the first token, or None (zero).
+        u, delta: (batch, dim, length), any float dtype: the SSM's input ``x`` and its time step before ``delta_bias``
+            and softplus. A: (dim, state) continuous-time diagonal state matrix, entries <= 0 (not checked here).
+        B, C: (batch, state, length) input and output projections. D: (dim,) skip connection, or None. z: (batch,
+            dim, length) gate ``y *= silu(z)``, or None. delta_bias: (dim,) added to ``delta``, or None.
+        delta_softplus: apply softplus to ``delta + delta_bias``. initial_state: (batch, dim, state) or None (zero).
         reset: (batch, length) bool, True at the first token of each packed document: the state before it is
             dropped (``h_{t-1} = 0``, the initial state too at ``t = 0``), or None.
-        chunk_size: tokens per chunk (default :func:`default_chunk_size`); changes speed only, and
-            :func:`selective_scan_torch_bwd` must be given the same one.
+        chunk_size: tokens per chunk (default :func:`default_chunk_size`), speed only; the backward takes the same.
 
     Returns:
         ``(y, last_state, entry)``: ``y`` (batch, dim, length) in ``u``'s dtype; ``last_state`` (batch, dim, state)
@@ -307,14 +297,13 @@ def selective_scan_torch_bwd(dy, dlast, u, delta, A, B, C, D=None, z=None, delta
             u[:, s], dt[:, s], A[s], B, C, None if D is None else D[s], None if z is None else z[:, s],
             entry[..., s], None if dy is None else dy[:, s], None if dlast is None else dlast[:, s], T, keep,
         )
-        du[:, s], ddt[:, s], dA[s] = g[0], g[1], g[2]
+        du[:, s], ddt[:, s], dA[s], dinitial[:, s] = g[0], g[1], g[2], g[7]
         dB += g[3]
         dC += g[4]
         if D is not None:
             dD[s] = g[5]
         if z is not None:
             dz[:, s] = g[6]
-        dinitial[:, s] = g[7]
     ddelta = ddt.mul_(torch.sigmoid(dt_raw)) if delta_softplus else ddt  # d softplus(x)/dx = sigmoid(x)
     dbias = None if delta_bias is None else ddelta.sum((0, 2))
     likes = (u, delta, A, B, C, D, z, delta_bias, initial_state)
@@ -335,10 +324,8 @@ def selective_state_update_torch(state, x, dt, A, B, C, D=None, z=None, dt_bias=
     Returns:
         ``y`` (batch, dim) in ``x``'s dtype: ``(sum_n C_n h_n + D x) * silu(z)``.
     """
-    cdt = torch.float64 if state.dtype == torch.float64 else torch.float32
-    dt = dt.to(cdt)
-    if dt_bias is not None:
-        dt = dt + dt_bias
+    cdt = compute_dtype(state.dtype)
+    dt = dt.to(cdt) if dt_bias is None else dt.to(cdt) + dt_bias
     if dt_softplus:
         dt = F.softplus(dt)
     h = state if state.dtype == cdt else state.to(cdt)
