@@ -15,15 +15,11 @@ import torch
 
 from hf_densessm.ops.causal_conv1d import causal_conv1d
 from hf_densessm.ops.cpu_kernel import load_kernel
+from hf_densessm.ops.dispatch import triton_available
 from hf_densessm.ops.retention import chunk_retention
 from hf_densessm.ops.selective_scan import selective_scan
 
-try:
-    import triton  # noqa: F401
-
-    HAS_TRITON = True
-except ImportError:
-    HAS_TRITON = False
+HAS_TRITON = triton_available()
 
 ON_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if ON_CUDA else "cpu"
