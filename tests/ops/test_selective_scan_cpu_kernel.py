@@ -4,7 +4,9 @@ through its ops directly; every gradient, float32 / float64 / bfloat16, lengths 
 documents, strided inputs and the token-major views the model passes (read in place: no copy, token-major
 outputs); ``opcheck`` on its ops; the fallback to the chunked PyTorch path; the build key."""
 
+import os
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -405,3 +407,17 @@ def test_build_name_depends_on_capability_torch_and_source():
     assert "-DCPU_CAPABILITY_AVX2" in flags["AVX2"] and "-mavx2" in flags["AVX2"]
     assert not any(f.startswith("-m") for f in flags["DEFAULT"])
     assert not any("native" in f for fl in flags.values() for f in fl)
+
+
+def test_kernel_tasks_run_on_torch_openmp_threads(enabled):
+    """``at::parallel_for`` is a header template: built without ``-fopenmp`` (as before issue 35) its tasks ran on
+    the calling thread only, whatever ``torch.set_num_threads`` said. Where ATen's backend is OpenMP on Linux, the
+    library must hold an OpenMP parallel region and share PyTorch's one ``libgomp`` (one thread pool)."""
+    if not cpu_kernel.openmp_flags():
+        pytest.skip("ATen's parallel backend is not OpenMP on Linux: at::parallel_for needs no flag")
+    libraries = [Path(p) for p in torch.ops.loaded_libraries if "hf_densessm_scan_cpu_" in os.path.basename(p)]
+    libraries = [p for p in libraries if p.is_file()]  # (other tests build and delete libraries in tmp folders)
+    assert libraries and all(b"GOMP_parallel" in p.read_bytes() for p in libraries)
+    mapped = {line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines()
+              if os.path.basename(line.split()[-1]).startswith(("libgomp", "libiomp", "libomp"))}
+    assert len(mapped) == 1, mapped

@@ -11,6 +11,7 @@ import hashlib
 import logging
 import os
 import shutil
+import sys
 import tempfile
 import warnings
 from pathlib import Path
@@ -22,7 +23,7 @@ from .dispatch import Implementation
 
 __all__ = [
     "CHECKPOINT", "IMPLEMENTATION", "MAX_STATE", "SOURCE", "SWITCH", "capability_flags", "extension_name",
-    "kernel_enabled", "load_kernel", "missing", "scan_bwd", "scan_fwd",
+    "kernel_enabled", "load_kernel", "missing", "openmp_flags", "scan_bwd", "scan_fwd",
 ]
 
 #: The C++ source; absent from an install that did not ship ``csrc/`` (then the kernel is never built).
@@ -46,6 +47,14 @@ def capability_flags(capability: str) -> list[str]:
     if capability == "AVX2":
         return base + ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2"]
     return base + ["-DCPU_CAPABILITY_DEFAULT", "-DCPU_CAPABILITY=DEFAULT"]
+
+
+def openmp_flags() -> list[str]:
+    """``["-fopenmp"]`` where ATen's parallel backend is OpenMP on Linux, else ``[]``. ``at::parallel_for`` is a
+    header template: compiled without ``_OPENMP`` it runs its whole range on the calling thread. The library then
+    links the ``libgomp.so.1`` that PyTorch already loaded (one runtime, one pool: ``torch.set_num_threads``)."""
+    openmp = "ATen parallel backend: OpenMP" in torch.__config__.parallel_info()
+    return ["-fopenmp"] if openmp and sys.platform.startswith("linux") else []
 
 
 def extension_name(source_text: str, capability: str, torch_version: str, flags: list[str]) -> str:
@@ -134,7 +143,7 @@ def _build(source: Path) -> bool:
         from torch.utils import cpp_extension
 
         capability = torch.backends.cpu.get_cpu_capability()
-        flags = capability_flags(capability)
+        flags = capability_flags(capability) + openmp_flags()
         name = extension_name(source.read_text(), capability, torch.__version__, flags)
         folder = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()) / name
         library, digest = folder / f"{name}{cpp_extension.LIB_EXT}", folder / f"{name}.sha256"
@@ -147,8 +156,9 @@ def _build(source: Path) -> bool:
             folder.mkdir(parents=True, exist_ok=True)
             private = Path(tempfile.mkdtemp(prefix=".build-", dir=folder))
             try:  # the private folder's lock and files are this process's own: nothing waits on another build
-                built = Path(cpp_extension.load(name=name, sources=[str(source)], extra_cflags=flags,
-                                                build_directory=str(private), is_python_module=False))
+                built = Path(cpp_extension.load(
+                    name=name, sources=[str(source)], extra_cflags=flags, extra_ldflags=openmp_flags(),
+                    build_directory=str(private), is_python_module=False))
                 (private / "sha256").write_text(_sha256(built))
                 os.replace(private / "sha256", digest)
                 os.replace(built, library)
