@@ -804,6 +804,130 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tenso
           z ? dz.transpose(1, 2) : dz, dbias, dinit};
 }
 
+// ---------------------------------------------------------------------------------------------------------------
+// One decoding step (eager batch-1 decoding, issue 35): the selective state update and the convolution's step, as
+// ops dispatched in C++, called by the public functions without a Python op in between (ops/decode_cpu.py).
+//
+//   hf_densessm::selective_state_update_cpu(state!, x, dt, A, B, C, D?, z?, dt_bias?, dt_softplus) -> y
+//       dt = softplus(dt + dt_bias); h = exp(dt A) h + dt B x (state updated in place); y = (C.h + D x) silu(z)
+//   hf_densessm::causal_conv1d_step_cpu(x, taps, bias?, window, silu) -> out
+//       out = act(bias + sum_{k < K-1} taps[:, k] window[:, :, k + 1] + taps[:, K-1] x)     (x: one token)
+//
+// Computed in the state's dtype (float32 or float64) / in float32 (float64 for float64 x); inputs of other dtypes
+// are converted once. Inputs need unit stride along their last dimension only.
+
+// Elementwise over n contiguous values, in place, vectorized (ATen's Sleef exp / log1p): softplus with
+// torch.nn.functional.softplus's threshold (20), and silu.
+template <typename S>
+void softplus_inplace(S* v, int64_t n) {
+  using Vec = at::vec::Vectorized<S>;
+  at::vec::map([](Vec a) { return Vec::blendv(a.exp().log1p(), a, a > Vec(S(20))); }, v, v, n);
+}
+
+template <typename S>
+void silu_inplace(S* v, int64_t n) {
+  using Vec = at::vec::Vectorized<S>;
+  at::vec::map([](Vec a) { return a / (Vec(S(1)) + a.neg().exp()); }, v, v, n);
+}
+
+Tensor as_dtype(const Tensor& t, at::ScalarType dtype) {
+  Tensor r = t.scalar_type() == dtype ? t : t.to(dtype);
+  return r.stride(-1) == 1 ? r : r.contiguous();
+}
+
+Tensor selective_state_update_cpu(Tensor state, const Tensor& x, const Tensor& dt, const Tensor& A, const Tensor& B,
+                                  const Tensor& C, const std::optional<Tensor>& D, const std::optional<Tensor>& z,
+                                  const std::optional<Tensor>& dt_bias, bool dt_softplus) {
+  TORCH_CHECK(state.dim() == 3 && state.is_contiguous() && state.device().is_cpu(),
+              "selective_state_update_cpu: state must be a contiguous CPU (batch, dim, state) tensor");
+  TORCH_CHECK(state.scalar_type() == at::kFloat || state.scalar_type() == at::kDouble,
+              "selective_state_update_cpu: state must be float32 or float64, got ", state.scalar_type());
+  const int64_t batch = state.size(0), dim = state.size(1), n = state.size(2);
+  TORCH_CHECK(n <= kMaxState, "selective_state_update_cpu: state size ", n, " exceeds ", kMaxState);
+  const auto S_ = state.scalar_type();
+  const Tensor xs = as_dtype(x, S_), dts = as_dtype(dt, S_), As = as_dtype(A, S_).contiguous();
+  const Tensor Bs = as_dtype(B, S_), Cs = as_dtype(C, S_);
+  const Tensor Ds = D ? as_dtype(*D, S_) : Tensor(), zs = z ? as_dtype(*z, S_) : Tensor();
+  const Tensor bs = dt_bias ? as_dtype(*dt_bias, S_) : Tensor();
+  TORCH_CHECK(xs.sizes() == at::IntArrayRef({batch, dim}) && dts.sizes() == xs.sizes() &&
+                  As.sizes() == at::IntArrayRef({dim, n}) && Bs.sizes() == at::IntArrayRef({batch, n}) &&
+                  Cs.sizes() == Bs.sizes(),
+              "selective_state_update_cpu: shapes do not match state ", state.sizes());
+  auto y = at::empty({batch, dim}, state.options());
+  AT_DISPATCH_FLOATING_TYPES(S_, "selective_state_update_cpu", [&] {
+    using S = scalar_t;
+    S* h = state.mutable_data_ptr<S>();
+    const S *xp = xs.const_data_ptr<S>(), *dtp = dts.const_data_ptr<S>(), *Ap = As.const_data_ptr<S>();
+    const S *Bp = Bs.const_data_ptr<S>(), *Cp = Cs.const_data_ptr<S>();
+    const S* Dp = Ds.defined() ? Ds.const_data_ptr<S>() : nullptr;
+    const S* zp = zs.defined() ? zs.const_data_ptr<S>() : nullptr;
+    const S* bp = bs.defined() ? bs.const_data_ptr<S>() : nullptr;
+    S* yp = y.mutable_data_ptr<S>();
+    // per batch row: the steps (softplus), the decays exp(dt A) of every (channel, state), then the recurrence
+    // (rows in parallel when there is enough work; each task its own buffers)
+    at::parallel_for(0, batch, std::max<int64_t>(1, 32768 / (dim * n)), [&](int64_t begin, int64_t end) {
+      std::vector<S> steps(dim), decay(dim * n), gate(dim);
+      for (int64_t b = begin; b < end; ++b) {
+        const S* xb = xp + b * xs.stride(0);
+        for (int64_t d = 0; d < dim; ++d) steps[d] = dtp[b * dts.stride(0) + d] + (bp ? bp[d] : S(0));
+        if (dt_softplus) softplus_inplace(steps.data(), dim);
+        for (int64_t d = 0; d < dim; ++d)
+          for (int64_t k = 0; k < n; ++k) decay[d * n + k] = steps[d] * Ap[d * n + k];
+        at::vec::map([](at::vec::Vectorized<S> v) { return v.exp(); }, decay.data(), decay.data(), dim * n);
+        const S* Bb = Bp + b * Bs.stride(0);
+        const S* Cb = Cp + b * Cs.stride(0);
+        S* yb = yp + b * dim;
+        for (int64_t d = 0; d < dim; ++d) {
+          S* hd = h + (b * dim + d) * n;
+          const S* ed = decay.data() + d * n;
+          const S su = steps[d] * xb[d];
+          S acc = 0;
+          for (int64_t k = 0; k < n; ++k) {
+            hd[k] = ed[k] * hd[k] + su * Bb[k];
+            acc += Cb[k] * hd[k];
+          }
+          yb[d] = Dp ? acc + Dp[d] * xb[d] : acc;
+        }
+        if (zp) {
+          std::copy(zp + b * zs.stride(0), zp + b * zs.stride(0) + dim, gate.begin());
+          silu_inplace(gate.data(), dim);
+          for (int64_t d = 0; d < dim; ++d) yb[d] *= gate[d];
+        }
+      }
+    });
+  });
+  return y.to(x.scalar_type());
+}
+
+Tensor causal_conv1d_step_cpu(const Tensor& x, const Tensor& taps, const std::optional<Tensor>& bias,
+                              const Tensor& window, bool silu) {
+  TORCH_CHECK(x.dim() == 3 && x.size(1) == 1 && x.device().is_cpu(),
+              "causal_conv1d_step_cpu: x must be a CPU (batch, 1, channels) tensor, got ", x.sizes());
+  const int64_t batch = x.size(0), channels = x.size(2), K = taps.size(1);
+  TORCH_CHECK(taps.dim() == 2 && taps.size(0) == channels && window.sizes() == at::IntArrayRef({batch, channels, K}),
+              "causal_conv1d_step_cpu: taps (channels, K) and window (batch, channels, K) expected");
+  const auto S_ = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  const Tensor xs = as_dtype(x, S_), ts = as_dtype(taps, S_).contiguous(), ws = as_dtype(window, S_).contiguous();
+  const Tensor bs = bias ? as_dtype(*bias, S_) : Tensor();
+  auto out = at::empty({batch, 1, channels}, x.options().dtype(S_));
+  AT_DISPATCH_FLOATING_TYPES(S_, "causal_conv1d_step_cpu", [&] {
+    using S = scalar_t;
+    const S *xp = xs.const_data_ptr<S>(), *tp = ts.const_data_ptr<S>(), *wp = ws.const_data_ptr<S>();
+    const S* bp = bs.defined() ? bs.const_data_ptr<S>() : nullptr;
+    S* op = out.mutable_data_ptr<S>();
+    for (int64_t b = 0; b < batch; ++b)
+      for (int64_t c = 0; c < channels; ++c) {
+        const S* tc = tp + c * K;
+        const S* wc = wp + (b * channels + c) * K;
+        S acc = (bp ? bp[c] : S(0)) + tc[K - 1] * xp[b * xs.stride(0) + c];
+        for (int64_t k = 0; k + 1 < K; ++k) acc += tc[k] * wc[k + 1];
+        op[b * channels + c] = acc;
+      }
+    if (silu) silu_inplace(op, batch * channels);
+  });
+  return out.to(x.scalar_type());
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(hf_densessm, m) {
@@ -814,9 +938,15 @@ TORCH_LIBRARY_FRAGMENT(hf_densessm, m) {
       "selective_scan_cpu_bwd(Tensor? dy, Tensor? dlast, Tensor u, Tensor delta, Tensor A, Tensor B, Tensor C, "
       "Tensor? D, Tensor? z, Tensor? delta_bias, bool delta_softplus, Tensor? initial_state, Tensor? reset, "
       "Tensor chunk_states) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def(
+      "selective_state_update_cpu(Tensor(a!) state, Tensor x, Tensor dt, Tensor A, Tensor B, Tensor C, Tensor? D, "
+      "Tensor? z, Tensor? dt_bias, bool dt_softplus) -> Tensor");
+  m.def("causal_conv1d_step_cpu(Tensor x, Tensor taps, Tensor? bias, Tensor window, bool silu) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(hf_densessm, CPU, m) {
   m.impl("selective_scan_cpu_fwd", &selective_scan_cpu_fwd);
   m.impl("selective_scan_cpu_bwd", &selective_scan_cpu_bwd);
+  m.impl("selective_state_update_cpu", &selective_state_update_cpu);
+  m.impl("causal_conv1d_step_cpu", &causal_conv1d_step_cpu);
 }

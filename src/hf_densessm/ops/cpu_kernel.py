@@ -22,7 +22,7 @@ from .backend import inputs_compute_dtype
 from .dispatch import Implementation
 
 __all__ = [
-    "CHECKPOINT", "IMPLEMENTATION", "MAX_STATE", "SOURCE", "SWITCH", "capability_flags", "extension_name",
+    "CHECKPOINT", "CONV_STEP", "IMPLEMENTATION", "MAX_STATE", "SOURCE", "STATE_UPDATE", "SWITCH", "capability_flags", "extension_name",
     "kernel_enabled", "load_kernel", "missing", "openmp_flags", "scan_bwd", "scan_fwd",
 ]
 
@@ -110,6 +110,14 @@ def _register_fakes() -> None:
                 u.new_empty(dim) if D is not None else u.new_empty(0),
                 token_major(dim) if z is not None else u.new_empty(0),
                 u.new_empty(dim) if delta_bias is not None else u.new_empty(0), u.new_empty(batch, dim, n))
+
+    @torch.library.register_fake("hf_densessm::selective_state_update_cpu")
+    def _step_fake(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus):
+        return x.new_empty(x.shape)
+
+    @torch.library.register_fake("hf_densessm::causal_conv1d_step_cpu")
+    def _conv_step_fake(x, taps, bias, window, silu):
+        return x.new_empty(x.shape)
 
 
 @functools.cache
@@ -284,6 +292,34 @@ def _saved(u, A, dtype):
     """The entry's "saved" (the fake of its checkpoints): a state every :data:`CHECKPOINT` tokens."""
     return u.new_empty(u.shape[0], u.shape[1], (u.shape[2] + CHECKPOINT - 1) // CHECKPOINT * A.shape[1], dtype=dtype)
 
+
+def _step_missing(device: torch.device, state_size: int = 1, step: bool = False, **facts) -> str | None:
+    """:func:`missing` for the decoding-step entries, which also need ``step`` (the conv: one token over a window, no
+    reset, nothing to differentiate; the state update: a contiguous float32 / float64 state) and an eager call
+    (``torch.compile`` traces the PyTorch step instead)."""
+    if not step:
+        return "runs a decoding step only (one token over a window, no reset or gradients; a contiguous float state)"
+    if torch.compiler.is_compiling():
+        return "is not traced by torch.compile (the PyTorch step is)"
+    return missing(device, state_size)
+
+
+def _state_update(*args):
+    """The ``"cpp"`` entry of ``selective_state_update`` (its ``"step"`` contract), one C++ operator call."""
+    return torch.ops.hf_densessm.selective_state_update_cpu(*args)
+
+
+def _conv_step(x, taps, bias, window, reset, silu):
+    """The ``"cpp"`` entry of ``causal_conv1d`` (its ``"forward"`` contract, for a step), one C++ operator call."""
+    return torch.ops.hf_densessm.causal_conv1d_step_cpu(x, taps, bias, window, silu)
+
+
+#: The decoding-step entries of ``selective_state_update`` and ``causal_conv1d``: eager CPU steps, each one operator
+#: dispatched in C++ (``"direct"``: the public function calls it without its Python op in between).
+STATE_UPDATE = Implementation("cpp", ("auto", "torch"), ("cpu",), _step_missing,
+                              calls=dict(step=_state_update, direct=_state_update))
+CONV_STEP = Implementation("cpp", ("auto", "torch"), ("cpu",), _step_missing,
+                           calls=dict(forward=_conv_step, direct=_conv_step))
 
 #: The selective scan's ``"cpp"`` entry (``selective_scan/__init__.py``): CPU tensors, taken by ``"auto"`` and
 #: ``"torch"`` before the chunked PyTorch path.

@@ -14,6 +14,11 @@ from ..dispatch import TABLES, Implementation, choose, implementation, triton_mi
 from ..packing import check_reset
 from .torch_path import causal_conv1d_backward_torch, causal_conv1d_torch
 
+try:  # the C++ decoding step (absent from remote code, which builds no C++)
+    from .. import cpu_kernel
+except ImportError:
+    cpu_kernel = None
+
 __all__ = ["causal_conv1d"]
 
 _ACTIVATIONS = (None, "silu")
@@ -21,7 +26,8 @@ _ops = OpGroup()
 
 
 # The entries' functions (docs/kernels.md, "The dispatch table"): "forward"(x, taps, bias, window, reset, silu) -> out
-# and "backward"(grad_out, x, taps, bias, window, reset, silu) -> the gradients of x, taps, bias, window.
+# and "backward"(grad_out, x, taps, bias, window, reset, silu) -> the gradients of x, taps, bias, window; "direct"
+# (optional, a decoding step's entry): "forward" as a registered operator the public function calls itself.
 
 
 def _triton(name):
@@ -44,6 +50,7 @@ TABLES["causal_conv1d"] = [
     Implementation("triton", ("auto", "triton"), ("cuda",), triton_missing, traced=True,
                    calls=dict(forward=_triton("causal_conv1d_triton_fwd"),
                               backward=_triton("causal_conv1d_triton_bwd"))),
+    *([cpu_kernel.CONV_STEP] if cpu_kernel else []),
     Implementation("torch", ("auto", "torch"), traced=True,
                    calls=dict(forward=_torch(causal_conv1d_torch), backward=_torch(causal_conv1d_backward_torch))),
 ]
@@ -134,8 +141,13 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if activation not in _ACTIVATIONS:
         raise ValueError(f"activation must be one of {_ACTIVATIONS}, got {activation!r}")
     reset = check_reset(reset, batch, length, x.device)
-    impl = choose("causal_conv1d", x.device, backend)
+    grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias, window))
+    step = length == 1 and window is not None and reset is None and not grads
+    impl = choose("causal_conv1d", x.device, backend, step=step)
     taps = weight.reshape(channels, kernel)
+    direct = implementation("causal_conv1d", impl).calls.get("direct")
+    if direct is not None:  # an operator dispatched in C++: no Python op in between (eager decoding steps)
+        return direct(x, taps, bias, window, reset, activation == "silu")
     if window is not None and torch.is_grad_enabled():  # a cache the caller updates in place after the call; the
         window = window.clone()  # backward pass reads this
     return _ops.causal_conv1d(x, taps, bias, window, reset, activation == "silu", impl)

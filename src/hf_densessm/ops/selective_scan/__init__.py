@@ -95,7 +95,8 @@ def _or_empty(grad: Optional[Tensor], like: Tensor) -> Tensor:
 #       its input's dtype (None or empty for an absent input), dy / dlast None for zero;
 #   "saved"(u, A, compute_dtype) -> an empty tensor with the shape, dtype and strides of "saved" (entries that are
 #       not traced: the fake of the opaque op that runs them).
-# selective_state_update's entries: "step"(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus) -> y, state updated.
+# selective_state_update's entries: "step"(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus) -> y, state updated;
+#   "direct" (optional): the same, a registered operator the public function calls itself (no Python op between).
 
 
 def _triton(module: str, name: str):
@@ -140,6 +141,7 @@ TABLES["selective_scan"] = [
 ]
 TABLES["selective_state_update"] = [
     Implementation("triton", **_TRITON, calls=dict(step=_triton("fused_recurrent", "selective_state_update_triton"))),
+    *([cpu_kernel.STATE_UPDATE] if cpu_kernel else []),
     Implementation("torch", ("auto", "torch"), traced=True, calls=dict(step=_torch_step)),
 ]
 
@@ -399,5 +401,9 @@ def selective_state_update(
             "torch.inference_mode()), or run the whole sequence through selective_scan(..., initial_state=state, "
             "return_last_state=True), which is differentiable"
         )
-    impl = choose("selective_state_update", state.device, backend, state_size=n)
+    impl = choose("selective_state_update", state.device, backend, state_size=n,
+                  step=state.is_contiguous() and state.dtype in (torch.float32, torch.float64))
+    direct = implementation("selective_state_update", impl).calls.get("direct")
+    if direct is not None:  # an operator dispatched in C++: no Python op in between (eager steps only)
+        return direct(state, x, dt, A, B, C, D, z, dt_bias, bool(dt_softplus))
     return _ops.selective_state_update(state, x, dt, A, B, C, D, z, dt_bias, bool(dt_softplus), impl)

@@ -1,0 +1,142 @@
+"""The C++ decoding step (``csrc/selective_scan_cpu.cpp``: ``selective_state_update_cpu``,
+``causal_conv1d_step_cpu``; the ``"cpp"`` entries of the two ops' tables, called by the public functions without a
+Python op in between): against the PyTorch step and the float64 token loop, in place, strided inputs, every option;
+chosen only for an eager step; ``opcheck``."""
+
+import pytest
+import torch
+
+from hf_densessm.ops.causal_conv1d import causal_conv1d
+from hf_densessm.ops.causal_conv1d.torch_path import causal_conv1d_torch
+from hf_densessm.ops.dispatch import choose
+from hf_densessm.ops.selective_scan import selective_state_update
+from hf_densessm.ops.selective_scan.chunked_torch import selective_state_update_torch
+from hf_densessm.ops.selective_scan.naive import selective_scan_naive
+
+from test_selective_scan import assert_close
+from test_selective_scan_cpu_kernel import enabled, kernel  # noqa: F401 (fixtures)
+
+CPU = torch.device("cpu")
+
+
+def _step_inputs(batch, dim, n, dtype, state_dtype, seed=0):
+    """Inputs as the model passes them: rows of wider tensors (unit stride along the channels only)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def rows(width, dt=dtype):
+        return torch.randn(batch, 2 * width + 3, generator=g, dtype=torch.float64).to(dt)[:, 1:width + 1]
+
+    state = torch.randn(batch, dim, n, generator=g, dtype=torch.float64).to(state_dtype)
+    A = -torch.rand(dim, n, generator=g, dtype=torch.float64).to(state_dtype) - 0.1
+    return dict(state=state, x=rows(dim), dt=rows(dim), A=A, B=rows(n), C=rows(n), D=rows(dim, state_dtype)[0],
+                z=rows(dim), dt_bias=0.1 * rows(dim, state_dtype)[0])
+
+
+@pytest.mark.parametrize("dtype,state_dtype,tol", [(torch.float64, torch.float64, 1e-12),
+                                                   (torch.float32, torch.float32, 2e-6),
+                                                   (torch.bfloat16, torch.float32, 1e-2)])
+@pytest.mark.parametrize("n", [1, 5, 16, 64])
+@pytest.mark.parametrize("options", [True, False])
+def test_state_update_matches_torch_step_and_token_loop(enabled, dtype, state_dtype, tol, n, options):
+    kw = _step_inputs(3, 37, n, dtype, state_dtype, seed=n)
+    if not options:
+        kw.update(D=None, z=None, dt_bias=None)
+    assert choose("selective_state_update", CPU, None, state_size=n, step=True) == "cpp"
+    state, ref_state = kw.pop("state"), None
+    ref_state, h = state.clone(), state.clone()
+    address = state.data_ptr()
+    with torch.no_grad():
+        y = selective_state_update(state, **kw, dt_softplus=options)
+        y_torch = selective_state_update_torch(ref_state, **kw, dt_softplus=options)
+    assert state.data_ptr() == address and y.dtype == dtype and y.shape == (3, 37)
+    assert_close(y.double(), y_torch.double(), tol, "y vs the PyTorch step")
+    assert_close(state, ref_state, tol, "state vs the PyTorch step")
+    delta = kw["dt"].double() + (0 if kw["dt_bias"] is None else kw["dt_bias"].double())
+    y0, h1 = selective_scan_naive(
+        kw["x"].double()[..., None], delta[..., None], kw["A"].double(), kw["B"].double()[..., None],
+        kw["C"].double()[..., None], D=None if kw["D"] is None else kw["D"].double(),
+        z=None if kw["z"] is None else kw["z"].double()[..., None], delta_softplus=options,
+        initial_state=h.double())
+    assert_close(state.double(), h1, max(tol, 1e-6 if dtype != torch.float64 else tol), "state vs float64 loop")
+    assert_close(y.double(), y0[..., 0], max(tol, 1e-5 if dtype != torch.float64 else tol), "y vs float64 loop")
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-14), (torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("kernel_size", [2, 4])
+@pytest.mark.parametrize("bias,silu", [(True, True), (False, False)])
+def test_conv_step_matches_torch_path(enabled, dtype, tol, kernel_size, bias, silu):
+    g = torch.Generator().manual_seed(kernel_size)
+    batch, channels = 3, 45
+    x = torch.randn(batch, 1, 2 * channels, generator=g).to(dtype)[..., :channels]  # in_proj's chunk: strided
+    weight = torch.randn(channels, 1, kernel_size, generator=g).to(dtype)
+    b = torch.randn(channels, generator=g).to(dtype) if bias else None
+    window = torch.randn(batch, channels, kernel_size, generator=g).to(dtype)
+    assert choose("causal_conv1d", CPU, None, step=True) == "cpp"
+    with torch.no_grad():
+        out = causal_conv1d(x, weight, b, window, activation="silu" if silu else None)
+    ref = causal_conv1d_torch(x, weight.reshape(channels, kernel_size), b, window, None, silu)
+    assert out.dtype == dtype and out.shape == (batch, 1, channels) and out.is_contiguous()
+    assert_close(out.double(), ref.double(), tol)
+
+
+def test_step_entries_only_for_eager_steps(enabled, monkeypatch):
+    """The conv's step entry only for one token over a window, no reset, nothing to differentiate; the state
+    update's only for a contiguous float32 / float64 state; neither while torch.compile traces or with the switch
+    off."""
+    assert choose("causal_conv1d", CPU, None, step=False) == "torch"
+    assert choose("selective_state_update", CPU, None, state_size=16, step=False) == "torch"
+    calls = []
+    original = torch.ops.hf_densessm.causal_conv1d_step_cpu.default
+
+    def counting(*args):
+        calls.append(1)
+        return original(*args)
+
+    x, w, window = torch.randn(1, 2, 8), torch.randn(8, 1, 4), torch.randn(1, 8, 4)
+    from hf_densessm.ops import cpu_kernel
+
+    monkeypatch.setitem(cpu_kernel.CONV_STEP.calls, "direct", lambda x, t, b, win, r, s: counting(x, t, b, win, s))
+    with torch.no_grad():
+        causal_conv1d(x[:, :1], w, None, window)  # a step
+        causal_conv1d(x, w, None, window)  # two tokens
+        causal_conv1d(x[:, :1], w, None, window, reset=torch.ones(1, 1, dtype=torch.bool))
+    causal_conv1d(x[:, :1], w.requires_grad_(), None, window)  # gradients
+    assert len(calls) == 1
+    state = torch.randn(1, 16, 8).transpose(1, 2)  # (1, 8, 16), not contiguous: the PyTorch step, no C++ error
+    with torch.no_grad():
+        args = (torch.randn(1, 8), torch.randn(1, 8), -torch.rand(8, 16), torch.randn(1, 16), torch.randn(1, 16))
+        selective_state_update(state, *args)
+    monkeypatch.setenv("HF_DENSESSM_CPU_KERNEL", "0")
+    assert choose("causal_conv1d", CPU, None, step=True) == "torch"
+    assert choose("selective_state_update", CPU, None, state_size=16, step=True) == "torch"
+
+
+def test_compiled_step_traces_the_torch_step(enabled):
+    """Under torch.compile the step is the traced PyTorch step (Inductor fuses it): no C++ call in the graph."""
+    kw = _step_inputs(2, 16, 4, torch.float32, torch.float32)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm.code)
+        return gm
+
+    def step(state, x, dt, A, B, C, D, z, dt_bias):
+        return selective_state_update(state, x, dt, A, B, C, D, z=z, dt_bias=dt_bias, dt_softplus=True)
+
+    state = kw.pop("state")
+    eager_state = state.clone()
+    with torch.no_grad():
+        y = torch.compile(step, backend=backend, fullgraph=True)(state, **kw)
+        y_eager = step(eager_state, **kw)
+    assert graphs and not any("_cpu" in code for code in graphs)
+    assert_close(y, y_eager, 1e-6)
+    assert_close(state, eager_state, 1e-6)
+
+
+def test_opcheck_step_ops(enabled):
+    kw = _step_inputs(2, 16, 4, torch.float32, torch.float32)
+    torch.library.opcheck(torch.ops.hf_densessm.selective_state_update_cpu.default,
+                          (kw["state"], kw["x"], kw["dt"], kw["A"], kw["B"], kw["C"], kw["D"], kw["z"], kw["dt_bias"],
+                           True))
+    x, taps, window = torch.randn(2, 1, 8), torch.randn(8, 4), torch.randn(2, 8, 4)
+    torch.library.opcheck(torch.ops.hf_densessm.causal_conv1d_step_cpu.default, (x, taps, None, window, True))
