@@ -51,17 +51,12 @@ class DenseMambaMixer(nn.Module):
         self.conv_kernel_size = config.conv_kernel
         self.time_step_rank = config.time_step_rank
         self.conv1d = nn.Conv1d(
-            in_channels=self.intermediate_size,
-            out_channels=self.intermediate_size,
-            bias=config.use_conv_bias,
-            kernel_size=config.conv_kernel,
-            groups=self.intermediate_size,
-            padding=config.conv_kernel - 1,
+            self.intermediate_size, self.intermediate_size, config.conv_kernel, groups=self.intermediate_size,
+            padding=config.conv_kernel - 1, bias=config.use_conv_bias,
         )
         self.in_proj = nn.Linear(self.hidden_size, self.intermediate_size * 2, bias=config.use_bias)
         self.x_proj = nn.Linear(self.intermediate_size, self.time_step_rank + self.ssm_state_size * 2, bias=False)
         self.dt_proj = nn.Linear(self.time_step_rank, self.intermediate_size, bias=True)
-        # S4D-Real initialization (A = -(1..N)) is done in `DenseMambaPreTrainedModel._init_weights`.
         self.A_log = nn.Parameter(torch.empty(self.intermediate_size, self.ssm_state_size))
         self.D = nn.Parameter(torch.empty(self.intermediate_size))
         self.out_proj = nn.Linear(self.intermediate_size, self.hidden_size, bias=config.use_bias)
@@ -93,12 +88,8 @@ class DenseMambaMixer(nn.Module):
         ]
 
     def forward(
-        self,
-        hidden_states: torch.Tensor,
-        dense_inputs: tuple[torch.Tensor, ...],
-        cache=None,
-        attention_mask: torch.Tensor | None = None,
-        reset: torch.Tensor | None = None,
+        self, hidden_states: torch.Tensor, dense_inputs: tuple[torch.Tensor, ...], cache=None,
+        attention_mask: torch.Tensor | None = None, reset: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
         """One token over a filled cache without gradients is a decoding step (the state updated in place); every
         other call runs the scan (docs/design.md §5, "Backpropagating through a cache").
@@ -118,8 +109,7 @@ class DenseMambaMixer(nn.Module):
         keep = attention_mask[..., None].bool() if attention_mask is not None else None  # selects, never multiplies
         acc = torch.promote_types(self.A_log.dtype, torch.float32)  # the scan's float32 (float64 in float64 models)
 
-        # 1. input projection: x (to the conv) and the gate z, token-major (batch, seq_len, D): every tensor of the
-        # block keeps the memory order of the projections' outputs (transposing them costs more than the conv)
+        # 1. x (to the conv) and the gate z, token-major (batch, seq_len, D): transposing costs more than the conv
         x, z = self.in_proj(hidden_states).chunk(2, dim=-1)
         if keep is not None:
             x = torch.where(keep, x, 0)
@@ -128,7 +118,6 @@ class DenseMambaMixer(nn.Module):
         # 2. causal depthwise convolution, continuing from the cached window of the last `conv_kernel` inputs
         window = conv_state(cache, self.layer_idx)
         previous_window = window.clone() if window is not None and keep is not None else None
-        # (packed documents: no tap reaches into the previous document); SiLU fused
         u = causal_conv1d(x, self.conv1d.weight, self.conv1d.bias, window, reset=reset, activation="silu")
         if cache is not None:
             store_conv_inputs(cache, self.layer_idx, x.transpose(1, 2), self.conv_kernel_size)
@@ -143,7 +132,7 @@ class DenseMambaMixer(nn.Module):
         time_step, B, C = torch.split(
             self.x_proj(u), [self.time_step_rank, self.ssm_state_size, self.ssm_state_size], dim=-1
         )
-        # dt_proj is called as a module (bias included), so adapters such as LoRA on it take effect
+        # a module call (bias included), so that adapters such as LoRA take effect
         dt = self.dt_proj(time_step).transpose(1, 2)  # (batch, D, seq_len), before the softplus
         softplus = True
         if keep is not None:  # dt = 0 at padding: exp(0 * A) = 1 and no input, the state is left as it was
@@ -152,14 +141,11 @@ class DenseMambaMixer(nn.Module):
 
         A = -torch.exp(self.A_log.to(acc))
         state = recurrent_state(cache, self.layer_idx)
-        # one token over a cache: the recurrent step, which updates the state in place; with gradients on, the scan
-        # (differentiable on every backend, and it leaves the cached state it starts from as it was)
+        # with gradients on, the scan (differentiable everywhere, the cached state left as it was)
         decode = state is not None and seq_len == 1 and not torch.is_grad_enabled()
         fuse_states = self.dense_h is not None
 
-        # 4. dense connection (Eq. 10-17). "input": on the state inputs u and B. "state": the features handed up are
-        # what makes this layer's state (u, dt, B, A, and the state before this call when continuing a cache), so
-        # that a higher layer can read the state out with its own C (Eq. 14; docs/design.md §4).
+        # 4. dense connection (Eq. 10-17; docs/design.md §4): on u and B ("input"), or hand up what makes the state
         if self.config.dense_target == "state":
             if softplus:
                 dt, softplus = F.softplus(dt.to(acc)), False
@@ -171,8 +157,7 @@ class DenseMambaMixer(nn.Module):
                 u = self.dense_u(hidden_states, u, dense_u)
                 B = self.dense_B(hidden_states, B, dense_B)
 
-        # 5. selective scan (Mamba paper Alg. 2), continuing from the cached SSM state; with state fusion the D skip
-        # and the SiLU(z) gate come after the fusion
+        # 5. selective scan (Mamba Alg. 2) from the cached state; with state fusion, D and SiLU(z) after the fusion
         D = None if fuse_states else self.D.to(acc)
         z_scan = None if fuse_states else z
         record_states(cache, self.layer_idx, state, _state_after, u, dt, A, B, C, softplus)
@@ -182,11 +167,9 @@ class DenseMambaMixer(nn.Module):
                 dt_softplus=softplus,
             ).unsqueeze(-1)
         else:
-            result = selective_scan(
-                u.transpose(1, 2), dt, A, B.transpose(1, 2), C.transpose(1, 2),
-                D=D, z=z_scan, delta_softplus=softplus,
-                initial_state=state, return_last_state=cache is not None, reset=reset,
-            )
+            result = selective_scan(u.transpose(1, 2), dt, A, B.transpose(1, 2), C.transpose(1, 2), D=D, z=z_scan,
+                                    delta_softplus=softplus, initial_state=state, return_last_state=cache is not None,
+                                    reset=reset)
             if cache is not None:
                 y, last_state = result
                 store_recurrent_state(cache, self.layer_idx, last_state)
@@ -216,9 +199,7 @@ class DenseMambaBlock(GradientCheckpointingLayer):
         hidden_states = self.norm(hidden_states.to(dtype=self.norm.weight.dtype))
         if self.residual_in_fp32:
             residual = residual.to(torch.promote_types(residual.dtype, torch.float32))
-        out, features = self.mixer(
-            hidden_states, dense_inputs, cache=cache, attention_mask=attention_mask, reset=reset
-        )
+        out, features = self.mixer(hidden_states, dense_inputs, cache=cache, attention_mask=attention_mask, reset=reset)
         return (residual + out, *features)
 
 
@@ -276,31 +257,20 @@ class DenseMambaPreTrainedModel(DenseSSMPreTrainedModel):
 @with_old_name
 @dataclass
 class DenseMambaOutput(MambaOutput):
-    """Output of :class:`DenseMambaModel`: transformers' ``MambaOutput`` (its cache field named by the installed
-    release, docs/design.md §5), plus ``attentions``, always ``None``, for transformers' generic heads.
+    """Output of :class:`DenseMambaModel`: transformers' ``MambaOutput`` (the cache field named by the release,
+    docs/design.md §5; ``last_hidden_state``, ``hidden_states`` as in :meth:`DenseSSMModel.forward
+    <hf_densessm.modeling.modeling_densessm.DenseSSMModel.forward>`), plus ``attentions``, always ``None``, which
+    transformers' generic heads read."""
 
-    Args:
-        last_hidden_state: ``(batch, seq_len, hidden_size)``, after the final norm.
-        cache: the recurrent-state cache (a :class:`~hf_densessm.modeling.cache.DenseSSMCache`) when ``use_cache``.
-        hidden_states: ``num_hidden_layers + 1`` tensors ``(batch, seq_len, hidden_size)`` (the embeddings, every
-            later block's input, the final normed output) when ``output_hidden_states``.
-        attentions: always ``None`` (there is no attention).
-    """
-
-    attentions: tuple[torch.Tensor, ...] | None = None  # always None (no attention); read by generic heads
+    attentions: tuple[torch.Tensor, ...] | None = None
 
 
 @with_old_name
 @dataclass
 class DenseMambaCausalLMOutput(MambaCausalLMOutput):
     """Output of :class:`DenseMambaForCausalLM`: transformers' ``MambaCausalLMOutput`` (cache field as in
-    :class:`DenseMambaOutput`).
-
-    Args:
-        loss: scalar next-token cross-entropy when ``labels`` are given.
-        logits: ``(batch, kept_positions, vocab_size)`` float32.
-        cache, hidden_states: as in :class:`DenseMambaOutput`.
-    """
+    :class:`DenseMambaOutput`; fields as in :meth:`DenseSSMForCausalLM.forward
+    <hf_densessm.modeling.modeling_densessm.DenseSSMForCausalLM.forward>`)."""
 
 
 class DenseMambaModel(DenseSSMModel, DenseMambaPreTrainedModel):

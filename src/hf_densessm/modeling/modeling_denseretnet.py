@@ -88,12 +88,8 @@ class DenseRetNetRetention(nn.Module):
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(
-        self,
-        hidden_states: torch.Tensor,
-        dense_inputs: tuple[torch.Tensor, ...],
-        cache=None,
-        attention_mask: torch.Tensor | None = None,
-        reset: torch.Tensor | None = None,
+        self, hidden_states: torch.Tensor, dense_inputs: tuple[torch.Tensor, ...], cache=None,
+        attention_mask: torch.Tensor | None = None, reset: torch.Tensor | None = None,
         *, rotary: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """As :meth:`DenseMambaMixer.forward <hf_densessm.modeling.modeling_densemamba.DenseMambaMixer.forward>`, with
@@ -109,8 +105,7 @@ class DenseRetNetRetention(nn.Module):
         features = (k, v)
         if self.dense_k is not None:  # dense KV connection, Eq. 20-23
             dense_k, dense_v = split_dense_inputs(dense_inputs, 2)
-            # under autocast the norms' float32 weights promote their outputs (q stays in the autocast dtype):
-            # the retention op takes one dtype, q's
+            # under autocast the norms' float32 weights promote k, v; the retention op takes q's dtype
             k = self.k_norm(self.dense_k(hidden_states, k, dense_k)).to(q.dtype)
             v = self.v_norm(self.dense_v(hidden_states, v, dense_v)).to(q.dtype)
 
@@ -125,18 +120,15 @@ class DenseRetNetRetention(nn.Module):
             o = retention_state_update(state, q[:, 0], k[:, 0], v[:, 0], scale=1.0)[:, None]
             if previous is not None:  # a padded row keeps its state
                 state.copy_(torch.where(attention_mask[:, 0, None, None, None].bool(), state, previous))
-        else:  # training / prefill, and any call with gradients on (differentiable on every backend, the cached
-            # state left as it was): chunkwise form of Eq. 24, continuing from the cached state
+        else:  # chunkwise form of Eq. 24 from the cached state (any call with gradients on: differentiable)
             o, final_state = chunk_retention(q, k, v, scale=1.0, initial_state=state,
                                              output_final_state=cache is not None, reset=reset)
             if cache is not None:
-                if state is not None and seq_len == 1 and attention_mask is not None:  # as in the step above, a
-                    # padded row keeps its state
+                if state is not None and seq_len == 1 and attention_mask is not None:  # a padded row keeps it
                     final_state = torch.where(attention_mask[:, 0, None, None, None].bool(), final_state, state)
                 store_recurrent_state(cache, self.layer_idx, final_state)
 
-        # The published o_t / sqrt(s_t), folded exactly into the per-head RMSNorm that follows:
-        # RMSNorm(o / sqrt(s)) = o / sqrt(mean(o^2) + eps * s), so no pass over o is added.
+        # the published o_t / sqrt(s_t), folded into the group norm: RMSNorm(o / sqrt(s)) = o / sqrt(mean(o^2) + eps s)
         o = self.group_norm(o.reshape(batch, seq_len, self.value_dim), eps_scale=rotary[2])
         return self.dropout(self.o_proj(o * g)), features
 
