@@ -1,26 +1,73 @@
-"""Hub-ready folders: what the models' ``save_pretrained`` / ``push_to_hub`` run (never shipped with remote code);
-one module per job, :mod:`.bundle`, :mod:`.card`, :mod:`.saving` (docs/hub_and_conversion.md)."""
+"""Hub-ready folders: what the models' ``save_pretrained`` / ``push_to_hub`` run (never shipped with remote code): the
+remote code and ``auto_map`` that ``tools/remote_code.py`` generated into ``remote_code/`` (per model type in its
+``manifest.json``), copied verbatim; the model card (:mod:`.card`); kill-safe saving (:mod:`.saving`)
+(docs/hub_and_conversion.md)."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import shutil
 import tempfile
 from pathlib import Path
 
 from transformers import PreTrainedModel
 
-from .bundle import BUNDLE_MARKER, BundleError, hub_auto_map, is_bundled_code, remote_code, write_bundle
-from .card import CARD_MARKER, is_generated_card, model_card, write_model_card
+from .card import CARD_MARKER, file_head, is_generated_card, model_card, write_model_card
 from .saving import staged_save
 
 _HUB_ARGUMENTS = ("repo_id", "commit_message", "commit_description", "private", "create_pr", "revision", "tags")
+REMOTE_CODE = Path(__file__).resolve().parent / "remote_code"
+BUNDLE_MARKER = "# hf_densessm bundle:"  # first line of every generated code file
+
+
+class BundleError(RuntimeError):
+    """No remote code was generated for a model's type (``python tools/remote_code.py --write`` generates it)."""
+
+
+def remote_code(model) -> tuple[dict[str, str], dict[str, Path]]:
+    """``(auto_map, {file name in a saved folder: its generated file})`` of ``model``'s ``config.model_type``, e.g.
+    ``({"AutoConfig": "configuration_densemamba.DenseMambaConfig", ...}, {"modeling_densemamba.py": ..., ...})``.
+
+    Raises:
+        BundleError: no remote code was generated for that model type.
+    """
+    manifest = json.loads((REMOTE_CODE / "manifest.json").read_text(encoding="utf-8"))
+    entry = manifest["families"].get(model.config.model_type)
+    if entry is None:
+        raise BundleError(f"No remote code was generated for model_type {model.config.model_type!r} (generated: "
+                          f"{sorted(manifest['families'])}): run `python tools/remote_code.py --write`.")
+    return entry["auto_map"], {name: REMOTE_CODE / f"{name}.txt" for name in entry["files"]}
+
+
+def write_bundle(model, folder: str | os.PathLike) -> dict[str, str]:
+    """Copy the code files of ``model`` (:func:`remote_code`) into ``folder`` and set ``auto_map`` in its
+    ``config.json`` (which ``config.save_pretrained`` must have written). Returns the ``auto_map``.
+
+    Raises:
+        FileNotFoundError: ``folder`` has no ``config.json``.
+        BundleError: see :func:`remote_code`.
+    """
+    folder = Path(folder)
+    auto_map, files = remote_code(model)
+    config_file = folder / "config.json"
+    config = json.loads(config_file.read_text(encoding="utf-8"))
+    for name, source in files.items():
+        shutil.copyfile(source, folder / name)
+    config["auto_map"] = auto_map
+    config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    return auto_map
+
+
+def is_bundled_code(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a code file a save of this package wrote (its first line is :data:`BUNDLE_MARKER`)."""
+    return Path(path).suffix == ".py" and file_head(path, len(BUNDLE_MARKER)) == BUNDLE_MARKER
 
 
 def replaced_by_save(path: Path, variant: str | None = None) -> bool:
-    """Whether an entry of a folder is owned by a save of this package, so that a new save that does not rewrite
-    it deletes it: weights of the same ``variant`` (``model[.variant][-0000k-of-0000n].safetensors``, their index),
-    a generated code file (:func:`~.bundle.is_bundled_code`), a generated card (:func:`~.card.is_generated_card`)."""
+    """Whether a folder's entry is owned by a save of this package (a new save that does not rewrite it deletes it):
+    weights of the same ``variant`` and their index, generated code (:func:`is_bundled_code`) or card."""
     v = re.escape(f".{variant}") if variant else ""
     weights = rf"model{v}(-\d{{5}}-of-\d{{5}})?\.safetensors|model\.safetensors\.index{v}\.json"
     if re.fullmatch(weights, path.name):
@@ -32,23 +79,17 @@ def save_pretrained(
     model: PreTrainedModel, save_directory: str | os.PathLike, is_main_process: bool = True,
     state_dict: dict | None = None, push_to_hub: bool = False, **kwargs,
 ):
-    """``model.save_pretrained``: ``PreTrainedModel.save_pretrained`` (same arguments), plus the generated remote
-    code, ``auto_map`` and the model card (an existing ``README.md`` this package did not write is kept), all written
-    kill-safely (:func:`~.saving.staged_save`); ``push_to_hub=True`` (with ``repo_id``, ``token``, ... as transformers
-    takes them) then runs ``model.push_to_hub``. Left to transformers unchanged: ``is_main_process=False``,
-    ``distributed_checkpoint=True``, models with PEFT adapters loaded (only the adapters are saved) and models loaded
-    as remote code.
+    """``model.save_pretrained``: transformers' (same arguments), plus the remote code, ``auto_map`` and the model
+    card (a ``README.md`` a person wrote is kept), written kill-safely (:func:`~.saving.staged_save`); then
+    ``model.push_to_hub`` if ``push_to_hub``. transformers' alone for ``is_main_process=False``,
+    ``distributed_checkpoint=True``, PEFT adapters and models loaded as remote code.
 
     Raises:
         NotADirectoryError: ``save_directory`` is a file.
         BundleError: no remote code was generated for the model's type (nothing is written).
     """
-    if (
-        model.is_remote_code()
-        or not is_main_process
-        or kwargs.get("distributed_checkpoint", False)
-        or getattr(model, "_hf_peft_config_loaded", False)
-    ):
+    if (model.is_remote_code() or not is_main_process or kwargs.get("distributed_checkpoint", False)
+            or getattr(model, "_hf_peft_config_loaded", False)):
         return PreTrainedModel.save_pretrained(
             model, save_directory, is_main_process=is_main_process, state_dict=state_dict, push_to_hub=push_to_hub,
             **kwargs,
@@ -73,10 +114,9 @@ def push_to_hub(
     private: bool | None = None, token: bool | str | None = None, revision: str | None = None, create_pr: bool = False,
     max_shard_size: int | str | None = "50GB", tags: list[str] | None = None,
 ):
-    """``model.push_to_hub``: upload the folder :func:`save_pretrained` writes to the Hub repository ``repo_id``
-    (created if needed) as one commit, with transformers' arguments and return value (the commit info) but the
-    DenseSSM card naming ``repo_id``, unless the repository has a ``README.md`` (docs/hub_and_conversion.md).
-    Raises huggingface_hub's errors (no network, no token, no write access)."""
+    """``model.push_to_hub``: upload the folder :func:`save_pretrained` writes to ``repo_id`` (created if needed) in
+    one commit, with transformers' arguments and return value; the card names ``repo_id`` unless the repository has a
+    ``README.md``. Raises huggingface_hub's errors (no network, no token, no write access)."""
     from huggingface_hub import HfApi
 
     api = HfApi(token=token)
@@ -100,6 +140,6 @@ def push_to_hub(
 
 
 __all__ = [
-    "BUNDLE_MARKER", "CARD_MARKER", "BundleError", "hub_auto_map", "model_card", "push_to_hub", "remote_code",
+    "BUNDLE_MARKER", "CARD_MARKER", "BundleError", "model_card", "push_to_hub", "remote_code",
     "replaced_by_save", "save_pretrained", "staged_save", "write_bundle", "write_model_card",
 ]

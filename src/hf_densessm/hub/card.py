@@ -11,8 +11,6 @@ from pathlib import Path
 
 from huggingface_hub import ModelCardData
 
-from .bundle import file_head
-
 CARD_MARKER = "<!-- hf_densessm model card -->"
 CITATION = """@article{he2024densessm,
   title   = {DenseMamba: State Space Models with Dense Hidden Connection for Efficient Large Language Models},
@@ -118,6 +116,15 @@ def write_model_card(model, folder: str | os.PathLike, repo_id: str | None = Non
     path = folder / "README.md"
     path.write_text(model_card(model, files, repo_id=repo_id, tags=tags), encoding="utf-8")
     return path
+
+
+def file_head(path: str | os.PathLike, size: int) -> str:
+    """The first ``size`` characters of ``path`` if it is a regular file (not a symlink), else ``""``."""
+    path = Path(path)
+    if not path.is_file() or path.is_symlink():
+        return ""
+    with open(path, encoding="utf-8", errors="replace") as file:
+        return file.read(size)
 
 
 def is_generated_card(path: str | os.PathLike) -> bool:

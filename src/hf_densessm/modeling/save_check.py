@@ -111,10 +111,9 @@ def _error(folder: Path, ids: dict, running: bool) -> MixedSaveError:
 
 
 def load_one_save(load, path, kwargs: dict):
-    """``load()`` (transformers' ``from_pretrained(path, **kwargs)``), checked when ``path`` is a local folder: its
-    ``config.json`` and weight files (:func:`save_ids`), and the ``config`` object passed in, must name one save
-    (:func:`one_save`) before and after the load. A load that saw the folder change runs again; a mixed folder is
-    waited for (up to :data:`WAIT_S` seconds) while a save runs in it. The loaded config's save id is dropped.
+    """``load()`` (transformers' ``from_pretrained(path, **kwargs)``); for a local folder, its files (:func:`save_ids`)
+    and the ``config`` passed in must name one save (:func:`one_save`) before and after, a load that saw the folder
+    change runs again, and a running save is waited for (:data:`WAIT_S`). The loaded config's save id is dropped.
 
     Raises:
         MixedSaveError: (an ``OSError``) the files belong to different saves (the message lists which file belongs to
@@ -133,9 +132,8 @@ def load_one_save(load, path, kwargs: dict):
 
 
 def one_save(ids: dict, folder: Path) -> bool:
-    """Whether the save ids ``ids`` (:func:`save_ids`) name one save. A file without an id (weights written by another
-    tool, or by transformers alone) is not held against the others unless a save of this package was cut off or runs
-    in ``folder`` (its staging or backup folder is there)."""
+    """Whether the save ids ``ids`` (:func:`save_ids`) name one save; a file without an id counts only while a save
+    of this package runs in ``folder`` or was cut off there (its staging or backup folder is there)."""
     found = set(ids.values())
     if None in found and len(found) > 1 and not any(entry.name.startswith(OWN_PREFIX) for entry in folder.iterdir()):
         found.discard(None)
