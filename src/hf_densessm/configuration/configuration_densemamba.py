@@ -46,7 +46,8 @@ class DenseMambaConfig(DenseSSMConfig):
         use_bias (`bool`, defaults to False): bias in ``in_proj`` and ``out_proj``.
         use_conv_bias (`bool`, defaults to True): bias in the convolution.
         hidden_act (`str`, defaults to "silu"): activation after the convolution and on the gate ``z``.
-        initializer_range (`float`, defaults to 0.1): std of the normal init of the embeddings (and "transformers" linear layers).
+        initializer_range (`float`, defaults to 0.1): std of the normal init of the embeddings (and of linear
+            layers with the "transformers" init).
         init_scheme (`str`, defaults to "transformers"): transformers' Mamba init, or "mamba_ssm" (the paper's: linear
             layers at PyTorch's default Kaiming-uniform, biases 0; docs/design.md §4).
         residual_in_fp32 (`bool`, defaults to True): keep the residual stream in float32.

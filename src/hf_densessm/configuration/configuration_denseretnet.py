@@ -81,14 +81,11 @@ class DenseRetNetConfig(DenseSSMConfig):
             raise ValueError(f"`v_factor * hidden_size` must be an integer, got {v_factor} * {hidden_size}.")
         heads = self.num_attention_heads
         if self.query_key_dim % heads or (self.query_key_dim // heads) % 2:
-            raise ValueError(
-                f"`query_key_dim` ({query_key_dim}) must be divisible by `num_attention_heads` ({heads}) into "
-                "heads of even width (the rotary shift rotates channel pairs)."
-            )
+            raise ValueError(f"`query_key_dim` ({query_key_dim}) must be divisible by `num_attention_heads` ({heads}) "
+                             "into heads of even width (the rotary shift rotates channel pairs).")
         if int(value_dim) % heads:
-            raise ValueError(
-                f"`v_factor * hidden_size` ({int(value_dim)}) must be divisible by `num_attention_heads` ({heads})."
-            )
+            raise ValueError(f"`v_factor * hidden_size` ({int(value_dim)}) must be divisible by `num_attention_heads` "
+                             f"({heads}).")
         self.rms_norm_eps = check_positive_float("rms_norm_eps", rms_norm_eps)
         if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
             raise ValueError(f"`dropout` must be a float in [0, 1), got {dropout!r}.")
