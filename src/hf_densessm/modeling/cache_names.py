@@ -1,7 +1,6 @@
-"""The cache's name under the installed transformers (the shim of the 5.24 rename, in one module): 5.24 calls it
-``cache`` everywhere, 5.17-5.23 ``past_key_values`` (``cache_params`` in Mamba). Inside this package it is always
-``cache``; keywords, output fields and ``generate()``'s keyword follow the release at the boundary (docs/design.md §5,
-"The cache's name")."""
+"""The cache's name under the installed transformers: ``cache`` from 5.24, ``past_key_values`` (``cache_params`` in
+Mamba) in 5.17-5.23; ``cache`` inside this package, the release's name at the boundary (docs/design.md §5, "The cache's
+name")."""
 
 from __future__ import annotations
 
@@ -23,9 +22,8 @@ OLD_CACHE_NAMES_REMOVED_IN = "5.40.0"
 
 
 def takes_cache(*old_names: str):
-    """Decorate a function written with a ``cache`` keyword so that it also takes the cache under ``old_names``
-    (``"past_key_values"``, ``"cache_params"``): transformers' ``deprecate_kwarg`` from 5.24, else passed on silently
-    and listed in the signature (docs/design.md §5, "The cache's name").
+    """Decorate a function written with a ``cache`` keyword so that it also takes the cache under ``old_names``: with
+    transformers' ``deprecate_kwarg`` from 5.24, else silently (listed in the signature).
 
     Raises:
         ValueError: (decorating) a name not among transformers' old names; (called, before 5.24) two different

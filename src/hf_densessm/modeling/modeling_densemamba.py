@@ -21,19 +21,16 @@ from ..ops.selective_scan import selective_scan, selective_state_update
 from .cache import conv_state, record_states, recurrent_state, store_conv_inputs, store_recurrent_state
 from .cache_names import with_old_name
 from .dense_connection import build_dense_connection, init_dense_linear, split_dense_inputs
-from .norm import DenseSSMRMSNorm
 from .modeling_densessm import (
-    DenseSSMForCausalLM, DenseSSMForSequenceClassification, DenseSSMModel, DenseSSMPreTrainedModel,
+    DenseSSMForCausalLM, DenseSSMForSequenceClassification, DenseSSMModel, DenseSSMPreTrainedModel, DenseSSMRMSNorm,
 )
 
 
 def _state_after(u, dt, A, B, C, softplus, initial_state, n):
     """The SSM state after the first ``n`` of a forward's tokens (``u``, ``B``, ``C`` token-major, ``dt`` channel-major,
     as the mixer holds them), for a speculative ``crop`` (:func:`~.cache.record_states`)."""
-    return selective_scan(
-        u[:, :n].transpose(1, 2), dt[..., :n], A, B[:, :n].transpose(1, 2), C[:, :n].transpose(1, 2),
-        delta_softplus=softplus, initial_state=initial_state, return_last_state=True,
-    )[1]
+    return selective_scan(u[:, :n].transpose(1, 2), dt[..., :n], A, B[:, :n].transpose(1, 2), C[:, :n].transpose(1, 2),
+                          delta_softplus=softplus, initial_state=initial_state, return_last_state=True)[1]
 
 
 class DenseMambaMixer(nn.Module):
@@ -74,18 +71,12 @@ class DenseMambaMixer(nn.Module):
         if decode:
             n = len(dense_inputs) // 4
             C_t = C[:, 0, :, None].to(torch.promote_types(C.dtype, torch.float32))
-            return [
-                torch.bmm(recurrent_state(cache, self.layer_idx - i).to(C_t.dtype), C_t).transpose(1, 2)
-                for i in range(1, n + 1)
-            ]
+            return [torch.bmm(recurrent_state(cache, self.layer_idx - i).to(C_t.dtype), C_t).transpose(1, 2)
+                    for i in range(1, n + 1)]
         us, dts, Bs, As, *initial = split_dense_inputs(dense_inputs, 5 if continuing else 4)
         initial = initial[0] if initial else [None] * len(us)
-        return [
-            selective_scan(
-                u.transpose(1, 2), dt, A, B.transpose(1, 2), C.transpose(1, 2), initial_state=h0, reset=reset
-            ).transpose(1, 2)
-            for u, dt, B, A, h0 in zip(us, dts, Bs, As, initial)
-        ]
+        return [selective_scan(u.transpose(1, 2), dt, A, B.transpose(1, 2), C.transpose(1, 2), initial_state=h0,
+                               reset=reset).transpose(1, 2) for u, dt, B, A, h0 in zip(us, dts, Bs, As, initial)]
 
     def forward(
         self, hidden_states: torch.Tensor, dense_inputs: tuple[torch.Tensor, ...], cache=None,
@@ -162,10 +153,9 @@ class DenseMambaMixer(nn.Module):
         z_scan = None if fuse_states else z
         record_states(cache, self.layer_idx, state, _state_after, u, dt, A, B, C, softplus)
         if decode:
-            y = selective_state_update(
-                state, u[:, 0], dt[..., 0], A, B[:, 0], C[:, 0], D, z=None if z_scan is None else z_scan[..., 0],
-                dt_softplus=softplus,
-            ).unsqueeze(-1)
+            z_t = None if z_scan is None else z_scan[..., 0]
+            y = selective_state_update(state, u[:, 0], dt[..., 0], A, B[:, 0], C[:, 0], D, z=z_t, dt_softplus=softplus)
+            y = y.unsqueeze(-1)
         else:
             result = selective_scan(u.transpose(1, 2), dt, A, B.transpose(1, 2), C.transpose(1, 2), D=D, z=z_scan,
                                     delta_softplus=softplus, initial_state=state, return_last_state=cache is not None,
@@ -237,11 +227,9 @@ class DenseMambaPreTrainedModel(DenseSSMPreTrainedModel):
                 init.constant_(module.dt_proj.weight, dt_init_std)
             else:
                 init.uniform_(module.dt_proj.weight, -dt_init_std, dt_init_std)
-            dt = torch.exp(
-                torch.rand(module.intermediate_size, device=module.dt_proj.bias.device, dtype=torch.float32)
-                * (math.log(config.time_step_max) - math.log(config.time_step_min))
-                + math.log(config.time_step_min)
-            ).clamp(min=config.time_step_floor)
+            log_min, log_max = math.log(config.time_step_min), math.log(config.time_step_max)
+            rand = torch.rand(module.intermediate_size, device=module.dt_proj.bias.device, dtype=torch.float32)
+            dt = torch.exp(rand * (log_max - log_min) + log_min).clamp(min=config.time_step_floor)
             init.copy_(module.dt_proj.bias, dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
             init.kaiming_uniform_(module.conv1d.weight, a=math.sqrt(5))
             if module.conv1d.bias is not None and config.init_scheme == "mamba_ssm":  # PyTorch's default

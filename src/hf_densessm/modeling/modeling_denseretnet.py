@@ -16,9 +16,8 @@ from ..ops.packing import document_positions
 from ..ops.retention import chunk_retention, retention_state_update
 from .cache import record_states, recurrent_state, store_recurrent_state
 from .dense_connection import build_dense_connection, init_dense_linear, split_dense_inputs
-from .norm import DenseSSMRMSNorm
 from .modeling_densessm import (
-    DenseSSMForCausalLM, DenseSSMForSequenceClassification, DenseSSMModel, DenseSSMPreTrainedModel,
+    DenseSSMForCausalLM, DenseSSMForSequenceClassification, DenseSSMModel, DenseSSMPreTrainedModel, DenseSSMRMSNorm,
 )
 
 
@@ -39,15 +38,9 @@ def theta_shift(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
 
 def retention_row_sums(positions: torch.Tensor, num_heads: int, dtype: torch.dtype) -> torch.Tensor:
     """``s_t = sum_{j<=t} gamma_h^(t-j) = (1 - gamma_h^(t+1)) / (1 - gamma_h)``, ``gamma_h = 1 - 2^(-5-h)``: the
-    published retention's per-row normalization (docs/design.md §3, "Retention normalization").
-
-    Args:
-        positions: ``(batch, seq_len)`` int64 ``t``, real tokens before in the document (-1 at padding: ``t = 0``).
-        num_heads: ``H``. dtype: of the result (computed in float64).
-
-    Returns:
-        ``(batch, seq_len, H, 1)`` sums in ``[1, 2^(5+h))``.
-    """
+    published retention's per-row normalization (docs/design.md §3), ``(batch, seq_len, num_heads, 1)`` in ``dtype``
+    (computed in float64), in ``[1, 2^(5+h))``; ``positions``: ``(batch, seq_len)`` int64 ``t``, the real tokens
+    before in the document (-1 at padding: ``t = 0``)."""
     heads = torch.arange(num_heads, device=positions.device, dtype=torch.float64)
     log_gamma = torch.log1p(-torch.exp2(-5.0 - heads))  # log(gamma_h), (H,)
     count = positions.clamp(min=0).to(torch.float64)[..., None] + 1  # t + 1
@@ -175,10 +168,9 @@ class DenseRetNetPreTrainedModel(DenseSSMPreTrainedModel):
 
 
 class DenseRetNetModel(DenseSSMModel, DenseRetNetPreTrainedModel):
-    """The DenseRetNet backbone: ``embed_tokens``, ``num_hidden_layers`` :class:`DenseRetNetBlock` with the dense
-    KV connection, final RMSNorm ``norm``; ``forward``: :meth:`DenseSSMModel.forward
-    <hf_densessm.modeling.modeling_densessm.DenseSSMModel.forward>`, returning a ``BaseModelOutputWithPast`` (its cache
-    must be a ``DenseSSMCache``: it counts each row's tokens)."""
+    """The DenseRetNet backbone: ``embed_tokens``, ``layers`` (:class:`DenseRetNetBlock`), final RMSNorm ``norm``;
+    ``forward``: :meth:`DenseSSMModel.forward <hf_densessm.modeling.modeling_densessm.DenseSSMModel.forward>` (its
+    cache must be a ``DenseSSMCache``), returning a ``BaseModelOutputWithPast``."""
 
     def __init__(self, config: DenseRetNetConfig):
         super().__init__(config)
@@ -191,10 +183,9 @@ class DenseRetNetModel(DenseSSMModel, DenseRetNetPreTrainedModel):
         self.post_init()
 
     def layer_inputs(self, embeds, cache, attention_mask, reset) -> dict:
-        """``rotary``: ``(cos, sin, row_sums)`` at each token's position, the same in every block: ``cos``, ``sin``
-        ``(batch, seq_len, 1, head_dim)`` of :func:`rotary_angles` (each repeated for its channel pair, ``sin``
-        negated at the even channels) and :func:`retention_row_sums`, in ``embeds``' dtype promoted to float32; the
-        position: real tokens before it in the row (the cache's count first), or in its packed document."""
+        """``rotary``: ``(cos, sin, row_sums)`` at each token's position (real tokens before it in the row, the
+        cache's count first, or in its packed document), in ``embeds``' dtype promoted to float32: ``cos``, ``sin``
+        ``(batch, seq_len, 1, head_dim)`` (:func:`theta_shift`), :func:`retention_row_sums`."""
         seen = getattr(cache, "real_tokens_seen", None)  # real tokens per row before this call; counted after it
         if reset is not None:  # packed documents (no cache, no padding): positions restart at each document
             positions = document_positions(reset)

@@ -1,5 +1,6 @@
 """The model classes every DenseSSM family subclasses (docs/design.md §1, §5; docs/contributing.md, "Adding a
-family"): the pre-trained base, the backbone, the causal-LM head with its generation glue, the classification head."""
+family"): the pre-trained base, the backbone, the causal-LM head with its generation glue, the classification head;
+the RMSNorm of every block."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 from transformers.utils import logging
 
 from ..ops.dispatch import use_backend
-from .cache import DenseSSMCache, check_cache, new_cache, record_tokens
+from .cache import DenseSSMCache, check_cache
 from .cache_names import CACHE_FIELDS, CACHE_RENAMED, generate_keyword, model_output, output_cache, takes_cache
 from .dense_connection import run_dense_layers
 from .inputs import check_inputs, check_logits_to_keep, packed_document_starts, prepare_attention_mask
@@ -31,6 +32,40 @@ def _returned(output, return_dict: bool | None, config):
     """``output`` (a ``ModelOutput``), or its ``to_tuple()`` when ``return_dict`` (default ``config.return_dict``)
     is False."""
     return output if (return_dict if return_dict is not None else config.return_dict) else output.to_tuple()
+
+
+class DenseSSMRMSNorm(nn.Module):
+    """Root-mean-square layer norm (Zhang & Sennrich 2019, Eq. 4): ``weight * x / sqrt(mean(x^2) + eps)`` over the
+    last dimension, computed in float32 (float64 for float64 inputs), then cast back and scaled (as ``LlamaRMSNorm``).
+    ``num_groups > 1``: each equal slice normalized alone, one shared ``weight`` (DenseRetNet's group norm, §3).
+    Shapes: ``(..., hidden_size)`` in and out; ``weight`` ``(hidden_size // num_groups,)``.
+
+    Raises:
+        ValueError: ``hidden_size`` is not divisible by ``num_groups``.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, num_groups: int = 1):
+        super().__init__()
+        if num_groups < 1 or hidden_size % num_groups:
+            raise ValueError(f"hidden_size ({hidden_size}) must be divisible by num_groups ({num_groups}).")
+        self.weight = nn.Parameter(torch.ones(hidden_size // num_groups))
+        self.variance_epsilon = eps
+        self.num_groups = num_groups
+
+    def forward(self, hidden_states: torch.Tensor, eps_scale: torch.Tensor | None = None) -> torch.Tensor:
+        """``eps_scale``: optional positive factor on ``eps`` per group, broadcastable to ``(..., num_groups, 1)``
+        (DenseRetNet's retention normalization, docs/design.md §3)."""
+        input_dtype = hidden_states.dtype
+        h = hidden_states.to(torch.promote_types(input_dtype, torch.float32))
+        if self.num_groups > 1:
+            h = h.unflatten(-1, (self.num_groups, -1))
+        eps = self.variance_epsilon if eps_scale is None else self.variance_epsilon * eps_scale
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        h = self.weight * h.to(input_dtype)
+        return h.flatten(-2) if self.num_groups > 1 else h
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0] * self.num_groups}, eps={self.variance_epsilon}, num_groups={self.num_groups}"
 
 
 class DenseSSMPreTrainedModel(PreTrainedModel):
@@ -111,7 +146,7 @@ class DenseSSMModel(DenseSSMPreTrainedModel):
         if not use_cache:
             cache = None
         elif cache is None:
-            cache = new_cache(config)
+            cache = DenseSSMCache(config=config)
         else:
             check_cache(cache, config, batch)
         attention_mask = prepare_attention_mask(attention_mask, batch, seq_len, decoding=decoding)
@@ -124,7 +159,8 @@ class DenseSSMModel(DenseSSMPreTrainedModel):
                 self.layers[: config.num_hidden_layers], embeds, config, output_hidden_states, cache=cache,
                 attention_mask=attention_mask, reset=reset, **self.layer_inputs(embeds, cache, attention_mask, reset),
             )
-        record_tokens(cache, embeds, attention_mask)
+        if isinstance(cache, DenseSSMCache):
+            cache.record_tokens(embeds, attention_mask)
         hidden_states = getattr(self, self.final_norm_name)(hidden_states)
         if output_hidden_states:
             all_hidden_states += (hidden_states,)
@@ -166,10 +202,9 @@ class DenseSSMForCausalLM(DenseSSMPreTrainedModel, GenerationMixin):
         Raises:
             ValueError, TypeError: bad inputs (docs/errors.md).
         """
-        outputs = self.base_model(
-            input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds, cache=cache, use_cache=use_cache,
-            output_hidden_states=output_hidden_states, return_dict=True, **kwargs,
-        )
+        outputs = self.base_model(input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds, cache=cache,
+                                  use_cache=use_cache, output_hidden_states=output_hidden_states, return_dict=True,
+                                  **kwargs)
         kept = check_logits_to_keep(logits_to_keep, outputs.last_hidden_state.shape[1])
         logits = self.lm_head(outputs.last_hidden_state[:, kept, :].to(self.lm_head.weight.dtype))
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
@@ -193,7 +228,7 @@ class DenseSSMForCausalLM(DenseSSMPreTrainedModel, GenerationMixin):
             return
         cache = next((model_kwargs[name] for name in CACHE_FIELDS if model_kwargs.get(name) is not None), None)
         if cache is None:
-            cache = model_kwargs[generate_keyword(self.old_cache_names)] = new_cache(self.config)
+            cache = model_kwargs[generate_keyword(self.old_cache_names)] = DenseSSMCache(config=self.config)
         if generation_mode == GenerationMode.ASSISTED_GENERATION and not CACHE_RENAMED:  # 5.17-5.23 know only this
             for name in CACHE_FIELDS:
                 model_kwargs.pop(name, None)
@@ -237,11 +272,10 @@ class DenseSSMForCausalLM(DenseSSMPreTrainedModel, GenerationMixin):
             seen = cache.get_seq_length()
             length = (inputs_embeds if inputs_embeds is not None else input_ids).shape[1]
             if is_first_iteration and seen and seen >= length:
-                raise ValueError(
-                    f"The `cache` passed to generate() holds {seen} positions, but the prompt has {length}: a cache "
-                    "continues the prompt its positions came from, so give that prompt plus at least one new token "
-                    "(e.g. the `sequences` returned with the cache), or leave the cache out."
-                )
+                raise ValueError(f"The `cache` passed to generate() holds {seen} positions, but the prompt has "
+                                 f"{length}: a cache continues the prompt its positions came from, so give that "
+                                 "prompt plus at least one new token (e.g. the `sequences` returned with the cache), "
+                                 "or leave the cache out.")
             if next_sequence_length is None and seen > 0:
                 next_sequence_length = length - seen
         model_inputs = super().prepare_inputs_for_generation(
