@@ -35,14 +35,10 @@ def _returned(output, return_dict: bool | None, config):
 
 
 class DenseSSMRMSNorm(nn.Module):
-    """Root-mean-square layer norm (Zhang & Sennrich 2019, Eq. 4): ``weight * x / sqrt(mean(x^2) + eps)`` over the
-    last dimension, computed in float32 (float64 for float64 inputs), then cast back and scaled (as ``LlamaRMSNorm``).
-    ``num_groups > 1``: each equal slice normalized alone, one shared ``weight`` (DenseRetNet's group norm, §3).
-    Shapes: ``(..., hidden_size)`` in and out; ``weight`` ``(hidden_size // num_groups,)``.
-
-    Raises:
-        ValueError: ``hidden_size`` is not divisible by ``num_groups``.
-    """
+    """Root-mean-square layer norm (Zhang & Sennrich 2019, Eq. 4), as ``LlamaRMSNorm``: ``weight * x / sqrt(mean(x^2)
+    + eps)`` over the last dimension in float32 (float64 for float64 inputs), ``(..., hidden_size)`` in and out;
+    ``num_groups > 1`` normalizes each equal slice alone with one shared ``weight`` ``(hidden_size // num_groups,)``
+    (DenseRetNet's group norm, §3). Raises ``ValueError`` if ``num_groups`` does not divide ``hidden_size``."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-6, num_groups: int = 1):
         super().__init__()
@@ -70,9 +66,8 @@ class DenseSSMRMSNorm(nn.Module):
 
 class DenseSSMPreTrainedModel(PreTrainedModel):
     """Base of every DenseSSM model: transformers' flags, the cache's ``old_cache_names`` (``generate()``'s keyword
-    before 5.24 is the first), ``save_pretrained`` / ``push_to_hub`` through :mod:`hf_densessm.hub` (transformers'
-    own in remote code; docs/design.md §8), ``from_pretrained`` of one whole save (:func:`~.save_check.load_one_save`).
-    """
+    before 5.24 is the first), ``save_pretrained`` / ``push_to_hub`` through :mod:`hf_densessm.hub` (transformers' own
+    in remote code; docs/design.md §8), ``from_pretrained`` of one whole save (:func:`~.save_check.load_one_save`)."""
 
     supports_gradient_checkpointing = True
     _is_stateful = True
@@ -108,7 +103,7 @@ class DenseSSMModel(DenseSSMPreTrainedModel):
         """The family's hook: extra keyword arguments, the same for every block of one forward (none here)."""
         return {}
 
-    @takes_cache("past_key_values", "cache_params")
+    @takes_cache
     def forward(
         self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
         inputs_embeds: torch.Tensor | None = None, cache=None, use_cache: bool | None = None,
@@ -182,7 +177,7 @@ class DenseSSMForCausalLM(DenseSSMPreTrainedModel, GenerationMixin):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
-    @takes_cache("past_key_values", "cache_params")
+    @takes_cache
     def forward(
         self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
         inputs_embeds: torch.Tensor | None = None, cache=None, labels: torch.LongTensor | None = None,
@@ -242,11 +237,7 @@ class DenseSSMForCausalLM(DenseSSMPreTrainedModel, GenerationMixin):
 
     def compile_decode_step(self, enable: bool = True):
         """Compile ``generate()``'s decoding steps on every device (``generation_config.compile_config =
-        CompileConfig(fullgraph=True)``; ``enable=False``: ``None``, transformers' default). Returns the model.
-
-        Raises:
-            TypeError: ``enable`` is not a bool.
-        """
+        CompileConfig(fullgraph=True)``; ``enable=False``: ``None``); returns the model. ``TypeError``: not a bool."""
         if not isinstance(enable, bool):
             raise TypeError(f"`enable` must be a bool, got {enable!r} ({type(enable).__name__}).")
         compile_config = None
@@ -256,18 +247,15 @@ class DenseSSMForCausalLM(DenseSSMPreTrainedModel, GenerationMixin):
         self.generation_config.compile_config = compile_config
         return self
 
-    @takes_cache("past_key_values", "cache_params")
+    @takes_cache
     def prepare_inputs_for_generation(
         self, input_ids, attention_mask=None, inputs_embeds=None, cache=None, next_sequence_length=None,
         is_first_iteration=False, **kwargs,
     ):
         """As transformers' default, except: the padding mask is cut to the fed tokens' columns (a fresh tensor); a
         ``cache`` of ``p`` positions continues with ``input_ids[:, p:]`` when no ``next_sequence_length`` is given;
-        the cache goes to ``forward`` as ``cache`` (docs/design.md §5, "Continuing a cache").
-
-        Raises:
-            ValueError: at the first step, a ``cache`` holding as many positions as the prompt or more.
-        """
+        the cache goes to ``forward`` as ``cache`` (docs/design.md §5, "Continuing a cache"). ``ValueError`` at the
+        first step for a ``cache`` holding as many positions as the prompt or more."""
         if cache is not None and (is_first_iteration or next_sequence_length is None):
             seen = cache.get_seq_length()
             length = (inputs_embeds if inputs_embeds is not None else input_ids).shape[1]
