@@ -31,11 +31,8 @@ class BundleError(RuntimeError):
 
 def remote_code(model) -> tuple[dict[str, str], dict[str, Path]]:
     """``(auto_map, {file name in a saved folder: its generated file})`` of ``model``'s ``config.model_type``, e.g.
-    ``({"AutoConfig": "configuration_densemamba.DenseMambaConfig", ...}, {"modeling_densemamba.py": ..., ...})``.
-
-    Raises:
-        BundleError: no remote code was generated for that model type.
-    """
+    ``({"AutoConfig": "configuration_densemamba.DenseMambaConfig", ...}, {"modeling_densemamba.py": ..., ...})``;
+    ``BundleError`` if none was generated for that model type."""
     manifest = json.loads((REMOTE_CODE / "manifest.json").read_text(encoding="utf-8"))
     entry = manifest["families"].get(model.config.model_type)
     if entry is None:
@@ -46,12 +43,7 @@ def remote_code(model) -> tuple[dict[str, str], dict[str, Path]]:
 
 def write_bundle(model, folder: str | os.PathLike) -> dict[str, str]:
     """Copy the code files of ``model`` (:func:`remote_code`) into ``folder`` and set ``auto_map`` in its
-    ``config.json`` (which ``config.save_pretrained`` must have written). Returns the ``auto_map``.
-
-    Raises:
-        FileNotFoundError: ``folder`` has no ``config.json``.
-        BundleError: see :func:`remote_code`.
-    """
+    ``config.json``; returns the ``auto_map``. Raises ``FileNotFoundError`` (no ``config.json``), ``BundleError``."""
     folder = Path(folder)
     auto_map, files = remote_code(model)
     config_file = folder / "config.json"
@@ -84,9 +76,8 @@ def _markdown(text: str) -> str:
 
 
 def field_docs(config_class: type) -> dict[str, str]:
-    """``{field: meaning}`` from the ``Args:`` section of ``config_class``'s docstring (Google style: ``name
-    (type, defaults to x): meaning`` indented 4 spaces, continuation lines deeper; ``a, b (type): meaning``
-    documents both)."""
+    """``{field: meaning}`` from the ``Args:`` section of ``config_class``'s docstring (Google style: ``name (type,
+    defaults to x): meaning`` indented 4 spaces, continuation lines deeper; ``a, b (type): meaning`` documents both)."""
     section = re.search(r"^Args:\n(.*?)(?=^\S|\Z)", inspect.cleandoc(config_class.__doc__ or ""), re.M | re.S)
     docs = {}
     for entry in re.split(r"\n(?=    \S)", section.group(1).strip("\n")) if section else []:
@@ -96,34 +87,21 @@ def field_docs(config_class: type) -> dict[str, str]:
     return docs
 
 
-def config_rows(config) -> list[tuple[str, object, str]]:
-    """``(field, value, meaning)`` for every argument of the config class's ``__init__`` (the family's fields,
-    with their docstring meaning), then every dense knob of the family (with its :class:`Knob` help)."""
-    docs = field_docs(type(config))
-    parameters = inspect.signature(type(config).__init__).parameters.values()
-    rows = [(p.name, getattr(config, p.name, None), docs.get(p.name, ""))
-            for p in parameters if p.name != "self" and p.kind is p.POSITIONAL_OR_KEYWORD]
-    rows += [(knob.name, getattr(config, knob.name), _markdown(knob.help)) for knob in type(config).knobs()]
-    return rows
-
-
 def model_card(model, files: list[str], repo_id: str | None = None, tags: list[str] | None = None) -> str:
-    """The ``README.md`` text of a saved DenseSSM folder: Hub metadata, the architecture (the modeling module's
-    docstring), every config field with its value and meaning, how to load, the files, the citation.
-
-    Args:
-        model: the saved model (its class, ``config`` and parameter count are described).
-        files: the folder's file names, listed in the card.
-        repo_id: the Hub repository (or folder) shown in the loading example; a placeholder when ``None``.
-        tags: extra Hub tags.
-    """
+    """The ``README.md`` text of a folder holding ``model`` and ``files``: Hub metadata (``tags`` added), the
+    architecture, every config field with its value and meaning, how to load (from ``repo_id``, else a placeholder),
+    the files, the citation."""
     config = model.config
     family = type(config).__name__.removesuffix("Config")
     where = repo_id or "path/to/this/folder"
     all_tags = list(dict.fromkeys(["densessm", config.model_type, *(tag for tag in tags or [] if tag)]))
     metadata = ModelCardData(library_name="transformers", pipeline_tag="text-generation", tags=all_tags).to_yaml()
     architecture = _markdown(inspect.cleandoc(sys.modules[type(model).__module__].__doc__ or ""))
-    rows = "\n".join(f"| `{name}` | `{value!r}` | {meaning} |" for name, value, meaning in config_rows(config))
+    docs, parameters = field_docs(type(config)), inspect.signature(type(config).__init__).parameters.values()
+    rows = [(p.name, getattr(config, p.name, None), docs.get(p.name, ""))  # the family's fields, then its knobs
+            for p in parameters if p.name != "self" and p.kind is p.POSITIONAL_OR_KEYWORD]
+    rows += [(knob.name, getattr(config, knob.name), _markdown(knob.help)) for knob in type(config).knobs()]
+    rows = "\n".join(f"| `{name}` | `{value!r}` | {meaning} |" for name, value, meaning in rows)
     code = ", ".join(f"`{name}`" for name in files if name.endswith(".py"))
     weights = ", ".join(f"`{name}`" for name in files if name.endswith((".safetensors", ".safetensors.index.json")))
     bos = config.bos_token_id if config.bos_token_id is not None else 0

@@ -18,24 +18,16 @@ from filelock import FileLock, Timeout
 from ..modeling.save_check import BACKUP_PREFIX, LOCK_NAME, OWN_PREFIX, SAVE_ID, STAGING_PREFIX, fcntl, save_ids
 
 
-def _publish_order(name: str) -> tuple:
-    """Weights first, ``config.json`` (which names the code and weights the folder needs) last."""
-    return (name == "config.json", not name.endswith((".safetensors", ".safetensors.index.json")), name)
-
-
-def carries_save_id(name: str) -> bool:
-    """Whether a save writes its id into the file ``name``: ``config.json``, weights, a shard index."""
-    index = ".safetensors.index" in name and name.endswith(".json")
-    return name == "config.json" or name.endswith(".safetensors") or index
-
-
 def stamp(path: Path, save_id: str) -> None:
-    """Write ``save_id`` (:data:`SAVE_ID`) into the staged ``config.json``, shard index (its ``metadata``) or
-    ``*.safetensors`` file (its header's ``__metadata__``; the tensor bytes are copied unchanged)."""
-    if path.suffix != ".safetensors":
+    """Write ``save_id`` (:data:`SAVE_ID`) into a staged ``config.json``, shard index (its ``metadata``) or
+    ``*.safetensors`` file (its header's ``__metadata__``; the tensor bytes copied unchanged); other files are left."""
+    name = path.name
+    if name == "config.json" or (".safetensors.index" in name and name.endswith(".json")):
         data = json.loads(path.read_text(encoding="utf-8"))
-        (data if path.name == "config.json" else data.setdefault("metadata", {}))[SAVE_ID] = save_id
+        (data if name == "config.json" else data.setdefault("metadata", {}))[SAVE_ID] = save_id
         path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        return
+    if not name.endswith(".safetensors"):
         return
     stamped = path.with_name(path.name + ".stamped")
     with open(path, "rb") as src, open(stamped, "wb") as dst:
@@ -155,15 +147,16 @@ def staged_save(
     published = False
     try:
         yield staging
-        names = sorted((p.name for p in staging.iterdir() if p.name != LOCK_NAME), key=_publish_order)
+        # weights first, config.json (which names what the folder needs) last
+        names = sorted((p.name for p in staging.iterdir() if p.name != LOCK_NAME), key=lambda name: (
+            name == "config.json", not name.endswith((".safetensors", ".safetensors.index.json")), name))
         mode = _new_file_mode(staging)
         save_id = uuid.uuid4().hex
         for name in names:
             path = staging / name
             if path.is_dir():
                 raise IsADirectoryError(f"The save wrote the folder {name!r}; only files can be published.")
-            if carries_save_id(name):
-                stamp(path, save_id)
+            stamp(path, save_id)
             os.chmod(path, mode)
             _fsync(path)
         published = True

@@ -89,25 +89,20 @@ def _error(folder: Path, ids: dict, running: bool) -> MixedSaveError:
         saves.setdefault(save_id, []).append(name)
     found = "; ".join(f"{f'save {i}' if i else 'no save id'}: {', '.join(names)}" for i, names in saves.items())
     if running:
-        return MixedSaveError(
-            f"{folder} did not hold one whole save for {WAIT_S:.0f} s while saves ran in it ({found}). Load it again "
-            "when no save is running."
-        )
+        return MixedSaveError(f"{folder} did not hold one whole save for {WAIT_S:.0f} s while saves ran in it "
+                              f"({found}). Load it again when no save is running.")
     if len(set(files.values())) == 1:
-        return MixedSaveError(
-            f"The config passed to from_pretrained (by you, or by an AutoModel class that read it just before) is not "
-            f"of the save {folder} holds ({found}): load again (the folder was saved again meanwhile), or set the "
-            f"config's `{SAVE_ID}` to None to load these weights with it."
-        )
+        return MixedSaveError("The config passed to from_pretrained (by you, or by an AutoModel class that read it "
+                              f"just before) is not of the save {folder} holds ({found}): load again (the folder was "
+                              f"saved again meanwhile), or set the config's `{SAVE_ID}` to None to load these weights "
+                              "with it.")
     backups = sorted(str(p) for p in folder.glob(BACKUP_PREFIX + "*") if p.is_dir())
     how = (
         f"The previous whole save is kept in {' or '.join(backups)}: load it from there and save it again into the "
         "folder, or save the new model again." if backups else "Save the model again into the folder."
     )
-    return MixedSaveError(
-        f"{folder} holds files of different saves, so it would load as neither ({found}): a save into it was "
-        f"interrupted, or files were copied in from another save. {how}"
-    )
+    return MixedSaveError(f"{folder} holds files of different saves, so it would load as neither ({found}): a save "
+                          f"into it was interrupted, or files were copied in from another save. {how}")
 
 
 def load_one_save(load, path, kwargs: dict):
