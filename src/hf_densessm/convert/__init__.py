@@ -96,11 +96,7 @@ def read_config(src: str | os.PathLike) -> dict:
 
 def read_tensors(src: str | os.PathLike, names: set[str]) -> dict[str, torch.Tensor]:
     """The tensors ``names`` (those present) of the checkpoint ``src``, read from the weights files transformers
-    would load (:data:`WEIGHT_FILES`, sharded or not; local or from the Hub cache), the others unread.
-
-    Raises:
-        ValueError: a weights file cannot be read (the message names it).
-    """
+    would load (:data:`WEIGHT_FILES`, local or Hub); ``ValueError`` naming a weights file that cannot be read."""
     files: list[str] = []
     for name in WEIGHT_FILES:  # the first present, as transformers picks it; an index names the shards
         found = cached_file(str(src), name, _raise_exceptions_for_missing_entries=False)
@@ -268,22 +264,17 @@ def denseretnet_from_official(src: str | os.PathLike) -> DenseRetNetForCausalLM:
         if layer.self_attn.dense_k is None:
             optional |= {f"model.layers.{i}.self_attn.{part}.weight" for part in OFFICIAL_DENSE_ONLY}
     _check_loading_info(info, source, official_denseretnet_name, optional)
-    _check_rel_pos(rel_pos, config, source)
-    return model.eval()
-
-
-def _check_rel_pos(saved: dict, config: DenseRetNetConfig, source: str) -> None:
-    """``ValueError`` unless the saved rotary angles and log-decays are the published definition (docs/design.md §3).
-    """
-    head_dim = config.query_key_dim // config.num_attention_heads
-    angle = rotary_angles(head_dim, config.rope_theta).double().repeat_interleave(2)
+    # the saved rotary angles and log-decays must be the published definition (docs/design.md §3)
+    angle = rotary_angles(config.query_key_dim // config.num_attention_heads, config.rope_theta).double()
+    angle = angle.repeat_interleave(2)
     decay = retention_gamma(config.num_attention_heads, dtype=torch.float64).log()
     for name, value in zip(OFFICIAL_REL_POS, (angle, decay)):
-        tensor = saved.get(name, value)  # an absent buffer passes
+        tensor = rel_pos.get(name, value)  # an absent buffer passes
         if tensor.shape != value.shape or not torch.allclose(tensor.double(), value, rtol=1e-4, atol=1e-6):
             raise ValueError(f"{name} of {source} differs from the published definition (shape {tuple(tensor.shape)}, "
                              f"expected {tuple(value.shape)}): this checkpoint is not the architecture "
                              "DenseRetNetConfig describes.")
+    return model.eval()
 
 
 __all__ = [
