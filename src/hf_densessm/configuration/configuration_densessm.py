@@ -119,11 +119,8 @@ def resolve_preset(presets: dict, name, family: str) -> dict:
 class DenseSSMConfig(PretrainedConfig):
     """Base of the family configs: sets and validates the :data:`DENSE_KNOBS` given in ``kwargs`` (absent ones: the
     family's :attr:`dense_defaults` or the knob's); a subclass calls ``super().__init__(**kwargs)`` after setting
-    ``hidden_size`` and ``num_hidden_layers``; other keywords go to ``transformers.PretrainedConfig``.
-
-    Raises:
-        ValueError, TypeError: a knob outside its allowed values; the message names the knob and what is allowed.
-    """
+    ``hidden_size`` and ``num_hidden_layers``; other keywords go to ``transformers.PretrainedConfig``. A knob outside
+    its allowed values is a ``ValueError`` or ``TypeError`` naming the knob and what is allowed."""
 
     model_type = ""
     #: Family defaults that differ from the knob table's (``dense_layers``: 4 for DenseMamba, 2 for DenseRetNet).
@@ -157,11 +154,7 @@ class DenseSSMConfig(PretrainedConfig):
     @property
     def kernel_backend(self) -> str:
         """Which implementation of the ops runs (:data:`KERNEL_BACKENDS`): a runtime setting, never saved (ignored in
-        a loaded ``config.json``).
-
-        Raises:
-            ValueError: (on setting) a value not in :data:`KERNEL_BACKENDS`.
-        """
+        a loaded ``config.json``); setting another value is a ``ValueError``."""
         return self._kernel_backend
 
     @kernel_backend.setter

@@ -42,13 +42,9 @@ class DenseSSMCache(DynamicCache):
         return count
 
     def record_tokens(self, inputs: torch.Tensor, attention_mask: torch.Tensor | None = None) -> None:
-        """Count a forward's positions in :attr:`positions_seen` and each row's real tokens in
-        :attr:`real_tokens_seen` (with :attr:`counts_row_tokens` only).
-
-        Args:
-            inputs: ``input_ids`` ``(batch, seq_len)`` or ``inputs_embeds`` ``(batch, seq_len, hidden)`` (shape and
-                device only). attention_mask: ``(batch, seq_len)`` 0/1, or ``None`` when nothing is padded.
-        """
+        """Count a forward's positions in :attr:`positions_seen` and (with :attr:`counts_row_tokens`) each row's real
+        tokens in :attr:`real_tokens_seen`; ``inputs``: ``(batch, seq_len, ...)`` (shape and device only),
+        ``attention_mask``: ``(batch, seq_len)`` 0/1 or ``None``."""
         batch, count = inputs.shape[:2]
         if self.positions_seen is None:
             self.positions_seen = self._new_count((), inputs.device)
@@ -84,9 +80,7 @@ class DenseSSMCache(DynamicCache):
     def crop(self, tokens_to_remove: int) -> None:
         """transformers' rollback after a speculative verification: take the last ``-tokens_to_remove`` tokens back
         (states, windows and counts, in place), then drop the records (docs/design.md §5, "Speculative decoding").
-
-        Raises:
-            RuntimeError: not :attr:`recording`, ``tokens_to_remove > 0``, or more tokens than fed since the last crop.
+        ``RuntimeError`` if not :attr:`recording`, ``tokens_to_remove > 0``, or more tokens than fed since the last crop.
         """
         remove = -tokens_to_remove
         recorded = sum(record[0] for record in self._records)
@@ -140,10 +134,9 @@ register_pytree_node(DenseSSMCache)
 
 
 def record_states(cache: Cache | None, layer_idx: int, state: torch.Tensor | None, run, *inputs) -> None:
-    """While a :class:`DenseSSMCache` is :attr:`~DenseSSMCache.recording`, keep for its ``crop`` the recurrent state
-    of block ``layer_idx`` before the forward (``state``, copied; call before the block updates it) and
-    ``run(*inputs, initial_state, n)``, the state after the forward's first ``n >= 1`` tokens (``inputs`` by
-    reference)."""
+    """While a :class:`DenseSSMCache` is :attr:`~DenseSSMCache.recording`, keep for its ``crop`` the recurrent state of
+    block ``layer_idx`` before the forward (``state``, copied; call before the block updates it) and ``run(*inputs,
+    initial_state, n)``, the state after the forward's first ``n >= 1`` tokens (``inputs`` by reference)."""
     if isinstance(cache, DenseSSMCache) and cache.recording:
         before = None if state is None else state.clone()
         cache._pending.setdefault(layer_idx, {})["state"] = (before, partial(run, *inputs), chosen_backend(None))
@@ -151,13 +144,11 @@ def record_states(cache: Cache | None, layer_idx: int, state: torch.Tensor | Non
 
 def check_cache(cache, config, batch: int) -> None:
     """Check that ``cache`` fits a model of ``config`` given ``batch`` rows: one linear-attention layer per block,
-    only the slots the family declares (``config.cache_slots``) filled, with its shapes (``config.cache_shapes``).
+    only ``config.cache_slots`` filled, with ``config.cache_shapes``.
 
     Raises:
-        TypeError: not a ``Cache``, layers that are not linear-attention layers, or not a :class:`DenseSSMCache`
-            where the family counts each row's tokens (``config.cache_counts_row_tokens``).
-        ValueError: wrong number of layers; slots or ``model_type`` of another family; states or counts of another
-            batch size or width.
+        TypeError: not a ``Cache``, not linear-attention layers, or not a :class:`DenseSSMCache` where the family
+            counts each row's tokens. ValueError: another layer count, family, batch size or width.
     """
     hint = (
         "leave `cache` unset (the model builds one), pass the cache a previous call returned, or build an empty one "

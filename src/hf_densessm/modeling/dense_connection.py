@@ -44,12 +44,8 @@ def init_dense_linear(module: nn.Module, init, gate_std: float | None = None) ->
 
 
 class DenseGate(nn.Module):
-    """``Gate(x)`` of Eq. 16: ``"mlp"`` ``SiLU(fc2(SiLU(fc1(x))))``, ``"linear"`` ``SiLU(fc(x))`` (docs/design.md §2).
-    ``(..., hidden_size) -> (..., feature_size)``, same dtype.
-
-    Raises:
-        ValueError: ``selection`` is neither ``"mlp"`` nor ``"linear"``.
-    """
+    """``Gate(x)`` of Eq. 16: ``"mlp"`` ``SiLU(fc2(SiLU(fc1(x))))``, ``"linear"`` ``SiLU(fc(x))`` (docs/design.md §2),
+    ``(..., hidden_size) -> (..., feature_size)``, same dtype. ``ValueError`` for another ``selection``."""
 
     def __init__(self, hidden_size: int, feature_size: int, gate_hidden_size: int, selection: str):
         super().__init__()
@@ -74,11 +70,7 @@ class DenseHiddenConnection(nn.Module):
     """Selective transition + hidden fusion (Eq. 10-17) of one feature in one layer with ``num_predecessors`` lower
     layers; the other arguments: the config's dense knobs (docs/design.md §2). ``forward(x, feature, predecessors)``:
     ``x`` ``(..., hidden_size)``, ``feature`` ``(..., feature_size)``, a list of tensors like ``feature``, nearest
-    first; returns the fused feature in ``feature``'s dtype.
-
-    Raises:
-        ValueError: ``predecessors`` does not hold exactly ``num_predecessors`` tensors.
-    """
+    first (``ValueError`` unless ``num_predecessors`` of them); returns the fused feature in ``feature``'s dtype."""
 
     def __init__(self, hidden_size: int, feature_size: int, num_predecessors: int, projection: str, selection: str,
                  shared_gate: bool, fusion: str, gate_hidden_size: int):
@@ -144,11 +136,8 @@ def build_dense_connection(config, layer_idx: int, feature_size: int) -> DenseHi
 
 
 def split_dense_inputs(dense_inputs: tuple[torch.Tensor, ...], num_features: int) -> list[list[torch.Tensor]]:
-    """Split a block's flat ``dense_inputs`` into ``num_features`` lists of ``n`` tensors, nearest first.
-
-    Raises:
-        ValueError: ``len(dense_inputs)`` is not a multiple of ``num_features``.
-    """
+    """Split a block's flat ``dense_inputs`` into ``num_features`` lists of ``n`` tensors, nearest first;
+    ``ValueError`` if ``len(dense_inputs)`` is not a multiple of ``num_features``."""
     if len(dense_inputs) % num_features:
         raise ValueError(f"Expected {num_features} features per predecessor, got {len(dense_inputs)} tensors.")
     n = len(dense_inputs) // num_features

@@ -1,7 +1,6 @@
-"""DenseMamba: Mamba (Gu & Dao 2023) with DenseSSM's dense hidden connection (He et al. 2024, §3.3, §4.2), on the
-scan inputs ``u`` and ``B`` (``dense_target="input"``) or on the states read out with each layer's ``C`` (``"state"``,
-Eq. 14): docs/design.md §4.
-"""
+"""DenseMamba: Mamba (Gu & Dao 2023) with DenseSSM's dense hidden connection (He et al. 2024, §3.3, §4.2), on the scan
+inputs ``u`` and ``B`` (``dense_target="input"``) or on the states read out with each layer's ``C`` (``"state"``, Eq.
+14): docs/design.md §4."""
 
 from __future__ import annotations
 
@@ -82,19 +81,12 @@ class DenseMambaMixer(nn.Module):
         self, hidden_states: torch.Tensor, dense_inputs: tuple[torch.Tensor, ...], cache=None,
         attention_mask: torch.Tensor | None = None, reset: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-        """One token over a filled cache without gradients is a decoding step (the state updated in place); every
-        other call runs the scan (docs/design.md §5, "Backpropagating through a cache").
-
-        Args:
-            hidden_states: ``(batch, seq_len, hidden_size)``, the block's normalized input.
-            dense_inputs: the predecessors' features, grouped by feature, nearest first (:mod:`.dense_connection`).
-            cache: a transformers ``Cache`` or ``None``. attention_mask: ``(batch, seq_len)`` 0/1 or ``None``.
-            reset: ``(batch, seq_len)`` bool or ``None``, True at each packed document's first token.
-
-        Returns:
-            ``(output (batch, seq_len, hidden_size), features)``: the pre-fusion ``(u, B)`` (``"input"``) or
-            ``(u, dt, B, A[, state before this call])`` (``"state"``).
-        """
+        """``hidden_states`` ``(batch, seq_len, hidden_size)`` (normalized) -> ``(output, features)``: ``output`` of the
+        same shape and the pre-fusion ``(u, B)`` (``"input"``) or ``(u, dt, B, A[, state before this call])``
+        (``"state"``). ``dense_inputs``: the predecessors' features grouped by feature, nearest first; ``cache``: a
+        ``Cache`` or ``None``; ``attention_mask`` ``(batch, seq_len)`` 0/1, ``reset`` ``(batch, seq_len)`` bool (True at
+        each packed document's first token), or ``None``. One token over a filled cache without gradients is a
+        decoding step (the state updated in place); every other call runs the scan (docs/design.md §5)."""
         batch, seq_len, _ = hidden_states.shape
         dtype = hidden_states.dtype
         keep = attention_mask[..., None].bool() if attention_mask is not None else None  # selects, never multiplies

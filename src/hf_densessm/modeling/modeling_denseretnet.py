@@ -1,7 +1,6 @@
 """DenseRetNet: RetNet-GAU with DenseSSM's dense KV connection (He et al. 2024, §3.3 "Extension to RetNet", Eq. 18-24,
 §4.2); the block's equations, the published retention normalization folded into the group norm, padding and init:
-docs/design.md §3.
-"""
+docs/design.md §3."""
 
 from __future__ import annotations
 
