@@ -80,8 +80,7 @@ class DenseSSMCache(DynamicCache):
     def crop(self, tokens_to_remove: int) -> None:
         """transformers' rollback after a speculative verification: take the last ``-tokens_to_remove`` tokens back
         (states, windows and counts, in place), then drop the records (docs/design.md §5, "Speculative decoding").
-        ``RuntimeError`` if not :attr:`recording`, ``tokens_to_remove > 0``, or more tokens than fed since the last crop.
-        """
+        ``RuntimeError`` if not :attr:`recording`, ``tokens_to_remove > 0``, or more than fed since the last crop."""
         remove = -tokens_to_remove
         recorded = sum(record[0] for record in self._records)
         if not self.recording or remove < 0 or remove > recorded:
@@ -117,8 +116,8 @@ class DenseSSMCache(DynamicCache):
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """transformers' beam-search reordering of every state, and of :attr:`real_tokens_seen` (in place)."""
         super().reorder_cache(beam_idx)
-        if self.real_tokens_seen is not None:
-            self.real_tokens_seen.copy_(self.real_tokens_seen.index_select(0, beam_idx.to(self.real_tokens_seen.device)))
+        if (seen := self.real_tokens_seen) is not None:
+            seen.copy_(seen.index_select(0, beam_idx.to(seen.device)))
 
     def reset(self) -> None:
         """transformers' reset (states zeroed in place), and both counts back to zero."""

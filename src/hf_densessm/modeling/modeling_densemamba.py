@@ -149,14 +149,12 @@ class DenseMambaMixer(nn.Module):
             y = selective_state_update(state, u[:, 0], dt[..., 0], A, B[:, 0], C[:, 0], D, z=z_t, dt_softplus=softplus)
             y = y.unsqueeze(-1)
         else:
-            result = selective_scan(u.transpose(1, 2), dt, A, B.transpose(1, 2), C.transpose(1, 2), D=D, z=z_scan,
-                                    delta_softplus=softplus, initial_state=state, return_last_state=cache is not None,
-                                    reset=reset)
+            y = selective_scan(u.transpose(1, 2), dt, A, B.transpose(1, 2), C.transpose(1, 2), D=D, z=z_scan,
+                               delta_softplus=softplus, initial_state=state, return_last_state=cache is not None,
+                               reset=reset)
             if cache is not None:
-                y, last_state = result
+                y, last_state = y
                 store_recurrent_state(cache, self.layer_idx, last_state)
-            else:
-                y = result
         if fuse_states:
             readouts = self._read_lower_states(dense_inputs, C, cache, decode, state is not None, reset)
             y = self.dense_h(hidden_states, y.transpose(1, 2), readouts).transpose(1, 2)  # Eq. 14
