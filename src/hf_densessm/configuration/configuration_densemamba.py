@@ -49,7 +49,7 @@ class DenseMambaConfig(DenseSSMConfig):
         initializer_range (`float`, defaults to 0.1): std of the normal init of the embeddings (and of linear
             layers with the "transformers" init).
         init_scheme (`str`, defaults to "transformers"): transformers' Mamba init, or "mamba_ssm" (the paper's: linear
-            layers at PyTorch's default Kaiming-uniform, biases 0; docs/design.md §4).
+            layers at PyTorch's default Kaiming-uniform, biases 0).
         residual_in_fp32 (`bool`, defaults to True): keep the residual stream in float32.
         time_step_rank (`int` or "auto", defaults to "auto"): rank of ``dt_proj``; "auto" is ``ceil(hidden_size/16)``.
         time_step_scale, time_step_min, time_step_max, time_step_init_scheme, time_step_floor: ``dt`` init

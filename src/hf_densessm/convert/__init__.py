@@ -39,12 +39,10 @@ OFFICIAL_OPTIONAL_KEYS = ("rms_norm_eps", "dropout", "initializer_range", "pad_t
 OFFICIAL_CONNECTION = dict(dense_projection="identity", dense_selection="mlp", dense_shared_gate=True,
                            dense_fusion="add", dense_every=1)
 # Our DenseRetNet parameter names -> the authors' (the others are the same in both).
-OFFICIAL_DENSERETNET_RENAMES = (
-    (".self_attn.hidden_proj.", ".self_attn.to_hidden.0."),
-    (".self_attn.o_proj.", ".self_attn.to_out.0."),
-    (".self_attn.dense_k.gate.", ".self_attn.k_select."),
-    (".self_attn.dense_v.gate.", ".self_attn.v_select."),
-)
+OFFICIAL_DENSERETNET_RENAMES = ((".self_attn.hidden_proj.", ".self_attn.to_hidden.0."),
+                                (".self_attn.o_proj.", ".self_attn.to_out.0."),
+                                (".self_attn.dense_k.gate.", ".self_attn.k_select."),
+                                (".self_attn.dense_v.gate.", ".self_attn.v_select."))
 #: ``key_mapping`` of ``from_pretrained`` for the authors' names (a regular expression of theirs -> ours).
 OFFICIAL_KEY_MAPPING = {re.escape(theirs): ours for ours, theirs in OFFICIAL_DENSERETNET_RENAMES}
 #: ``from_pretrained`` keywords of both converters: float32, wrong shapes reported (:func:`_check_loading_info`).

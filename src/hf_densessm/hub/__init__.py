@@ -204,9 +204,8 @@ def save_pretrained(
             write_model_card(model, staging)
     if push_to_hub:
         repo_id = hub_kwargs.pop("repo_id", Path(save_directory).resolve().name)
-        model.push_to_hub(
-            repo_id, token=kwargs.get("token"), max_shard_size=kwargs.get("max_shard_size", "50GB"), **hub_kwargs
-        )
+        model.push_to_hub(repo_id, token=kwargs.get("token"), max_shard_size=kwargs.get("max_shard_size", "50GB"),
+                          **hub_kwargs)
 
 
 def push_to_hub(

@@ -36,6 +36,7 @@ class DenseSSMCache(DynamicCache):
 
     @staticmethod
     def _new_count(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+        """A zero int64 count of ``shape`` on ``device``, at a static address (docs/design.md §5)."""
         count = torch.zeros(shape, dtype=torch.long, device=device)
         if not torch.compiler.is_compiling():
             torch._dynamo.mark_static_address(count)

@@ -206,9 +206,8 @@ class DenseSSMForCausalLM(DenseSSMPreTrainedModel, GenerationMixin):
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-        output = model_output(
-            self.output_class, output_cache(outputs), loss=loss, logits=logits, hidden_states=outputs.hidden_states
-        )
+        output = model_output(self.output_class, output_cache(outputs), loss=loss, logits=logits,
+                              hidden_states=outputs.hidden_states)
         return _returned(output, return_dict, self.config)
 
     @classmethod
