@@ -284,4 +284,6 @@ class DenseMambaForSequenceClassification(DenseSSMForSequenceClassification, Den
     backbone_class = DenseMambaModel
 
 
-__all__ = ["DenseMambaForCausalLM", "DenseMambaForSequenceClassification", "DenseMambaModel", "DenseMambaPreTrainedModel"]
+__all__ = [
+    "DenseMambaForCausalLM", "DenseMambaForSequenceClassification", "DenseMambaModel", "DenseMambaPreTrainedModel",
+]

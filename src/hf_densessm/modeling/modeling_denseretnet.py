@@ -214,4 +214,6 @@ class DenseRetNetForSequenceClassification(DenseSSMForSequenceClassification, De
     backbone_class = DenseRetNetModel
 
 
-__all__ = ["DenseRetNetForCausalLM", "DenseRetNetForSequenceClassification", "DenseRetNetModel", "DenseRetNetPreTrainedModel"]
+__all__ = [
+    "DenseRetNetForCausalLM", "DenseRetNetForSequenceClassification", "DenseRetNetModel", "DenseRetNetPreTrainedModel",
+]

@@ -136,7 +136,8 @@ class DenseSSMModel(DenseSSMPreTrainedModel):
         if use_cache is None:
             use_cache = config.use_cache and not self.training and reset is None
         if self.gradient_checkpointing and self.training and torch.is_grad_enabled() and use_cache:
-            logger.warning_once("`use_cache=True` is incompatible with gradient checkpointing; setting `use_cache=False`.")
+            logger.warning_once("`use_cache=True` is incompatible with gradient checkpointing; setting "
+                                "`use_cache=False`.")
             use_cache = False
         if not use_cache:
             cache = None
@@ -159,7 +160,8 @@ class DenseSSMModel(DenseSSMPreTrainedModel):
         hidden_states = getattr(self, self.final_norm_name)(hidden_states)
         if output_hidden_states:
             all_hidden_states += (hidden_states,)
-        output = model_output(self.output_class, cache, last_hidden_state=hidden_states, hidden_states=all_hidden_states)
+        output = model_output(self.output_class, cache, last_hidden_state=hidden_states,
+                              hidden_states=all_hidden_states)
         return _returned(output, return_dict, config)
 
 
