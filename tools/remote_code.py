@@ -27,7 +27,7 @@ from types import ModuleType
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))  # this checkout's package, whatever else is installed
-from hf_densessm.hub.bundle import BUNDLE_MARKER  # noqa: E402  (the first line of every generated file)
+from hf_densessm.hub import BUNDLE_MARKER  # noqa: E402  (the first line of every generated file)
 
 OUTPUT = ROOT / "src" / "hf_densessm" / "hub" / "remote_code"
 #: Package modules (and packages) remote code does not ship, with the reason: shipped code imports them only inside

@@ -28,13 +28,9 @@ for _module in modeling.FAMILIES:  # each Auto class gets the family's class bui
 
 
 def paper_training_arguments(preset: str) -> dict:
-    """The paper's training settings for a paper preset, as keywords of ``transformers.TrainingArguments``:
-    ``learning_rate``, ``adam_beta1``, ``adam_beta2`` (Tables 2 and 3) and ``PAPER_OPTIMIZER`` (§4.2; how to
-    reach the paper's batch size: docs/design.md §7).
-
-    Raises:
-        ValueError: ``preset`` is not one of the paper's presets (the message lists them).
-    """
+    """The paper's training settings for a paper preset as ``transformers.TrainingArguments`` keywords: the learning
+    rate and Adam betas (Tables 2, 3) and ``PAPER_OPTIMIZER`` (§4.2; docs/design.md §7). Raises ``ValueError``
+    (listing the presets) for another ``preset``."""
     return resolve_preset({**DENSEMAMBA_PAPER_TRAINING, **DENSERETNET_PAPER_TRAINING}, preset, "paper-trained")
 
 

@@ -50,7 +50,7 @@ def test_folder_holds_config_weights_code_and_card(saved, family):
     config = json.loads((folder / "config.json").read_text())
     cls = type(model).__name__
     # every Auto class the package registers the family with (heads such as sequence classification included)
-    assert config["auto_map"] == hub.hub_auto_map(model)
+    assert config["auto_map"] == hub.remote_code(model)[0]
     assert config["auto_map"].items() >= {
         "AutoConfig": f"configuration_{family}.{type(model.config).__name__}",
         "AutoModel": f"{MODELING[family]}.{cls.replace('ForCausalLM', 'Model')}",
@@ -241,7 +241,7 @@ def test_remote_code_loads_and_generates_without_the_package(saved, tmp_path):
             assert entry["generated"]
         resaved = Path(where[family]["resave"])  # by transformers' custom_object_save: everything but the card
         assert {p.name for p in resaved.iterdir()} == {p.name for p in folder.iterdir()} - {"README.md"}
-        assert json.loads((resaved / "config.json").read_text())["auto_map"] == hub.hub_auto_map(model)
+        assert json.loads((resaved / "config.json").read_text())["auto_map"] == hub.remote_code(model)[0]
         for path in folder.glob("*.py"):
             assert (resaved / path.name).read_bytes() == path.read_bytes(), path.name
 

@@ -15,8 +15,8 @@ import pytest
 import torch
 from filelock import FileLock
 
-from hf_densessm import DenseMambaForCausalLM
-from hf_densessm.hub import bundle, saving
+from hf_densessm import DenseMambaForCausalLM, hub
+from hf_densessm.hub import saving
 from hf_densessm.modeling.save_check import BACKUP_PREFIX, OWN_PREFIX, MixedSaveError, save_ids
 from helpers import micro_model, same_model
 
@@ -155,7 +155,7 @@ def issue_pair(tmp_path_factory):
 @pytest.fixture
 def no_code(monkeypatch):
     """Saves write no code files (the package's classes load the model; fewer steps to kill)."""
-    monkeypatch.setattr(bundle, "remote_code", lambda model: ({}, {}))
+    monkeypatch.setattr(hub, "remote_code", lambda model: ({}, {}))
 
 
 @pytest.mark.parametrize("shards", ["100KB", None], ids=["same-shards", "unsharded"])

@@ -8,8 +8,7 @@ from .configuration_densessm import (
     PAPER_OPTIMIZER, DenseSSMConfig, Knob, check_bool, check_choice, check_int, check_positive_float, check_size,
 )
 
-#: Widest causal convolution: each tap is one pass over the activations in the PyTorch path (unrolled when compiled);
-#: Mamba uses 4.
+#: Widest causal convolution (each tap is one pass over the activations in the PyTorch path); Mamba uses 4.
 MAX_CONV_KERNEL = 64
 
 #: The init of the paper's training setup (mamba_ssm; docs/design.md §4).
@@ -33,8 +32,7 @@ DENSEMAMBA_PAPER_TRAINING = {
 class DenseMambaConfig(DenseSSMConfig):
     r"""Configuration of a :class:`~hf_densessm.DenseMambaModel` / :class:`~hf_densessm.DenseMambaForCausalLM`.
 
-    The Mamba fields are ``transformers.MambaConfig``'s (names, defaults, meanings); the dense fields add the DenseSSM
-    connection (paper §3.3). With ``dense_layers=0`` the model is ``transformers.MambaForCausalLM`` (docs/design.md §4).
+    The Mamba fields are ``transformers.MambaConfig``'s; ``dense_layers=0`` gives its Mamba (docs/design.md §4).
 
     Args:
         vocab_size (`int`, defaults to 32000): vocabulary size (the paper's LLaMA tokenizer).
@@ -43,18 +41,15 @@ class DenseMambaConfig(DenseSSMConfig):
         num_hidden_layers (`int`, defaults to 32): number of Mamba blocks.
         layer_norm_epsilon (`float`, defaults to 1e-5): RMSNorm epsilon.
         pad_token_id, bos_token_id, eos_token_id (`int`, defaults to 0, 1, 2): LLaMA tokenizer ids.
-        expand (`int`, defaults to 2): ``intermediate_size = expand * hidden_size`` (``D`` of the scan); an
-            ``intermediate_size`` given (as saved configs carry it) must equal it.
+        expand (`int`, defaults to 2): ``intermediate_size = expand * hidden_size`` (a given one must equal it).
         conv_kernel (`int`, defaults to 4): width of the causal depthwise convolution, 1 to 64.
         use_bias (`bool`, defaults to False): bias in ``in_proj`` and ``out_proj``.
         use_conv_bias (`bool`, defaults to True): bias in the convolution.
         hidden_act (`str`, defaults to "silu"): activation after the convolution and on the gate ``z``.
-        initializer_range (`float`, defaults to 0.1): std of the normal init of the embeddings (and of the linear
-            layers with ``init_scheme="transformers"``).
-        init_scheme (`str`, defaults to "transformers"): "transformers" (``transformers.MambaForCausalLM``'s init:
-            linear layers normal(0, initializer_range)) | "mamba_ssm" (the Mamba authors' ``mamba_ssm``, which the
-            paper trained with: linear layers at PyTorch's default Kaiming-uniform init, biases 0); the paper presets
-            use "mamba_ssm" with ``initializer_range=0.02`` and ``rescale_prenorm_residual=True``.
+        initializer_range (`float`, defaults to 0.1): std of the normal init of the embeddings (and of linear
+            layers with the "transformers" init).
+        init_scheme (`str`, defaults to "transformers"): transformers' Mamba init, or "mamba_ssm" (the paper's: linear
+            layers at PyTorch's default Kaiming-uniform, biases 0).
         residual_in_fp32 (`bool`, defaults to True): keep the residual stream in float32.
         time_step_rank (`int` or "auto", defaults to "auto"): rank of ``dt_proj``; "auto" is ``ceil(hidden_size/16)``.
         time_step_scale, time_step_min, time_step_max, time_step_init_scheme, time_step_floor: ``dt`` init
@@ -62,13 +57,11 @@ class DenseMambaConfig(DenseSSMConfig):
         rescale_prenorm_residual (`bool`, defaults to False): GPT-2 style rescaling of ``out_proj`` at init.
         use_cache (`bool`, defaults to True): return the recurrent-state cache.
         tie_word_embeddings (`bool`, defaults to True): tie ``lm_head`` to the embeddings.
-        dense_layers (`int`, defaults to 4): ``m`` (Table 2 uses 4 for DenseMamba); 0 gives plain Mamba.
-        dense_projection, dense_selection, dense_shared_gate, dense_fusion, dense_every, dense_gate_hidden_size,
-        kernel_backend: the dense knobs and the kernel backend, declared once in
-            :data:`hf_densessm.configuration.configuration_densessm.DENSE_KNOBS` (Tables 5, 7, 8, 9).
+        dense_layers, dense_projection, dense_selection, dense_shared_gate, dense_fusion, dense_every,
+        dense_gate_hidden_size, dense_target, kernel_backend: :data:`~.configuration_densessm.DENSE_KNOBS`.
 
     Raises:
-        ValueError, TypeError: at construction, for any field outside its allowed values (the message names it).
+        ValueError, TypeError: for any field outside its allowed values (the message names it).
     """
 
     model_type = "densemamba"
@@ -78,7 +71,7 @@ class DenseMambaConfig(DenseSSMConfig):
         Knob("dense_target", str, "input", "fuse the scan inputs u and B ('input', docs/design.md §4) or the lower "
              "layers' states, read out with this layer's C ('state', Eq. 14)", choices=("input", "state")),
     )
-    cache_slots = {"conv": (0,), "recurrent": (0,)}  # the conv window, the SSM state (docs/design.md §5)
+    cache_slots = {"conv": (0,), "recurrent": (0,)}  # the conv window, the SSM state
 
     def cache_shapes(self, batch: int) -> dict[tuple[str, int], tuple[int, ...]]:
         """The conv window ``(batch, intermediate_size, conv_kernel)`` (the model's dtype) and the SSM state
@@ -98,7 +91,7 @@ class DenseMambaConfig(DenseSSMConfig):
         time_step_init_scheme: str = "random", time_step_floor: float = 1e-4, rescale_prenorm_residual: bool = False,
         use_cache: bool = True, tie_word_embeddings: bool = True, **kwargs,
     ):
-        intermediate_size = kwargs.pop("intermediate_size", None)  # derived (expand * hidden_size); in saved configs
+        intermediate_size = kwargs.pop("intermediate_size", None)  # derived; saved configs carry it
         self.vocab_size = check_size("vocab_size", vocab_size)
         self.hidden_size = check_size("hidden_size", hidden_size)
         self.state_size = check_size("state_size", state_size)

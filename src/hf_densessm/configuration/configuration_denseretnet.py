@@ -27,8 +27,8 @@ DENSERETNET_PAPER_TRAINING = {
 class DenseRetNetConfig(DenseSSMConfig):
     r"""Configuration of a :class:`~hf_densessm.DenseRetNetModel` / :class:`~hf_densessm.DenseRetNetForCausalLM`.
 
-    Each block is a pre-norm GAU-style multi-scale retention unit with the dense KV connection (Eq. 18-24; the
-    block's equations: docs/design.md §3).
+    Each block is a pre-norm GAU-style multi-scale retention unit with the dense KV connection (Eq. 18-24;
+    docs/design.md §3).
 
     Args:
         vocab_size (`int`, defaults to 32000): vocabulary size (the paper's LLaMA tokenizer).
@@ -44,14 +44,12 @@ class DenseRetNetConfig(DenseSSMConfig):
         pad_token_id, bos_token_id, eos_token_id (`int`, defaults to 0, 1, 2): LLaMA tokenizer ids.
         use_cache (`bool`, defaults to True): return the recurrent-state cache.
         tie_word_embeddings (`bool`, defaults to False): the published model has an untied ``lm_head``.
-        dense_layers (`int`, defaults to 2): ``m`` (Table 3); 0 gives plain RetNet-GAU.
-        dense_projection, dense_selection, dense_shared_gate, dense_fusion, dense_every, dense_gate_hidden_size,
-        kernel_backend: the dense knobs and the kernel backend, declared once in
-            :data:`hf_densessm.configuration.configuration_densessm.DENSE_KNOBS` (Tables 5, 7, 8, 9).
+        dense_layers, dense_projection, dense_selection, dense_shared_gate, dense_fusion, dense_every,
+        dense_gate_hidden_size, kernel_backend: :data:`~.configuration_densessm.DENSE_KNOBS`.
 
     Raises:
-        ValueError, TypeError: at construction, for any field outside its allowed values (the message names it),
-            including head counts that do not divide ``query_key_dim`` or ``d_v``.
+        ValueError, TypeError: for any field outside its allowed values (the message names it), including head
+            counts that do not divide ``query_key_dim`` or ``d_v``.
     """
 
     model_type = "denseretnet"
@@ -83,14 +81,11 @@ class DenseRetNetConfig(DenseSSMConfig):
             raise ValueError(f"`v_factor * hidden_size` must be an integer, got {v_factor} * {hidden_size}.")
         heads = self.num_attention_heads
         if self.query_key_dim % heads or (self.query_key_dim // heads) % 2:
-            raise ValueError(
-                f"`query_key_dim` ({query_key_dim}) must be divisible by `num_attention_heads` ({heads}) into "
-                "heads of even width (the rotary shift rotates channel pairs)."
-            )
+            raise ValueError(f"`query_key_dim` ({query_key_dim}) must be divisible by `num_attention_heads` ({heads}) "
+                             "into heads of even width (the rotary shift rotates channel pairs).")
         if int(value_dim) % heads:
-            raise ValueError(
-                f"`v_factor * hidden_size` ({int(value_dim)}) must be divisible by `num_attention_heads` ({heads})."
-            )
+            raise ValueError(f"`v_factor * hidden_size` ({int(value_dim)}) must be divisible by `num_attention_heads` "
+                             f"({heads}).")
         self.rms_norm_eps = check_positive_float("rms_norm_eps", rms_norm_eps)
         if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
             raise ValueError(f"`dropout` must be a float in [0, 1), got {dropout!r}.")

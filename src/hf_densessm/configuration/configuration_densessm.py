@@ -16,8 +16,8 @@ MAX_SIZE = 2**24
 
 
 def check_int(name: str, value, minimum: int, maximum: int | None = None) -> int:
-    """Return ``value`` if it is an ``int`` (not a ``bool``) in ``[minimum, maximum]``; else raise ``TypeError`` (not
-    an integer) or ``ValueError`` (out of range), both naming the field ``name`` and the allowed range."""
+    """``value`` if it is an ``int`` (not a ``bool``) in ``[minimum, maximum]``; else ``TypeError`` (not an int) or
+    ``ValueError`` (out of range), naming ``name`` and the range."""
     allowed = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"`{name}` must be an int {allowed}, got {value!r} ({type(value).__name__}).")
@@ -32,8 +32,8 @@ def check_size(name: str, value) -> int:
 
 
 def check_positive_float(name: str, value) -> float:
-    """Return ``float(value)`` if it is a finite real number ``> 0``; else raise ``TypeError`` (not a real number; a
-    ``bool`` is refused) or ``ValueError`` (not finite or not ``> 0``), both naming the field ``name``."""
+    """``float(value)`` if it is a finite real number ``> 0``; else ``TypeError`` (not a number, or a ``bool``) or
+    ``ValueError``, naming ``name``."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"`{name}` must be a positive number, got {value!r} ({type(value).__name__}).")
     if not (value > 0 and math.isfinite(value)):
@@ -57,9 +57,8 @@ def check_choice(name: str, value, allowed: tuple[str, ...]) -> str:
 
 @dataclass(frozen=True)
 class Knob:
-    """One config field of the dense connection (its name starts with ``dense_``): its ``name``, ``kind`` (``int``,
-    ``bool`` or ``str``), ``default`` (``None`` where the family or ``hidden_size`` decides), one-line ``help``,
-    allowed ``choices`` (str) or ``minimum`` (int), and whether ``None`` is allowed (``optional``)."""
+    """One ``dense_*`` config field: ``kind`` (``int``, ``bool`` or ``str``), ``default`` (``None``: the family's or
+    from ``hidden_size``), one-line ``help``, allowed ``choices`` (str) or ``minimum`` (int), ``None`` ``optional``."""
 
     name: str
     kind: type
@@ -80,8 +79,7 @@ class Knob:
         return check_choice(self.name, value, self.choices)
 
 
-#: The dense-connection knobs every family has, in the order the docs list them (a family adds its own:
-#: :attr:`DenseSSMConfig.family_knobs`).
+#: The dense-connection knobs of every family, in the docs' order (a family adds :attr:`DenseSSMConfig.family_knobs`).
 DENSE_KNOBS: tuple[Knob, ...] = (
     Knob("dense_layers", int, None, "m, how many preceding layers feed each layer (Eq. 10; Table 7); 0 = the base "
          "model; the default is the family's (4 DenseMamba, 2 DenseRetNet)", minimum=0),
@@ -99,8 +97,7 @@ DENSE_KNOBS: tuple[Knob, ...] = (
 )
 
 
-#: The key of a save's id in ``config.json`` (and the weights; ``hf_densessm.modeling.save_check``): read on load,
-#: never written back by ``to_dict`` (each save writes its own).
+#: The key of a save's id in ``config.json`` and the weights (``modeling.save_check``); never in ``to_dict``.
 SAVE_ID = "_save_id"
 
 #: The optimizer settings of every model of the paper (§4.2), as ``TrainingArguments`` keywords (a float
@@ -110,8 +107,8 @@ PAPER_OPTIMIZER = dict(optim="adamw_torch", lr_scheduler_type="polynomial", warm
 
 
 def resolve_preset(presets: dict, name, family: str) -> dict:
-    """Return a copy of ``presets[name]``; raise ``TypeError`` if ``name`` is not a string, ``ValueError`` (listing
-    the known names) if it is not a preset of ``family``."""
+    """A copy of ``presets[name]``; ``TypeError`` if ``name`` is not a str, ``ValueError`` (listing the known names)
+    if it is not a preset of ``family``."""
     if not isinstance(name, str):
         raise TypeError(f"The {family} preset name must be a str, got {name!r} ({type(name).__name__}).")
     if name not in presets:
@@ -120,14 +117,10 @@ def resolve_preset(presets: dict, name, family: str) -> dict:
 
 
 class DenseSSMConfig(PretrainedConfig):
-    """Base of the DenseSSM family configs: sets and validates the :data:`DENSE_KNOBS`. A subclass calls
-    ``super().__init__(**kwargs)`` after setting ``hidden_size`` and ``num_hidden_layers``; the knobs arrive in
-    ``kwargs`` (absent ones take their defaults, or the family's :attr:`dense_defaults`); every other keyword goes
-    to ``transformers.PretrainedConfig``.
-
-    Raises:
-        ValueError, TypeError: a knob outside its allowed values; the message names the knob and what is allowed.
-    """
+    """Base of the family configs: sets and validates the :data:`DENSE_KNOBS` given in ``kwargs`` (absent ones: the
+    family's :attr:`dense_defaults` or the knob's); a subclass calls ``super().__init__(**kwargs)`` after setting
+    ``hidden_size`` and ``num_hidden_layers``; other keywords go to ``transformers.PretrainedConfig``. A knob outside
+    its allowed values is a ``ValueError`` or ``TypeError`` naming the knob and what is allowed."""
 
     model_type = ""
     #: Family defaults that differ from the knob table's (``dense_layers``: 4 for DenseMamba, 2 for DenseRetNet).
@@ -136,14 +129,13 @@ class DenseSSMConfig(PretrainedConfig):
     presets: ClassVar[dict] = {}
     #: The family's own dense knobs, after :data:`DENSE_KNOBS` (DenseMamba's ``dense_target``).
     family_knobs: ClassVar[tuple[Knob, ...]] = ()
-    #: The family's cache layout (docs/design.md §5): the state slots of a block's cache layer it fills, by kind.
+    #: The state slots of a block's cache layer the family fills, by kind (docs/design.md §5).
     cache_slots: ClassVar[dict[str, tuple[int, ...]]] = {"conv": (), "recurrent": ()}
     #: Whether its blocks read each row's real-token count (``DenseSSMCache.real_tokens_seen``).
     cache_counts_row_tokens: ClassVar[bool] = False
 
     def cache_shapes(self, batch: int) -> dict[tuple[str, int], tuple[int, ...]]:
-        """The shape of each filled slot of :attr:`cache_slots`, ``{(kind, slot): shape}``, for ``batch`` rows (the
-        family declares it; the base has no slots)."""
+        """``{(kind, slot): shape}`` of each slot of :attr:`cache_slots` for ``batch`` rows (none in the base)."""
         return {}
 
     def __init__(
@@ -161,12 +153,8 @@ class DenseSSMConfig(PretrainedConfig):
 
     @property
     def kernel_backend(self) -> str:
-        """Which implementation of the ops runs (:data:`KERNEL_BACKENDS`): a runtime setting, read at every call,
-        never written into ``config.json`` (a value an old one carries is ignored on load).
-
-        Raises:
-            ValueError: (on setting) a value not in :data:`KERNEL_BACKENDS`.
-        """
+        """Which implementation of the ops runs (:data:`KERNEL_BACKENDS`): a runtime setting, never saved (ignored in
+        a loaded ``config.json``); setting another value is a ``ValueError``."""
         return self._kernel_backend
 
     @kernel_backend.setter
@@ -188,9 +176,8 @@ class DenseSSMConfig(PretrainedConfig):
 
     @classmethod
     def from_preset(cls, name: str, **overrides):
-        """Build a config from one of the family's named sizes (:attr:`presets`), with any field overridden (e.g.
-        ``vocab_size`` of your tokenizer, ``dense_layers=0`` for the base model). Raises ``TypeError`` if ``name`` is
-        not a string, ``ValueError`` for an unknown ``name`` (listing the known presets) or a bad override."""
+        """A config of one of the family's :attr:`presets`, with any field overridden (e.g. ``dense_layers=0``);
+        ``TypeError``/``ValueError`` as :func:`resolve_preset` and the config."""
         return cls(**{**resolve_preset(cls.presets, name, cls.__name__.removesuffix("Config")), **overrides})
 
     @classmethod
@@ -199,8 +186,7 @@ class DenseSSMConfig(PretrainedConfig):
         return DENSE_KNOBS + cls.family_knobs
 
     def set_dense_knobs(self, kwargs: dict) -> None:
-        """Pop the knobs of this family from ``kwargs``, validate them and set them on the config; any other
-        ``dense_*`` keyword (e.g. DenseMamba's ``dense_target`` for DenseRetNet) is a ``ValueError``."""
+        """Pop this family's knobs from ``kwargs``, check and set them; other ``dense_*`` keywords: ``ValueError``."""
         names = [knob.name for knob in self.knobs()]
         foreign = [name for name in kwargs if name.startswith("dense_") and name not in names]
         if foreign:
@@ -212,25 +198,22 @@ class DenseSSMConfig(PretrainedConfig):
         if self.dense_gate_hidden_size is None:
             self.dense_gate_hidden_size = max(1, self.hidden_size // 32)
         if self.dense_layers and self.dense_every >= (layers := self.num_hidden_layers):
-            raise ValueError(
-                f"`dense_every` ({self.dense_every}) must be smaller than `num_hidden_layers` ({layers}) when "
-                f"`dense_layers` > 0: only layers whose index is a multiple of `dense_every` fuse, and layer 0 has no "
-                "predecessors, so no layer would fuse. Use `dense_layers=0` for the base model."
-            )
+            raise ValueError(f"`dense_every` ({self.dense_every}) must be smaller than `num_hidden_layers` ({layers}) "
+                             "when `dense_layers` > 0: only layers whose index is a multiple of `dense_every` fuse, "
+                             "and layer 0 has no predecessors, so no layer would fuse. Use `dense_layers=0` for the "
+                             "base model.")
 
     @classmethod
     def from_dict(cls, config_dict: dict, **kwargs):
-        """transformers' ``from_dict`` (what ``from_pretrained`` calls on a ``config.json``), raising ``ValueError``
-        (naming the knob and the fix) for a dict that lacks a dense knob (docs/design.md §6; knobs given as ``kwargs``
-        count as present). A ``kernel_backend`` in ``config_dict`` is dropped; one in ``kwargs`` applies."""
+        """transformers' ``from_dict``; ``ValueError`` for a dict (with ``kwargs``) lacking a dense knob
+        (docs/design.md §6). A ``kernel_backend`` in ``config_dict`` is dropped; one in ``kwargs`` applies."""
         config_dict = {key: value for key, value in config_dict.items() if key != "kernel_backend"}
         missing = [knob.name for knob in cls.knobs() if knob.name not in {**config_dict, **kwargs}]
         if missing:
-            raise ValueError(
-                f"This {cls.model_type} config lacks the dense knob(s) {', '.join(missing)}; their defaults would "
-                "change the function the saved weights compute. Add them to config.json with the values the model "
-                "was built with, or pass them to `from_pretrained` (e.g. `dense_layers=4`)."
-            )
+            raise ValueError(f"This {cls.model_type} config lacks the dense knob(s) {', '.join(missing)}; their "
+                             "defaults would change the function the saved weights compute. Add them to config.json "
+                             "with the values the model was built with, or pass them to `from_pretrained` (e.g. "
+                             "`dense_layers=4`).")
         return super().from_dict(config_dict, **kwargs)
 
     def to_diff_dict(self) -> dict:

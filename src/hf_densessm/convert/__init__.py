@@ -28,24 +28,21 @@ from ..ops.retention import retention_gamma
 WEIGHT_FILES = (SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, WEIGHTS_NAME, WEIGHTS_INDEX_NAME)
 #: The keywords :func:`densemamba_from_mamba` takes: DenseMamba's dense knobs.
 DENSE_ARGUMENTS = tuple(knob.name for knob in DenseMambaConfig.knobs())
-# Config fields a transformers MambaConfig shares with DenseMambaConfig (same names and meanings).
+# Config fields a transformers MambaConfig shares with DenseMambaConfig.
 MAMBA_FIELDS = tuple(name for name, p in inspect.signature(DenseMambaConfig.__init__).parameters.items()
                      if name != "self" and p.kind is p.POSITIONAL_OR_KEYWORD)
-# The authors' config keys (docs/hub_and_conversion.md): required (named as ours but ``dense_block_layers``, which is
-# ``dense_layers``), taken when present, and their fixed dense connection.
+# The authors' config keys (docs/hub_and_conversion.md): required, taken when present; their dense connection.
 OFFICIAL_DENSERETNET_KEYS = ("hidden_size", "query_key_dim", "num_attention_heads", "num_hidden_layers", "v_factor",
                              "dense_block_layers", "vocab_size")
 OFFICIAL_OPTIONAL_KEYS = ("rms_norm_eps", "dropout", "initializer_range", "pad_token_id", "bos_token_id",
                           "eos_token_id", "tie_word_embeddings")
 OFFICIAL_CONNECTION = dict(dense_projection="identity", dense_selection="mlp", dense_shared_gate=True,
                            dense_fusion="add", dense_every=1)
-# Our DenseRetNet parameter name -> the authors' (docs/hub_and_conversion.md); names not listed are the same in both.
-OFFICIAL_DENSERETNET_RENAMES = (
-    (".self_attn.hidden_proj.", ".self_attn.to_hidden.0."),
-    (".self_attn.o_proj.", ".self_attn.to_out.0."),
-    (".self_attn.dense_k.gate.", ".self_attn.k_select."),
-    (".self_attn.dense_v.gate.", ".self_attn.v_select."),
-)
+# Our DenseRetNet parameter names -> the authors' (the others are the same in both).
+OFFICIAL_DENSERETNET_RENAMES = ((".self_attn.hidden_proj.", ".self_attn.to_hidden.0."),
+                                (".self_attn.o_proj.", ".self_attn.to_out.0."),
+                                (".self_attn.dense_k.gate.", ".self_attn.k_select."),
+                                (".self_attn.dense_v.gate.", ".self_attn.v_select."))
 #: ``key_mapping`` of ``from_pretrained`` for the authors' names (a regular expression of theirs -> ours).
 OFFICIAL_KEY_MAPPING = {re.escape(theirs): ours for ours, theirs in OFFICIAL_DENSERETNET_RENAMES}
 #: ``from_pretrained`` keywords of both converters: float32, wrong shapes reported (:func:`_check_loading_info`).
@@ -57,8 +54,8 @@ OFFICIAL_REL_POS = ("model.retnet_rel_pos.angle", "model.retnet_rel_pos.decay")
 
 
 def _is_local(src: str | os.PathLike) -> bool:
-    """Whether ``src`` names a local folder rather than a Hub repository id; raises ``FileNotFoundError`` if it is
-    neither an existing folder nor a valid Hub repository id (a ``Path`` is always a folder)."""
+    """Whether ``src`` is a local folder rather than a Hub repository id; ``FileNotFoundError`` if it is neither (a
+    ``Path`` is always a folder)."""
     if os.path.isdir(src):
         return True
     if not isinstance(src, Path) and not os.path.exists(src):
@@ -69,13 +66,12 @@ def _is_local(src: str | os.PathLike) -> bool:
 
 
 def read_config(src: str | os.PathLike) -> dict:
-    """The ``config.json`` of the checkpoint ``src`` (a local folder, which must also hold one of
-    :data:`WEIGHT_FILES`, or a Hub repository id, read by ``PretrainedConfig.get_config_dict``) as a dict.
+    """The ``config.json`` (a dict) of the checkpoint ``src``: a local folder, which must hold one of
+    :data:`WEIGHT_FILES`, or a Hub repository id.
 
     Raises:
-        FileNotFoundError: ``src`` does not exist (see :func:`_is_local`), has no ``config.json`` or no weights.
-        ValueError: ``config.json`` is not a JSON object.
-        OSError: a Hub repository cannot be reached or has no ``config.json`` (transformers' error).
+        FileNotFoundError: ``src`` does not exist, has no ``config.json`` or no weights.
+        ValueError: ``config.json`` is not a JSON object. OSError: a Hub repository cannot be read (transformers').
     """
     if not _is_local(src):
         return PretrainedConfig.get_config_dict(str(src))[0]
@@ -91,20 +87,14 @@ def read_config(src: str | os.PathLike) -> dict:
     if not isinstance(config, dict):
         raise ValueError(f"{config_file} must hold a JSON object, got {type(config).__name__}.")
     if not any((folder / name).is_file() for name in WEIGHT_FILES):
-        raise FileNotFoundError(
-            f"{str(folder)!r} has no weights: looked for {', '.join(WEIGHT_FILES)} (it holds: {', '.join(holds)})."
-        )
+        raise FileNotFoundError(f"{str(folder)!r} has no weights: looked for {', '.join(WEIGHT_FILES)} (it holds: "
+                                f"{', '.join(holds)}).")
     return config
 
 
 def read_tensors(src: str | os.PathLike, names: set[str]) -> dict[str, torch.Tensor]:
     """The tensors ``names`` (those present) of the checkpoint ``src``, read from the weights files transformers
-    would load (:data:`WEIGHT_FILES`, sharded or not; local or from the Hub cache), the others unread: for saved
-    buffers ``from_pretrained`` drops as unexpected (docs/hub_and_conversion.md).
-
-    Raises:
-        ValueError: a weights file cannot be read (the message names it).
-    """
+    would load (:data:`WEIGHT_FILES`, local or Hub); ``ValueError`` naming a weights file that cannot be read."""
     files: list[str] = []
     for name in WEIGHT_FILES:  # the first present, as transformers picks it; an index names the shards
         found = cached_file(str(src), name, _raise_exceptions_for_missing_entries=False)
@@ -139,23 +129,16 @@ def _raise_mismatch(source: str, missing, unexpected, wrong) -> None:
 
 
 def _check_loading_info(info: dict, source: str, rename=lambda name: name, optional: set[str] = frozenset()) -> None:
-    """:func:`_raise_mismatch` on the report of ``from_pretrained(..., output_loading_info=True)``, every name passed
-    through ``rename``; unexpected names in ``optional`` are allowed."""
+    """:func:`_raise_mismatch` on ``from_pretrained``'s loading info, names through ``rename``, ``optional`` allowed."""
     wrong = [f"{rename(n)}: {tuple(saved)}, expected {tuple(shape)}" for n, saved, shape in info["mismatched_keys"]]
     unexpected = {rename(name) for name in info["unexpected_keys"]} - set(optional)
     _raise_mismatch(source, [rename(name) for name in info["missing_keys"]], unexpected, wrong)
 
 
-def check_state_dict(
-    provided: dict[str, torch.Tensor], expected: dict[str, tuple[int, ...]], source: str,
-    optional: frozenset[str] | set[str] = frozenset(),
-) -> None:
+def check_state_dict(provided: dict[str, torch.Tensor], expected: dict[str, tuple[int, ...]], source: str,
+                     optional: frozenset[str] | set[str] = frozenset()) -> None:
     """Check that ``provided`` has exactly the names of ``expected`` with those shapes (``optional`` names may be
-    present or not, with any shape).
-
-    Raises:
-        ValueError: listing every missing name, every unexpected name and every shape mismatch, naming ``source``.
-    """
+    present with any shape); else ``ValueError`` listing every problem, naming ``source``."""
     wrong = [
         f"{name}: {tuple(provided[name].shape)}, expected {tuple(shape)}"
         for name, shape in expected.items()
@@ -165,6 +148,7 @@ def check_state_dict(
 
 
 def _check_model_type(config: dict, allowed: tuple, source: str, expected_what: str) -> None:
+    """``ValueError`` unless ``config``'s ``model_type`` is in ``allowed``."""
     model_type = config.get("model_type")
     if model_type not in allowed:
         hint = " It is already an hf_densessm model: load it with `AutoModelForCausalLM.from_pretrained`."
@@ -173,24 +157,21 @@ def _check_model_type(config: dict, allowed: tuple, source: str, expected_what: 
 
 
 def densemamba_from_mamba(src, **dense_kwargs) -> DenseMambaForCausalLM:
-    """Upcycle a pretrained Mamba into DenseMamba: the Mamba's weights copied strictly, the parameters DenseMamba adds
-    (names containing ``dense``) starting as a no-op, so the logits are the Mamba's (docs/hub_and_conversion.md).
+    """Upcycle a pretrained Mamba into DenseMamba: its weights copied strictly, the dense parameters starting as a
+    no-op, so the logits are the Mamba's (docs/hub_and_conversion.md).
 
     Args:
-        src: a transformers Mamba checkpoint (``config.json`` with ``model_type`` "mamba", weights in any format
-            transformers reads, sharded or not): a local folder or a Hub repository id (e.g.
-            ``"state-spaces/mamba-130m-hf"``), or a loaded ``transformers.MambaForCausalLM`` / ``MambaModel``.
-        dense_kwargs: the DenseSSM knobs of the result (:data:`DENSE_ARGUMENTS`); defaults as
-            :class:`~hf_densessm.DenseMambaConfig` (``dense_layers=4``, Table 2).
+        src: a transformers Mamba checkpoint (local folder or Hub id, e.g. ``"state-spaces/mamba-130m-hf"``) or a
+            loaded ``MambaForCausalLM`` / ``MambaModel``.
+        dense_kwargs: the dense knobs of the result (:data:`DENSE_ARGUMENTS`; defaults as ``DenseMambaConfig``).
 
     Returns:
         A float32 :class:`~hf_densessm.DenseMambaForCausalLM` in eval mode.
 
     Raises:
-        TypeError: a keyword that is not a dense knob, or ``src`` is neither a folder, a Hub id nor a Mamba model.
-        FileNotFoundError, ValueError: see :func:`read_config`; ``model_type`` is not "mamba"; a knob value is
-            refused by ``DenseMambaConfig``; the checkpoint has missing, unexpected or misshapen names (all listed);
-            ``dense_selection="none"`` with ``dense_fusion="add"`` (no gate to close, so no no-op start).
+        TypeError: a keyword that is not a dense knob, or ``src`` of another type.
+        FileNotFoundError, ValueError: see :func:`read_config`; ``model_type`` not "mamba"; a refused knob value;
+            missing, unexpected or misshapen names (all listed); ``dense_selection="none"`` with ``"add"`` fusion.
         OSError: a Hub repository cannot be downloaded (transformers' error).
     """
     unknown = sorted(set(dense_kwargs) - set(DENSE_ARGUMENTS))
@@ -202,15 +183,13 @@ def densemamba_from_mamba(src, **dense_kwargs) -> DenseMambaForCausalLM:
         config, source = read_config(src), repr(str(src))
     else:
         raise TypeError(f"`src` must be a transformers Mamba model or a folder, got {type(src).__name__}.")
-    _check_model_type(
-        config, ("mamba",), source, "'mamba' (a transformers Mamba checkpoint, e.g. state-spaces/mamba-130m-hf)"
-    )
+    _check_model_type(config, ("mamba",), source, "'mamba' (a transformers Mamba checkpoint, e.g. "
+                      "state-spaces/mamba-130m-hf)")
     dense_config = DenseMambaConfig(**{k: config[k] for k in MAMBA_FIELDS if k in config}, **dense_kwargs)
     if dense_config.dense_layers and dense_config.dense_selection == "none" and dense_config.dense_fusion == "add":
-        raise ValueError(
-            "dense_selection='none' with dense_fusion='add' has no gate to close, so the converted model could not "
-            "start equal to the Mamba; use dense_selection='mlp' or 'linear' (or dense_fusion='concat')."
-        )
+        raise ValueError("dense_selection='none' with dense_fusion='add' has no gate to close, so the converted model "
+                         "could not start equal to the Mamba; use dense_selection='mlp' or 'linear' (or "
+                         "dense_fusion='concat').")
     if not isinstance(src, nn.Module):
         src, info = MambaForCausalLM.from_pretrained(src, **_LOAD_KWARGS)
         _check_loading_info(info, source)
@@ -231,17 +210,15 @@ def densemamba_from_mamba(src, **dense_kwargs) -> DenseMambaForCausalLM:
 
 
 def official_denseretnet_config(config: dict, source: str = "the checkpoint") -> DenseRetNetConfig:
-    """The :class:`~hf_densessm.DenseRetNetConfig` of an authors' DenseRetNet ``config.json`` (a dict; how their
-    keys map to ours and which are ignored: docs/hub_and_conversion.md). ``source`` names the file in errors.
+    """The :class:`~hf_densessm.DenseRetNetConfig` of an authors' DenseRetNet ``config.json`` dict (the key mapping:
+    docs/hub_and_conversion.md); ``source`` names the file in errors.
 
     Raises:
-        ValueError: ``model_type`` is neither "llama" (what their config says) nor absent; a required key is
-            missing (all listed); ``dense_block_layers < 1`` (docs/hub_and_conversion.md); ``hidden_size < 32``
-            (their gate would have width 0); or a value is out of range for DenseRetNetConfig.
+        ValueError: ``model_type`` neither "llama" nor absent; required keys missing (all listed);
+            ``dense_block_layers < 1``; ``hidden_size < 32``; a value DenseRetNetConfig refuses.
     """
-    _check_model_type(
-        config, ("llama", None), source, "'llama' with the DenseRetNet keys (the authors' published config.json)"
-    )
+    _check_model_type(config, ("llama", None), source, "'llama' with the DenseRetNet keys (the authors' published "
+                      "config.json)")
     if missing := ", ".join(key for key in OFFICIAL_DENSERETNET_KEYS if key not in config):
         raise ValueError(f"config.json of {source} is not an authors' DenseRetNet config: missing {missing}.")
     m = config["dense_block_layers"]
@@ -251,9 +228,8 @@ def official_denseretnet_config(config: dict, source: str = "the checkpoint") ->
         raise ValueError(f"`hidden_size` of {source} must be >= 32 (their gates are d -> d // 32 -> ...).")
     fields = {key: config[key] for key in OFFICIAL_DENSERETNET_KEYS if key != "dense_block_layers"}
     fields.update({key: config[key] for key in OFFICIAL_OPTIONAL_KEYS if config.get(key) is not None})
-    return DenseRetNetConfig(
-        **fields, **OFFICIAL_CONNECTION, dense_layers=m, dense_gate_hidden_size=config["hidden_size"] // 32
-    )
+    return DenseRetNetConfig(**fields, **OFFICIAL_CONNECTION, dense_layers=m,
+                             dense_gate_hidden_size=config["hidden_size"] // 32)
 
 
 def official_denseretnet_name(name: str) -> str:
@@ -265,22 +241,14 @@ def official_denseretnet_name(name: str) -> str:
 
 
 def denseretnet_from_official(src: str | os.PathLike) -> DenseRetNetForCausalLM:
-    """Load a checkpoint of the authors' published DenseRetNet into :class:`~hf_densessm.DenseRetNetForCausalLM` (the
-    same function, docs/design.md §3) with ``from_pretrained`` and :data:`OFFICIAL_KEY_MAPPING`; it saves under our
-    names. Layer 0's unused dense parameters and the saved rotary angles and decays (checked) are dropped, every
-    other name must match (docs/hub_and_conversion.md).
-
-    Args:
-        src: the authors' ``config.json`` and weights (``pytorch_model.bin`` or safetensors, sharded or not): a
-            local folder or a Hub repository id.
-
-    Returns:
-        A float32 :class:`~hf_densessm.DenseRetNetForCausalLM` in eval mode.
+    """Load a checkpoint of the authors' published DenseRetNet (a local folder or Hub id with their ``config.json``
+    and weights) into :class:`~hf_densessm.DenseRetNetForCausalLM` (float32, eval mode), saved under our names
+    (docs/hub_and_conversion.md).
 
     Raises:
         FileNotFoundError, ValueError: see :func:`read_config`, :func:`read_tensors` and
-            :func:`official_denseretnet_config`; missing, unexpected or misshapen parameter names (all listed, in
-            the authors' names); saved rotary angles or decays that differ from the published definition.
+            :func:`official_denseretnet_config`; missing, unexpected or misshapen names (all listed, in the
+            authors' names); saved rotary angles or decays that differ from the published definition.
         OSError: a Hub repository cannot be downloaded (transformers' error).
     """
     source = repr(str(src))
@@ -294,23 +262,17 @@ def denseretnet_from_official(src: str | os.PathLike) -> DenseRetNetForCausalLM:
         if layer.self_attn.dense_k is None:
             optional |= {f"model.layers.{i}.self_attn.{part}.weight" for part in OFFICIAL_DENSE_ONLY}
     _check_loading_info(info, source, official_denseretnet_name, optional)
-    _check_rel_pos(rel_pos, config, source)
-    return model.eval()
-
-
-def _check_rel_pos(saved: dict, config: DenseRetNetConfig, source: str) -> None:
-    """Compare saved rotary angles / log-decays with the model's own (the published definition, docs/design.md §3:
-    angles ``rope_theta^-linspace(0, 1, head_dim/2)``, each repeated for its channel pair; ``log(gamma_h)``)."""
-    head_dim = config.query_key_dim // config.num_attention_heads
-    angle = rotary_angles(head_dim, config.rope_theta).double().repeat_interleave(2)
+    # the saved rotary angles and log-decays must be the published definition (docs/design.md §3)
+    angle = rotary_angles(config.query_key_dim // config.num_attention_heads, config.rope_theta).double()
+    angle = angle.repeat_interleave(2)
     decay = retention_gamma(config.num_attention_heads, dtype=torch.float64).log()
     for name, value in zip(OFFICIAL_REL_POS, (angle, decay)):
-        tensor = saved.get(name, value)  # an absent buffer passes
+        tensor = rel_pos.get(name, value)  # an absent buffer passes
         if tensor.shape != value.shape or not torch.allclose(tensor.double(), value, rtol=1e-4, atol=1e-6):
-            raise ValueError(
-                f"{name} of {source} differs from the published definition (shape {tuple(tensor.shape)}, expected "
-                f"{tuple(value.shape)}): this checkpoint is not the architecture DenseRetNetConfig describes."
-            )
+            raise ValueError(f"{name} of {source} differs from the published definition (shape {tuple(tensor.shape)}, "
+                             f"expected {tuple(value.shape)}): this checkpoint is not the architecture "
+                             "DenseRetNetConfig describes.")
+    return model.eval()
 
 
 __all__ = [

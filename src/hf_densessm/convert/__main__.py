@@ -19,18 +19,15 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``argparse`` parser of ``python -m hf_densessm.convert`` (commands ``mamba``, ``official-denseretnet``)."""
-    parser = argparse.ArgumentParser(
-        prog="python -m hf_densessm.convert",
-        description="Convert a checkpoint into an hf_densessm model and write a Hub-ready folder (weights, config "
-        "with auto_map, bundled modeling code, model card) that loads with trust_remote_code=True.",
-    )
+    parser = argparse.ArgumentParser(prog="python -m hf_densessm.convert", description="Convert a checkpoint into an "
+                                     "hf_densessm model and write a Hub-ready folder (weights, config with auto_map, "
+                                     "bundled modeling code, model card) that loads with trust_remote_code=True.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    mamba = commands.add_parser(
-        "mamba", help="upcycle a transformers Mamba checkpoint into DenseMamba (same logits at conversion)",
-        description="Upcycle a transformers Mamba checkpoint (e.g. state-spaces/mamba-130m-hf) into DenseMamba "
-        "whose dense gates start closed (the Mamba's function); fine-tune it to learn the dense connection.",
-    )
+    mamba = commands.add_parser("mamba", help="upcycle a transformers Mamba checkpoint into DenseMamba (same logits at "
+                                "conversion)", description="Upcycle a transformers Mamba checkpoint (e.g. "
+                                "state-spaces/mamba-130m-hf) into DenseMamba whose dense gates start closed (the "
+                                "Mamba's function); fine-tune it to learn the dense connection.")
     for knob in DenseMambaConfig.knobs():
         default = DenseMambaConfig.dense_defaults.get(knob.name, knob.default)
         option, help_text = "--" + knob.name.replace("_", "-"), f"{knob.help} (default {default})"
@@ -39,11 +36,10 @@ def build_parser() -> argparse.ArgumentParser:
         else:
             mamba.add_argument(option, type=knob.kind, choices=knob.choices, default=None, help=help_text)
 
-    official = commands.add_parser(
-        "official-denseretnet", help="convert a checkpoint of the authors' published DenseRetNet",
-        description="Convert a checkpoint of the authors' published DenseRetNet (their config.json with "
-        "dense_block_layers and pytorch_model.bin or safetensors weights) into DenseRetNetForCausalLM.",
-    )
+    official = commands.add_parser("official-denseretnet", help="convert a checkpoint of the authors' published "
+                                   "DenseRetNet", description="Convert a checkpoint of the authors' published "
+                                   "DenseRetNet (their config.json with dense_block_layers and pytorch_model.bin or "
+                                   "safetensors weights) into DenseRetNetForCausalLM.")
     for command, what in ((mamba, "the Mamba's"), (official, "the authors'")):
         source = f"folder or Hub repository id with {what} config.json and weights"
         command.add_argument("src", metavar="SRC", help=source)

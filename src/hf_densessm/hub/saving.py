@@ -15,32 +15,19 @@ from pathlib import Path
 
 from filelock import FileLock, Timeout
 
-from ..modeling.save_check import BACKUP_PREFIX, LOCK_NAME, OWN_PREFIX, SAVE_ID, STAGING_PREFIX, save_ids
-
-try:
-    import fcntl
-except ImportError:  # Windows
-    fcntl = None
-
-
-def _publish_order(name: str) -> tuple:
-    """Weights first, ``config.json`` (which names the code and weights the folder needs) last."""
-    return (name == "config.json", not name.endswith((".safetensors", ".safetensors.index.json")), name)
-
-
-def carries_save_id(name: str) -> bool:
-    """Whether a save writes its id into the file ``name``: ``config.json``, weights, a shard index."""
-    index = ".safetensors.index" in name and name.endswith(".json")
-    return name == "config.json" or name.endswith(".safetensors") or index
+from ..modeling.save_check import BACKUP_PREFIX, LOCK_NAME, OWN_PREFIX, SAVE_ID, STAGING_PREFIX, fcntl, save_ids
 
 
 def stamp(path: Path, save_id: str) -> None:
-    """Write ``save_id`` (:data:`SAVE_ID`) into the staged ``config.json``, shard index (its ``metadata``) or
-    ``*.safetensors`` file (its header's ``__metadata__``; the tensor bytes are copied unchanged)."""
-    if path.suffix != ".safetensors":
+    """Write ``save_id`` (:data:`SAVE_ID`) into a staged ``config.json``, shard index (its ``metadata``) or
+    ``*.safetensors`` file (its header's ``__metadata__``; the tensor bytes copied unchanged); other files are left."""
+    name = path.name
+    if name == "config.json" or (".safetensors.index" in name and name.endswith(".json")):
         data = json.loads(path.read_text(encoding="utf-8"))
-        (data if path.name == "config.json" else data.setdefault("metadata", {}))[SAVE_ID] = save_id
+        (data if name == "config.json" else data.setdefault("metadata", {}))[SAVE_ID] = save_id
         path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        return
+    if not name.endswith(".safetensors"):
         return
     stamped = path.with_name(path.name + ".stamped")
     with open(path, "rb") as src, open(stamped, "wb") as dst:
@@ -101,9 +88,8 @@ def _fsync(path: Path) -> None:
 
 
 def keep_previous(target: Path, paths: list[Path], save_id: str, variant: str | None = None) -> None:
-    """Hard-link (else copy) the existing files of ``paths`` into a new backup folder ``<BACKUP_PREFIX><save_id>`` in
-    ``target`` and delete older backups, if ``target`` holds one whole save (what it loads with ``variant`` carries one
-    save id, or none); else change nothing (docs/hub_and_conversion.md, "Saving survives a hard kill", step 4)."""
+    """If ``target`` holds one whole save (with ``variant``), hard-link (else copy) the existing files of ``paths``
+    into a new backup folder ``<BACKUP_PREFIX><save_id>`` and delete older backups (docs/hub_and_conversion.md)."""
     if len(set(save_ids(target, variant).values())) > 1:
         return
     old = [path for path in paths if path.is_file()]
@@ -123,8 +109,8 @@ def keep_previous(target: Path, paths: list[Path], save_id: str, variant: str | 
 
 @contextlib.contextmanager
 def _publishing(target: Path) -> Iterator[None]:
-    """Hold an exclusive ``flock`` on the folder ``target`` itself: saves into one folder move their files in one at a
-    time (not serialized where the platform or file system has no ``flock``)."""
+    """Hold an exclusive ``flock`` on the folder ``target``, where the platform has it: one save moves files in at a
+    time."""
     fd = None
     with contextlib.suppress(AttributeError, OSError):
         fd = os.open(target, os.O_RDONLY)
@@ -141,10 +127,9 @@ def staged_save(
     save_directory: str | os.PathLike, is_stale: Callable[[Path], bool] = lambda path: False, variant: str | None = None
 ) -> Iterator[Path]:
     """Save into ``save_directory`` kill-safely (docs/hub_and_conversion.md, "Saving survives a hard kill"): yields an
-    empty staging folder inside it; on a clean exit its files, stamped with a new save id (:func:`stamp`), replace
-    those of the same name, ``config.json`` last, and the entries the save did not write for which ``is_stale(path)``
-    is true are deleted (``variant``: the weights :func:`keep_previous` checks); other entries are never touched. On
-    an exception inside the ``with`` block, ``save_directory`` is left as it was (removed if this call created it).
+    empty staging folder; on a clean exit its files, stamped (:func:`stamp`), replace those of the same name,
+    ``config.json`` last, and entries not written with ``is_stale(path)`` true are deleted (``variant``: for
+    :func:`keep_previous`). On an exception, ``save_directory`` is left as it was (removed if this call created it).
 
     Raises:
         NotADirectoryError: ``save_directory`` exists and is not a folder.
@@ -162,15 +147,16 @@ def staged_save(
     published = False
     try:
         yield staging
-        names = sorted((p.name for p in staging.iterdir() if p.name != LOCK_NAME), key=_publish_order)
+        # weights first, config.json (which names what the folder needs) last
+        names = sorted((p.name for p in staging.iterdir() if p.name != LOCK_NAME), key=lambda name: (
+            name == "config.json", not name.endswith((".safetensors", ".safetensors.index.json")), name))
         mode = _new_file_mode(staging)
         save_id = uuid.uuid4().hex
         for name in names:
             path = staging / name
             if path.is_dir():
                 raise IsADirectoryError(f"The save wrote the folder {name!r}; only files can be published.")
-            if carries_save_id(name):
-                stamp(path, save_id)
+            stamp(path, save_id)
             os.chmod(path, mode)
             _fsync(path)
         published = True

@@ -1,5 +1,5 @@
 """The recurrent-state cache of every DenseSSM family (:class:`DenseSSMCache`), its checks, and the helpers that read
-and store its states (docs/design.md §5); its name under each transformers release: :mod:`.cache_names`."""
+and store its states (docs/design.md §5)."""
 
 from __future__ import annotations
 
@@ -18,12 +18,10 @@ class DenseSSMCache(DynamicCache):
 
     Attributes:
         model_type: the ``model_type`` of the config it was built for (``None`` without one).
-        counts_row_tokens: the config's ``cache_counts_row_tokens`` (the family's blocks read each row's count).
+        counts_row_tokens: the config's ``cache_counts_row_tokens``.
         positions_seen: positions processed, padding included, 0-dim int64 (``None`` before the first forward).
-        real_tokens_seen: with ``counts_row_tokens``, each row's real tokens, ``(batch,)`` int64 (``None`` before the
-            first forward and otherwise).
-        recording: whether each forward keeps what :meth:`crop` needs to take its tokens back (speculative decoding,
-            from :meth:`activate_past_recording`; docs/design.md §5, "Speculative decoding").
+        real_tokens_seen: with ``counts_row_tokens``, each row's real tokens, ``(batch,)`` int64, else ``None``.
+        recording: whether each forward keeps what :meth:`crop` needs (from :meth:`activate_past_recording`).
     """
 
     def __init__(self, config=None, **kwargs):
@@ -38,19 +36,16 @@ class DenseSSMCache(DynamicCache):
 
     @staticmethod
     def _new_count(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+        """A zero int64 count of ``shape`` on ``device``, at a static address (docs/design.md §5)."""
         count = torch.zeros(shape, dtype=torch.long, device=device)
         if not torch.compiler.is_compiling():
             torch._dynamo.mark_static_address(count)
         return count
 
     def record_tokens(self, inputs: torch.Tensor, attention_mask: torch.Tensor | None = None) -> None:
-        """Count a forward's positions in :attr:`positions_seen` and each row's real tokens in
-        :attr:`real_tokens_seen` (with :attr:`counts_row_tokens` only).
-
-        Args:
-            inputs: ``input_ids`` ``(batch, seq_len)`` or ``inputs_embeds`` ``(batch, seq_len, hidden)`` (shape and
-                device only). attention_mask: ``(batch, seq_len)`` 0/1, or ``None`` when nothing is padded.
-        """
+        """Count a forward's positions in :attr:`positions_seen` and (with :attr:`counts_row_tokens`) each row's real
+        tokens in :attr:`real_tokens_seen`; ``inputs``: ``(batch, seq_len, ...)`` (shape and device only),
+        ``attention_mask``: ``(batch, seq_len)`` 0/1 or ``None``."""
         batch, count = inputs.shape[:2]
         if self.positions_seen is None:
             self.positions_seen = self._new_count((), inputs.device)
@@ -65,8 +60,8 @@ class DenseSSMCache(DynamicCache):
         self.real_tokens_seen.add_(count if attention_mask is None else attention_mask.long().sum(-1))
 
     def activate_past_recording(self) -> None:
-        """transformers' hook before speculative decoding: from now on every forward keeps what :meth:`crop` needs
-        to take its tokens back, until :meth:`stop_recording`. The layers' states stay in place (static addresses)."""
+        """transformers' hook before speculative decoding: every forward keeps what :meth:`crop` needs, until
+        :meth:`stop_recording`."""
         self.recording = True
 
     def stop_recording(self) -> None:
@@ -75,8 +70,7 @@ class DenseSSMCache(DynamicCache):
 
     @property
     def is_croppable(self) -> bool:
-        """Whether :meth:`crop` can take tokens back: while :attr:`recording` (so that transformers' deferred stop
-        check, which would turn recording on, leaves plain decoding alone)."""
+        """Whether :meth:`crop` can take tokens back: while :attr:`recording`."""
         return self.recording
 
     @property
@@ -85,20 +79,15 @@ class DenseSSMCache(DynamicCache):
         return not self.recording and super().is_compileable
 
     def crop(self, tokens_to_remove: int) -> None:
-        """transformers' rollback after a speculative verification: take the last ``-tokens_to_remove`` tokens back,
-        every state, conv window and count becoming what feeding only the others would have left (states written in
-        place); then drop the records, so ``crop(0)`` only frees them (docs/design.md §5, "Speculative decoding").
-
-        Raises:
-            RuntimeError: not :attr:`recording`, ``tokens_to_remove > 0``, or more tokens than fed since the last crop.
-        """
+        """transformers' rollback after a speculative verification: take the last ``-tokens_to_remove`` tokens back
+        (states, windows and counts, in place), then drop the records (docs/design.md §5, "Speculative decoding").
+        ``RuntimeError`` if not :attr:`recording`, ``tokens_to_remove > 0``, or more than fed since the last crop."""
         remove = -tokens_to_remove
         recorded = sum(record[0] for record in self._records)
         if not self.recording or remove < 0 or remove > recorded:
-            raise RuntimeError(
-                f"`crop` takes back 0 to {recorded} tokens (the tokens fed since the last crop) as a negative int, "
-                f"after `activate_past_recording()` (recording: {self.recording}); got {tokens_to_remove}."
-            )
+            raise RuntimeError(f"`crop` takes back 0 to {recorded} tokens (the tokens fed since the last crop) as a "
+                               f"negative int, after `activate_past_recording()` (recording: {self.recording}); got "
+                               f"{tokens_to_remove}.")
         while remove:
             length, mask, layers = self._records.pop()
             keep = max(length - remove, 0)
@@ -128,8 +117,8 @@ class DenseSSMCache(DynamicCache):
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """transformers' beam-search reordering of every state, and of :attr:`real_tokens_seen` (in place)."""
         super().reorder_cache(beam_idx)
-        if self.real_tokens_seen is not None:
-            self.real_tokens_seen.copy_(self.real_tokens_seen.index_select(0, beam_idx.to(self.real_tokens_seen.device)))
+        if (seen := self.real_tokens_seen) is not None:
+            seen.copy_(seen.index_select(0, beam_idx.to(seen.device)))
 
     def reset(self) -> None:
         """transformers' reset (states zeroed in place), and both counts back to zero."""
@@ -140,28 +129,14 @@ class DenseSSMCache(DynamicCache):
                 count.zero_()
 
 
-# torch.export takes and returns the cache as a pytree of its tensors: transformers' own registration of a cache class,
-# which its exporters apply to every transformers cache when they export (docs/design.md §5, "torch.export").
+# torch.export takes and returns the cache as a pytree of its tensors (docs/design.md §5, "torch.export")
 register_pytree_node(DenseSSMCache)
 
 
-def new_cache(config) -> DenseSSMCache:
-    """An empty cache for a DenseSSM ``config`` (states are allocated on first use)."""
-    return DenseSSMCache(config=config)
-
-
-def record_tokens(cache: Cache | None, inputs: torch.Tensor, attention_mask: torch.Tensor | None = None) -> None:
-    """:meth:`DenseSSMCache.record_tokens` on ``cache`` if it is a :class:`DenseSSMCache`."""
-    if isinstance(cache, DenseSSMCache):
-        cache.record_tokens(inputs, attention_mask)
-
-
 def record_states(cache: Cache | None, layer_idx: int, state: torch.Tensor | None, run, *inputs) -> None:
-    """While a :class:`DenseSSMCache` is :attr:`~DenseSSMCache.recording`, keep what its ``crop`` needs for the
-    recurrent state of block ``layer_idx`` in the forward under way: ``state`` (before the forward, copied; ``None``
-    before the first) and ``run(*inputs, initial_state, n)``, the state after the forward's first ``n >= 1`` tokens
-    from ``initial_state`` (``None``: zeros): the block's own op on its own ``inputs``, kept by reference. Call before
-    the block updates its state; otherwise it does nothing."""
+    """While a :class:`DenseSSMCache` is :attr:`~DenseSSMCache.recording`, keep for its ``crop`` the recurrent state of
+    block ``layer_idx`` before the forward (``state``, copied; call before the block updates it) and ``run(*inputs,
+    initial_state, n)``, the state after the forward's first ``n >= 1`` tokens (``inputs`` by reference)."""
     if isinstance(cache, DenseSSMCache) and cache.recording:
         before = None if state is None else state.clone()
         cache._pending.setdefault(layer_idx, {})["state"] = (before, partial(run, *inputs), chosen_backend(None))
@@ -169,13 +144,11 @@ def record_states(cache: Cache | None, layer_idx: int, state: torch.Tensor | Non
 
 def check_cache(cache, config, batch: int) -> None:
     """Check that ``cache`` fits a model of ``config`` given ``batch`` rows: one linear-attention layer per block,
-    only the slots the family declares (``config.cache_slots``) filled, with its shapes (``config.cache_shapes``).
+    only ``config.cache_slots`` filled, with ``config.cache_shapes``.
 
     Raises:
-        TypeError: not a ``Cache``, layers that are not linear-attention layers, or not a :class:`DenseSSMCache`
-            where the family counts each row's tokens (``config.cache_counts_row_tokens``).
-        ValueError: wrong number of layers; slots or ``model_type`` of another family; states or counts of another
-            batch size or width.
+        TypeError: not a ``Cache``, not linear-attention layers, or not a :class:`DenseSSMCache` where the family
+            counts each row's tokens. ValueError: another layer count, family, batch size or width.
     """
     hint = (
         "leave `cache` unset (the model builds one), pass the cache a previous call returned, or build an empty one "
@@ -184,19 +157,15 @@ def check_cache(cache, config, batch: int) -> None:
     family = config.model_type
     if not isinstance(cache, Cache):
         raise TypeError(f"`cache` must be a transformers `Cache`, got {type(cache).__name__}; {hint}.")
-    if len(cache.layers) != config.num_hidden_layers:
-        raise ValueError(
-            f"`cache` has {len(cache.layers)} layers but the model has {config.num_hidden_layers}; {hint}."
-        )
+    if len(cache.layers) != (layers := config.num_hidden_layers):
+        raise ValueError(f"`cache` has {len(cache.layers)} layers but the model has {layers}; {hint}.")
     if not all(isinstance(layer, LinearAttentionCacheLayerMixin) for layer in cache.layers):
         raise TypeError(f"`cache` must hold linear-attention (recurrent state) layers; {hint}.")
     slots = config.cache_slots
     needed = max(slots["conv"] + slots["recurrent"]) + 1
     if any(layer.number_of_states != needed for layer in cache.layers):
-        raise ValueError(
-            f"`cache` was built for another model family ({cache.layers[0].number_of_states} state slots per "
-            f"layer, a {family} model needs {needed}); {hint}."
-        )
+        raise ValueError(f"`cache` was built for another model family ({cache.layers[0].number_of_states} state slots "
+                         f"per layer, a {family} model needs {needed}); {hint}.")
     built_for = cache.model_type if isinstance(cache, DenseSSMCache) else None
     if built_for is not None and built_for != family:
         raise ValueError(f"`cache` was built for another model family (a {built_for} model, not {family}); {hint}.")
@@ -205,35 +174,28 @@ def check_cache(cache, config, batch: int) -> None:
             filled = layer.is_conv_states_initialized if kind == "conv" else layer.is_recurrent_states_initialized
             stray = [slot for slot, is_filled in filled.items() if is_filled and slot not in slots[kind]]
             if stray:
-                raise ValueError(
-                    f"`cache` was built for another model family (layer {layer_idx} holds {kind} state slot "
-                    f"{stray[0]}, which a {family} model never fills); {hint}."
-                )
+                raise ValueError(f"`cache` was built for another model family (layer {layer_idx} holds {kind} state "
+                                 f"slot {stray[0]}, which a {family} model never fills); {hint}.")
     if config.cache_counts_row_tokens and not isinstance(cache, DenseSSMCache):
-        raise TypeError(
-            f"`cache` must be a `DenseSSMCache` for a {family} model (it counts the real tokens of each row, which "
-            f"place the rotary angles), got {type(cache).__name__}; {hint}."
-        )
+        raise TypeError(f"`cache` must be a `DenseSSMCache` for a {family} model (it counts the real tokens of each "
+                        f"row, which place the rotary angles), got {type(cache).__name__}; {hint}.")
     expected = config.cache_shapes(batch)
     for layer_idx in range(len(cache.layers)):
         for (kind, slot), shape in expected.items():  # the conv window is slot 0
             state = conv_state(cache, layer_idx) if kind == "conv" else recurrent_state(cache, layer_idx, slot)
             if state is not None and tuple(state.shape) != shape:
-                raise ValueError(
-                    f"`cache` holds a {kind} state of shape {tuple(state.shape)} in layer {layer_idx}, but this "
-                    f"model with batch size {batch} needs {shape} (a cache serves one batch size); {hint}."
-                )
+                raise ValueError(f"`cache` holds a {kind} state of shape {tuple(state.shape)} in layer {layer_idx}, "
+                                 f"but this model with batch size {batch} needs {shape} (a cache serves one batch "
+                                 f"size); {hint}.")
     counts = cache.real_tokens_seen if isinstance(cache, DenseSSMCache) else None
     if counts is not None and tuple(counts.shape) != (batch,):
-        raise ValueError(
-            f"`cache` counts the tokens of {counts.shape[0]} rows, but this call has batch size {batch} (a cache "
-            f"serves one batch size); {hint}."
-        )
+        raise ValueError(f"`cache` counts the tokens of {counts.shape[0]} rows, but this call has batch size {batch} "
+                         f"(a cache serves one batch size); {hint}.")
 
 
 def store_recurrent_state(cache: Cache, layer_idx: int, state: torch.Tensor, slot: int = 0) -> None:
     """Store ``state`` (the slot's shape and dtype) in recurrent slot ``slot`` of block ``layer_idx``, detached: in
-    place with gradients off, else the filled slot is rebound (docs/design.md §5, "Backpropagating through a cache")."""
+    place with gradients off, else the slot is rebound (docs/design.md §5, "Backpropagating through a cache")."""
     layer = cache.layers[layer_idx]
     if torch.is_grad_enabled() and layer.is_recurrent_states_initialized[slot]:
         layer.recurrent_states[slot] = state.detach()
@@ -243,11 +205,9 @@ def store_recurrent_state(cache: Cache, layer_idx: int, state: torch.Tensor, slo
 
 def store_conv_inputs(cache: Cache, layer_idx: int, inputs: torch.Tensor, conv_kernel_size: int) -> None:
     """Append ``inputs`` ``(batch, channels, seq_len)`` (the window's dtype), detached, to the conv window of block
-    ``layer_idx`` (transformers' ``update_conv_state``, keeping the last ``conv_kernel_size``); with gradients on,
-    into a copy of the window (docs/design.md §5, "Backpropagating through a cache"). transformers is handed the
-    window's new ``conv_kernel_size`` columns (``inputs`` alone when it continues a window: it appends them), so that
-    it pads nothing: its test of a prefill's length would guard a traced dynamic length (docs/design.md §5,
-    "torch.export"). A recording :class:`DenseSSMCache` keeps the window before and ``inputs`` for its ``crop``."""
+    ``layer_idx``, keeping the last ``conv_kernel_size`` (transformers' ``update_conv_state``, handed whole windows
+    so that it pads nothing); with gradients on, into a copy of the window; a recording :class:`DenseSSMCache` keeps
+    the window before and ``inputs`` for its ``crop`` (docs/design.md §5)."""
     layer, window, inputs = cache.layers[layer_idx], conv_state(cache, layer_idx), inputs.detach()
     if window is not None and torch.is_grad_enabled():
         layer.conv_states[0] = window = window.clone()

@@ -1,7 +1,6 @@
-"""The cache's name under the installed transformers (the shim of the 5.24 rename, in one module): 5.24 calls it
-``cache`` everywhere, 5.17-5.23 ``past_key_values`` (``cache_params`` in Mamba). Inside this package it is always
-``cache``; keywords, output fields and ``generate()``'s keyword follow the release at the boundary (docs/design.md §5,
-"The cache's name")."""
+"""The cache's name under the installed transformers: ``cache`` from 5.24, ``past_key_values`` (``cache_params`` in
+Mamba) in 5.17-5.23; ``cache`` inside this package, the release's name at the boundary (docs/design.md §5, "The cache's
+name")."""
 
 from __future__ import annotations
 
@@ -22,50 +21,35 @@ CACHE_RENAMED = "cache" in CausalLMOutputWithPast.__dataclass_fields__
 OLD_CACHE_NAMES_REMOVED_IN = "5.40.0"
 
 
-def takes_cache(*old_names: str):
-    """Decorate a function written with a ``cache`` keyword so that it also takes the cache under ``old_names``
-    (``"past_key_values"``, ``"cache_params"``): transformers' ``deprecate_kwarg`` from 5.24, else passed on silently
-    and listed in the signature (docs/design.md §5, "The cache's name").
+def takes_cache(function):
+    """Decorate a function written with a ``cache`` keyword so that it also takes the cache under transformers' old
+    names (``CACHE_FIELDS[1:]``): with ``deprecate_kwarg`` from 5.24, else silently (listed in the signature; two
+    different objects under two of the names are a ``ValueError``)."""
+    if CACHE_RENAMED:
+        for name in CACHE_FIELDS[1:]:
+            function = deprecate_kwarg(name, OLD_CACHE_NAMES_REMOVED_IN, new_name="cache")(function)
+        return function
 
-    Raises:
-        ValueError: (decorating) a name not among transformers' old names; (called, before 5.24) two different
-            objects under two of the names.
-    """
-    for name in old_names:
-        if name not in CACHE_FIELDS[1:]:
-            raise ValueError(f"`old_names` must be among {CACHE_FIELDS[1:]}, got {name!r}.")
+    @functools.wraps(function)
+    def with_old_names(*args, **kwargs):
+        for name in [name for name in CACHE_FIELDS[1:] if name in kwargs]:
+            value, current = kwargs.pop(name), kwargs.get("cache")
+            if current is None:
+                kwargs["cache"] = value
+            elif value is not None and value is not current:
+                raise ValueError(f"Give the cache once: `cache` and `{name}` are different objects.")
+        return function(*args, **kwargs)
 
-    def decorate(function):
-        if CACHE_RENAMED:
-            for name in old_names:
-                function = deprecate_kwarg(name, OLD_CACHE_NAMES_REMOVED_IN, new_name="cache")(function)
-            return function
-
-        @functools.wraps(function)
-        def with_old_names(*args, **kwargs):
-            for name in [name for name in old_names if name in kwargs]:
-                value, current = kwargs.pop(name), kwargs.get("cache")
-                if current is None:
-                    kwargs["cache"] = value
-                elif value is not None and value is not current:
-                    raise ValueError(f"Give the cache once: `cache` and `{name}` are different objects.")
-            return function(*args, **kwargs)
-
-        signature = inspect.signature(function)
-        added = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None) for name in old_names]
-        parameters = sorted([*signature.parameters.values(), *added], key=lambda p: p.kind)  # stable: before **kwargs
-        with_old_names.__signature__ = signature.replace(parameters=parameters)
-        return with_old_names
-
-    return decorate
+    signature = inspect.signature(function)
+    added = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None) for name in CACHE_FIELDS[1:]]
+    parameters = sorted([*signature.parameters.values(), *added], key=lambda p: p.kind)  # stable: before **kwargs
+    with_old_names.__signature__ = signature.replace(parameters=parameters)
+    return with_old_names
 
 
 def cache_field(output_class: type) -> str:
-    """The field of ``output_class`` (a ``ModelOutput`` dataclass) that holds the cache, one of :data:`CACHE_FIELDS`.
-
-    Raises:
-        TypeError: ``output_class`` declares none of them.
-    """
+    """The field of ``output_class`` (a ``ModelOutput`` dataclass) that holds the cache, one of :data:`CACHE_FIELDS`;
+    ``TypeError`` if it declares none."""
     declared = getattr(output_class, "__dataclass_fields__", {})
     if name := next((name for name in CACHE_FIELDS if name in declared), None):
         return name

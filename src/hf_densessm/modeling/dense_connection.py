@@ -29,9 +29,8 @@ def _dense_linear(in_features: int, out_features: int, role: str) -> nn.Linear:
 @torch.no_grad()
 def init_dense_linear(module: nn.Module, init, gate_std: float | None = None) -> bool:
     """Initialize ``module`` in place (``init``: ``transformers.initialization``) if it is a ``Linear`` of the dense
-    connection, and return whether it was one. Gates normal(0, ``gate_std``) when given, else Xavier-uniform with
-    gain 2^-2.5; projections the identity; the concat reduction passes ``f^l`` through (docs/design.md §2, "Init").
-    """
+    connection, and return whether it was one: gates normal(0, ``gate_std``) when given, else Xavier-uniform with
+    gain 2^-2.5; projections the identity; the concat reduction ``[I, 0]`` (docs/design.md §2, "Init")."""
     role = getattr(module, "dense_init", None)
     if role is None:
         return False
@@ -39,18 +38,14 @@ def init_dense_linear(module: nn.Module, init, gate_std: float | None = None) ->
         init.normal_(module.weight, mean=0.0, std=gate_std)
     elif role == "gate":
         init.xavier_uniform_(module.weight, gain=GATE_INIT_GAIN)
-    else:  # "identity" and "concat": eye_ fills the concat reduction's (size, (n + 1) * size) weight with [I, 0]
+    else:  # "identity" and "concat"
         init.eye_(module.weight)
     return True
 
 
 class DenseGate(nn.Module):
-    """``Gate(x)`` of Eq. 16: ``"mlp"`` ``SiLU(fc2(SiLU(fc1(x))))``, ``"linear"`` ``SiLU(fc(x))`` (docs/design.md §2).
-    ``(..., hidden_size) -> (..., feature_size)``, same dtype.
-
-    Raises:
-        ValueError: ``selection`` is neither ``"mlp"`` nor ``"linear"``.
-    """
+    """``Gate(x)`` of Eq. 16: ``"mlp"`` ``SiLU(fc2(SiLU(fc1(x))))``, ``"linear"`` ``SiLU(fc(x))`` (docs/design.md §2),
+    ``(..., hidden_size) -> (..., feature_size)``, same dtype. ``ValueError`` for another ``selection``."""
 
     def __init__(self, hidden_size: int, feature_size: int, gate_hidden_size: int, selection: str):
         super().__init__()
@@ -72,21 +67,13 @@ class DenseGate(nn.Module):
 
 
 class DenseHiddenConnection(nn.Module):
-    """Selective transition + hidden fusion (Eq. 10-17) of one feature in one layer, with ``num_predecessors``
-    lower layers; ``projection``, ``selection``, ``shared_gate``, ``fusion``, ``gate_hidden_size``: the config's
-    dense knobs (docs/design.md §2).
+    """Selective transition + hidden fusion (Eq. 10-17) of one feature in one layer with ``num_predecessors`` lower
+    layers; the other arguments: the config's dense knobs (docs/design.md §2). ``forward(x, feature, predecessors)``:
+    ``x`` ``(..., hidden_size)``, ``feature`` ``(..., feature_size)``, a list of tensors like ``feature``, nearest
+    first (``ValueError`` unless ``num_predecessors`` of them); returns the fused feature in ``feature``'s dtype."""
 
-    ``forward(x, feature, predecessors)``: ``x`` ``(..., hidden_size)``, ``feature`` ``(..., feature_size)``, a list
-    of ``n`` tensors like ``feature``, nearest first; returns the fused feature in ``feature``'s dtype.
-
-    Raises:
-        ValueError: ``predecessors`` does not hold exactly ``num_predecessors`` tensors.
-    """
-
-    def __init__(
-        self, hidden_size: int, feature_size: int, num_predecessors: int, projection: str, selection: str,
-        shared_gate: bool, fusion: str, gate_hidden_size: int,
-    ):
+    def __init__(self, hidden_size: int, feature_size: int, num_predecessors: int, projection: str, selection: str,
+                 shared_gate: bool, fusion: str, gate_hidden_size: int):
         super().__init__()
         self.num_predecessors = num_predecessors
         self.fusion = fusion
@@ -100,9 +87,8 @@ class DenseHiddenConnection(nn.Module):
             )
         self.projections = None
         if projection == "linear":
-            self.projections = nn.ModuleList(
-                _dense_linear(feature_size, feature_size, "identity") for _ in range(num_predecessors)
-            )
+            self.projections = nn.ModuleList(_dense_linear(feature_size, feature_size, "identity")
+                                             for _ in range(num_predecessors))
         if fusion == "concat":
             self.reduce = _dense_linear((num_predecessors + 1) * feature_size, feature_size, "concat")
 
@@ -112,12 +98,10 @@ class DenseHiddenConnection(nn.Module):
 
     def forward(self, x: torch.Tensor, feature: torch.Tensor, predecessors: list[torch.Tensor]) -> torch.Tensor:
         if len(predecessors) != self.num_predecessors:
-            raise ValueError(
-                f"DenseHiddenConnection expects {self.num_predecessors} predecessor features, got {len(predecessors)}."
-            )
+            raise ValueError(f"DenseHiddenConnection expects {self.num_predecessors} predecessor features, got "
+                             f"{len(predecessors)}.")
         if self.selection != "none" and self.shared_gate and self.projections is None and self.fusion == "add":
-            # The defaults (identity transition, one shared gate, add): sum_i g * f_i = g * sum_i f_i, so the
-            # predecessors are summed first and gated once (one pointwise region under torch.compile).
+            # the defaults: sum_i g * f_i = g * sum_i f_i, summed first and gated once (one fused region compiled)
             total = sum(predecessors[1:], predecessors[0])
             return torch.addcmul(feature, total.to(feature.dtype), self.gate(x).to(feature.dtype))
         shared = self.gate(x) if self.selection != "none" and self.shared_gate else None
@@ -147,18 +131,13 @@ def build_dense_connection(config, layer_idx: int, feature_size: int) -> DenseHi
     the layer has no predecessors."""
     if not (n := dense_predecessor_count(layer_idx, config.dense_layers, config.dense_every)):
         return None
-    return DenseHiddenConnection(
-        config.hidden_size, feature_size, n, config.dense_projection, config.dense_selection,
-        config.dense_shared_gate, config.dense_fusion, config.dense_gate_hidden_size,
-    )
+    return DenseHiddenConnection(config.hidden_size, feature_size, n, config.dense_projection, config.dense_selection,
+                                 config.dense_shared_gate, config.dense_fusion, config.dense_gate_hidden_size)
 
 
 def split_dense_inputs(dense_inputs: tuple[torch.Tensor, ...], num_features: int) -> list[list[torch.Tensor]]:
-    """Split a block's flat ``dense_inputs`` into ``num_features`` lists of ``n`` tensors, nearest first.
-
-    Raises:
-        ValueError: ``len(dense_inputs)`` is not a multiple of ``num_features``.
-    """
+    """Split a block's flat ``dense_inputs`` into ``num_features`` lists of ``n`` tensors, nearest first;
+    ``ValueError`` if ``len(dense_inputs)`` is not a multiple of ``num_features``."""
     if len(dense_inputs) % num_features:
         raise ValueError(f"Expected {num_features} features per predecessor, got {len(dense_inputs)} tensors.")
     n = len(dense_inputs) // num_features
@@ -168,15 +147,10 @@ def split_dense_inputs(dense_inputs: tuple[torch.Tensor, ...], num_features: int
 def run_dense_layers(
     layers: nn.ModuleList, hidden_states: torch.Tensor, config, output_hidden_states: bool, **layer_kwargs
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
-    """Run the blocks with the dense connection: ``block(hidden_states, *dense_inputs, **layer_kwargs)`` returns
-    ``(hidden_states, *features)``; ``dense_inputs`` are its predecessors' features grouped by feature, nearest first.
-
-    Args:
-        hidden_states: ``(batch, seq_len, hidden_size)``, the embeddings. config: ``dense_layers``, ``dense_every``.
-
-    Returns:
-        The last block's output and, if ``output_hidden_states``, every block's input (embeddings first).
-    """
+    """Run the blocks from the embeddings ``hidden_states`` ``(batch, seq_len, hidden_size)``:
+    ``block(hidden_states, *dense_inputs, **layer_kwargs)`` returns ``(hidden_states, *features)``, ``dense_inputs``
+    its predecessors' features grouped by feature, nearest first. Returns the last block's output and, if
+    ``output_hidden_states``, every block's input (embeddings first)."""
     m = config.dense_layers
     history: deque[tuple[torch.Tensor, ...]] = deque(maxlen=m)  # m = 0: keeps nothing
     all_hidden_states = () if output_hidden_states else None

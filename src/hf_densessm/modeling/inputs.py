@@ -1,6 +1,6 @@
-"""The checks of a DenseSSM model's inputs at ``forward`` entry: token ids or embeddings, the padding mask, packed
-documents, ``logits_to_keep`` (docs/errors.md). Checks of values go through :func:`~hf_densessm.ops.backend.require`,
-so eager and compiled runs refuse the same inputs, and a decoding step makes no host sync (docs/design.md §6)."""
+"""The checks of a DenseSSM model's inputs at ``forward`` entry (docs/errors.md): token ids or embeddings, the padding
+mask, packed documents, ``logits_to_keep``; values through :func:`~hf_densessm.ops.backend.require` (docs/design.md §6).
+"""
 
 from __future__ import annotations
 
@@ -12,10 +12,8 @@ from ..ops.backend import require, tracing
 _ID_DTYPES = (torch.int64, torch.int32)
 
 
-def check_inputs(
-    input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None, hidden_size: int, vocab_size: int,
-    decoding: bool = False,
-) -> None:
+def check_inputs(input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None, hidden_size: int, vocab_size: int,
+                 decoding: bool = False) -> None:
     """Check the model's token inputs (``decoding``: a one-token step over a cache, whose id check makes no host sync).
 
     Raises:
@@ -31,10 +29,8 @@ def check_inputs(
             got = input_ids.dtype if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
             raise TypeError(f"`input_ids` must be an int64 or int32 tensor, got {got}.")
         if input_ids.dim() != 2 or 0 in input_ids.shape:
-            raise ValueError(
-                "`input_ids` must have shape (batch, sequence_length) with batch >= 1 and sequence_length >= 1, "
-                f"got {tuple(input_ids.shape)}."
-            )
+            raise ValueError("`input_ids` must have shape (batch, sequence_length) with batch >= 1 and sequence_length "
+                             f">= 1, got {tuple(input_ids.shape)}.")
         require(
             ((input_ids >= 0) & (input_ids < vocab_size)).all(),
             f"`input_ids` must hold token ids in [0, vocab_size) = [0, {vocab_size}): was the text tokenized with this "
@@ -48,12 +44,10 @@ def check_inputs(
                          f"sequence_length >= 1, got {tuple(inputs_embeds.shape)}.")
 
 
-def prepare_attention_mask(
-    attention_mask: torch.Tensor | None, batch: int, seq_len: int, decoding: bool = False
-) -> torch.Tensor | None:
+def prepare_attention_mask(attention_mask: torch.Tensor | None, batch: int, seq_len: int,
+                           decoding: bool = False) -> torch.Tensor | None:
     """The last ``seq_len`` columns of ``attention_mask`` (``(batch, past + seq_len)``, 0 for padding); ``None`` when
-    nothing is padded, where that can be read without a host sync (not while tracing, nor in a ``decoding`` step off
-    the CPU: there an all-ones mask is applied as given, selecting every token).
+    nothing is padded and that can be read without a host sync (not while tracing, nor ``decoding`` off the CPU).
 
     Raises:
         TypeError: not a tensor.
@@ -65,10 +59,8 @@ def prepare_attention_mask(
     if not isinstance(attention_mask, torch.Tensor):
         raise TypeError(f"`attention_mask` must be a tensor of 0 and 1, got {type(attention_mask).__name__}.")
     if attention_mask.dim() != 2 or attention_mask.shape[0] != batch or attention_mask.shape[1] < seq_len:
-        raise ValueError(
-            f"`attention_mask` must have shape (batch, sequence_length) = ({batch}, >= {seq_len}) with 1 for tokens "
-            f"and 0 for padding, got {tuple(attention_mask.shape)}."
-        )
+        raise ValueError(f"`attention_mask` must have shape (batch, sequence_length) = ({batch}, >= {seq_len}) with 1 "
+                         f"for tokens and 0 for padding, got {tuple(attention_mask.shape)}.")
     attention_mask = attention_mask[:, -seq_len:]
     if attention_mask.dtype != torch.bool:
         require(((attention_mask == 0) | (attention_mask == 1)).all(),
@@ -79,17 +71,13 @@ def prepare_attention_mask(
     return None
 
 
-def packed_document_starts(
-    batch: int, seq_len: int, device: torch.device, keeps_cache: bool = False,
-    cu_seq_lens_q: torch.Tensor | None = None, seq_idx: torch.Tensor | None = None,
-    position_ids: torch.Tensor | None = None, **others,
-) -> torch.Tensor | None:
-    """The ``(batch, seq_len)`` bool ``reset`` of packed documents (True at each document's first token) from
-    transformers' padding-free inputs, or ``None`` when each row holds one document (or, while tracing, when none is
-    given). Inputs (integer tensors, checked, must agree): ``cu_seq_lens_q`` ``(num_docs + 1,)`` cumulative lengths
-    (batch 1); ``seq_idx`` ``(batch, seq_len)`` non-decreasing; ``position_ids`` ``(batch, seq_len)`` or
-    ``(seq_len,)``, restarting at 0 per document and rising by 1 inside one. A call that ``keeps_cache`` must hold one
-    document per row. ``others``: ignored keywords.
+def packed_document_starts(batch: int, seq_len: int, device: torch.device, keeps_cache: bool = False,
+                           cu_seq_lens_q: torch.Tensor | None = None, seq_idx: torch.Tensor | None = None,
+                           position_ids: torch.Tensor | None = None, **others) -> torch.Tensor | None:
+    """The ``(batch, seq_len)`` bool ``reset`` of packed documents (True at each document's first token), or ``None``
+    for one document per row (while tracing: none given), from transformers' padding-free inputs (integer tensors):
+    ``cu_seq_lens_q`` ``(num_docs + 1,)`` (batch 1), ``seq_idx`` ``(batch, seq_len)``, ``position_ids``
+    ``(batch, seq_len)`` or ``(seq_len,)``. A call that ``keeps_cache`` must hold one document per row.
 
     Raises:
         TypeError: a non-integer tensor.
@@ -101,10 +89,8 @@ def packed_document_starts(
     if cu_seq_lens_q is not None:
         cu = _integer_tensor("cu_seq_lens_q", cu_seq_lens_q).to(device)
         if cu.dim() != 1 or batch != 1 or cu.numel() < 2:
-            raise ValueError(
-                f"`cu_seq_lens_q` must be 1-D (num_docs + 1,) with batch size 1 (a flattened batch), got shape "
-                f"{tuple(cu.shape)} with batch {batch}."
-            )
+            raise ValueError(f"`cu_seq_lens_q` must be 1-D (num_docs + 1,) with batch size 1 (a flattened batch), got "
+                             f"shape {tuple(cu.shape)} with batch {batch}.")
         require((cu[0] == 0) & (cu[-1] == seq_len) & (cu[1:] > cu[:-1]).all(), "`cu_seq_lens_q` must rise strictly "
                 f"from 0 to the sequence length {seq_len} (no empty document).")
         reset = torch.zeros(1, seq_len, dtype=torch.bool, device=device)
@@ -113,9 +99,8 @@ def packed_document_starts(
     if seq_idx is not None:
         ids = _integer_tensor("seq_idx", seq_idx).to(device)
         if tuple(ids.shape) != (batch, seq_len):
-            raise ValueError(
-                f"`seq_idx` must have shape (batch, sequence_length) = {(batch, seq_len)}, got {tuple(ids.shape)}."
-            )
+            raise ValueError(f"`seq_idx` must have shape (batch, sequence_length) = {(batch, seq_len)}, got "
+                             f"{tuple(ids.shape)}.")
         step = ids[:, 1:] - ids[:, :-1]
         require((step >= 0).all(), "`seq_idx` must not decrease along a row (one index per packed document).")
         starts["seq_idx"] = F.pad(step != 0, (1, 0), value=True)
@@ -124,11 +109,9 @@ def packed_document_starts(
         if pos.dim() == 1:
             pos = pos[None].expand(batch, -1)
         if tuple(pos.shape) != (batch, seq_len):
-            raise ValueError(
-                f"`position_ids` must have shape (batch, sequence_length) = {(batch, seq_len)}, got {tuple(pos.shape)}."
-            )
+            raise ValueError(f"`position_ids` must have shape (batch, sequence_length) = {(batch, seq_len)}, got "
+                             f"{tuple(pos.shape)}.")
         restart = pos == 0
-        # positions that restart inside a row (packed) must start at 0 and rise by 1 inside a document
         rises = restart[:, 1:] | (pos[:, 1:] == pos[:, :-1] + 1)
         require(~restart[:, 1:].any() | (restart[:, 0].all() & rises.all()), "`position_ids` of packed documents "
                 "must start at 0 and, inside a document, rise by 1 (they restart at 0 where a document starts).")
@@ -146,6 +129,7 @@ def packed_document_starts(
 
 
 def _integer_tensor(name: str, value) -> torch.Tensor:
+    """``value`` if it is an integer tensor, else a ``TypeError`` naming ``name``."""
     if not isinstance(value, torch.Tensor) or value.dtype.is_floating_point or value.dtype == torch.bool:
         got = value.dtype if isinstance(value, torch.Tensor) else type(value).__name__
         raise TypeError(f"`{name}` must be an integer tensor, got {got}.")

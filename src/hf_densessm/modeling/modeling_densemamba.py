@@ -1,7 +1,6 @@
-"""DenseMamba: Mamba (Gu & Dao 2023) with DenseSSM's dense hidden connection (He et al. 2024, §3.3, §4.2), on the
-scan inputs ``u`` and ``B`` (``dense_target="input"``) or on the states read out with each layer's ``C`` (``"state"``,
-Eq. 14): docs/design.md §4.
-"""
+"""DenseMamba: Mamba (Gu & Dao 2023) with DenseSSM's dense hidden connection (He et al. 2024, §3.3, §4.2), on the scan
+inputs ``u`` and ``B`` (``dense_target="input"``) or on the states read out with each layer's ``C`` (``"state"``, Eq.
+14): docs/design.md §4."""
 
 from __future__ import annotations
 
@@ -21,19 +20,16 @@ from ..ops.selective_scan import selective_scan, selective_state_update
 from .cache import conv_state, record_states, recurrent_state, store_conv_inputs, store_recurrent_state
 from .cache_names import with_old_name
 from .dense_connection import build_dense_connection, init_dense_linear, split_dense_inputs
-from .norm import DenseSSMRMSNorm
 from .modeling_densessm import (
-    DenseSSMForCausalLM, DenseSSMForSequenceClassification, DenseSSMModel, DenseSSMPreTrainedModel,
+    DenseSSMForCausalLM, DenseSSMForSequenceClassification, DenseSSMModel, DenseSSMPreTrainedModel, DenseSSMRMSNorm,
 )
 
 
 def _state_after(u, dt, A, B, C, softplus, initial_state, n):
     """The SSM state after the first ``n`` of a forward's tokens (``u``, ``B``, ``C`` token-major, ``dt`` channel-major,
     as the mixer holds them), for a speculative ``crop`` (:func:`~.cache.record_states`)."""
-    return selective_scan(
-        u[:, :n].transpose(1, 2), dt[..., :n], A, B[:, :n].transpose(1, 2), C[:, :n].transpose(1, 2),
-        delta_softplus=softplus, initial_state=initial_state, return_last_state=True,
-    )[1]
+    return selective_scan(u[:, :n].transpose(1, 2), dt[..., :n], A, B[:, :n].transpose(1, 2), C[:, :n].transpose(1, 2),
+                          delta_softplus=softplus, initial_state=initial_state, return_last_state=True)[1]
 
 
 class DenseMambaMixer(nn.Module):
@@ -51,17 +47,12 @@ class DenseMambaMixer(nn.Module):
         self.conv_kernel_size = config.conv_kernel
         self.time_step_rank = config.time_step_rank
         self.conv1d = nn.Conv1d(
-            in_channels=self.intermediate_size,
-            out_channels=self.intermediate_size,
-            bias=config.use_conv_bias,
-            kernel_size=config.conv_kernel,
-            groups=self.intermediate_size,
-            padding=config.conv_kernel - 1,
+            self.intermediate_size, self.intermediate_size, config.conv_kernel, groups=self.intermediate_size,
+            padding=config.conv_kernel - 1, bias=config.use_conv_bias,
         )
         self.in_proj = nn.Linear(self.hidden_size, self.intermediate_size * 2, bias=config.use_bias)
         self.x_proj = nn.Linear(self.intermediate_size, self.time_step_rank + self.ssm_state_size * 2, bias=False)
         self.dt_proj = nn.Linear(self.time_step_rank, self.intermediate_size, bias=True)
-        # S4D-Real initialization (A = -(1..N)) is done in `DenseMambaPreTrainedModel._init_weights`.
         self.A_log = nn.Parameter(torch.empty(self.intermediate_size, self.ssm_state_size))
         self.D = nn.Parameter(torch.empty(self.intermediate_size))
         self.out_proj = nn.Linear(self.intermediate_size, self.hidden_size, bias=config.use_bias)
@@ -79,47 +70,29 @@ class DenseMambaMixer(nn.Module):
         if decode:
             n = len(dense_inputs) // 4
             C_t = C[:, 0, :, None].to(torch.promote_types(C.dtype, torch.float32))
-            return [
-                torch.bmm(recurrent_state(cache, self.layer_idx - i).to(C_t.dtype), C_t).transpose(1, 2)
-                for i in range(1, n + 1)
-            ]
+            return [torch.bmm(recurrent_state(cache, self.layer_idx - i).to(C_t.dtype), C_t).transpose(1, 2)
+                    for i in range(1, n + 1)]
         us, dts, Bs, As, *initial = split_dense_inputs(dense_inputs, 5 if continuing else 4)
         initial = initial[0] if initial else [None] * len(us)
-        return [
-            selective_scan(
-                u.transpose(1, 2), dt, A, B.transpose(1, 2), C.transpose(1, 2), initial_state=h0, reset=reset
-            ).transpose(1, 2)
-            for u, dt, B, A, h0 in zip(us, dts, Bs, As, initial)
-        ]
+        return [selective_scan(u.transpose(1, 2), dt, A, B.transpose(1, 2), C.transpose(1, 2), initial_state=h0,
+                               reset=reset).transpose(1, 2) for u, dt, B, A, h0 in zip(us, dts, Bs, As, initial)]
 
     def forward(
-        self,
-        hidden_states: torch.Tensor,
-        dense_inputs: tuple[torch.Tensor, ...],
-        cache=None,
-        attention_mask: torch.Tensor | None = None,
-        reset: torch.Tensor | None = None,
+        self, hidden_states: torch.Tensor, dense_inputs: tuple[torch.Tensor, ...], cache=None,
+        attention_mask: torch.Tensor | None = None, reset: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-        """One token over a filled cache without gradients is a decoding step (the state updated in place); every
-        other call runs the scan (docs/design.md §5, "Backpropagating through a cache").
-
-        Args:
-            hidden_states: ``(batch, seq_len, hidden_size)``, the block's normalized input.
-            dense_inputs: the predecessors' features, grouped by feature, nearest first (:mod:`.dense_connection`).
-            cache: a transformers ``Cache`` or ``None``. attention_mask: ``(batch, seq_len)`` 0/1 or ``None``.
-            reset: ``(batch, seq_len)`` bool or ``None``, True at each packed document's first token.
-
-        Returns:
-            ``(output (batch, seq_len, hidden_size), features)``: the pre-fusion ``(u, B)`` (``"input"``) or
-            ``(u, dt, B, A[, state before this call])`` (``"state"``).
-        """
+        """``hidden_states`` ``(batch, seq_len, hidden_size)`` (normalized) -> ``(output, features)``: ``output`` of the
+        same shape and the pre-fusion ``(u, B)`` (``"input"``) or ``(u, dt, B, A[, state before this call])``
+        (``"state"``). ``dense_inputs``: the predecessors' features grouped by feature, nearest first; ``cache``: a
+        ``Cache`` or ``None``; ``attention_mask`` ``(batch, seq_len)`` 0/1, ``reset`` ``(batch, seq_len)`` bool (True at
+        each packed document's first token), or ``None``. One token over a filled cache without gradients is a
+        decoding step (the state updated in place); every other call runs the scan (docs/design.md §5)."""
         batch, seq_len, _ = hidden_states.shape
         dtype = hidden_states.dtype
         keep = attention_mask[..., None].bool() if attention_mask is not None else None  # selects, never multiplies
         acc = torch.promote_types(self.A_log.dtype, torch.float32)  # the scan's float32 (float64 in float64 models)
 
-        # 1. input projection: x (to the conv) and the gate z, token-major (batch, seq_len, D): every tensor of the
-        # block keeps the memory order of the projections' outputs (transposing them costs more than the conv)
+        # 1. x (to the conv) and the gate z, token-major (batch, seq_len, D): transposing costs more than the conv
         x, z = self.in_proj(hidden_states).chunk(2, dim=-1)
         if keep is not None:
             x = torch.where(keep, x, 0)
@@ -128,7 +101,6 @@ class DenseMambaMixer(nn.Module):
         # 2. causal depthwise convolution, continuing from the cached window of the last `conv_kernel` inputs
         window = conv_state(cache, self.layer_idx)
         previous_window = window.clone() if window is not None and keep is not None else None
-        # (packed documents: no tap reaches into the previous document); SiLU fused
         u = causal_conv1d(x, self.conv1d.weight, self.conv1d.bias, window, reset=reset, activation="silu")
         if cache is not None:
             store_conv_inputs(cache, self.layer_idx, x.transpose(1, 2), self.conv_kernel_size)
@@ -143,7 +115,7 @@ class DenseMambaMixer(nn.Module):
         time_step, B, C = torch.split(
             self.x_proj(u), [self.time_step_rank, self.ssm_state_size, self.ssm_state_size], dim=-1
         )
-        # dt_proj is called as a module (bias included), so adapters such as LoRA on it take effect
+        # a module call (bias included), so that adapters such as LoRA take effect
         dt = self.dt_proj(time_step).transpose(1, 2)  # (batch, D, seq_len), before the softplus
         softplus = True
         if keep is not None:  # dt = 0 at padding: exp(0 * A) = 1 and no input, the state is left as it was
@@ -152,14 +124,11 @@ class DenseMambaMixer(nn.Module):
 
         A = -torch.exp(self.A_log.to(acc))
         state = recurrent_state(cache, self.layer_idx)
-        # one token over a cache: the recurrent step, which updates the state in place; with gradients on, the scan
-        # (differentiable on every backend, and it leaves the cached state it starts from as it was)
+        # with gradients on, the scan (differentiable everywhere, the cached state left as it was)
         decode = state is not None and seq_len == 1 and not torch.is_grad_enabled()
         fuse_states = self.dense_h is not None
 
-        # 4. dense connection (Eq. 10-17). "input": on the state inputs u and B. "state": the features handed up are
-        # what makes this layer's state (u, dt, B, A, and the state before this call when continuing a cache), so
-        # that a higher layer can read the state out with its own C (Eq. 14; docs/design.md §4).
+        # 4. dense connection (Eq. 10-17; docs/design.md §4): on u and B ("input"), or hand up what makes the state
         if self.config.dense_target == "state":
             if softplus:
                 dt, softplus = F.softplus(dt.to(acc)), False
@@ -171,27 +140,21 @@ class DenseMambaMixer(nn.Module):
                 u = self.dense_u(hidden_states, u, dense_u)
                 B = self.dense_B(hidden_states, B, dense_B)
 
-        # 5. selective scan (Mamba paper Alg. 2), continuing from the cached SSM state; with state fusion the D skip
-        # and the SiLU(z) gate come after the fusion
+        # 5. selective scan (Mamba Alg. 2) from the cached state; with state fusion, D and SiLU(z) after the fusion
         D = None if fuse_states else self.D.to(acc)
         z_scan = None if fuse_states else z
         record_states(cache, self.layer_idx, state, _state_after, u, dt, A, B, C, softplus)
         if decode:
-            y = selective_state_update(
-                state, u[:, 0], dt[..., 0], A, B[:, 0], C[:, 0], D, z=None if z_scan is None else z_scan[..., 0],
-                dt_softplus=softplus,
-            ).unsqueeze(-1)
+            z_t = None if z_scan is None else z_scan[..., 0]
+            y = selective_state_update(state, u[:, 0], dt[..., 0], A, B[:, 0], C[:, 0], D, z=z_t, dt_softplus=softplus)
+            y = y.unsqueeze(-1)
         else:
-            result = selective_scan(
-                u.transpose(1, 2), dt, A, B.transpose(1, 2), C.transpose(1, 2),
-                D=D, z=z_scan, delta_softplus=softplus,
-                initial_state=state, return_last_state=cache is not None, reset=reset,
-            )
+            y = selective_scan(u.transpose(1, 2), dt, A, B.transpose(1, 2), C.transpose(1, 2), D=D, z=z_scan,
+                               delta_softplus=softplus, initial_state=state, return_last_state=cache is not None,
+                               reset=reset)
             if cache is not None:
-                y, last_state = result
+                y, last_state = y
                 store_recurrent_state(cache, self.layer_idx, last_state)
-            else:
-                y = result
         if fuse_states:
             readouts = self._read_lower_states(dense_inputs, C, cache, decode, state is not None, reset)
             y = self.dense_h(hidden_states, y.transpose(1, 2), readouts).transpose(1, 2)  # Eq. 14
@@ -216,9 +179,7 @@ class DenseMambaBlock(GradientCheckpointingLayer):
         hidden_states = self.norm(hidden_states.to(dtype=self.norm.weight.dtype))
         if self.residual_in_fp32:
             residual = residual.to(torch.promote_types(residual.dtype, torch.float32))
-        out, features = self.mixer(
-            hidden_states, dense_inputs, cache=cache, attention_mask=attention_mask, reset=reset
-        )
+        out, features = self.mixer(hidden_states, dense_inputs, cache=cache, attention_mask=attention_mask, reset=reset)
         return (residual + out, *features)
 
 
@@ -256,11 +217,9 @@ class DenseMambaPreTrainedModel(DenseSSMPreTrainedModel):
                 init.constant_(module.dt_proj.weight, dt_init_std)
             else:
                 init.uniform_(module.dt_proj.weight, -dt_init_std, dt_init_std)
-            dt = torch.exp(
-                torch.rand(module.intermediate_size, device=module.dt_proj.bias.device, dtype=torch.float32)
-                * (math.log(config.time_step_max) - math.log(config.time_step_min))
-                + math.log(config.time_step_min)
-            ).clamp(min=config.time_step_floor)
+            log_min, log_max = math.log(config.time_step_min), math.log(config.time_step_max)
+            rand = torch.rand(module.intermediate_size, device=module.dt_proj.bias.device, dtype=torch.float32)
+            dt = torch.exp(rand * (log_max - log_min) + log_min).clamp(min=config.time_step_floor)
             init.copy_(module.dt_proj.bias, dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
             init.kaiming_uniform_(module.conv1d.weight, a=math.sqrt(5))
             if module.conv1d.bias is not None and config.init_scheme == "mamba_ssm":  # PyTorch's default
@@ -276,31 +235,20 @@ class DenseMambaPreTrainedModel(DenseSSMPreTrainedModel):
 @with_old_name
 @dataclass
 class DenseMambaOutput(MambaOutput):
-    """Output of :class:`DenseMambaModel`: transformers' ``MambaOutput`` (its cache field named by the installed
-    release, docs/design.md §5), plus ``attentions``, always ``None``, for transformers' generic heads.
+    """Output of :class:`DenseMambaModel`: transformers' ``MambaOutput`` (the cache field named by the release,
+    docs/design.md §5; ``last_hidden_state``, ``hidden_states`` as in :meth:`DenseSSMModel.forward
+    <hf_densessm.modeling.modeling_densessm.DenseSSMModel.forward>`), plus ``attentions``, always ``None``, which
+    transformers' generic heads read."""
 
-    Args:
-        last_hidden_state: ``(batch, seq_len, hidden_size)``, after the final norm.
-        cache: the recurrent-state cache (a :class:`~hf_densessm.modeling.cache.DenseSSMCache`) when ``use_cache``.
-        hidden_states: ``num_hidden_layers + 1`` tensors ``(batch, seq_len, hidden_size)`` (the embeddings, every
-            later block's input, the final normed output) when ``output_hidden_states``.
-        attentions: always ``None`` (there is no attention).
-    """
-
-    attentions: tuple[torch.Tensor, ...] | None = None  # always None (no attention); read by generic heads
+    attentions: tuple[torch.Tensor, ...] | None = None
 
 
 @with_old_name
 @dataclass
 class DenseMambaCausalLMOutput(MambaCausalLMOutput):
     """Output of :class:`DenseMambaForCausalLM`: transformers' ``MambaCausalLMOutput`` (cache field as in
-    :class:`DenseMambaOutput`).
-
-    Args:
-        loss: scalar next-token cross-entropy when ``labels`` are given.
-        logits: ``(batch, kept_positions, vocab_size)`` float32.
-        cache, hidden_states: as in :class:`DenseMambaOutput`.
-    """
+    :class:`DenseMambaOutput`; fields as in :meth:`DenseSSMForCausalLM.forward
+    <hf_densessm.modeling.modeling_densessm.DenseSSMForCausalLM.forward>`)."""
 
 
 class DenseMambaModel(DenseSSMModel, DenseMambaPreTrainedModel):
@@ -336,4 +284,6 @@ class DenseMambaForSequenceClassification(DenseSSMForSequenceClassification, Den
     backbone_class = DenseMambaModel
 
 
-__all__ = ["DenseMambaForCausalLM", "DenseMambaForSequenceClassification", "DenseMambaModel", "DenseMambaPreTrainedModel"]
+__all__ = [
+    "DenseMambaForCausalLM", "DenseMambaForSequenceClassification", "DenseMambaModel", "DenseMambaPreTrainedModel",
+]

@@ -1,7 +1,6 @@
 """DenseRetNet: RetNet-GAU with DenseSSM's dense KV connection (He et al. 2024, §3.3 "Extension to RetNet", Eq. 18-24,
 §4.2); the block's equations, the published retention normalization folded into the group norm, padding and init:
-docs/design.md §3.
-"""
+docs/design.md §3."""
 
 from __future__ import annotations
 
@@ -16,9 +15,8 @@ from ..ops.packing import document_positions
 from ..ops.retention import chunk_retention, retention_state_update
 from .cache import record_states, recurrent_state, store_recurrent_state
 from .dense_connection import build_dense_connection, init_dense_linear, split_dense_inputs
-from .norm import DenseSSMRMSNorm
 from .modeling_densessm import (
-    DenseSSMForCausalLM, DenseSSMForSequenceClassification, DenseSSMModel, DenseSSMPreTrainedModel,
+    DenseSSMForCausalLM, DenseSSMForSequenceClassification, DenseSSMModel, DenseSSMPreTrainedModel, DenseSSMRMSNorm,
 )
 
 
@@ -39,15 +37,9 @@ def theta_shift(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
 
 def retention_row_sums(positions: torch.Tensor, num_heads: int, dtype: torch.dtype) -> torch.Tensor:
     """``s_t = sum_{j<=t} gamma_h^(t-j) = (1 - gamma_h^(t+1)) / (1 - gamma_h)``, ``gamma_h = 1 - 2^(-5-h)``: the
-    published retention's per-row normalization (docs/design.md §3, "Retention normalization").
-
-    Args:
-        positions: ``(batch, seq_len)`` int64 ``t``, real tokens before in the document (-1 at padding: ``t = 0``).
-        num_heads: ``H``. dtype: of the result (computed in float64).
-
-    Returns:
-        ``(batch, seq_len, H, 1)`` sums in ``[1, 2^(5+h))``.
-    """
+    published retention's per-row normalization (docs/design.md §3), ``(batch, seq_len, num_heads, 1)`` in ``dtype``
+    (computed in float64), in ``[1, 2^(5+h))``; ``positions``: ``(batch, seq_len)`` int64 ``t``, the real tokens
+    before in the document (-1 at padding: ``t = 0``)."""
     heads = torch.arange(num_heads, device=positions.device, dtype=torch.float64)
     log_gamma = torch.log1p(-torch.exp2(-5.0 - heads))  # log(gamma_h), (H,)
     count = positions.clamp(min=0).to(torch.float64)[..., None] + 1  # t + 1
@@ -88,12 +80,8 @@ class DenseRetNetRetention(nn.Module):
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(
-        self,
-        hidden_states: torch.Tensor,
-        dense_inputs: tuple[torch.Tensor, ...],
-        cache=None,
-        attention_mask: torch.Tensor | None = None,
-        reset: torch.Tensor | None = None,
+        self, hidden_states: torch.Tensor, dense_inputs: tuple[torch.Tensor, ...], cache=None,
+        attention_mask: torch.Tensor | None = None, reset: torch.Tensor | None = None,
         *, rotary: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """As :meth:`DenseMambaMixer.forward <hf_densessm.modeling.modeling_densemamba.DenseMambaMixer.forward>`, with
@@ -109,8 +97,7 @@ class DenseRetNetRetention(nn.Module):
         features = (k, v)
         if self.dense_k is not None:  # dense KV connection, Eq. 20-23
             dense_k, dense_v = split_dense_inputs(dense_inputs, 2)
-            # under autocast the norms' float32 weights promote their outputs (q stays in the autocast dtype):
-            # the retention op takes one dtype, q's
+            # under autocast the norms' float32 weights promote k, v; the retention op takes q's dtype
             k = self.k_norm(self.dense_k(hidden_states, k, dense_k)).to(q.dtype)
             v = self.v_norm(self.dense_v(hidden_states, v, dense_v)).to(q.dtype)
 
@@ -125,18 +112,15 @@ class DenseRetNetRetention(nn.Module):
             o = retention_state_update(state, q[:, 0], k[:, 0], v[:, 0], scale=1.0)[:, None]
             if previous is not None:  # a padded row keeps its state
                 state.copy_(torch.where(attention_mask[:, 0, None, None, None].bool(), state, previous))
-        else:  # training / prefill, and any call with gradients on (differentiable on every backend, the cached
-            # state left as it was): chunkwise form of Eq. 24, continuing from the cached state
+        else:  # chunkwise form of Eq. 24 from the cached state (any call with gradients on: differentiable)
             o, final_state = chunk_retention(q, k, v, scale=1.0, initial_state=state,
                                              output_final_state=cache is not None, reset=reset)
             if cache is not None:
-                if state is not None and seq_len == 1 and attention_mask is not None:  # as in the step above, a
-                    # padded row keeps its state
+                if state is not None and seq_len == 1 and attention_mask is not None:  # a padded row keeps it
                     final_state = torch.where(attention_mask[:, 0, None, None, None].bool(), final_state, state)
                 store_recurrent_state(cache, self.layer_idx, final_state)
 
-        # The published o_t / sqrt(s_t), folded exactly into the per-head RMSNorm that follows:
-        # RMSNorm(o / sqrt(s)) = o / sqrt(mean(o^2) + eps * s), so no pass over o is added.
+        # the published o_t / sqrt(s_t), folded into the group norm: RMSNorm(o / sqrt(s)) = o / sqrt(mean(o^2) + eps s)
         o = self.group_norm(o.reshape(batch, seq_len, self.value_dim), eps_scale=rotary[2])
         return self.dropout(self.o_proj(o * g)), features
 
@@ -183,10 +167,9 @@ class DenseRetNetPreTrainedModel(DenseSSMPreTrainedModel):
 
 
 class DenseRetNetModel(DenseSSMModel, DenseRetNetPreTrainedModel):
-    """The DenseRetNet backbone: ``embed_tokens``, ``num_hidden_layers`` :class:`DenseRetNetBlock` with the dense
-    KV connection, final RMSNorm ``norm``; ``forward``: :meth:`DenseSSMModel.forward
-    <hf_densessm.modeling.modeling_densessm.DenseSSMModel.forward>`, returning a ``BaseModelOutputWithPast`` (its cache
-    must be a ``DenseSSMCache``: it counts each row's tokens)."""
+    """The DenseRetNet backbone: ``embed_tokens``, ``layers`` (:class:`DenseRetNetBlock`), final RMSNorm ``norm``;
+    ``forward``: :meth:`DenseSSMModel.forward <hf_densessm.modeling.modeling_densessm.DenseSSMModel.forward>` (its
+    cache must be a ``DenseSSMCache``), returning a ``BaseModelOutputWithPast``."""
 
     def __init__(self, config: DenseRetNetConfig):
         super().__init__(config)
@@ -199,10 +182,9 @@ class DenseRetNetModel(DenseSSMModel, DenseRetNetPreTrainedModel):
         self.post_init()
 
     def layer_inputs(self, embeds, cache, attention_mask, reset) -> dict:
-        """``rotary``: ``(cos, sin, row_sums)`` at each token's position, the same in every block: ``cos``, ``sin``
-        ``(batch, seq_len, 1, head_dim)`` of :func:`rotary_angles` (each repeated for its channel pair, ``sin``
-        negated at the even channels) and :func:`retention_row_sums`, in ``embeds``' dtype promoted to float32; the
-        position: real tokens before it in the row (the cache's count first), or in its packed document."""
+        """``rotary``: ``(cos, sin, row_sums)`` at each token's position (real tokens before it in the row, the
+        cache's count first, or in its packed document), in ``embeds``' dtype promoted to float32: ``cos``, ``sin``
+        ``(batch, seq_len, 1, head_dim)`` (:func:`theta_shift`), :func:`retention_row_sums`."""
         seen = getattr(cache, "real_tokens_seen", None)  # real tokens per row before this call; counted after it
         if reset is not None:  # packed documents (no cache, no padding): positions restart at each document
             positions = document_positions(reset)
@@ -232,4 +214,6 @@ class DenseRetNetForSequenceClassification(DenseSSMForSequenceClassification, De
     backbone_class = DenseRetNetModel
 
 
-__all__ = ["DenseRetNetForCausalLM", "DenseRetNetForSequenceClassification", "DenseRetNetModel", "DenseRetNetPreTrainedModel"]
+__all__ = [
+    "DenseRetNetForCausalLM", "DenseRetNetForSequenceClassification", "DenseRetNetModel", "DenseRetNetPreTrainedModel",
+]

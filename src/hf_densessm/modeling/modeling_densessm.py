@@ -1,6 +1,6 @@
-"""The model classes every DenseSSM family builds on: the pre-trained base (saving and loading), the backbone's
-``forward``, the causal-LM head with its generation glue, the classification head (docs/design.md §1, §5). A family
-subclasses them and adds its blocks, init and output classes (docs/contributing.md, "Adding a family")."""
+"""The model classes every DenseSSM family subclasses (docs/design.md §1, §5; docs/contributing.md, "Adding a
+family"): the pre-trained base, the backbone, the causal-LM head with its generation glue, the classification head;
+the RMSNorm of every block."""
 
 from __future__ import annotations
 
@@ -13,13 +13,13 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 from transformers.utils import logging
 
 from ..ops.dispatch import use_backend
-from .cache import DenseSSMCache, check_cache, new_cache, record_tokens
+from .cache import DenseSSMCache, check_cache
 from .cache_names import CACHE_FIELDS, CACHE_RENAMED, generate_keyword, model_output, output_cache, takes_cache
 from .dense_connection import run_dense_layers
 from .inputs import check_inputs, check_logits_to_keep, packed_document_starts, prepare_attention_mask
 from .save_check import load_one_save
 
-try:  # the publishing code, which remote code does not ship: there transformers' methods save (docs/design.md §8)
+try:  # the publishing code, not shipped with remote code (docs/design.md §8)
     from .. import hub
 except ImportError:
     hub = None
@@ -34,11 +34,40 @@ def _returned(output, return_dict: bool | None, config):
     return output if (return_dict if return_dict is not None else config.return_dict) else output.to_tuple()
 
 
+class DenseSSMRMSNorm(nn.Module):
+    """Root-mean-square layer norm (Zhang & Sennrich 2019, Eq. 4), as ``LlamaRMSNorm``: ``weight * x / sqrt(mean(x^2)
+    + eps)`` over the last dimension in float32 (float64 for float64 inputs), ``(..., hidden_size)`` in and out;
+    ``num_groups > 1`` normalizes each equal slice alone with one shared ``weight`` ``(hidden_size // num_groups,)``
+    (DenseRetNet's group norm, §3). Raises ``ValueError`` if ``num_groups`` does not divide ``hidden_size``."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, num_groups: int = 1):
+        super().__init__()
+        if num_groups < 1 or hidden_size % num_groups:
+            raise ValueError(f"hidden_size ({hidden_size}) must be divisible by num_groups ({num_groups}).")
+        self.weight = nn.Parameter(torch.ones(hidden_size // num_groups))
+        self.variance_epsilon = eps
+        self.num_groups = num_groups
+
+    def forward(self, hidden_states: torch.Tensor, eps_scale: torch.Tensor | None = None) -> torch.Tensor:
+        """``eps_scale``: optional positive factor on ``eps`` per group, broadcastable to ``(..., num_groups, 1)``
+        (DenseRetNet's retention normalization, docs/design.md §3)."""
+        input_dtype = hidden_states.dtype
+        h = hidden_states.to(torch.promote_types(input_dtype, torch.float32))
+        if self.num_groups > 1:
+            h = h.unflatten(-1, (self.num_groups, -1))
+        eps = self.variance_epsilon if eps_scale is None else self.variance_epsilon * eps_scale
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        h = self.weight * h.to(input_dtype)
+        return h.flatten(-2) if self.num_groups > 1 else h
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0] * self.num_groups}, eps={self.variance_epsilon}, num_groups={self.num_groups}"
+
+
 class DenseSSMPreTrainedModel(PreTrainedModel):
-    """What every DenseSSM model shares: the flags transformers reads, the cache's old names (taken as keywords;
-    ``generate()`` kept the cache under the first before transformers 5.24), ``save_pretrained`` / ``push_to_hub``
-    through :mod:`hf_densessm.hub` (transformers' own in remote code, which ships no ``hub``: docs/design.md §8) and a
-    ``from_pretrained`` that loads one whole save of a folder (:func:`~.save_check.load_one_save`)."""
+    """Base of every DenseSSM model: transformers' flags, the cache's ``old_cache_names`` (``generate()``'s keyword
+    before 5.24 is the first), ``save_pretrained`` / ``push_to_hub`` through :mod:`hf_densessm.hub` (transformers' own
+    in remote code; docs/design.md §8), ``from_pretrained`` of one whole save (:func:`~.save_check.load_one_save`)."""
 
     supports_gradient_checkpointing = True
     _is_stateful = True
@@ -64,28 +93,21 @@ class DenseSSMPreTrainedModel(PreTrainedModel):
 
 
 class DenseSSMModel(DenseSSMPreTrainedModel):
-    """A family's backbone: the input embeddings (found as transformers finds them, ``get_input_embeddings``),
-    ``layers`` (the dense blocks), the final norm (the attribute :attr:`final_norm_name`); returns
-    :attr:`output_class`."""
+    """A family's backbone: input embeddings (``get_input_embeddings``), ``layers``, the final norm (attribute
+    :attr:`final_norm_name`); returns :attr:`output_class`."""
 
     output_class: type = BaseModelOutputWithPast
     final_norm_name: str = "norm"
 
     def layer_inputs(self, embeds, cache, attention_mask, reset) -> dict:
-        """The family's hook: more keyword arguments of every block in one forward (terms the same in each; none)."""
+        """The family's hook: extra keyword arguments, the same for every block of one forward (none here)."""
         return {}
 
-    @takes_cache("past_key_values", "cache_params")
+    @takes_cache
     def forward(
-        self,
-        input_ids: torch.LongTensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        inputs_embeds: torch.Tensor | None = None,
-        cache=None,
-        use_cache: bool | None = None,
-        output_hidden_states: bool | None = None,
-        return_dict: bool | None = None,
-        **kwargs,
+        self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None, cache=None, use_cache: bool | None = None,
+        output_hidden_states: bool | None = None, return_dict: bool | None = None, **kwargs,
     ):
         r"""
         Args:
@@ -114,12 +136,13 @@ class DenseSSMModel(DenseSSMPreTrainedModel):
         if use_cache is None:
             use_cache = config.use_cache and not self.training and reset is None
         if self.gradient_checkpointing and self.training and torch.is_grad_enabled() and use_cache:
-            logger.warning_once("`use_cache=True` is incompatible with gradient checkpointing; setting `use_cache=False`.")
+            logger.warning_once("`use_cache=True` is incompatible with gradient checkpointing; setting "
+                                "`use_cache=False`.")
             use_cache = False
         if not use_cache:
             cache = None
         elif cache is None:
-            cache = new_cache(config)
+            cache = DenseSSMCache(config=config)
         else:
             check_cache(cache, config, batch)
         attention_mask = prepare_attention_mask(attention_mask, batch, seq_len, decoding=decoding)
@@ -128,22 +151,23 @@ class DenseSSMModel(DenseSSMPreTrainedModel):
         if attention_mask is not None:  # padding enters the blocks as zeros, whatever it held (docs/design.md §5)
             embeds = torch.where(attention_mask[..., None].bool(), embeds, 0)
         with use_backend(config.kernel_backend):  # the one place the ops' backend is read (docs/kernels.md)
-            hidden_states, all_hidden_states = run_dense_layers(  # the first `num_hidden_layers`: all, but fewer
-                # while transformers' early-exit assistant drafts (`generate(..., assistant_early_exit=k)`)
+            hidden_states, all_hidden_states = run_dense_layers(  # fewer layers in early-exit assistant drafts
                 self.layers[: config.num_hidden_layers], embeds, config, output_hidden_states, cache=cache,
                 attention_mask=attention_mask, reset=reset, **self.layer_inputs(embeds, cache, attention_mask, reset),
             )
-        record_tokens(cache, embeds, attention_mask)
+        if isinstance(cache, DenseSSMCache):
+            cache.record_tokens(embeds, attention_mask)
         hidden_states = getattr(self, self.final_norm_name)(hidden_states)
         if output_hidden_states:
             all_hidden_states += (hidden_states,)
-        output = model_output(self.output_class, cache, last_hidden_state=hidden_states, hidden_states=all_hidden_states)
+        output = model_output(self.output_class, cache, last_hidden_state=hidden_states,
+                              hidden_states=all_hidden_states)
         return _returned(output, return_dict, config)
 
 
 class DenseSSMForCausalLM(DenseSSMPreTrainedModel, GenerationMixin):
-    """A family's backbone (:attr:`backbone_class`, at ``base_model_prefix``) with a language-modeling head
-    ``lm_head``; returns :attr:`output_class`. Cache and compiled decoding in ``generate()``: docs/design.md §5."""
+    """A family's backbone (:attr:`backbone_class`, at ``base_model_prefix``) with ``lm_head``; returns
+    :attr:`output_class` (``generate()``'s cache and compiled decoding: docs/design.md §5)."""
 
     backbone_class: type = None
     output_class: type = CausalLMOutputWithPast
@@ -155,19 +179,12 @@ class DenseSSMForCausalLM(DenseSSMPreTrainedModel, GenerationMixin):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
-    @takes_cache("past_key_values", "cache_params")
+    @takes_cache
     def forward(
-        self,
-        input_ids: torch.LongTensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        inputs_embeds: torch.Tensor | None = None,
-        cache=None,
-        labels: torch.LongTensor | None = None,
-        use_cache: bool | None = None,
-        output_hidden_states: bool | None = None,
-        return_dict: bool | None = None,
-        logits_to_keep: int | torch.Tensor = 0,
-        **kwargs,
+        self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None, cache=None, labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None, output_hidden_states: bool | None = None, return_dict: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0, **kwargs,
     ):
         r"""
         Args:
@@ -182,19 +199,17 @@ class DenseSSMForCausalLM(DenseSSMPreTrainedModel, GenerationMixin):
         Raises:
             ValueError, TypeError: bad inputs (docs/errors.md).
         """
-        outputs = self.base_model(
-            input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds, cache=cache, use_cache=use_cache,
-            output_hidden_states=output_hidden_states, return_dict=True, **kwargs,
-        )
+        outputs = self.base_model(input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds, cache=cache,
+                                  use_cache=use_cache, output_hidden_states=output_hidden_states, return_dict=True,
+                                  **kwargs)
         kept = check_logits_to_keep(logits_to_keep, outputs.last_hidden_state.shape[1])
         logits = self.lm_head(outputs.last_hidden_state[:, kept, :].to(self.lm_head.weight.dtype))
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-        output = model_output(
-            self.output_class, output_cache(outputs), loss=loss, logits=logits, hidden_states=outputs.hidden_states
-        )
+        output = model_output(self.output_class, output_cache(outputs), loss=loss, logits=logits,
+                              hidden_states=outputs.hidden_states)
         return _returned(output, return_dict, self.config)
 
     @classmethod
@@ -202,18 +217,15 @@ class DenseSSMForCausalLM(DenseSSMPreTrainedModel, GenerationMixin):
         return False
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, *args, **kwargs):
-        """transformers' hook: ``generate()`` gets a new, empty ``DenseSSMCache`` under the installed release's cache
-        name before the prefill, unless one was passed in or ``use_cache=False``. A ``DenseSSMCache`` records for
-        ``crop`` in an assistant's ``generate()`` only (assisted decoding turns it on itself), so that plain decoding
-        keeps nothing (docs/design.md §5, "Speculative decoding")."""
+        """transformers' hook: a new ``DenseSSMCache`` under the release's cache name unless one was passed or
+        ``use_cache=False``; it records for ``crop`` only in an assistant's ``generate()`` (docs/design.md §5)."""
         super()._prepare_cache_for_generation(generation_config, model_kwargs, generation_mode, *args, **kwargs)
         if generation_config.use_cache is False:
             return
         cache = next((model_kwargs[name] for name in CACHE_FIELDS if model_kwargs.get(name) is not None), None)
         if cache is None:
-            cache = model_kwargs[generate_keyword(self.old_cache_names)] = new_cache(self.config)
-        if generation_mode == GenerationMode.ASSISTED_GENERATION and not CACHE_RENAMED:  # 5.17-5.23's assisted
-            # decoding knows only this name (and hands every other one to the assistant)
+            cache = model_kwargs[generate_keyword(self.old_cache_names)] = DenseSSMCache(config=self.config)
+        if generation_mode == GenerationMode.ASSISTED_GENERATION and not CACHE_RENAMED:  # 5.17-5.23 know only this
             for name in CACHE_FIELDS:
                 model_kwargs.pop(name, None)
             model_kwargs["past_key_values"] = cache
@@ -225,13 +237,8 @@ class DenseSSMForCausalLM(DenseSSMPreTrainedModel, GenerationMixin):
             cache.stop_recording()
 
     def compile_decode_step(self, enable: bool = True):
-        """Compile ``generate()``'s one-token decoding steps on every device: ``generation_config.compile_config``
-        becomes ``CompileConfig(fullgraph=True)``, allowed on every device (docs/design.md §5, "Compiled decoding");
-        ``enable=False`` goes back to transformers' default (``compile_config = None``). Returns the model.
-
-        Raises:
-            TypeError: ``enable`` is not a bool.
-        """
+        """Compile ``generate()``'s decoding steps on every device (``generation_config.compile_config =
+        CompileConfig(fullgraph=True)``; ``enable=False``: ``None``); returns the model. ``TypeError``: not a bool."""
         if not isinstance(enable, bool):
             raise TypeError(f"`enable` must be a bool, got {enable!r} ({type(enable).__name__}).")
         compile_config = None
@@ -241,34 +248,23 @@ class DenseSSMForCausalLM(DenseSSMPreTrainedModel, GenerationMixin):
         self.generation_config.compile_config = compile_config
         return self
 
-    @takes_cache("past_key_values", "cache_params")
+    @takes_cache
     def prepare_inputs_for_generation(
-        self,
-        input_ids,
-        attention_mask=None,
-        inputs_embeds=None,
-        cache=None,
-        next_sequence_length=None,
-        is_first_iteration=False,
-        **kwargs,
+        self, input_ids, attention_mask=None, inputs_embeds=None, cache=None, next_sequence_length=None,
+        is_first_iteration=False, **kwargs,
     ):
-        """As transformers' default, except: the 2-D padding mask is cut to the columns of the tokens fed (a
-        ``(batch, 1)`` mask per decoding step, a fresh tensor); given no ``next_sequence_length``, a ``cache`` holding
-        ``p < input_ids.shape[1]`` positions is continued with ``input_ids[:, p:]`` (a prompt passed with a cache, an
-        assistant's next draft); the cache goes to ``forward`` as ``cache`` (docs/design.md §5, "Continuing a cache").
-
-        Raises:
-            ValueError: at the first step, a ``cache`` holding as many positions as the prompt or more.
-        """
+        """As transformers' default, except: the padding mask is cut to the fed tokens' columns (a fresh tensor); a
+        ``cache`` of ``p`` positions continues with ``input_ids[:, p:]`` when no ``next_sequence_length`` is given;
+        the cache goes to ``forward`` as ``cache`` (docs/design.md §5, "Continuing a cache"). ``ValueError`` at the
+        first step for a ``cache`` holding as many positions as the prompt or more."""
         if cache is not None and (is_first_iteration or next_sequence_length is None):
             seen = cache.get_seq_length()
             length = (inputs_embeds if inputs_embeds is not None else input_ids).shape[1]
             if is_first_iteration and seen and seen >= length:
-                raise ValueError(
-                    f"The `cache` passed to generate() holds {seen} positions, but the prompt has {length}: a cache "
-                    "continues the prompt its positions came from, so give that prompt plus at least one new token "
-                    "(e.g. the `sequences` returned with the cache), or leave the cache out."
-                )
+                raise ValueError(f"The `cache` passed to generate() holds {seen} positions, but the prompt has "
+                                 f"{length}: a cache continues the prompt its positions came from, so give that "
+                                 "prompt plus at least one new token (e.g. the `sequences` returned with the cache), "
+                                 "or leave the cache out.")
             if next_sequence_length is None and seen > 0:
                 next_sequence_length = length - seen
         model_inputs = super().prepare_inputs_for_generation(
@@ -278,20 +274,16 @@ class DenseSSMForCausalLM(DenseSSMPreTrainedModel, GenerationMixin):
         if cache is not None:
             model_inputs["cache"] = cache
         fed = model_inputs["input_ids"] if model_inputs.get("input_ids") is not None else model_inputs["inputs_embeds"]
-        if attention_mask is not None:  # a fresh tensor, as transformers clones its slices: a view of the growing
-            # mask would change strides at every step and recompile a compiled step
+        if attention_mask is not None:  # a fresh tensor: a view's strides change per step and recompile
             attention_mask = attention_mask[:, -fed.shape[1] :].clone(memory_format=torch.contiguous_format)
         model_inputs["attention_mask"] = attention_mask
         return model_inputs
 
 
 class DenseSSMForSequenceClassification(DenseSSMPreTrainedModel):
-    """A family's backbone (:attr:`backbone_class`, at ``base_model_prefix``) with a bias-free ``score:
-    hidden_size -> num_labels`` at the last non-padding token: transformers' ``GenericForSequenceClassification``
-    (its ``forward``: ``pad_token_id`` needed for batches larger than 1, the loss per problem type), with the backbone
-    built directly rather than through ``AutoModel``, so that a folder loaded as remote code has it
-    (docs/design.md §5, "Sequence classification"). ``forward`` returns a ``SequenceClassifierOutputWithPast`` with
-    ``logits`` ``(batch, num_labels)``."""
+    """A family's backbone (:attr:`backbone_class`) with a bias-free ``score: hidden_size -> num_labels`` at the last
+    non-padding token: transformers' ``GenericForSequenceClassification.forward`` (docs/design.md §5), returning a
+    ``SequenceClassifierOutputWithPast`` with ``logits`` ``(batch, num_labels)``."""
 
     backbone_class: type = None
     forward = GenericForSequenceClassification.forward

@@ -89,32 +89,26 @@ def _error(folder: Path, ids: dict, running: bool) -> MixedSaveError:
         saves.setdefault(save_id, []).append(name)
     found = "; ".join(f"{f'save {i}' if i else 'no save id'}: {', '.join(names)}" for i, names in saves.items())
     if running:
-        return MixedSaveError(
-            f"{folder} did not hold one whole save for {WAIT_S:.0f} s while saves ran in it ({found}). Load it again "
-            "when no save is running."
-        )
+        return MixedSaveError(f"{folder} did not hold one whole save for {WAIT_S:.0f} s while saves ran in it "
+                              f"({found}). Load it again when no save is running.")
     if len(set(files.values())) == 1:
-        return MixedSaveError(
-            f"The config passed to from_pretrained (by you, or by an AutoModel class that read it just before) is not "
-            f"of the save {folder} holds ({found}): load again (the folder was saved again meanwhile), or set the "
-            f"config's `{SAVE_ID}` to None to load these weights with it."
-        )
+        return MixedSaveError("The config passed to from_pretrained (by you, or by an AutoModel class that read it "
+                              f"just before) is not of the save {folder} holds ({found}): load again (the folder was "
+                              f"saved again meanwhile), or set the config's `{SAVE_ID}` to None to load these weights "
+                              "with it.")
     backups = sorted(str(p) for p in folder.glob(BACKUP_PREFIX + "*") if p.is_dir())
     how = (
         f"The previous whole save is kept in {' or '.join(backups)}: load it from there and save it again into the "
         "folder, or save the new model again." if backups else "Save the model again into the folder."
     )
-    return MixedSaveError(
-        f"{folder} holds files of different saves, so it would load as neither ({found}): a save into it was "
-        f"interrupted, or files were copied in from another save. {how}"
-    )
+    return MixedSaveError(f"{folder} holds files of different saves, so it would load as neither ({found}): a save "
+                          f"into it was interrupted, or files were copied in from another save. {how}")
 
 
 def load_one_save(load, path, kwargs: dict):
-    """``load()`` (transformers' ``from_pretrained(path, **kwargs)``), checked when ``path`` is a local folder: its
-    ``config.json`` and weight files (:func:`save_ids`), and the ``config`` object passed in, must name one save
-    (:func:`one_save`) before and after the load. A load that saw the folder change runs again; a mixed folder is
-    waited for (up to :data:`WAIT_S` seconds) while a save runs in it. The loaded config's save id is dropped.
+    """``load()`` (transformers' ``from_pretrained(path, **kwargs)``); for a local folder, its files (:func:`save_ids`)
+    and the ``config`` passed in must name one save (:func:`one_save`) before and after, a load that saw the folder
+    change runs again, and a running save is waited for (:data:`WAIT_S`). The loaded config's save id is dropped.
 
     Raises:
         MixedSaveError: (an ``OSError``) the files belong to different saves (the message lists which file belongs to
@@ -133,9 +127,8 @@ def load_one_save(load, path, kwargs: dict):
 
 
 def one_save(ids: dict, folder: Path) -> bool:
-    """Whether the save ids ``ids`` (:func:`save_ids`) name one save. A file without an id (weights written by another
-    tool, or by transformers alone) is not held against the others unless a save of this package was cut off or runs
-    in ``folder`` (its staging or backup folder is there)."""
+    """Whether the save ids ``ids`` (:func:`save_ids`) name one save; a file without an id counts only while a save
+    of this package runs in ``folder`` or was cut off there (its staging or backup folder is there)."""
     found = set(ids.values())
     if None in found and len(found) > 1 and not any(entry.name.startswith(OWN_PREFIX) for entry in folder.iterdir()):
         found.discard(None)
