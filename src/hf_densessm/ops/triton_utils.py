@@ -1,5 +1,5 @@
-"""Triton device functions shared by the kernels of every op (``acc``, ``softplus``, ``silu``) and :func:`launch`.
-Imported only by kernel files, which are imported only when a Triton backend runs (docs/kernels.md).
+"""Triton device functions shared by the kernels of every op (``acc``, ``softplus``, ``silu``), :func:`launch`, and
+``triton`` / ``tl`` for the kernel files, whose import thus raises ``ImportError`` without triton (docs/kernels.md).
 """
 
 try:  # triton: needed only when a kernel of this file runs
@@ -12,7 +12,7 @@ import torch
 
 from .dispatch import interpreting
 
-__all__ = ["acc", "launch", "silu", "softplus"]
+__all__ = ["acc", "launch", "silu", "softplus", "tl", "triton"]
 
 
 def launch(kernel):

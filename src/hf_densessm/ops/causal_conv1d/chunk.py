@@ -8,14 +8,8 @@ from __future__ import annotations
 
 import torch
 
-try:  # triton: needed only when a kernel of this file runs
-    import triton
-    import triton.language as tl
-except ImportError as error:
-    raise ImportError(f"{__name__} holds Triton kernels and needs the `triton` package") from error
-
 from ..backend import compute_dtype
-from ..triton_utils import launch
+from ..triton_utils import launch, tl, triton  # raises ImportError without triton
 
 __all__ = ["causal_conv1d_triton_bwd", "causal_conv1d_triton_fwd"]
 

@@ -9,14 +9,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-try:  # triton: needed only when a kernel of this file runs
-    import triton
-    import triton.language as tl
-except ImportError as error:
-    raise ImportError(f"{__name__} holds Triton kernels and needs the `triton` package") from error
-
 from ..backend import GPUArch, compute_dtype, device_arch
-from ..triton_utils import launch
+from ..triton_utils import launch, tl, triton  # raises ImportError without triton
 from .naive import retention_log2_gamma
 
 __all__ = [

@@ -4,14 +4,8 @@ Triton branch of ``hf_densessm::retention_state_update`` (docs/kernels.md, "How 
 
 import torch
 
-try:  # triton: needed only when a kernel of this file runs
-    import triton
-    import triton.language as tl
-except ImportError as error:
-    raise ImportError(f"{__name__} holds Triton kernels and needs the `triton` package") from error
-
 from ..backend import GPUArch, device_arch
-from ..triton_utils import launch
+from ..triton_utils import launch, tl, triton  # raises ImportError without triton
 
 __all__ = ["retention_state_update_config", "retention_state_update_triton"]
 

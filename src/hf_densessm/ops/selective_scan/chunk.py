@@ -10,14 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
-try:  # triton: needed only when a kernel of this file runs
-    import triton
-    import triton.language as tl
-except ImportError as error:
-    raise ImportError(f"{__name__} holds Triton kernels and needs the `triton` package") from error
-
 from ..backend import GPUArch, device_arch, inputs_compute_dtype
-from ..triton_utils import launch, softplus
+from ..triton_utils import launch, softplus, tl, triton  # raises ImportError without triton
 
 __all__ = [
     "SelectiveScanConfig", "selective_scan_config", "selective_scan_triton_bwd", "selective_scan_triton_fwd",

@@ -6,14 +6,8 @@ from __future__ import annotations
 
 import torch
 
-try:  # triton: needed only when a kernel of this file runs
-    import triton
-    import triton.language as tl
-except ImportError as error:
-    raise ImportError(f"{__name__} holds Triton kernels and needs the `triton` package") from error
-
 from ..backend import GPUArch, device_arch
-from ..triton_utils import acc, launch, silu, softplus
+from ..triton_utils import acc, launch, silu, softplus, tl, triton  # raises ImportError without triton
 
 __all__ = ["selective_state_update_config", "selective_state_update_triton"]
 
