@@ -14,7 +14,7 @@ import torch
 
 __all__ = [
     "BACKENDS", "Implementation", "TABLES", "check_backend", "choose", "chosen_backend", "implementation",
-    "interpreting", "register", "triton_available", "triton_missing", "use_backend",
+    "interpreting", "register", "triton_available", "triton_entry", "triton_missing", "use_backend",
 ]
 
 #: The values of every op's ``backend`` argument and of the models' ``config.kernel_backend``: ``"auto"`` (the first
@@ -124,6 +124,12 @@ class Implementation:
     missing: Callable[..., str | None] = lambda device, **facts: None
     traced: bool = False
     calls: dict[str, Callable] = field(default_factory=dict)
+
+
+def triton_entry(**calls: Callable) -> Implementation:
+    """The ``"triton"`` entry of an op's table: ``calls`` traced, taken by ``"auto"`` on CUDA, :func:`triton_missing`
+    its ``missing``."""
+    return Implementation("triton", ("auto", "triton"), ("cuda",), triton_missing, True, calls)
 
 
 #: ``{op name: [Implementation, ...]}``, in the order :func:`choose` tries them (each op's module fills its own). The

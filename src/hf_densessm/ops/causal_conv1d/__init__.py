@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 
 from ..backend import OpGroup, own_precision
-from ..dispatch import TABLES, Implementation, choose, implementation, triton_missing
+from ..dispatch import TABLES, Implementation, choose, implementation, triton_entry
 from ..packing import check_reset
 from .torch_path import causal_conv1d_backward_torch, causal_conv1d_torch
 
@@ -41,9 +41,7 @@ def _torch(fn):
 
 
 TABLES["causal_conv1d"] = [
-    Implementation("triton", ("auto", "triton"), ("cuda",), triton_missing, traced=True,
-                   calls=dict(forward=_triton("causal_conv1d_triton_fwd"),
-                              backward=_triton("causal_conv1d_triton_bwd"))),
+    triton_entry(forward=_triton("causal_conv1d_triton_fwd"), backward=_triton("causal_conv1d_triton_bwd")),
     Implementation("torch", ("auto", "torch"), traced=True,
                    calls=dict(forward=_torch(causal_conv1d_torch), backward=_torch(causal_conv1d_backward_torch))),
 ]

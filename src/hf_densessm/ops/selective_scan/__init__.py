@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 
 from ..backend import OpGroup, inputs_compute_dtype, own_precision, require
-from ..dispatch import TABLES, Implementation, choose, implementation, triton_missing
+from ..dispatch import TABLES, Implementation, choose, implementation, triton_entry
 
 try:  # remote code ships no C++ build code (docs/hub_and_conversion.md): the table has no "cpp" entry there
     from .. import cpu_kernel
@@ -30,7 +30,7 @@ _ops = OpGroup()
 
 
 def _check_tensor(name, t, shape, device, optional=False):
-    """``shape``: (expected sizes, None = any; the dimension names used in the message)."""
+    """Type, ``shape`` ((sizes, None = any), dimension names), dtype and device of ``t``; ``None`` if ``optional``."""
     if t is None:
         if optional:
             return
@@ -40,9 +40,7 @@ def _check_tensor(name, t, shape, device, optional=False):
     sizes, names = shape
     if t.dim() != len(sizes) or any(s is not None and s != got for s, got in zip(sizes, t.shape)):
         want = ", ".join(f"{n}={s}" if s is not None else n for n, s in zip(names, sizes))
-        raise ValueError(
-            f"{name} must have shape ({', '.join(names)}) with {want}, got shape {tuple(t.shape)}"
-        )
+        raise ValueError(f"{name} must have shape ({', '.join(names)}) with {want}, got shape {tuple(t.shape)}")
     if t.dtype not in _FLOAT_DTYPES:
         raise TypeError(f"{name} must have dtype in {[str(d) for d in _FLOAT_DTYPES]}, got {t.dtype}")
     if t.device != device:
@@ -56,6 +54,7 @@ def _check_decay(A: torch.Tensor) -> None:
 
 
 def _check_scan_args(u, delta, A, B, C, D, z, delta_bias, initial_state):
+    """The argument checks of :func:`selective_scan` but ``A <= 0`` and ``reset``."""
     if not isinstance(u, torch.Tensor):
         raise TypeError(f"u must be a torch.Tensor, got {type(u).__name__}")
     if u.dim() != 3:
@@ -73,9 +72,7 @@ def _check_scan_args(u, delta, A, B, C, D, z, delta_bias, initial_state):
     _check_tensor("D", D, ((dim,), ("dim",)), dev, optional=True)
     _check_tensor("z", z, ((batch, dim, length), ("batch", "dim", "length")), dev, optional=True)
     _check_tensor("delta_bias", delta_bias, ((dim,), ("dim",)), dev, optional=True)
-    _check_tensor(
-        "initial_state", initial_state, ((batch, dim, n), ("batch", "dim", "state")), dev, optional=True
-    )
+    _check_tensor("initial_state", initial_state, ((batch, dim, n), ("batch", "dim", "state")), dev, optional=True)
 
 
 def _or_empty(grad: Optional[Tensor], like: Tensor) -> Tensor:
@@ -102,8 +99,7 @@ def _triton(module: str, name: str):
     """The function ``name`` of ``chunk.py`` or ``fused_recurrent.py`` (``module``), imported when called (both need
     triton)."""
     def call(*args):
-        from . import chunk
-        from . import fused_recurrent
+        from . import chunk, fused_recurrent
         return getattr(chunk if module == "chunk" else fused_recurrent, name)(*args)
     return call
 
@@ -130,30 +126,26 @@ def _torch_step(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus):
         return selective_state_update_torch(state, x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus)
 
 
-_TRITON = dict(backends=("auto", "triton"), auto_devices=("cuda",), missing=triton_missing, traced=True)
 TABLES["selective_scan"] = [
-    Implementation("triton", **_TRITON, calls=dict(forward=_triton("chunk", "selective_scan_triton_fwd"),
-                                                   backward=_triton("chunk", "selective_scan_triton_bwd"))),
+    triton_entry(forward=_triton("chunk", "selective_scan_triton_fwd"),
+                 backward=_triton("chunk", "selective_scan_triton_bwd")),
     *([cpu_kernel.IMPLEMENTATION] if cpu_kernel else []),
     Implementation("torch", ("auto", "torch"), calls=dict(forward=_torch_forward, backward=_torch_backward,
                                                           saved=_torch_saved)),
 ]
 TABLES["selective_state_update"] = [
-    Implementation("triton", **_TRITON, calls=dict(step=_triton("fused_recurrent", "selective_state_update_triton"))),
+    triton_entry(step=_triton("fused_recurrent", "selective_state_update_triton")),
     Implementation("torch", ("auto", "torch"), traced=True, calls=dict(step=_torch_step)),
 ]
 
 
 # ------------------------------------------------------------------------------------------------------ the ops
 #
-# ``hf_densessm::selective_scan`` (+ ``_backward``) run the implementation named by their ``impl`` argument, which
-# :func:`selective_scan` chose and the backward receives from the forward's context. ``triton_op`` registers each
-# body as its own fake, and ``torch.compile`` decomposes the op into it: a traced entry's kernels enter the graph;
-# any other entry runs inside the opaque ops ``selective_scan_eager`` (+ ``_backward``), run eagerly inside a
-# compiled graph (the chunked path's Python loop over chunks would otherwise be unrolled into it: measured, 350 s
-# to compile a 4-block micro model's training step at 37 tokens).
+# The ops run the entry named by ``impl``, which the backward receives from the forward's context; an untraced entry
+# runs inside the opaque ops ``selective_scan_eager`` (+ ``_backward``) (docs/kernels.md, "The ops").
 
 
+_Grads = tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]  # the backward ops' outputs
 _TOKEN_MAJOR_GRADS = (0, 1, 3, 4, 6)  # du, ddelta, dB, dC, dz: the layout of the model's u, delta, B, C, z
 
 
@@ -176,11 +168,10 @@ def _eager(u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Optiona
     return _token_major(y), last, saved
 
 
-def _eager_backward(
-    dy: Optional[Tensor], dlast: Optional[Tensor], u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor,
-    D: Optional[Tensor], z: Optional[Tensor], delta_bias: Optional[Tensor], delta_softplus: bool,
-    initial_state: Optional[Tensor], reset: Optional[Tensor], saved: Tensor, impl: str,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+def _eager_backward(dy: Optional[Tensor], dlast: Optional[Tensor], u: Tensor, delta: Tensor, A: Tensor, B: Tensor,
+                    C: Tensor, D: Optional[Tensor], z: Optional[Tensor], delta_bias: Optional[Tensor],
+                    delta_softplus: bool, initial_state: Optional[Tensor], reset: Optional[Tensor], saved: Tensor,
+                    impl: str) -> _Grads:
     with own_precision(u.device):
         grads = implementation("selective_scan", impl).calls["backward"](
             dy, dlast, u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, reset, saved)
@@ -207,11 +198,10 @@ _ops.custom_op("selective_scan_eager_backward", _eager_backward, fake=_eager_bac
 
 
 @_ops.triton_op("selective_scan")
-def _selective_scan_op(
-    u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Optional[Tensor], z: Optional[Tensor],
-    delta_bias: Optional[Tensor], delta_softplus: bool, initial_state: Optional[Tensor], reset: Optional[Tensor],
-    save_states: bool, impl: str,
-) -> tuple[Tensor, Tensor, Tensor]:
+def _selective_scan_op(u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Optional[Tensor],
+                       z: Optional[Tensor], delta_bias: Optional[Tensor], delta_softplus: bool,
+                       initial_state: Optional[Tensor], reset: Optional[Tensor], save_states: bool,
+                       impl: str) -> tuple[Tensor, Tensor, Tensor]:
     """``hf_densessm::selective_scan``: ``(y, last_state, saved)`` of the implementation ``impl`` (the table's
     "forward"); see :func:`selective_scan` for the arguments (``reset``: (batch, length) bool or None)."""
     entry = implementation("selective_scan", impl)
@@ -223,11 +213,11 @@ def _selective_scan_op(
 
 
 @_ops.triton_op("selective_scan_backward")
-def _selective_scan_backward_op(
-    dy: Optional[Tensor], dlast: Optional[Tensor], u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor,
-    D: Optional[Tensor], z: Optional[Tensor], delta_bias: Optional[Tensor], delta_softplus: bool,
-    initial_state: Optional[Tensor], reset: Optional[Tensor], saved: Tensor, impl: str,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+def _selective_scan_backward_op(dy: Optional[Tensor], dlast: Optional[Tensor], u: Tensor, delta: Tensor, A: Tensor,
+                                B: Tensor, C: Tensor, D: Optional[Tensor], z: Optional[Tensor],
+                                delta_bias: Optional[Tensor], delta_softplus: bool, initial_state: Optional[Tensor],
+                                reset: Optional[Tensor], saved: Tensor,
+                                impl: str) -> _Grads:
     """``hf_densessm::selective_scan_backward``: ``(du, ddelta, dA, dB, dC, dD, dz, ddelta_bias, dinitial_state)``
     of the implementation ``impl`` from the gradients ``dy`` (batch, dim, length) and ``dlast`` (batch, dim, state)
     (None: zero), the forward op's arguments and its ``saved`` (with all its chunks). Each gradient is in its input's
@@ -263,34 +253,22 @@ _ops.register_autograd("selective_scan", _scan_backward, setup_context=_scan_set
 
 
 @_ops.triton_op("selective_state_update", mutates_args=("state",))
-def _selective_state_update_op(
-    state: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Optional[Tensor], z: Optional[Tensor],
-    dt_bias: Optional[Tensor], dt_softplus: bool, impl: str,
-) -> Tensor:
+def _selective_state_update_op(state: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
+                               D: Optional[Tensor], z: Optional[Tensor], dt_bias: Optional[Tensor], dt_softplus: bool,
+                               impl: str) -> Tensor:
     """``hf_densessm::selective_state_update``: one decoding step of the implementation ``impl``, ``state`` updated
     in place, ``y`` returned; see :func:`selective_state_update`. No autograd formula: decoding only."""
-    return implementation("selective_state_update", impl).calls["step"](state, x, dt, A, B, C, D, z, dt_bias,
-                                                                        dt_softplus)
+    step = implementation("selective_state_update", impl).calls["step"]
+    return step(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus)
 
 
 _ops.define()
 
 
-def selective_scan(
-    u: torch.Tensor,
-    delta: torch.Tensor,
-    A: torch.Tensor,
-    B: torch.Tensor,
-    C: torch.Tensor,
-    D: torch.Tensor | None = None,
-    z: torch.Tensor | None = None,
-    delta_bias: torch.Tensor | None = None,
-    delta_softplus: bool = False,
-    initial_state: torch.Tensor | None = None,
-    return_last_state: bool = False,
-    backend: str | None = None,
-    reset: torch.Tensor | None = None,
-):
+def selective_scan(u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor | None = None,
+                   z: Tensor | None = None, delta_bias: Tensor | None = None, delta_softplus: bool = False,
+                   initial_state: Tensor | None = None, return_last_state: bool = False, backend: str | None = None,
+                   reset: Tensor | None = None):
     """Selective scan over a whole sequence (Mamba paper, Algorithm 2; fused kernel of §3.3.2 and App. D).
 
     For each channel ``d`` and state index ``n``, with ``dt = softplus(delta + delta_bias)`` (bias and softplus
@@ -332,25 +310,14 @@ def selective_scan(
     tensors = (u, delta, A, B, C, D, z, delta_bias, initial_state)
     save_states = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
     impl = choose("selective_scan", u.device, backend, state_size=A.shape[1])
-    y, last_state, _ = _ops.selective_scan(
-        u, delta, A, B, C, D, z, delta_bias, bool(delta_softplus), initial_state, reset, save_states, impl
-    )
+    y, last_state, _ = _ops.selective_scan(u, delta, A, B, C, D, z, delta_bias, bool(delta_softplus), initial_state,
+                                           reset, save_states, impl)
     return (y, last_state) if return_last_state else y
 
 
-def selective_state_update(
-    state: torch.Tensor,
-    x: torch.Tensor,
-    dt: torch.Tensor,
-    A: torch.Tensor,
-    B: torch.Tensor,
-    C: torch.Tensor,
-    D: torch.Tensor | None = None,
-    z: torch.Tensor | None = None,
-    dt_bias: torch.Tensor | None = None,
-    dt_softplus: bool = False,
-    backend: str | None = None,
-) -> torch.Tensor:
+def selective_state_update(state: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
+                           D: Tensor | None = None, z: Tensor | None = None, dt_bias: Tensor | None = None,
+                           dt_softplus: bool = False, backend: str | None = None) -> Tensor:
     """One decoding step of the selective SSM (Mamba paper eq. 2a/2b in recurrent mode), O(1) in the context.
 
     ``state`` is updated IN PLACE to ``h_t = exp(dt * A) * h_{t-1} + dt * B * x`` and the function returns
@@ -391,13 +358,10 @@ def selective_state_update(
     _check_tensor("D", D, ((dim,), ("dim",)), dev, optional=True)
     _check_tensor("z", z, ((batch, dim), ("batch", "dim")), dev, optional=True)
     _check_tensor("dt_bias", dt_bias, ((dim,), ("dim",)), dev, optional=True)
-    if torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (state, x, dt, A, B, C, D, z, dt_bias)
-    ):
-        raise RuntimeError(
-            "selective_state_update is a decoding step without gradients: call it under torch.no_grad() (or "
-            "torch.inference_mode()), or run the whole sequence through selective_scan(..., initial_state=state, "
-            "return_last_state=True), which is differentiable"
-        )
+    tensors = (state, x, dt, A, B, C, D, z, dt_bias)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        raise RuntimeError("selective_state_update is a decoding step without gradients: call it under torch.no_grad() "
+                           "(or torch.inference_mode()), or run the whole sequence through selective_scan(..., "
+                           "initial_state=state, return_last_state=True), which is differentiable")
     impl = choose("selective_state_update", state.device, backend, state_size=n)
     return _ops.selective_state_update(state, x, dt, A, B, C, D, z, dt_bias, bool(dt_softplus), impl)
