@@ -59,8 +59,7 @@ def retention_state_update_triton(state, q, k, v, scale, config=None):
     block_k, block_v, num_warps = config or retention_state_update_config(device_arch(q.device), key_dim, value_dim)
     launch(_retention_step_kernel)[(triton.cdiv(value_dim, block_v), batch * heads)](
         work, q.contiguous(), k.contiguous(), v.contiguous(), o, scale,
-        H=heads, K=key_dim, V=value_dim, BK=block_k, BV=block_v, ACC=acc, num_warps=num_warps,
-    )
+        H=heads, K=key_dim, V=value_dim, BK=block_k, BV=block_v, ACC=acc, num_warps=num_warps)
     if work is not state:
         state.copy_(work)
     return o
