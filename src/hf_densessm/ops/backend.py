@@ -13,8 +13,8 @@ from dataclasses import dataclass, replace
 import torch
 
 __all__ = [
-    "ARCHS", "GPUArch", "OpGroup", "compute_dtype", "device_arch", "inputs_compute_dtype", "own_precision", "require",
-    "tracing",
+    "ARCHS", "GPUArch", "OpGroup", "compute_dtype", "device_arch", "in_own_precision", "inputs_compute_dtype",
+    "own_precision", "require", "tracing",
 ]
 
 
@@ -58,6 +58,14 @@ def own_precision(device: torch.device):
     if torch.is_autocast_enabled(device.type):
         return torch.autocast(device.type, enabled=False)
     return contextlib.nullcontext()
+
+
+def in_own_precision(fn):
+    """``fn`` called in :func:`own_precision` of its first argument's device (a PyTorch path's table entry)."""
+    def call(*args):
+        with own_precision(args[0].device):
+            return fn(*args)
+    return call
 
 
 @dataclass(frozen=True)

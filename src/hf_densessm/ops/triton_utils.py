@@ -16,8 +16,8 @@ __all__ = ["acc", "launch", "silu", "softplus", "tl", "triton"]
 
 
 def launch(kernel):
-    """``torch.library.wrap_triton(kernel)``, to be indexed with the grid and called (traced by ``torch.compile``).
-    Under the interpreter, where torch 2.11's ``wrap_triton`` refuses the interpreted function, ``kernel`` itself.
+    """``torch.library.wrap_triton(kernel)``, to be indexed with the grid and called (traced by ``torch.compile``);
+    ``kernel`` itself under the interpreter, whose functions ``wrap_triton`` refuses.
 
     Raises:
         RuntimeError: ``wrap_triton``'s, for a kernel that is not a Triton kernel outside the interpreter.

@@ -1,8 +1,7 @@
-"""Multi-scale retention (DenseSSM paper Eq. 18, 19, 24; RetNet) as the ``torch.library`` ops
-``hf_densessm::chunk_retention`` (+ ``_backward``) and ``hf_densessm::retention_state_update``, and the public
-functions that check their arguments and call them; the ops run the implementation chosen from their tables
-(:data:`~..dispatch.TABLES`). Forms (``naive.py``, ``chunked_torch.py``, ``chunk.py``, ``fused_recurrent.py``),
-dispatch and compile behaviour: docs/kernels.md, "The ops", "The forms of an op" and "The dispatch table".
+"""Multi-scale retention (DenseSSM paper Eq. 18, 19, 24; RetNet): :func:`chunk_retention` and
+:func:`retention_state_update`, their argument checks, the ops' tables (:data:`~..dispatch.TABLES`) and the
+``torch.library`` ops ``hf_densessm::chunk_retention`` (+ ``_backward``) and ``::retention_state_update`` that run the
+entry chosen. Forms, dispatch and compile behaviour: docs/kernels.md.
 """
 
 import math
@@ -11,7 +10,7 @@ from typing import Optional
 
 import torch
 
-from ..backend import OpGroup, compute_dtype, own_precision
+from ..backend import OpGroup, compute_dtype, in_own_precision, own_precision
 from ..dispatch import TABLES, Implementation, choose, implementation, triton_entry
 from ..packing import check_reset
 from .chunked_torch import chunk_retention_torch, chunk_retention_torch_backward, retention_state_update_torch
@@ -97,11 +96,6 @@ def _torch_backward(d_o, d_final_state, q, k, v, scale, initial_state, reset):
     return chunk_retention_torch_backward(d_o, d_final_state, q, k, v, scale, initial_state, reset=reset)
 
 
-def _torch_step(state, q, k, v, scale):
-    with own_precision(q.device):
-        return retention_state_update_torch(state, q, k, v, scale)
-
-
 TABLES["chunk_retention"] = [
     triton_entry(forward=_triton("chunk", "chunk_retention_fwd_triton"),
                  backward=_triton("chunk", "chunk_retention_bwd_triton")),
@@ -109,7 +103,8 @@ TABLES["chunk_retention"] = [
 ]
 TABLES["retention_state_update"] = [
     triton_entry(step=_triton("fused_recurrent", "retention_state_update_triton")),
-    Implementation("torch", ("auto", "torch"), traced=True, calls=dict(step=_torch_step)),
+    Implementation("torch", ("auto", "torch"), traced=True,
+                   calls=dict(step=in_own_precision(retention_state_update_torch))),
 ]
 
 
@@ -189,9 +184,8 @@ def _chunk_retention_backward(ctx, d_o, d_final_state):
     q, k, v, initial_state, reset = ctx.saved_tensors
     if d_o is None:  # only the final state was used
         d_o = torch.zeros_like(v)
-    dq, dk, dv, d_initial_state = _ops.chunk_retention_backward(d_o, d_final_state, q, k, v, ctx.scale, initial_state,
-                                                                 reset, ctx.impl)
-    return dq, dk, dv, None, (None if initial_state is None else d_initial_state), None, None
+    grads = _ops.chunk_retention_backward(d_o, d_final_state, q, k, v, ctx.scale, initial_state, reset, ctx.impl)
+    return *grads[:3], None, (None if initial_state is None else grads[3]), None, None
 
 
 _ops.register_autograd("chunk_retention", _chunk_retention_backward, setup_context=_chunk_retention_setup)
@@ -223,7 +217,7 @@ def chunk_retention(q, k, v, scale=None, initial_state=None, output_final_state=
         initial_state (Tensor, optional): ``(batch, heads, key_dim, value_dim)`` float32 (float64 allowed with
             float64 inputs), the state before token 0; gradients flow into it if it requires grad.
         output_final_state (bool): also return the state after the last token.
-        backend (str, optional): ``"auto"``, ``"triton"`` or ``"torch"`` (docs/kernels.md, "The backend switch");
+        backend (str, optional): ``"auto"``, ``"triton"`` or ``"torch"`` (docs/kernels.md, "The dispatch table");
             ``None``: the active one (:class:`~..dispatch.use_backend`, ``"auto"`` by default).
         reset (Tensor, optional): ``(batch, length)`` bool, True at the first token of each packed document (the
             state before it is dropped; docs/kernels.md, "Packed sequences").
@@ -235,8 +229,8 @@ def chunk_retention(q, k, v, scale=None, initial_state=None, output_final_state=
 
     Raises:
         TypeError: a non-tensor argument, an unsupported or mixed dtype, an initial_state that is not float32.
-        ValueError: wrong ranks, q/k/v shapes that disagree, tensors on different devices, a bad
-            ``initial_state`` shape, a non-positive ``scale``, an unknown ``backend``.
+        ValueError: wrong ranks, q/k/v shapes that disagree, mixed devices, a bad ``initial_state`` shape, a
+            non-positive ``scale``, an unknown ``backend``.
         RuntimeError: ``backend="triton"`` without triton, or on CPU tensors without ``TRITON_INTERPRET=1``.
     """
     _check_qkv(q, k, v, ("batch", "length", "heads"))

@@ -1,18 +1,14 @@
-"""Selective scan of Mamba (Mamba paper, Algorithm 2, §3.3, App. D): the public entry points :func:`selective_scan`
-(whole sequence; ``mamba_ssm``'s ``selective_scan_fn`` layout) and :func:`selective_state_update` (one decoding
-token, state updated in place), their argument checks, and the ``torch.library`` ops ``hf_densessm::selective_scan``
-(+ ``_backward``) and ``hf_densessm::selective_state_update`` they call, which run the implementation chosen
-from the ops' tables (:data:`~..dispatch.TABLES`: the chunk-parallel Triton kernels of ``chunk.py`` /
-``fused_recurrent.py``, the C++ kernel of ``../cpu_kernel.py`` on CPU tensors, the PyTorch path of
-``chunked_torch.py``); the forms, schemas and the dispatch are in docs/kernels.md ("Layout", "The ops", "The dispatch
-table"). ``A <= 0`` is checked by :func:`selective_scan` with no host sync, not per decoding step.
+"""Selective scan of Mamba (Mamba paper, Algorithm 2, §3.3, App. D): :func:`selective_scan` (whole sequence;
+``mamba_ssm``'s ``selective_scan_fn`` layout) and :func:`selective_state_update` (one decoding token), their argument
+checks, the ops' tables (:data:`~..dispatch.TABLES`) and the ``torch.library`` ops ``hf_densessm::selective_scan``
+(+ ``_backward``) and ``::selective_state_update`` that run the entry chosen. Forms, schemas, dispatch: docs/kernels.md.
 """
 
 from typing import Optional
 
 import torch
 
-from ..backend import OpGroup, inputs_compute_dtype, own_precision, require
+from ..backend import OpGroup, in_own_precision, inputs_compute_dtype, own_precision, require
 from ..dispatch import TABLES, Implementation, choose, implementation, triton_entry
 
 try:  # remote code ships no C++ build code (docs/hub_and_conversion.md): the table has no "cpp" entry there
@@ -121,11 +117,6 @@ def _torch_saved(u, A, dtype):
     return u.new_empty(u.shape[0], chunks, A.shape[1] * u.shape[1], dtype=dtype)
 
 
-def _torch_step(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus):
-    with own_precision(state.device):
-        return selective_state_update_torch(state, x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus)
-
-
 TABLES["selective_scan"] = [
     triton_entry(forward=_triton("chunk", "selective_scan_triton_fwd"),
                  backward=_triton("chunk", "selective_scan_triton_bwd")),
@@ -135,7 +126,8 @@ TABLES["selective_scan"] = [
 ]
 TABLES["selective_state_update"] = [
     triton_entry(step=_triton("fused_recurrent", "selective_state_update_triton")),
-    Implementation("torch", ("auto", "torch"), traced=True, calls=dict(step=_torch_step)),
+    Implementation("torch", ("auto", "torch"), traced=True,
+                   calls=dict(step=in_own_precision(selective_state_update_torch))),
 ]
 
 
@@ -281,28 +273,27 @@ def selective_scan(u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, D:
     Args:
         u: (batch, dim, length) SSM input; float32, bfloat16, float16 (float64 allowed, for tests).
         delta: (batch, dim, length) time step, before ``delta_bias`` and softplus.
-        A: (dim, state), entries <= 0; usually float32 (any float dtype is cast to the accumulation dtype).
+        A: (dim, state), entries <= 0, any float dtype (cast to the accumulation dtype).
         B, C: (batch, state, length) input-dependent projections (the "selective" parameters).
         D: (dim,) skip weight, optional. z: (batch, dim, length) gate, optional.
         delta_bias: (dim,) optional. delta_softplus: apply softplus to ``delta + delta_bias``.
         initial_state: (batch, dim, state) state before the first token (e.g. a cache), any float dtype.
         return_last_state: also return the state after the last token.
-        backend: ``"auto"`` | ``"triton"`` | ``"torch"`` (see the module docstring); ``None``: the active one
-            (:class:`~..dispatch.use_backend`, ``"auto"`` by default).
+        backend: ``"auto"`` | ``"triton"`` | ``"torch"`` (docs/kernels.md, "The dispatch table"); ``None``: the
+            active one (:class:`~..dispatch.use_backend`, ``"auto"`` by default).
         reset: (batch, length) bool, True at the first token of each packed document: ``h_{t-1}`` is taken as 0
             there (the initial state too at ``t = 0``), so no state crosses a document boundary (:mod:`..packing`).
 
     Returns:
-        ``y`` (batch, dim, length) in ``u``'s dtype; with ``return_last_state``, ``(y, last_state)`` where
-        ``last_state`` is (batch, dim, state) float32 (float64 for float64 inputs). Accumulation is in float32
-        (float64 for float64 inputs). Differentiable in every tensor argument on every backend.
+        ``y`` (batch, dim, length) in ``u``'s dtype; with ``return_last_state``, ``(y, last_state)``, ``last_state``
+        (batch, dim, state). Accumulated and ``last_state`` in float32 (float64 for float64 inputs). Differentiable
+        in every tensor argument on every backend.
 
     Raises:
         ValueError: ``backend`` not one of the backends; a tensor of the wrong rank or shape; tensors on different
             devices; ``length == 0``; ``A`` with a positive entry (not checked while compiling or capturing).
         TypeError: a non-tensor argument or an unsupported dtype.
-        RuntimeError: ``backend="triton"`` without triton installed, or on CPU tensors without
-            ``TRITON_INTERPRET=1``.
+        RuntimeError: ``backend="triton"`` without triton, or on CPU tensors without ``TRITON_INTERPRET=1``.
     """
     _check_scan_args(u, delta, A, B, C, D, z, delta_bias, initial_state)
     reset = check_reset(reset, u.shape[0], u.shape[2], u.device)
@@ -328,7 +319,7 @@ def selective_state_update(state: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: T
             works: the step computes in float32, or float64 for float64, and writes back in ``state``'s dtype).
         x: (batch, dim) this token's SSM input; float32, bfloat16, float16 (float64 allowed).
         dt: (batch, dim) time step before ``dt_bias`` and softplus.
-        A: (dim, state), entries <= 0 (not checked here, see the module docstring).
+        A: (dim, state), entries <= 0 (not checked per step: :func:`selective_scan` checks it).
         B, C: (batch, state). D: (dim,) optional. z: (batch, dim) gate, optional. dt_bias: (dim,) optional.
         dt_softplus: apply softplus to ``dt + dt_bias``.
         backend: as :func:`selective_scan`.

@@ -18,6 +18,7 @@ def selective_state_update_config(arch: GPUArch, nstate: int) -> tuple[int, int]
     del arch
     return max(4, min(32, 512 // triton.next_power_of_2(nstate))), 4
 
+
 @triton.jit
 def _selective_state_update_kernel(
     state_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, bias_ptr, y_ptr,
