@@ -197,19 +197,15 @@ def _selective_scan_op(u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor
     """``hf_densessm::selective_scan``: ``(y, last_state, saved)`` of the implementation ``impl`` (the table's
     "forward"); see :func:`selective_scan` for the arguments (``reset``: (batch, length) bool or None)."""
     entry = implementation("selective_scan", impl)
-    if entry.traced:
-        return entry.calls["forward"](u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, reset,
-                                      save_states)
-    return _ops.selective_scan_eager(u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, reset,
-                                     save_states, impl)
+    args = (u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, reset, save_states)
+    return entry.calls["forward"](*args) if entry.traced else _ops.selective_scan_eager(*args, impl)
 
 
 @_ops.triton_op("selective_scan_backward")
 def _selective_scan_backward_op(dy: Optional[Tensor], dlast: Optional[Tensor], u: Tensor, delta: Tensor, A: Tensor,
                                 B: Tensor, C: Tensor, D: Optional[Tensor], z: Optional[Tensor],
                                 delta_bias: Optional[Tensor], delta_softplus: bool, initial_state: Optional[Tensor],
-                                reset: Optional[Tensor], saved: Tensor,
-                                impl: str) -> _Grads:
+                                reset: Optional[Tensor], saved: Tensor, impl: str) -> _Grads:
     """``hf_densessm::selective_scan_backward``: ``(du, ddelta, dA, dB, dC, dD, dz, ddelta_bias, dinitial_state)``
     of the implementation ``impl`` from the gradients ``dy`` (batch, dim, length) and ``dlast`` (batch, dim, state)
     (None: zero), the forward op's arguments and its ``saved`` (with all its chunks). Each gradient is in its input's
@@ -234,11 +230,10 @@ def _scan_backward(ctx, dy, dlast, _dsaved):
     if not ctx.save_states:  # the forward op ran with save_states=False (it may have saved nothing)
         saved = _ops.selective_scan(*args, True, ctx.impl)[2]
     grads = _ops.selective_scan_backward(dy, dlast, *args, saved, ctx.impl)
-    du, ddelta, dA, dB, dC, dD, dz, dbias, dinitial = (
-        g if t is not None and ctx.needs_input_grad[i] else None
-        for g, t, i in zip(grads, (u, delta, A, B, C, D, z, delta_bias, initial_state), (0, 1, 2, 3, 4, 5, 6, 7, 9))
-    )
-    return du, ddelta, dA, dB, dC, dD, dz, dbias, None, dinitial, None, None, None
+    inputs = (u, delta, A, B, C, D, z, delta_bias, initial_state)
+    grads = [g if t is not None and ctx.needs_input_grad[i] else None
+             for g, t, i in zip(grads, inputs, (0, 1, 2, 3, 4, 5, 6, 7, 9))]
+    return *grads[:8], None, grads[8], None, None, None
 
 
 _ops.register_autograd("selective_scan", _scan_backward, setup_context=_scan_setup_context)
