@@ -106,8 +106,8 @@ def _torch_forward(*args):
 
 
 def _torch_backward(*args):
-    *args, saved = args
-    return selective_scan_torch_bwd(*args, saved.unflatten(2, (args[2].shape[1], -1)))
+    *args, saved = args  # saved: (batch, n_chunks, state * dim), args[4]: A
+    return selective_scan_torch_bwd(*args, saved.unflatten(2, (args[4].shape[1], -1)))
 
 
 def _torch_saved(u, A, dtype):
