@@ -359,13 +359,6 @@ def _retention_chunk_dv_kernel(
 # ---------------------------------------------------------------------------------------------------------- host
 
 
-def _kernel_dtypes(dtype):
-    """Accumulator dtype (torch, triton) and ``tl.dot`` input precision: exact ("ieee") for float32 and float64."""
-    if dtype == torch.float64:
-        return torch.float64, tl.float64, "ieee"
-    return torch.float32, tl.float32, "ieee" if dtype == torch.float32 else "tf32"
-
-
 def _document_indices(reset):
     """``(batch, 1 + length)`` int32 document indices, 0 then ``cumsum(reset)``; None without ``reset``."""
     if reset is None:
@@ -384,7 +377,8 @@ def _prepare(q, k, v, initial_state, config):
     state, the accumulation dtypes and the per-head ``log2(gamma)``."""
     if config is None:
         config = chunk_retention_config(device_arch(q.device), q.dtype, q.shape[-1], v.shape[-1])
-    acc_torch, acc_tl, precision = _kernel_dtypes(v.dtype)
+    acc_torch, acc_tl = (torch.float64, tl.float64) if v.dtype == torch.float64 else (torch.float32, tl.float32)
+    precision = "ieee" if v.dtype in (torch.float32, torch.float64) else "tf32"  # tl.dot exact for float32/64
     log2_gamma = retention_log2_gamma(q.shape[2], q.device, acc_torch)
     initial_state = None if initial_state is None else initial_state.contiguous()
     return config, q.contiguous(), k.contiguous(), v.contiguous(), initial_state, acc_tl, precision, log2_gamma

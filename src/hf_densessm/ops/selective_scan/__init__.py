@@ -43,34 +43,6 @@ def _check_tensor(name, t, shape, device, optional=False):
         raise ValueError(f"{name} is on {t.device} but u/x is on {device}: all tensors must be on one device")
 
 
-def _check_decay(A: torch.Tensor) -> None:
-    """``A <= 0`` with no host sync (:func:`~..backend.require`)."""
-    require((A <= 0).all(), "A must have entries <= 0 (continuous-time decay, e.g. A = -exp(A_log)); got a positive "
-            "entry", host_read=False)
-
-
-def _check_scan_args(u, delta, A, B, C, D, z, delta_bias, initial_state):
-    """The argument checks of :func:`selective_scan` but ``A <= 0`` and ``reset``."""
-    if not isinstance(u, torch.Tensor):
-        raise TypeError(f"u must be a torch.Tensor, got {type(u).__name__}")
-    if u.dim() != 3:
-        raise ValueError(f"u must have shape (batch, dim, length) (3 dims), got shape {tuple(u.shape)}")
-    batch, dim, length = u.shape
-    if length == 0:
-        raise ValueError("u must have length >= 1 (shape (batch, dim, length)), got length 0")
-    dev = u.device
-    _check_tensor("u", u, ((batch, dim, length), ("batch", "dim", "length")), dev)
-    _check_tensor("delta", delta, ((batch, dim, length), ("batch", "dim", "length")), dev)
-    _check_tensor("A", A, ((dim, None), ("dim", "state")), dev)
-    n = A.shape[1]
-    _check_tensor("B", B, ((batch, n, length), ("batch", "state", "length")), dev)
-    _check_tensor("C", C, ((batch, n, length), ("batch", "state", "length")), dev)
-    _check_tensor("D", D, ((dim,), ("dim",)), dev, optional=True)
-    _check_tensor("z", z, ((batch, dim, length), ("batch", "dim", "length")), dev, optional=True)
-    _check_tensor("delta_bias", delta_bias, ((dim,), ("dim",)), dev, optional=True)
-    _check_tensor("initial_state", initial_state, ((batch, dim, n), ("batch", "dim", "state")), dev, optional=True)
-
-
 def _or_empty(grad: Optional[Tensor], like: Tensor) -> Tensor:
     """An op returns a tensor in every slot: an absent gradient (its input was None) is an empty tensor."""
     return like.new_empty(0) if grad is None else grad
@@ -290,12 +262,30 @@ def selective_scan(u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, D:
         TypeError: a non-tensor argument or an unsupported dtype.
         RuntimeError: ``backend="triton"`` without triton, or on CPU tensors without ``TRITON_INTERPRET=1``.
     """
-    _check_scan_args(u, delta, A, B, C, D, z, delta_bias, initial_state)
-    reset = check_reset(reset, u.shape[0], u.shape[2], u.device)
-    _check_decay(A)
+    if not isinstance(u, torch.Tensor):
+        raise TypeError(f"u must be a torch.Tensor, got {type(u).__name__}")
+    if u.dim() != 3:
+        raise ValueError(f"u must have shape (batch, dim, length) (3 dims), got shape {tuple(u.shape)}")
+    batch, dim, length = u.shape
+    if length == 0:
+        raise ValueError("u must have length >= 1 (shape (batch, dim, length)), got length 0")
+    dev = u.device
+    _check_tensor("u", u, ((batch, dim, length), ("batch", "dim", "length")), dev)
+    _check_tensor("delta", delta, ((batch, dim, length), ("batch", "dim", "length")), dev)
+    _check_tensor("A", A, ((dim, None), ("dim", "state")), dev)
+    n = A.shape[1]
+    _check_tensor("B", B, ((batch, n, length), ("batch", "state", "length")), dev)
+    _check_tensor("C", C, ((batch, n, length), ("batch", "state", "length")), dev)
+    _check_tensor("D", D, ((dim,), ("dim",)), dev, optional=True)
+    _check_tensor("z", z, ((batch, dim, length), ("batch", "dim", "length")), dev, optional=True)
+    _check_tensor("delta_bias", delta_bias, ((dim,), ("dim",)), dev, optional=True)
+    _check_tensor("initial_state", initial_state, ((batch, dim, n), ("batch", "dim", "state")), dev, optional=True)
+    reset = check_reset(reset, batch, length, dev)
+    require((A <= 0).all(), "A must have entries <= 0 (continuous-time decay, e.g. A = -exp(A_log)); got a positive "
+            "entry", host_read=False)  # no host sync
     tensors = (u, delta, A, B, C, D, z, delta_bias, initial_state)
     save_states = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
-    impl = choose("selective_scan", u.device, backend, state_size=A.shape[1])
+    impl = choose("selective_scan", dev, backend, state_size=n)
     y, last_state, _ = _ops.selective_scan(u, delta, A, B, C, D, z, delta_bias, bool(delta_softplus), initial_state,
                                            reset, save_states, impl)
     return (y, last_state) if return_last_state else y
