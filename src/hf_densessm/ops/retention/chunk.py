@@ -400,10 +400,9 @@ def _chunk_states(k, v, initial_state, final_state, docs, log2_gamma, config, ac
 
 def chunk_retention_fwd_triton(q, k, v, scale, initial_state=None, reset=None, config=None):
     """The Triton branch of ``hf_densessm::chunk_retention``, no checks: arguments and ``(o, final_state)`` as
-    :func:`hf_densessm.ops.retention.chunk_retention` (``scale`` a float), plus ``config`` (a
-    :class:`ChunkRetentionConfig`; default :func:`chunk_retention_config` for ``q``'s device). The per-chunk
-    states (``_retention_chunk_h_kernel``), ``batch * heads * ceil(length / block_t) * key_dim * value_dim``
-    values in the inputs' dtype, live until the outputs (``_retention_chunk_o_kernel``) are written."""
+    :func:`hf_densessm.ops.retention.chunk_retention` (``scale`` a float), plus ``config`` (default
+    :func:`chunk_retention_config` for ``q``'s device). The per-chunk states, ``batch * heads * ceil(length /
+    block_t) * key_dim * value_dim`` values in the inputs' dtype, live until the outputs are written."""
     batch, length, heads, key_dim = q.shape
     value_dim = v.shape[-1]
     config, q, k, v, initial_state, acc_tl, precision, log2_gamma = _prepare(q, k, v, initial_state, config)

@@ -179,10 +179,9 @@ def _selective_scan_backward_op(dy: Optional[Tensor], dlast: Optional[Tensor], u
                                 B: Tensor, C: Tensor, D: Optional[Tensor], z: Optional[Tensor],
                                 delta_bias: Optional[Tensor], delta_softplus: bool, initial_state: Optional[Tensor],
                                 reset: Optional[Tensor], saved: Tensor, impl: str) -> _Grads:
-    """``hf_densessm::selective_scan_backward``: ``(du, ddelta, dA, dB, dC, dD, dz, ddelta_bias, dinitial_state)``
-    of the implementation ``impl`` from the gradients ``dy`` (batch, dim, length) and ``dlast`` (batch, dim, state)
-    (None: zero), the forward op's arguments and its ``saved`` (with all its chunks). Each gradient is in its input's
-    dtype; the gradient of an absent ``D``, ``z`` or ``delta_bias`` is an empty tensor."""
+    """``hf_densessm::selective_scan_backward``: the gradients of the implementation ``impl``'s "backward" from
+    ``dy``, ``dlast`` (None: zero), the forward op's arguments and its ``saved`` (with all its chunks), each in its
+    input's dtype; the gradient of an absent ``D``, ``z`` or ``delta_bias`` is an empty tensor."""
     entry = implementation("selective_scan", impl)
     args = (dy, dlast, u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, reset, saved)
     if entry.traced:

@@ -503,11 +503,7 @@ def _vectors(x, dtype):
 def _setup(u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, reset, config, backward):
     """What both passes launch with: the checked config, the accumulation dtype's ``kw`` (dtype, device), ``D``,
     ``delta_bias`` and ``reset`` as the kernels index them, ``B`` and ``C`` by :func:`_vectors`, the per-chunk
-    kernels' grid and their constants but ``HAS_Z``.
-
-    Raises:
-        ValueError: as :func:`selective_scan_triton_fwd`.
-    """
+    kernels' grid and their constants but ``HAS_Z``. Raises ``ValueError`` as :func:`selective_scan_triton_fwd`."""
     batch, dim, length = u.shape
     nstate = A.shape[1]
     config = _config(config, u, nstate)
