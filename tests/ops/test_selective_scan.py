@@ -447,6 +447,20 @@ def test_public_op_every_gradient_against_naive(backend):
         assert_close(grads[k], grads0[k], 1e-10, f"d{k}")
 
 
+def test_chunked_path_op_backward_in_channel_blocks(monkeypatch):
+    """The chunked PyTorch entry through the op with its backward split into channel blocks (a small
+    ``_BWD_BLOCK_ELEMENTS``, as for a large model): the chunk states it saved keep their (state, dim) layout, and
+    every gradient matches the float64 token loop (dim != state)."""
+    monkeypatch.setenv("HF_DENSESSM_CPU_KERNEL", "0")
+    monkeypatch.setattr(sys.modules["hf_densessm.ops.selective_scan.chunked_torch"], "_BWD_BLOCK_ELEMENTS", 64)
+    kw = make_inputs(2, 6, 5, 40, seed=12)
+    y, last, grads = grads_of(lambda **k: selective_scan(**k, backend="torch"), kw)
+    y0, last0, grads0 = grads_of(seq_fn, kw)
+    assert_close(y, y0, 1e-10, "y")
+    for k in grads0:
+        assert_close(grads[k], grads0[k], 1e-10, f"d{k}")
+
+
 # ---------------------------------------------------------------------------------------------- decode step
 
 

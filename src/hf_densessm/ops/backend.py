@@ -13,8 +13,8 @@ from dataclasses import dataclass, replace
 import torch
 
 __all__ = [
-    "ARCHS", "GPUArch", "OpGroup", "compute_dtype", "device_arch", "inputs_compute_dtype", "own_precision", "require",
-    "tracing",
+    "ARCHS", "GPUArch", "OpGroup", "compute_dtype", "device_arch", "in_own_precision", "inputs_compute_dtype",
+    "own_precision", "require", "tracing",
 ]
 
 
@@ -36,10 +36,9 @@ def tracing(device: torch.device) -> bool:
 
 
 def require(condition: torch.Tensor, message: str, host_read: bool = True) -> None:
-    """Refuse an input by a test of its values, alike in eager and compiled runs (docs/design.md §6): a
-    ``ValueError(message)`` from a host read of the 0-dim bool ``condition`` when not :func:`tracing` (on an
-    accelerator only where ``host_read`` allows the sync), else ``torch._assert_async(condition, message)``, which a
-    compiled graph keeps (a ``RuntimeError`` with ``message`` on the CPU, a device-side assert on an accelerator).
+    """Refuse an input by a test of its values, alike in eager and compiled runs (docs/design.md §6): a host read of
+    the 0-dim bool ``condition`` when not :func:`tracing` (on an accelerator only if ``host_read``), else
+    ``torch._assert_async(condition, message)``, which a compiled graph keeps (a device-side assert on an accelerator).
 
     Raises:
         ValueError: ``condition`` is False (eager).
@@ -59,6 +58,14 @@ def own_precision(device: torch.device):
     if torch.is_autocast_enabled(device.type):
         return torch.autocast(device.type, enabled=False)
     return contextlib.nullcontext()
+
+
+def in_own_precision(fn):
+    """``fn`` called in :func:`own_precision` of its first argument's device (a PyTorch path's table entry)."""
+    def call(*args):
+        with own_precision(args[0].device):
+            return fn(*args)
+    return call
 
 
 @dataclass(frozen=True)
@@ -110,12 +117,11 @@ def device_arch(device: torch.device) -> GPUArch:
 
 
 class OpGroup:
-    """The ``torch.library`` ops of one op module (a forward, its backward, the paths they call: ops that hand each
-    other tensors), defined once per process whichever copies of the module run in it: the installed package's and
-    those of saved folders loaded as remote code (docs/design.md §8, "One set of ops per process"). Record each op
-    with :meth:`custom_op` / :meth:`triton_op` (``torch.library``'s arguments, the name without the namespace) and
-    its autograd formula with :meth:`register_autograd`, call :meth:`define` once, then call the ops as the group's
-    attributes (``group.selective_scan``, a ``torch.ops`` packet), never as ``torch.ops.<namespace>.<name>``.
+    """The ``torch.library`` ops of one op module, defined once per process whichever copies of the module run in it
+    (the installed package's, saved folders' remote code; docs/design.md §8). Record each op with :meth:`custom_op` /
+    :meth:`triton_op` (the name without the namespace) and its autograd with :meth:`register_autograd`, call
+    :meth:`define` once, then call the ops as the group's attributes (``group.selective_scan``, a ``torch.ops``
+    packet).
     """
 
     def __init__(self, namespace: str = "hf_densessm"):
@@ -143,10 +149,9 @@ class OpGroup:
         self._specs[name]["autograd"] = (backward, setup_context)
 
     def define(self) -> None:
-        """Register the recorded ops under ``<namespace>::<name>`` when none of those names is registered; when every
-        one is, with the schema this copy infers, register nothing and use them (the first copy's implementations,
-        fakes and autograd); otherwise (another version's group) do the same under ``<name>_<hash>``, ``<hash>`` the
-        first 8 hex digits of the SHA-256 of the group's names and schemas. Set the ops as attributes.
+        """Register the recorded ops under ``<namespace>::<name>`` when none of those names is registered; when all
+        are, with this copy's schemas, use them; otherwise (another version's group) do the same under
+        ``<name>_<hash>``, ``<hash>`` 8 hex digits of the SHA-256 of the names and schemas. Set the ops as attributes.
 
         Raises:
             RuntimeError: some but not all of the hashed names are registered (a failed earlier definition).
@@ -163,8 +168,7 @@ class OpGroup:
             if found == wanted or not found:
                 break
         else:
-            raise RuntimeError(f"{self.namespace}: the ops {list(schemas)} are partly registered under the suffix "
-                               f"_{digest}")
+            raise RuntimeError(f"{self.namespace}: the ops {list(schemas)} are partly registered as *_{digest}")
         for name, spec in self._specs.items():
             if not found:
                 op = spec["make"](f"{self.namespace}::{name}{suffix}", spec["fn"], mutates_args=spec["mutates_args"])

@@ -22,8 +22,8 @@ from .backend import inputs_compute_dtype
 from .dispatch import Implementation
 
 __all__ = [
-    "CHECKPOINT", "CONV_STEP", "IMPLEMENTATION", "MAX_STATE", "SOURCE", "STATE_UPDATE", "SWITCH", "capability_flags", "extension_name",
-    "kernel_enabled", "load_kernel", "missing", "openmp_flags", "scan_bwd", "scan_fwd",
+    "CHECKPOINT", "CONV_STEP", "IMPLEMENTATION", "MAX_STATE", "SOURCE", "STATE_UPDATE", "SWITCH", "capability_flags",
+    "extension_name", "kernel_enabled", "load_kernel", "missing", "openmp_flags", "scan_bwd", "scan_fwd",
 ]
 
 #: The C++ source; absent from an install that did not ship ``csrc/`` (then the kernel is never built).
@@ -86,30 +86,25 @@ def kernel_enabled() -> bool:
 
 @functools.cache
 def _register_fakes() -> None:
-    """Fake (meta) implementations of the two ops (once), so that ``torch.compile`` / ``opcheck`` can trace them."""
+    """Fake (meta) implementations of the library's ops (once), so that ``torch.compile`` / ``opcheck`` can trace them."""
+
+    def token_major(u, channels):  # y, du, ddelta, dz, dB, dC: views of token-major tensors, as the kernel's
+        return u.new_empty(u.shape[0], u.shape[2], channels).transpose(1, 2)
 
     @torch.library.register_fake("hf_densessm::selective_scan_cpu_fwd")
     def _fwd_fake(u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, reset):
         batch, dim, length = u.shape
         n = A.shape[1]
         nc = (length + CHECKPOINT - 1) // CHECKPOINT
-        # y: a (batch, dim, length) view of a token-major (batch, length, dim) tensor, as the kernel returns it
-        return (u.new_empty(batch, length, dim).transpose(1, 2), u.new_empty(batch, dim, n),
-                u.new_empty(batch, dim, nc, n))
+        return token_major(u, dim), u.new_empty(batch, dim, n), u.new_empty(batch, dim, nc, n)
 
     @torch.library.register_fake("hf_densessm::selective_scan_cpu_bwd")
     def _bwd_fake(dy, dlast, u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, reset,
                   chunk_states):
-        batch, dim, length = u.shape
-        n = A.shape[1]
-        # du, ddelta, dz, dB, dC: views of token-major (batch, length, channels) tensors, as the kernel returns them
-        def token_major(channels):
-            return u.new_empty(batch, length, channels).transpose(1, 2)
-
-        return (token_major(dim), token_major(dim), u.new_empty(dim, n), token_major(n), token_major(n),
-                u.new_empty(dim) if D is not None else u.new_empty(0),
-                token_major(dim) if z is not None else u.new_empty(0),
-                u.new_empty(dim) if delta_bias is not None else u.new_empty(0), u.new_empty(batch, dim, n))
+        dim, n = A.shape
+        return (token_major(u, dim), token_major(u, dim), u.new_empty(dim, n), token_major(u, n), token_major(u, n),
+                u.new_empty(dim if D is not None else 0), token_major(u, dim) if z is not None else u.new_empty(0),
+                u.new_empty(dim if delta_bias is not None else 0), u.new_empty(u.shape[0], dim, n))
 
     @torch.library.register_fake("hf_densessm::selective_state_update_cpu")
     def _step_fake(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus):
@@ -126,9 +121,8 @@ def load_kernel() -> bool:
 
     Returns:
         True when the ops ``hf_densessm::selective_scan_cpu_fwd`` / ``_bwd`` are registered; False when the source
-        file is absent (silently), or when the build or load failed (one ``RuntimeWarning`` with the reason and the
-        cache folder; the PyTorch path runs instead). Never waits on another process. Does not read
-        ``HF_DENSESSM_CPU_KERNEL``: see :func:`missing`.
+        file is absent (silently) or the build or load failed (one ``RuntimeWarning`` with the reason and the cache
+        folder). Never waits on another process; does not read ``HF_DENSESSM_CPU_KERNEL`` (:func:`missing` does).
     """
     if hasattr(torch.ops.hf_densessm, "selective_scan_cpu_fwd"):  # loaded by another copy of this module
         _register_fakes()
@@ -137,6 +131,7 @@ def load_kernel() -> bool:
 
 
 def _sha256(path: Path) -> str:
+    """The SHA-256 hex digest of the file ``path``."""
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
@@ -176,13 +171,10 @@ def _build(source: Path) -> bool:
         return True
     except Exception as exc:  # noqa: BLE001 -- any build/load failure leaves the PyTorch path
         lines = str(exc).strip().splitlines()
-        warnings.warn(
-            f"hf_densessm: the C++ CPU kernel of the selective scan could not be built or loaded "
-            f"({type(exc).__name__}: {lines[-1] if lines else repr(exc)}); the PyTorch path runs instead ("
-            f"{f'delete {folder} to rebuild it; ' if folder else ''}set HF_DENSESSM_CPU_KERNEL=0 to skip the attempt)",
-            RuntimeWarning,
-            stacklevel=3,
-        )
+        warnings.warn(f"hf_densessm: the C++ CPU kernel of the selective scan could not be built or loaded "
+                      f"({type(exc).__name__}: {lines[-1] if lines else repr(exc)}); the PyTorch path runs instead ("
+                      f"{f'delete {folder} to rebuild it; ' if folder else ''}set HF_DENSESSM_CPU_KERNEL=0 to skip "
+                      "the attempt)", RuntimeWarning, stacklevel=3)
         return False
 
 
@@ -206,27 +198,17 @@ def _switch_and_build() -> str | None:
 
 
 def _cast(t, dtype):
+    """``t`` in ``dtype``; None for None."""
     return None if t is None else t.to(dtype)
 
 
 def scan_fwd(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False, initial_state=None,
              reset=None):
-    """Forward selective scan through the C++ kernel; the contract of
-    :func:`hf_densessm.ops.selective_scan.chunked_torch.selective_scan_torch_fwd` (Mamba paper Alg. 2, eq. 2a, 2b,
-    4), except for the layout of the saved states.
-
-    Args:
-        u, delta: (batch, dim, length); A: (dim, state) entries <= 0; B, C: (batch, state, length); D,
-            delta_bias: (dim,) or None; z: (batch, dim, length) or None; initial_state: (batch, dim, state) or
-            None; reset: (batch, length) bool or None. CPU tensors of any float dtypes and strides: they are cast
-            to the compute dtype (float64 if any is float64, else float32; bfloat16 / float16 computed in float32).
-            ``u``, ``delta``, ``z`` with channel stride 1 (``x.transpose(1, 2)`` of a token-major (batch, length,
-            dim) tensor, as the model passes them) are read in place; others are copied to that layout once.
-
-    Returns:
-        ``(y, last_state, chunk_states)``: ``y`` (batch, dim, length) in ``u``'s dtype, token-major in memory (the
-        ``.transpose(1, 2)`` view of a contiguous (batch, length, dim) tensor); ``last_state`` (batch, dim, state)
-        and ``chunk_states`` (batch, dim, ceil(length / CHECKPOINT), state), contiguous, in the compute dtype.
+    """Forward selective scan through the C++ kernel (Mamba paper Alg. 2, eq. 2a, 2b, 4): arguments (CPU tensors,
+    any float dtypes and strides, computed in float64 if any is float64, else float32) and ``(y, last_state,
+    chunk_states)`` as :func:`~.selective_scan.chunked_torch.selective_scan_torch_fwd`, but ``y`` token-major in
+    memory (a ``.transpose(1, 2)`` view of a contiguous (batch, length, dim) tensor) and ``chunk_states`` (batch,
+    dim, ceil(length / CHECKPOINT), state), contiguous, in the compute dtype. Layouts: docs/kernels.md.
 
     Raises:
         RuntimeError: from the kernel's ``TORCH_CHECK`` on a bad shape, a non-CPU tensor, a state size beyond its
@@ -241,18 +223,10 @@ def scan_fwd(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=
 
 def scan_bwd(dy, dlast, u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
              initial_state=None, reset=None, chunk_states=None):
-    """Backward of :func:`scan_fwd` through the C++ kernel (the adjoint recurrence, recomputing each chunk's
-    states from ``chunk_states``); the contract of ``selective_scan_torch_bwd``.
-
-    Args:
-        dy: (batch, dim, length) or None (zero); dlast: (batch, dim, state) or None (zero); the forward's
-            arguments; chunk_states: what :func:`scan_fwd` returned for them.
-
-    Returns:
-        ``(du, ddelta, dA, dB, dC, dD, dz, ddelta_bias, dinitial_state)``, each in its input's dtype; ``du``,
-        ``ddelta``, ``dz`` (batch, dim, length) and ``dB``, ``dC`` (batch, state, length) token-major in memory
-        (``.transpose(1, 2)`` views of contiguous tensors), the others contiguous (``dD``, ``dz``, ``ddelta_bias``
-        None when their input is; ``dinitial_state`` in the compute dtype when ``initial_state`` is None).
+    """Backward of :func:`scan_fwd` through the C++ kernel (the adjoint recurrence, each chunk's states recomputed
+    from ``chunk_states``, what :func:`scan_fwd` returned): arguments and gradients as ``selective_scan_torch_bwd``,
+    but ``du``, ``ddelta``, ``dz``, ``dB``, ``dC`` token-major in memory (``.transpose(1, 2)`` views of contiguous
+    tensors).
 
     Raises:
         ValueError: ``chunk_states`` is not the forward kernel's ``(batch, dim, n_chunks, state)`` (e.g. the
@@ -263,10 +237,9 @@ def scan_bwd(dy, dlast, u, delta, A, B, C, D=None, z=None, delta_bias=None, delt
     n = A.shape[1]
     want = (batch, dim, (length + CHECKPOINT - 1) // CHECKPOINT, n)
     if chunk_states is None or tuple(chunk_states.shape) != want:
-        raise ValueError(
-            f"chunk_states must be the C++ kernel's checkpoints {want} (batch, dim, n_chunks, state), got "
-            f"{None if chunk_states is None else tuple(chunk_states.shape)}: states saved by another path?"
-        )
+        got = None if chunk_states is None else tuple(chunk_states.shape)
+        raise ValueError(f"chunk_states must be the C++ kernel's checkpoints {want} (batch, dim, n_chunks, state), "
+                         f"got {got}: states saved by another path?")
     grads = torch.ops.hf_densessm.selective_scan_cpu_bwd(
         *(_cast(t, cdt) for t in (dy, dlast, u, delta, A, B, C, D, z, delta_bias)), bool(delta_softplus),
         _cast(initial_state, cdt), None if reset is None else reset.bool(), chunk_states.to(cdt))

@@ -14,7 +14,7 @@ import torch
 
 __all__ = [
     "BACKENDS", "Implementation", "TABLES", "check_backend", "choose", "chosen_backend", "implementation",
-    "interpreting", "register", "triton_available", "triton_missing", "use_backend",
+    "interpreting", "register", "triton_available", "triton_entry", "triton_missing", "use_backend",
 ]
 
 #: The values of every op's ``backend`` argument and of the models' ``config.kernel_backend``: ``"auto"`` (the first
@@ -33,10 +33,8 @@ _active_backend = "auto"  # what an op given no backend runs (use_backend); modu
 
 class use_backend:
     """``with use_backend(backend):`` ops called without a ``backend`` inside the block run ``backend`` (one of
-    :data:`BACKENDS`), as ``torch.nn.attention.sdpa_kernel`` chooses attention kernels: how a model's
-    ``config.kernel_backend`` reaches its ops, read in one place (the backbone's ``forward``). Nests; restored on
-    exit; traced by ``torch.compile`` (a graph guards on it). Process-wide while the block runs (like
-    ``sdpa_kernel``): threads running models of different backends at once would see each other's.
+    :data:`BACKENDS`), as ``torch.nn.attention.sdpa_kernel`` chooses attention kernels (docs/kernels.md, "The
+    dispatch table"). Nests; restored on exit; a compiled graph guards on it. Process-wide while the block runs.
 
     Raises:
         ValueError: ``backend`` is not one of :data:`BACKENDS`.
@@ -103,19 +101,16 @@ class Implementation:
     """One implementation of an op, an entry of its table in :data:`TABLES`.
 
     Attributes:
-        name: its name, unique in the table (``"triton"``, ``"cpp"``, ``"torch"``, a peer's such as ``"mamba_ssm"``);
-            the op and its backward receive it, so the backward runs what the forward ran.
+        name: unique in the table (``"triton"``, ``"cpp"``, ``"torch"``, a peer's); the op and its backward get it.
         backends: the :data:`BACKENDS` values that may choose it.
-        auto_devices: the device types ``backend="auto"`` takes it on (empty: every type); an explicit backend takes
-            it wherever :attr:`missing` allows.
+        auto_devices: the device types ``backend="auto"`` takes it on (empty: every type).
         missing: ``missing(device, **facts)``: ``None`` when it runs a call on ``device`` with these facts (the op's
-            sizes and options, e.g. ``state_size``), else why not, in words. Dynamo traces it when ``torch.compile``
-            traces the op's caller: what it reads besides its arguments (the environment, a build) goes through a
-            function marked ``torch.compiler.assume_constant_result``, and a test of a symbolic size guards on it.
-        traced: whether ``torch.compile`` traces its functions into the graph (Triton kernels launched through
-            ``torch.library.wrap_triton``); if False, the op runs them inside an opaque ``torch.library.custom_op``.
-        calls: its functions, by the names the op's module gives them (``"forward"``, ``"backward"``, ``"step"``,
-            a fake's ``"saved"`` ...): the op's module documents each one's contract.
+            sizes and options, e.g. ``state_size``), else why not, in words. Traced by Dynamo: what it reads besides
+            its arguments goes through a function marked ``torch.compiler.assume_constant_result``.
+        traced: whether ``torch.compile`` traces its functions into the graph; if False, the op runs them inside an
+            opaque ``torch.library.custom_op``.
+        calls: its functions by role (``"forward"``, ``"backward"``, ``"step"``, ``"saved"``), each contract
+            documented by the op's module.
     """
 
     name: str
@@ -126,15 +121,19 @@ class Implementation:
     calls: dict[str, Callable] = field(default_factory=dict)
 
 
-#: ``{op name: [Implementation, ...]}``, in the order :func:`choose` tries them (each op's module fills its own). The
-#: last entry of a table is the op's PyTorch path, which runs every call on every device.
+def triton_entry(**calls: Callable) -> Implementation:
+    """The ``"triton"`` entry of an op's table: ``calls`` traced, taken by ``"auto"`` on CUDA, :func:`triton_missing`
+    its ``missing``."""
+    return Implementation("triton", ("auto", "triton"), ("cuda",), triton_missing, True, calls)
+
+
+#: ``{op name: [Implementation, ...]}``, in the order :func:`choose` tries them; the last is the op's PyTorch path.
 TABLES: dict[str, list[Implementation]] = {}
 
 
 def register(op: str, entry: Implementation, before: str | None = None) -> None:
-    """Add ``entry`` to ``op``'s table before the entry named ``before`` (so that ``"auto"`` prefers it there), by
-    default before the last one (the PyTorch path stays last); an entry of the same name is replaced in place. The
-    one call a new or peer implementation makes.
+    """Add ``entry`` to ``op``'s table before the entry named ``before``, by default before the last one (the PyTorch
+    path stays last); an entry of the same name is replaced in place.
 
     Raises:
         ValueError: unknown ``op`` (not in :data:`TABLES`), a backend not in :data:`BACKENDS`, or no entry
@@ -156,11 +155,8 @@ def register(op: str, entry: Implementation, before: str | None = None) -> None:
 
 
 def implementation(op: str, name: str) -> Implementation:
-    """The entry ``name`` of ``op``'s table; for a name this copy of the module lacks, the table's last entry (the
-    PyTorch path). The op's body and fake call this: in a process where several copies of the package run (the
-    installed one, saved folders' remote code), the ops are the first copy's (``OpGroup``), and another copy's
-    :func:`choose` may name an entry only it has (the C++ kernel, which remote code does not ship, or a peer it
-    registered); the op then runs its PyTorch path, forward, fake and backward alike.
+    """The entry ``name`` of ``op``'s table; for a name this copy of the package lacks (another copy chose it, in a
+    process running several: docs/kernels.md, "The dispatch table"), the table's last entry (the PyTorch path).
 
     Raises:
         KeyError: no such op.
@@ -171,8 +167,7 @@ def implementation(op: str, name: str) -> Implementation:
 
 def choose(op: str, device: torch.device, backend: str | None = None, **facts) -> str:
     """The name of the first entry of ``op``'s table that ``backend`` (``None``: :func:`chosen_backend`'s) selects
-    on ``device`` and whose :attr:`~Implementation.missing` finds nothing missing for ``facts`` (the op's sizes and
-    options). While ``torch.compile`` traces, the choice is a constant of the graph, guarded like any Python branch.
+    on ``device`` and whose :attr:`~Implementation.missing` finds nothing missing for ``facts``.
 
     Raises:
         ValueError: ``backend`` is not one of :data:`BACKENDS`.

@@ -1,5 +1,5 @@
-"""Triton device functions shared by the kernels of every op (``acc``, ``softplus``, ``silu``) and :func:`launch`.
-Imported only by kernel files, which are imported only when a Triton backend runs (docs/kernels.md).
+"""Triton device functions shared by the kernels of every op (``acc``, ``softplus``, ``silu``), :func:`launch`, and
+``triton`` / ``tl`` for the kernel files, whose import thus raises ``ImportError`` without triton (docs/kernels.md).
 """
 
 try:  # triton: needed only when a kernel of this file runs
@@ -12,12 +12,12 @@ import torch
 
 from .dispatch import interpreting
 
-__all__ = ["acc", "launch", "silu", "softplus"]
+__all__ = ["acc", "launch", "silu", "softplus", "tl", "triton"]
 
 
 def launch(kernel):
-    """``torch.library.wrap_triton(kernel)``, to be indexed with the grid and called (traced by ``torch.compile``).
-    Under the interpreter, where torch 2.11's ``wrap_triton`` refuses the interpreted function, ``kernel`` itself.
+    """``torch.library.wrap_triton(kernel)``, to be indexed with the grid and called (traced by ``torch.compile``);
+    ``kernel`` itself under the interpreter, whose functions ``wrap_triton`` refuses.
 
     Raises:
         RuntimeError: ``wrap_triton``'s, for a kernel that is not a Triton kernel outside the interpreter.

@@ -1,16 +1,14 @@
-"""Mamba's causal depthwise convolution (Mamba paper §3.4, Fig. 3), SiLU optional, token-major, as the
-``torch.library`` ops ``hf_densessm::causal_conv1d`` / ``_backward`` (autograd registered; ``triton_op``s that run
-the implementation chosen from the op's table, :data:`~..dispatch.TABLES`: the fused Triton kernels of ``chunk.py``
-or the PyTorch path of ``torch_path.py``, both traced by ``torch.compile``). Formulas, kernels and why token-major:
-docs/kernels.md.
+"""Mamba's causal depthwise convolution (Mamba paper §3.4, Fig. 3), SiLU optional, token-major: :func:`causal_conv1d`,
+its table (:data:`~..dispatch.TABLES`: ``chunk.py``'s Triton kernels, ``torch_path.py``, both traced) and the ops
+``hf_densessm::causal_conv1d`` / ``_backward`` that run the entry chosen. Formulas and kernels: docs/kernels.md.
 """
 
 from typing import Optional
 
 import torch
 
-from ..backend import OpGroup, own_precision
-from ..dispatch import TABLES, Implementation, choose, implementation, triton_missing
+from ..backend import OpGroup, in_own_precision
+from ..dispatch import TABLES, Implementation, choose, implementation, triton_entry
 from ..packing import check_reset
 from .torch_path import causal_conv1d_backward_torch, causal_conv1d_torch
 
@@ -38,21 +36,11 @@ def _triton(name):
     return call
 
 
-def _torch(fn):
-    """``fn`` in its own precision (:func:`~..backend.own_precision`)."""
-    def call(*args):
-        with own_precision(args[0].device):
-            return fn(*args)
-    return call
-
-
 TABLES["causal_conv1d"] = [
-    Implementation("triton", ("auto", "triton"), ("cuda",), triton_missing, traced=True,
-                   calls=dict(forward=_triton("causal_conv1d_triton_fwd"),
-                              backward=_triton("causal_conv1d_triton_bwd"))),
+    triton_entry(forward=_triton("causal_conv1d_triton_fwd"), backward=_triton("causal_conv1d_triton_bwd")),
     *([cpu_kernel.CONV_STEP] if cpu_kernel else []),
-    Implementation("torch", ("auto", "torch"), traced=True,
-                   calls=dict(forward=_torch(causal_conv1d_torch), backward=_torch(causal_conv1d_backward_torch))),
+    Implementation("torch", ("auto", "torch"), traced=True, calls=dict(
+        forward=in_own_precision(causal_conv1d_torch), backward=in_own_precision(causal_conv1d_backward_torch))),
 ]
 
 
@@ -80,10 +68,8 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, grad_out):
     x, taps, bias, window, reset = ctx.saved_tensors
-    grad_x, grad_taps, grad_bias, grad_window = _ops.causal_conv1d_backward(grad_out, x, taps, bias, window, reset,
-                                                                            ctx.silu, ctx.impl)
-    return (grad_x, grad_taps, None if bias is None else grad_bias, None if window is None else grad_window, None,
-            None, None)
+    grads = _ops.causal_conv1d_backward(grad_out, x, taps, bias, window, reset, ctx.silu, ctx.impl)
+    return *grads[:2], None if bias is None else grads[2], None if window is None else grads[3], None, None, None
 
 
 _ops.register_autograd("causal_conv1d", _backward, setup_context=_setup_context)
@@ -104,9 +90,8 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         reset: ``(batch, seq_len)`` bool (or 0/1 integer) or ``None``: a tap reads only its token's packed document;
             the window precedes the row's first document only.
         activation: ``None`` or ``"silu"``.
-        backend: ``"auto"`` (the Triton kernels on CUDA tensors with triton installed, else the PyTorch path),
-            ``"triton"`` or ``"torch"`` (docs/kernels.md, "The backend switch"); ``None``: the active one
-            (:class:`~..dispatch.use_backend`).
+        backend: ``"auto"``, ``"triton"`` or ``"torch"`` (docs/kernels.md, "The dispatch table"); ``None``: the
+            active one (:class:`~..dispatch.use_backend`).
 
     Returns:
         ``(batch, seq_len, channels)`` contiguous in ``x``'s dtype (computed in float32, float64 for float64 ``x``),
@@ -148,6 +133,6 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     direct = implementation("causal_conv1d", impl).calls.get("direct")
     if direct is not None:  # an operator dispatched in C++: no Python op in between (eager decoding steps)
         return direct(x, taps, bias, window, reset, activation == "silu")
-    if window is not None and torch.is_grad_enabled():  # a cache the caller updates in place after the call; the
-        window = window.clone()  # backward pass reads this
+    if window is not None and torch.is_grad_enabled():  # the caller may update its cache in place after the call
+        window = window.clone()
     return _ops.causal_conv1d(x, taps, bias, window, reset, activation == "silu", impl)

@@ -8,14 +8,8 @@ from __future__ import annotations
 
 import torch
 
-try:  # triton: needed only when a kernel of this file runs
-    import triton
-    import triton.language as tl
-except ImportError as error:
-    raise ImportError(f"{__name__} holds Triton kernels and needs the `triton` package") from error
-
 from ..backend import compute_dtype
-from ..triton_utils import launch
+from ..triton_utils import launch, tl, triton  # raises ImportError without triton
 
 __all__ = ["causal_conv1d_triton_bwd", "causal_conv1d_triton_fwd"]
 
@@ -242,16 +236,9 @@ def _launch_args(x, taps, bias, window, reset, block_t, per_thread, unroll):
 
 
 def causal_conv1d_triton_fwd(x, taps, bias=None, window=None, reset=None, silu=False, block_t=32):
-    """The Triton body of ``hf_densessm::causal_conv1d``, no checks: :func:`_causal_conv1d_fwd_kernel`.
-
-    Args:
-        x: ``(batch, seq_len, channels)``, any float dtype and strides (channel stride 1 reads 16-byte vectors).
-        taps: ``(channels, K)``. bias: ``(channels,)`` or None. window: ``(batch, channels, K)`` or None.
-        reset: ``(batch, seq_len)`` bool or None. silu: apply SiLU. block_t: tokens per program, a power of 2.
-
-    Returns:
-        ``(batch, seq_len, channels)`` contiguous in ``x``'s dtype, computed in float32 (float64 for float64 ``x``).
-    """
+    """The Triton body of ``hf_densessm::causal_conv1d``, no checks (:func:`_causal_conv1d_fwd_kernel`): arguments
+    and result as :func:`~.torch_path.causal_conv1d_torch` (``x`` any strides: channel stride 1 reads 16-byte
+    vectors), plus ``block_t``, tokens per program, a power of 2."""
     batch, length, channels = x.shape
     out = torch.empty((batch, length, channels), dtype=x.dtype, device=x.device)
     if out.numel():
@@ -262,15 +249,8 @@ def causal_conv1d_triton_fwd(x, taps, bias=None, window=None, reset=None, silu=F
 
 def causal_conv1d_triton_bwd(grad_out, x, taps, bias=None, window=None, reset=None, silu=False, block_t=32):
     """The Triton body of ``hf_densessm::causal_conv1d_backward``: :func:`_causal_conv1d_bwd_kernel`, then the sum
-    of its per-block partial sums (deterministic: no atomics).
-
-    Args:
-        grad_out: ``(batch, seq_len, channels)``, any strides; the rest as :func:`causal_conv1d_triton_fwd`.
-
-    Returns:
-        ``(grad_x, grad_taps, grad_bias, grad_window)`` as ``causal_conv1d_backward_torch``: in the dtypes of
-        ``x``, ``taps``, ``bias``, ``window``; ``grad_window``'s column 0 zero; an empty ``(0,)`` tensor for an
-        absent ``bias`` or ``window``.
+    of its per-block partial sums (deterministic: no atomics). ``grad_out`` ``(batch, seq_len, channels)``, any
+    strides, the rest as :func:`causal_conv1d_triton_fwd`; returns as :func:`~.torch_path.causal_conv1d_backward_torch`.
     """
     batch, length, channels = x.shape
     kernel = taps.shape[1]

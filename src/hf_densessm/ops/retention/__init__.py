@@ -1,8 +1,7 @@
-"""Multi-scale retention (DenseSSM paper Eq. 18, 19, 24; RetNet) as the ``torch.library`` ops
-``hf_densessm::chunk_retention`` (+ ``_backward``) and ``hf_densessm::retention_state_update``, and the public
-functions that check their arguments and call them; the ops run the implementation chosen from their tables
-(:data:`~..dispatch.TABLES`). Forms (``naive.py``, ``chunked_torch.py``, ``chunk.py``, ``fused_recurrent.py``),
-dispatch and compile behaviour: docs/kernels.md, "The ops", "The forms of an op" and "The dispatch table".
+"""Multi-scale retention (DenseSSM paper Eq. 18, 19, 24; RetNet): :func:`chunk_retention` and
+:func:`retention_state_update`, their argument checks, the ops' tables (:data:`~..dispatch.TABLES`) and the
+``torch.library`` ops ``hf_densessm::chunk_retention`` (+ ``_backward``) and ``::retention_state_update`` that run the
+entry chosen. Forms, dispatch and compile behaviour: docs/kernels.md.
 """
 
 import math
@@ -11,17 +10,19 @@ from typing import Optional
 
 import torch
 
-from ..backend import OpGroup, compute_dtype, own_precision
-from ..dispatch import TABLES, Implementation, choose, implementation, triton_missing
+from ..backend import OpGroup, compute_dtype, in_own_precision, own_precision
+from ..dispatch import TABLES, Implementation, choose, implementation, triton_entry
 from ..packing import check_reset
 from .chunked_torch import chunk_retention_torch, chunk_retention_torch_backward, retention_state_update_torch
 from .naive import retention_gamma, retention_log2_gamma
 
 __all__ = ["chunk_retention", "retention_gamma", "retention_log2_gamma", "retention_state_update"]
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+Tensor = torch.Tensor
 
 
 def _check_scale(scale, key_dim):
+    """``scale`` as a float, ``key_dim ** -0.5`` for None."""
     if scale is None:
         return key_dim**-0.5
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale) or scale <= 0:
@@ -59,14 +60,11 @@ def _check_state(name, state, q, v):
     if not isinstance(state, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(state).__name__}")
     if tuple(state.shape) != expected:
-        raise ValueError(
-            f"{name} must have shape (batch, heads, key_dim, value_dim) = {expected}, got {tuple(state.shape)}"
-        )
-    allowed = (torch.float32, torch.float64) if v.dtype == torch.float64 else (torch.float32,)
-    if state.dtype not in allowed:
-        raise TypeError(
-            f"{name} must be float32 (or float64 with float64 inputs), got {state.dtype} with {v.dtype} inputs"
-        )
+        raise ValueError(f"{name} must have shape (batch, heads, key_dim, value_dim) = {expected}, got "
+                         f"{tuple(state.shape)}")
+    if state.dtype not in ((torch.float32, torch.float64) if v.dtype == torch.float64 else (torch.float32,)):
+        raise TypeError(f"{name} must be float32 (or float64 with float64 inputs), got {state.dtype} with {v.dtype} "
+                        "inputs")
     if state.device != q.device:
         raise ValueError(f"{name} must be on the device of q ({q.device}), got {state.device}")
 
@@ -85,7 +83,7 @@ def _triton(module: str, name: str):
     """The function ``name`` of ``chunk.py`` or ``fused_recurrent.py`` (``module``), imported when called (both need
     triton)."""
     def call(*args):
-        from . import chunk
+        from . import chunk  # one module per statement: transformers' remote-code scan reads one per line
         from . import fused_recurrent
         return getattr(chunk if module == "chunk" else fused_recurrent, name)(*args)
     return call
@@ -99,49 +97,39 @@ def _torch_backward(d_o, d_final_state, q, k, v, scale, initial_state, reset):
     return chunk_retention_torch_backward(d_o, d_final_state, q, k, v, scale, initial_state, reset=reset)
 
 
-def _torch_step(state, q, k, v, scale):
-    with own_precision(q.device):
-        return retention_state_update_torch(state, q, k, v, scale)
-
-
-_TRITON = dict(backends=("auto", "triton"), auto_devices=("cuda",), missing=triton_missing, traced=True)
 TABLES["chunk_retention"] = [
-    Implementation("triton", **_TRITON, calls=dict(forward=_triton("chunk", "chunk_retention_fwd_triton"),
-                                                   backward=_triton("chunk", "chunk_retention_bwd_triton"))),
+    triton_entry(forward=_triton("chunk", "chunk_retention_fwd_triton"),
+                 backward=_triton("chunk", "chunk_retention_bwd_triton")),
     Implementation("torch", ("auto", "torch"), calls=dict(forward=_torch_forward, backward=_torch_backward)),
 ]
 TABLES["retention_state_update"] = [
-    Implementation("triton", **_TRITON, calls=dict(step=_triton("fused_recurrent", "retention_state_update_triton"))),
-    Implementation("torch", ("auto", "torch"), traced=True, calls=dict(step=_torch_step)),
+    triton_entry(step=_triton("fused_recurrent", "retention_state_update_triton")),
+    Implementation("torch", ("auto", "torch"), traced=True,
+                   calls=dict(step=in_own_precision(retention_state_update_torch))),
 ]
 
 
 # ---------------------------------------------------------------------------------------------------- the ops
 #
-# As the selective scan's (selective_scan/__init__.py): the ops run the entry named by ``impl``; an entry that is not
-# traced runs inside the opaque ops ``chunk_retention_eager`` (+ ``_backward``), eagerly inside a compiled graph,
-# rather than its loop over chunks unrolled into it. Their fakes give the shapes only, so a graph over a dynamic
-# length holds no guard on how the length splits into chunks.
+# As the selective scan's: the ops run the entry named by ``impl``; an untraced entry runs inside the opaque ops
+# ``chunk_retention_eager`` (+ ``_backward``) (docs/kernels.md, "The ops").
 
 
-def _eager(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, initial_state: Optional[torch.Tensor],
-    reset: Optional[torch.Tensor], impl: str,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _eager(q: Tensor, k: Tensor, v: Tensor, scale: float, initial_state: Optional[Tensor], reset: Optional[Tensor],
+           impl: str) -> tuple[Tensor, Tensor]:
     with own_precision(q.device):
         return implementation("chunk_retention", impl).calls["forward"](q, k, v, scale, initial_state, reset)
 
 
-def _eager_backward(
-    d_o: torch.Tensor, d_final_state: Optional[torch.Tensor], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-    scale: float, initial_state: Optional[torch.Tensor], reset: Optional[torch.Tensor], impl: str,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _eager_backward(d_o: Tensor, d_final_state: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, scale: float,
+                    initial_state: Optional[Tensor], reset: Optional[Tensor],
+                    impl: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     with own_precision(q.device):
         return implementation("chunk_retention", impl).calls["backward"](d_o, d_final_state, q, k, v, scale,
                                                                          initial_state, reset)
 
 
-def _transposed_like(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def _transposed_like(x: Tensor, dtype: torch.dtype) -> Tensor:
     """An empty ``(batch, length, heads, dim)`` tensor with the strides of the PyTorch path's outputs (transposed views
     of ``(batch, heads, length, dim)`` ones)."""
     batch, length, heads, dim = x.shape
@@ -164,10 +152,8 @@ _ops.custom_op("chunk_retention_eager_backward", _eager_backward, fake=_eager_ba
 
 
 @_ops.triton_op("chunk_retention")
-def _chunk_retention_op(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, initial_state: Optional[torch.Tensor],
-    reset: Optional[torch.Tensor], impl: str,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _chunk_retention_op(q: Tensor, k: Tensor, v: Tensor, scale: float, initial_state: Optional[Tensor],
+                        reset: Optional[Tensor], impl: str) -> tuple[Tensor, Tensor]:
     """``(o, final_state)`` of :func:`chunk_retention` (arguments checked there) by the implementation ``impl``."""
     entry = implementation("chunk_retention", impl)
     if entry.traced:
@@ -176,10 +162,9 @@ def _chunk_retention_op(
 
 
 @_ops.triton_op("chunk_retention_backward")
-def _chunk_retention_backward_op(
-    d_o: torch.Tensor, d_final_state: Optional[torch.Tensor], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-    scale: float, initial_state: Optional[torch.Tensor], reset: Optional[torch.Tensor], impl: str,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _chunk_retention_backward_op(d_o: Tensor, d_final_state: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor,
+                                 scale: float, initial_state: Optional[Tensor], reset: Optional[Tensor],
+                                 impl: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(dq, dk, dv, d_initial_state)`` of ``hf_densessm::chunk_retention`` by the implementation ``impl``
     (``d_final_state`` None: zero); ``d_initial_state`` in ``initial_state``'s dtype, else the state dtype."""
     args = (d_o, d_final_state, q, k, v, scale, initial_state, reset)
@@ -200,19 +185,15 @@ def _chunk_retention_backward(ctx, d_o, d_final_state):
     q, k, v, initial_state, reset = ctx.saved_tensors
     if d_o is None:  # only the final state was used
         d_o = torch.zeros_like(v)
-    dq, dk, dv, d_initial_state = _ops.chunk_retention_backward(
-        d_o, d_final_state, q, k, v, ctx.scale, initial_state, reset, ctx.impl
-    )
-    return dq, dk, dv, None, (None if initial_state is None else d_initial_state), None, None
+    grads = _ops.chunk_retention_backward(d_o, d_final_state, q, k, v, ctx.scale, initial_state, reset, ctx.impl)
+    return *grads[:3], None, (None if initial_state is None else grads[3]), None, None
 
 
 _ops.register_autograd("chunk_retention", _chunk_retention_backward, setup_context=_chunk_retention_setup)
 
 
 @_ops.triton_op("retention_state_update", mutates_args=("state",))
-def _retention_state_update_op(
-    state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, impl: str
-) -> torch.Tensor:
+def _retention_state_update_op(state: Tensor, q: Tensor, k: Tensor, v: Tensor, scale: float, impl: str) -> Tensor:
     """``o`` of :func:`retention_state_update` (arguments checked there) by the implementation ``impl``; ``state``
     updated in place."""
     return implementation("retention_state_update", impl).calls["step"](state, q, k, v, scale)
@@ -237,7 +218,7 @@ def chunk_retention(q, k, v, scale=None, initial_state=None, output_final_state=
         initial_state (Tensor, optional): ``(batch, heads, key_dim, value_dim)`` float32 (float64 allowed with
             float64 inputs), the state before token 0; gradients flow into it if it requires grad.
         output_final_state (bool): also return the state after the last token.
-        backend (str, optional): ``"auto"``, ``"triton"`` or ``"torch"`` (docs/kernels.md, "The backend switch");
+        backend (str, optional): ``"auto"``, ``"triton"`` or ``"torch"`` (docs/kernels.md, "The dispatch table");
             ``None``: the active one (:class:`~..dispatch.use_backend`, ``"auto"`` by default).
         reset (Tensor, optional): ``(batch, length)`` bool, True at the first token of each packed document (the
             state before it is dropped; docs/kernels.md, "Packed sequences").
@@ -249,8 +230,8 @@ def chunk_retention(q, k, v, scale=None, initial_state=None, output_final_state=
 
     Raises:
         TypeError: a non-tensor argument, an unsupported or mixed dtype, an initial_state that is not float32.
-        ValueError: wrong ranks, q/k/v shapes that disagree, tensors on different devices, a bad
-            ``initial_state`` shape, a non-positive ``scale``, an unknown ``backend``.
+        ValueError: wrong ranks, q/k/v shapes that disagree, mixed devices, a bad ``initial_state`` shape, a
+            non-positive ``scale``, an unknown ``backend``.
         RuntimeError: ``backend="triton"`` without triton, or on CPU tensors without ``TRITON_INTERPRET=1``.
     """
     _check_qkv(q, k, v, ("batch", "length", "heads"))

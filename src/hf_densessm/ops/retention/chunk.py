@@ -9,14 +9,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-try:  # triton: needed only when a kernel of this file runs
-    import triton
-    import triton.language as tl
-except ImportError as error:
-    raise ImportError(f"{__name__} holds Triton kernels and needs the `triton` package") from error
-
 from ..backend import GPUArch, compute_dtype, device_arch
-from ..triton_utils import launch
+from ..triton_utils import launch, tl, triton  # raises ImportError without triton
 from .naive import retention_log2_gamma
 
 __all__ = [
@@ -56,22 +50,15 @@ class ChunkRetentionConfig:
     dv: StateTiles
 
     def fit(self, key_dim: int, value_dim: int) -> "ChunkRetentionConfig":
+        """Every kernel's tiles fitted (:meth:`StateTiles.fit`)."""
         tiles = (self.h, self.o, self.dh, self.dqk, self.dv)
         return ChunkRetentionConfig(self.block_t, *(t.fit(key_dim, value_dim) for t in tiles))
 
 
 def chunk_retention_config(arch: GPUArch, dtype: torch.dtype, key_dim: int, value_dim: int) -> ChunkRetentionConfig:
-    """Chunk length, tiles, warps and stages of the five kernels for one GPU, input dtype and head size: choices
-    that compile without spills (docs/kernels.md, "Tile, warp and stage choices").
-
-    Args:
-        arch: the GPU's limits (:func:`hf_densessm.ops.backend.device_arch`).
-        dtype: the dtype of ``q``, ``k``, ``v``.
-        key_dim, value_dim: per-head sizes; tiles shrink to them where they are smaller.
-
-    Returns:
-        A :class:`ChunkRetentionConfig`.
-    """
+    """The :class:`ChunkRetentionConfig` of the GPU ``arch`` (:func:`~..backend.device_arch`), the dtype of ``q``,
+    ``k``, ``v`` and the per-head sizes (tiles shrink to them): choices that compile without spills (docs/kernels.md,
+    "Tile, warp and stage choices")."""
     if dtype in (torch.float16, torch.bfloat16):  # tensor-core products, 64-token chunks
         stages = 2 if arch.shared_per_block >= 96 * 1024 else 1  # 2 stages: <= 48 KB (sm_8x), 65 KB (sm_90)
         # the tile of the axis an output kernel keeps (o, dv: value; dqk: key), 64 or 128: the one with fewer
@@ -372,13 +359,6 @@ def _retention_chunk_dv_kernel(
 # ---------------------------------------------------------------------------------------------------------- host
 
 
-def _kernel_dtypes(dtype):
-    """Accumulator dtype (torch, triton) and ``tl.dot`` input precision: exact ("ieee") for float32 and float64."""
-    if dtype == torch.float64:
-        return torch.float64, tl.float64, "ieee"
-    return torch.float32, tl.float32, "ieee" if dtype == torch.float32 else "tf32"
-
-
 def _document_indices(reset):
     """``(batch, 1 + length)`` int32 document indices, 0 then ``cumsum(reset)``; None without ``reset``."""
     if reset is None:
@@ -387,12 +367,9 @@ def _document_indices(reset):
 
 
 def _launch(kernel, grid, block_t, tiles, key_dim, value_dim, *args, **meta):
-    """Launch one kernel over ``grid`` with its tiles, through ``torch.library.wrap_triton`` (so that
-    ``torch.compile`` sees the kernel)."""
-    launch(kernel)[grid](
-        *args, K=key_dim, V=value_dim, BT=block_t, BK=tiles.block_k, BV=tiles.block_v,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **meta,
-    )
+    """Launch ``kernel`` over ``grid`` with its tiles (:func:`~..triton_utils.launch`)."""
+    launch(kernel)[grid](*args, K=key_dim, V=value_dim, BT=block_t, BK=tiles.block_k, BV=tiles.block_v,
+                         num_warps=tiles.num_warps, num_stages=tiles.num_stages, **meta)
 
 
 def _prepare(q, k, v, initial_state, config):
@@ -400,7 +377,8 @@ def _prepare(q, k, v, initial_state, config):
     state, the accumulation dtypes and the per-head ``log2(gamma)``."""
     if config is None:
         config = chunk_retention_config(device_arch(q.device), q.dtype, q.shape[-1], v.shape[-1])
-    acc_torch, acc_tl, precision = _kernel_dtypes(v.dtype)
+    acc_torch, acc_tl = (torch.float64, tl.float64) if v.dtype == torch.float64 else (torch.float32, tl.float32)
+    precision = "ieee" if v.dtype in (torch.float32, torch.float64) else "tf32"  # tl.dot exact for float32/64
     log2_gamma = retention_log2_gamma(q.shape[2], q.device, acc_torch)
     initial_state = None if initial_state is None else initial_state.contiguous()
     return config, q.contiguous(), k.contiguous(), v.contiguous(), initial_state, acc_tl, precision, log2_gamma
@@ -414,21 +392,17 @@ def _chunk_states(k, v, initial_state, final_state, docs, log2_gamma, config, ac
     tiles = config.h
     h = k.new_empty(batch, heads, triton.cdiv(length, config.block_t), key_dim, value_dim)
     grid = (triton.cdiv(value_dim, tiles.block_v), triton.cdiv(key_dim, tiles.block_k), batch * heads)
-    _launch(
-        _retention_chunk_h_kernel, grid, config.block_t, tiles, key_dim, value_dim,
-        k, v, h, initial_state, final_state, docs, log2_gamma, length, H=heads,
-        HAS_INITIAL_STATE=initial_state is not None, STORE_FINAL_STATE=final_state is not None, ACC=acc_tl,
-        PRECISION=precision, HAS_RESET=docs is not None,
-    )
+    _launch(_retention_chunk_h_kernel, grid, config.block_t, tiles, key_dim, value_dim, k, v, h, initial_state,
+            final_state, docs, log2_gamma, length, H=heads, HAS_INITIAL_STATE=initial_state is not None,
+            STORE_FINAL_STATE=final_state is not None, ACC=acc_tl, PRECISION=precision, HAS_RESET=docs is not None)
     return h
 
 
 def chunk_retention_fwd_triton(q, k, v, scale, initial_state=None, reset=None, config=None):
     """The Triton branch of ``hf_densessm::chunk_retention``, no checks: arguments and ``(o, final_state)`` as
-    :func:`hf_densessm.ops.retention.chunk_retention` (``scale`` a float), plus ``config`` (a
-    :class:`ChunkRetentionConfig`; default :func:`chunk_retention_config` for ``q``'s device). The per-chunk
-    states (``_retention_chunk_h_kernel``), ``batch * heads * ceil(length / block_t) * key_dim * value_dim``
-    values in the inputs' dtype, live until the outputs (``_retention_chunk_o_kernel``) are written."""
+    :func:`hf_densessm.ops.retention.chunk_retention` (``scale`` a float), plus ``config`` (default
+    :func:`chunk_retention_config` for ``q``'s device). The per-chunk states, ``batch * heads * ceil(length /
+    block_t) * key_dim * value_dim`` values in the inputs' dtype, live until the outputs are written."""
     batch, length, heads, key_dim = q.shape
     value_dim = v.shape[-1]
     config, q, k, v, initial_state, acc_tl, precision, log2_gamma = _prepare(q, k, v, initial_state, config)
@@ -440,11 +414,8 @@ def chunk_retention_fwd_triton(q, k, v, scale, initial_state=None, reset=None, c
     if num_chunks:
         tiles = config.o
         grid = (triton.cdiv(value_dim, tiles.block_v), num_chunks, batch * heads)
-        _launch(
-            _retention_chunk_o_kernel, grid, config.block_t, tiles, key_dim, value_dim,
-            q, k, v, h, o, docs, log2_gamma, scale, length, H=heads, ACC=acc_tl, PRECISION=precision,
-            HAS_RESET=docs is not None,
-        )
+        _launch(_retention_chunk_o_kernel, grid, config.block_t, tiles, key_dim, value_dim, q, k, v, h, o, docs,
+                log2_gamma, scale, length, H=heads, ACC=acc_tl, PRECISION=precision, HAS_RESET=docs is not None)
     return o, final_state
 
 
@@ -469,23 +440,16 @@ def chunk_retention_bwd_triton(d_o, d_final_state, q, k, v, scale, initial_state
     d_initial_state = q.new_empty(batch, heads, key_dim, value_dim, dtype=compute_dtype(v.dtype))
     tiles = config.dh
     grid = (triton.cdiv(value_dim, tiles.block_v), triton.cdiv(key_dim, tiles.block_k), batch * heads)
-    _launch(
-        _retention_chunk_dh_kernel, grid, config.block_t, tiles, key_dim, value_dim,
-        q, d_o, dh, d_final_state, d_initial_state, docs, log2_gamma, scale, length,
-        HAS_D_FINAL_STATE=d_final_state is not None, **meta,
-    )
+    _launch(_retention_chunk_dh_kernel, grid, config.block_t, tiles, key_dim, value_dim, q, d_o, dh, d_final_state,
+            d_initial_state, docs, log2_gamma, scale, length, HAS_D_FINAL_STATE=d_final_state is not None, **meta)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     if num_chunks:
         tiles = config.dqk
         grid = (triton.cdiv(key_dim, tiles.block_k), num_chunks, batch * heads)
-        _launch(
-            _retention_chunk_dqk_kernel, grid, config.block_t, tiles, key_dim, value_dim,
-            q, k, v, d_o, h, dh, dq, dk, docs, log2_gamma, scale, length, **meta,
-        )
+        _launch(_retention_chunk_dqk_kernel, grid, config.block_t, tiles, key_dim, value_dim, q, k, v, d_o, h, dh, dq,
+                dk, docs, log2_gamma, scale, length, **meta)
         tiles = config.dv
         grid = (triton.cdiv(value_dim, tiles.block_v), num_chunks, batch * heads)
-        _launch(
-            _retention_chunk_dv_kernel, grid, config.block_t, tiles, key_dim, value_dim,
-            q, k, d_o, dh, dv, docs, log2_gamma, scale, length, **meta,
-        )
+        _launch(_retention_chunk_dv_kernel, grid, config.block_t, tiles, key_dim, value_dim, q, k, d_o, dh, dv, docs,
+                log2_gamma, scale, length, **meta)
     return dq, dk, dv, d_initial_state

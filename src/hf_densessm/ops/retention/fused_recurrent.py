@@ -4,14 +4,8 @@ Triton branch of ``hf_densessm::retention_state_update`` (docs/kernels.md, "How 
 
 import torch
 
-try:  # triton: needed only when a kernel of this file runs
-    import triton
-    import triton.language as tl
-except ImportError as error:
-    raise ImportError(f"{__name__} holds Triton kernels and needs the `triton` package") from error
-
 from ..backend import GPUArch, device_arch
-from ..triton_utils import launch
+from ..triton_utils import launch, tl, triton  # raises ImportError without triton
 
 __all__ = ["retention_state_update_config", "retention_state_update_triton"]
 
@@ -65,8 +59,7 @@ def retention_state_update_triton(state, q, k, v, scale, config=None):
     block_k, block_v, num_warps = config or retention_state_update_config(device_arch(q.device), key_dim, value_dim)
     launch(_retention_step_kernel)[(triton.cdiv(value_dim, block_v), batch * heads)](
         work, q.contiguous(), k.contiguous(), v.contiguous(), o, scale,
-        H=heads, K=key_dim, V=value_dim, BK=block_k, BV=block_v, ACC=acc, num_warps=num_warps,
-    )
+        H=heads, K=key_dim, V=value_dim, BK=block_k, BV=block_v, ACC=acc, num_warps=num_warps)
     if work is not state:
         state.copy_(work)
     return o

@@ -1,19 +1,15 @@
-"""Selective scan of Mamba (Mamba paper, Algorithm 2, §3.3, App. D): the public entry points :func:`selective_scan`
-(whole sequence; ``mamba_ssm``'s ``selective_scan_fn`` layout) and :func:`selective_state_update` (one decoding
-token, state updated in place), their argument checks, and the ``torch.library`` ops ``hf_densessm::selective_scan``
-(+ ``_backward``) and ``hf_densessm::selective_state_update`` they call, which run the implementation chosen
-from the ops' tables (:data:`~..dispatch.TABLES`: the chunk-parallel Triton kernels of ``chunk.py`` /
-``fused_recurrent.py``, the C++ kernel of ``../cpu_kernel.py`` on CPU tensors, the PyTorch path of
-``chunked_torch.py``); the forms, schemas and the dispatch are in docs/kernels.md ("Layout", "The ops", "The dispatch
-table"). ``A <= 0`` is checked by :func:`selective_scan` with no host sync, not per decoding step.
+"""Selective scan of Mamba (Mamba paper, Algorithm 2, §3.3, App. D): :func:`selective_scan` (whole sequence;
+``mamba_ssm``'s ``selective_scan_fn`` layout) and :func:`selective_state_update` (one decoding token), their argument
+checks, the ops' tables (:data:`~..dispatch.TABLES`) and the ``torch.library`` ops ``hf_densessm::selective_scan``
+(+ ``_backward``) and ``::selective_state_update`` that run the entry chosen. Forms, schemas, dispatch: docs/kernels.md.
 """
 
 from typing import Optional
 
 import torch
 
-from ..backend import OpGroup, inputs_compute_dtype, own_precision, require
-from ..dispatch import TABLES, Implementation, choose, implementation, triton_missing
+from ..backend import OpGroup, in_own_precision, inputs_compute_dtype, own_precision, require
+from ..dispatch import TABLES, Implementation, choose, implementation, triton_entry
 
 try:  # remote code ships no C++ build code (docs/hub_and_conversion.md): the table has no "cpp" entry there
     from .. import cpu_kernel
@@ -30,7 +26,7 @@ _ops = OpGroup()
 
 
 def _check_tensor(name, t, shape, device, optional=False):
-    """``shape``: (expected sizes, None = any; the dimension names used in the message)."""
+    """Type, ``shape`` ((sizes, None = any), dimension names), dtype and device of ``t``; ``None`` if ``optional``."""
     if t is None:
         if optional:
             return
@@ -40,42 +36,11 @@ def _check_tensor(name, t, shape, device, optional=False):
     sizes, names = shape
     if t.dim() != len(sizes) or any(s is not None and s != got for s, got in zip(sizes, t.shape)):
         want = ", ".join(f"{n}={s}" if s is not None else n for n, s in zip(names, sizes))
-        raise ValueError(
-            f"{name} must have shape ({', '.join(names)}) with {want}, got shape {tuple(t.shape)}"
-        )
+        raise ValueError(f"{name} must have shape ({', '.join(names)}) with {want}, got shape {tuple(t.shape)}")
     if t.dtype not in _FLOAT_DTYPES:
         raise TypeError(f"{name} must have dtype in {[str(d) for d in _FLOAT_DTYPES]}, got {t.dtype}")
     if t.device != device:
         raise ValueError(f"{name} is on {t.device} but u/x is on {device}: all tensors must be on one device")
-
-
-def _check_decay(A: torch.Tensor) -> None:
-    """``A <= 0`` with no host sync (:func:`~..backend.require`)."""
-    require((A <= 0).all(), "A must have entries <= 0 (continuous-time decay, e.g. A = -exp(A_log)); got a positive "
-            "entry", host_read=False)
-
-
-def _check_scan_args(u, delta, A, B, C, D, z, delta_bias, initial_state):
-    if not isinstance(u, torch.Tensor):
-        raise TypeError(f"u must be a torch.Tensor, got {type(u).__name__}")
-    if u.dim() != 3:
-        raise ValueError(f"u must have shape (batch, dim, length) (3 dims), got shape {tuple(u.shape)}")
-    batch, dim, length = u.shape
-    if length == 0:
-        raise ValueError("u must have length >= 1 (shape (batch, dim, length)), got length 0")
-    dev = u.device
-    _check_tensor("u", u, ((batch, dim, length), ("batch", "dim", "length")), dev)
-    _check_tensor("delta", delta, ((batch, dim, length), ("batch", "dim", "length")), dev)
-    _check_tensor("A", A, ((dim, None), ("dim", "state")), dev)
-    n = A.shape[1]
-    _check_tensor("B", B, ((batch, n, length), ("batch", "state", "length")), dev)
-    _check_tensor("C", C, ((batch, n, length), ("batch", "state", "length")), dev)
-    _check_tensor("D", D, ((dim,), ("dim",)), dev, optional=True)
-    _check_tensor("z", z, ((batch, dim, length), ("batch", "dim", "length")), dev, optional=True)
-    _check_tensor("delta_bias", delta_bias, ((dim,), ("dim",)), dev, optional=True)
-    _check_tensor(
-        "initial_state", initial_state, ((batch, dim, n), ("batch", "dim", "state")), dev, optional=True
-    )
 
 
 def _or_empty(grad: Optional[Tensor], like: Tensor) -> Tensor:
@@ -103,7 +68,7 @@ def _triton(module: str, name: str):
     """The function ``name`` of ``chunk.py`` or ``fused_recurrent.py`` (``module``), imported when called (both need
     triton)."""
     def call(*args):
-        from . import chunk
+        from . import chunk  # one module per statement: transformers' remote-code scan reads one per line
         from . import fused_recurrent
         return getattr(chunk if module == "chunk" else fused_recurrent, name)(*args)
     return call
@@ -115,8 +80,8 @@ def _torch_forward(*args):
 
 
 def _torch_backward(*args):
-    *args, saved = args
-    return selective_scan_torch_bwd(*args, saved.unflatten(2, (args[2].shape[1], -1)))
+    *args, saved = args  # saved: (batch, n_chunks, state * dim), args[4]: A
+    return selective_scan_torch_bwd(*args, saved.unflatten(2, (args[4].shape[1], -1)))
 
 
 def _torch_saved(u, A, dtype):
@@ -126,36 +91,28 @@ def _torch_saved(u, A, dtype):
     return u.new_empty(u.shape[0], chunks, A.shape[1] * u.shape[1], dtype=dtype)
 
 
-def _torch_step(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus):
-    with own_precision(state.device):
-        return selective_state_update_torch(state, x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus)
-
-
-_TRITON = dict(backends=("auto", "triton"), auto_devices=("cuda",), missing=triton_missing, traced=True)
 TABLES["selective_scan"] = [
-    Implementation("triton", **_TRITON, calls=dict(forward=_triton("chunk", "selective_scan_triton_fwd"),
-                                                   backward=_triton("chunk", "selective_scan_triton_bwd"))),
+    triton_entry(forward=_triton("chunk", "selective_scan_triton_fwd"),
+                 backward=_triton("chunk", "selective_scan_triton_bwd")),
     *([cpu_kernel.IMPLEMENTATION] if cpu_kernel else []),
     Implementation("torch", ("auto", "torch"), calls=dict(forward=_torch_forward, backward=_torch_backward,
                                                           saved=_torch_saved)),
 ]
 TABLES["selective_state_update"] = [
-    Implementation("triton", **_TRITON, calls=dict(step=_triton("fused_recurrent", "selective_state_update_triton"))),
+    triton_entry(step=_triton("fused_recurrent", "selective_state_update_triton")),
     *([cpu_kernel.STATE_UPDATE] if cpu_kernel else []),
-    Implementation("torch", ("auto", "torch"), traced=True, calls=dict(step=_torch_step)),
+    Implementation("torch", ("auto", "torch"), traced=True,
+                   calls=dict(step=in_own_precision(selective_state_update_torch))),
 ]
 
 
 # ------------------------------------------------------------------------------------------------------ the ops
 #
-# ``hf_densessm::selective_scan`` (+ ``_backward``) run the implementation named by their ``impl`` argument, which
-# :func:`selective_scan` chose and the backward receives from the forward's context. ``triton_op`` registers each
-# body as its own fake, and ``torch.compile`` decomposes the op into it: a traced entry's kernels enter the graph;
-# any other entry runs inside the opaque ops ``selective_scan_eager`` (+ ``_backward``), run eagerly inside a
-# compiled graph (the chunked path's Python loop over chunks would otherwise be unrolled into it: measured, 350 s
-# to compile a 4-block micro model's training step at 37 tokens).
+# The ops run the entry named by ``impl``, which the backward receives from the forward's context; an untraced entry
+# runs inside the opaque ops ``selective_scan_eager`` (+ ``_backward``) (docs/kernels.md, "The ops").
 
 
+_Grads = tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]  # the backward ops' outputs
 _TOKEN_MAJOR_GRADS = (0, 1, 3, 4, 6)  # du, ddelta, dB, dC, dz: the layout of the model's u, delta, B, C, z
 
 
@@ -178,11 +135,10 @@ def _eager(u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Optiona
     return _token_major(y), last, saved
 
 
-def _eager_backward(
-    dy: Optional[Tensor], dlast: Optional[Tensor], u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor,
-    D: Optional[Tensor], z: Optional[Tensor], delta_bias: Optional[Tensor], delta_softplus: bool,
-    initial_state: Optional[Tensor], reset: Optional[Tensor], saved: Tensor, impl: str,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+def _eager_backward(dy: Optional[Tensor], dlast: Optional[Tensor], u: Tensor, delta: Tensor, A: Tensor, B: Tensor,
+                    C: Tensor, D: Optional[Tensor], z: Optional[Tensor], delta_bias: Optional[Tensor],
+                    delta_softplus: bool, initial_state: Optional[Tensor], reset: Optional[Tensor], saved: Tensor,
+                    impl: str) -> _Grads:
     with own_precision(u.device):
         grads = implementation("selective_scan", impl).calls["backward"](
             dy, dlast, u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, reset, saved)
@@ -209,31 +165,25 @@ _ops.custom_op("selective_scan_eager_backward", _eager_backward, fake=_eager_bac
 
 
 @_ops.triton_op("selective_scan")
-def _selective_scan_op(
-    u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Optional[Tensor], z: Optional[Tensor],
-    delta_bias: Optional[Tensor], delta_softplus: bool, initial_state: Optional[Tensor], reset: Optional[Tensor],
-    save_states: bool, impl: str,
-) -> tuple[Tensor, Tensor, Tensor]:
+def _selective_scan_op(u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Optional[Tensor],
+                       z: Optional[Tensor], delta_bias: Optional[Tensor], delta_softplus: bool,
+                       initial_state: Optional[Tensor], reset: Optional[Tensor], save_states: bool,
+                       impl: str) -> tuple[Tensor, Tensor, Tensor]:
     """``hf_densessm::selective_scan``: ``(y, last_state, saved)`` of the implementation ``impl`` (the table's
     "forward"); see :func:`selective_scan` for the arguments (``reset``: (batch, length) bool or None)."""
     entry = implementation("selective_scan", impl)
-    if entry.traced:
-        return entry.calls["forward"](u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, reset,
-                                      save_states)
-    return _ops.selective_scan_eager(u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, reset,
-                                     save_states, impl)
+    args = (u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, reset, save_states)
+    return entry.calls["forward"](*args) if entry.traced else _ops.selective_scan_eager(*args, impl)
 
 
 @_ops.triton_op("selective_scan_backward")
-def _selective_scan_backward_op(
-    dy: Optional[Tensor], dlast: Optional[Tensor], u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor,
-    D: Optional[Tensor], z: Optional[Tensor], delta_bias: Optional[Tensor], delta_softplus: bool,
-    initial_state: Optional[Tensor], reset: Optional[Tensor], saved: Tensor, impl: str,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """``hf_densessm::selective_scan_backward``: ``(du, ddelta, dA, dB, dC, dD, dz, ddelta_bias, dinitial_state)``
-    of the implementation ``impl`` from the gradients ``dy`` (batch, dim, length) and ``dlast`` (batch, dim, state)
-    (None: zero), the forward op's arguments and its ``saved`` (with all its chunks). Each gradient is in its input's
-    dtype; the gradient of an absent ``D``, ``z`` or ``delta_bias`` is an empty tensor."""
+def _selective_scan_backward_op(dy: Optional[Tensor], dlast: Optional[Tensor], u: Tensor, delta: Tensor, A: Tensor,
+                                B: Tensor, C: Tensor, D: Optional[Tensor], z: Optional[Tensor],
+                                delta_bias: Optional[Tensor], delta_softplus: bool, initial_state: Optional[Tensor],
+                                reset: Optional[Tensor], saved: Tensor, impl: str) -> _Grads:
+    """``hf_densessm::selective_scan_backward``: the gradients of the implementation ``impl``'s "backward" from
+    ``dy``, ``dlast`` (None: zero), the forward op's arguments and its ``saved`` (with all its chunks), each in its
+    input's dtype; the gradient of an absent ``D``, ``z`` or ``delta_bias`` is an empty tensor."""
     entry = implementation("selective_scan", impl)
     args = (dy, dlast, u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, reset, saved)
     if entry.traced:
@@ -254,45 +204,32 @@ def _scan_backward(ctx, dy, dlast, _dsaved):
     if not ctx.save_states:  # the forward op ran with save_states=False (it may have saved nothing)
         saved = _ops.selective_scan(*args, True, ctx.impl)[2]
     grads = _ops.selective_scan_backward(dy, dlast, *args, saved, ctx.impl)
-    du, ddelta, dA, dB, dC, dD, dz, dbias, dinitial = (
-        g if t is not None and ctx.needs_input_grad[i] else None
-        for g, t, i in zip(grads, (u, delta, A, B, C, D, z, delta_bias, initial_state), (0, 1, 2, 3, 4, 5, 6, 7, 9))
-    )
-    return du, ddelta, dA, dB, dC, dD, dz, dbias, None, dinitial, None, None, None
+    inputs = (u, delta, A, B, C, D, z, delta_bias, initial_state)
+    grads = [g if t is not None and ctx.needs_input_grad[i] else None
+             for g, t, i in zip(grads, inputs, (0, 1, 2, 3, 4, 5, 6, 7, 9))]
+    return *grads[:8], None, grads[8], None, None, None
 
 
 _ops.register_autograd("selective_scan", _scan_backward, setup_context=_scan_setup_context)
 
 
 @_ops.triton_op("selective_state_update", mutates_args=("state",))
-def _selective_state_update_op(
-    state: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Optional[Tensor], z: Optional[Tensor],
-    dt_bias: Optional[Tensor], dt_softplus: bool, impl: str,
-) -> Tensor:
+def _selective_state_update_op(state: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
+                               D: Optional[Tensor], z: Optional[Tensor], dt_bias: Optional[Tensor], dt_softplus: bool,
+                               impl: str) -> Tensor:
     """``hf_densessm::selective_state_update``: one decoding step of the implementation ``impl``, ``state`` updated
     in place, ``y`` returned; see :func:`selective_state_update`. No autograd formula: decoding only."""
-    return implementation("selective_state_update", impl).calls["step"](state, x, dt, A, B, C, D, z, dt_bias,
-                                                                        dt_softplus)
+    step = implementation("selective_state_update", impl).calls["step"]
+    return step(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus)
 
 
 _ops.define()
 
 
-def selective_scan(
-    u: torch.Tensor,
-    delta: torch.Tensor,
-    A: torch.Tensor,
-    B: torch.Tensor,
-    C: torch.Tensor,
-    D: torch.Tensor | None = None,
-    z: torch.Tensor | None = None,
-    delta_bias: torch.Tensor | None = None,
-    delta_softplus: bool = False,
-    initial_state: torch.Tensor | None = None,
-    return_last_state: bool = False,
-    backend: str | None = None,
-    reset: torch.Tensor | None = None,
-):
+def selective_scan(u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor | None = None,
+                   z: Tensor | None = None, delta_bias: Tensor | None = None, delta_softplus: bool = False,
+                   initial_state: Tensor | None = None, return_last_state: bool = False, backend: str | None = None,
+                   reset: Tensor | None = None):
     """Selective scan over a whole sequence (Mamba paper, Algorithm 2; fused kernel of §3.3.2 and App. D).
 
     For each channel ``d`` and state index ``n``, with ``dt = softplus(delta + delta_bias)`` (bias and softplus
@@ -305,54 +242,60 @@ def selective_scan(
     Args:
         u: (batch, dim, length) SSM input; float32, bfloat16, float16 (float64 allowed, for tests).
         delta: (batch, dim, length) time step, before ``delta_bias`` and softplus.
-        A: (dim, state), entries <= 0; usually float32 (any float dtype is cast to the accumulation dtype).
+        A: (dim, state), entries <= 0, any float dtype (cast to the accumulation dtype).
         B, C: (batch, state, length) input-dependent projections (the "selective" parameters).
         D: (dim,) skip weight, optional. z: (batch, dim, length) gate, optional.
         delta_bias: (dim,) optional. delta_softplus: apply softplus to ``delta + delta_bias``.
         initial_state: (batch, dim, state) state before the first token (e.g. a cache), any float dtype.
         return_last_state: also return the state after the last token.
-        backend: ``"auto"`` | ``"triton"`` | ``"torch"`` (see the module docstring); ``None``: the active one
-            (:class:`~..dispatch.use_backend`, ``"auto"`` by default).
+        backend: ``"auto"`` | ``"triton"`` | ``"torch"`` (docs/kernels.md, "The dispatch table"); ``None``: the
+            active one (:class:`~..dispatch.use_backend`, ``"auto"`` by default).
         reset: (batch, length) bool, True at the first token of each packed document: ``h_{t-1}`` is taken as 0
             there (the initial state too at ``t = 0``), so no state crosses a document boundary (:mod:`..packing`).
 
     Returns:
-        ``y`` (batch, dim, length) in ``u``'s dtype; with ``return_last_state``, ``(y, last_state)`` where
-        ``last_state`` is (batch, dim, state) float32 (float64 for float64 inputs). Accumulation is in float32
-        (float64 for float64 inputs). Differentiable in every tensor argument on every backend.
+        ``y`` (batch, dim, length) in ``u``'s dtype; with ``return_last_state``, ``(y, last_state)``, ``last_state``
+        (batch, dim, state). Accumulated and ``last_state`` in float32 (float64 for float64 inputs). Differentiable
+        in every tensor argument on every backend.
 
     Raises:
         ValueError: ``backend`` not one of the backends; a tensor of the wrong rank or shape; tensors on different
             devices; ``length == 0``; ``A`` with a positive entry (not checked while compiling or capturing).
         TypeError: a non-tensor argument or an unsupported dtype.
-        RuntimeError: ``backend="triton"`` without triton installed, or on CPU tensors without
-            ``TRITON_INTERPRET=1``.
+        RuntimeError: ``backend="triton"`` without triton, or on CPU tensors without ``TRITON_INTERPRET=1``.
     """
-    _check_scan_args(u, delta, A, B, C, D, z, delta_bias, initial_state)
-    reset = check_reset(reset, u.shape[0], u.shape[2], u.device)
-    _check_decay(A)
+    if not isinstance(u, torch.Tensor):
+        raise TypeError(f"u must be a torch.Tensor, got {type(u).__name__}")
+    if u.dim() != 3:
+        raise ValueError(f"u must have shape (batch, dim, length) (3 dims), got shape {tuple(u.shape)}")
+    batch, dim, length = u.shape
+    if length == 0:
+        raise ValueError("u must have length >= 1 (shape (batch, dim, length)), got length 0")
+    dev = u.device
+    _check_tensor("u", u, ((batch, dim, length), ("batch", "dim", "length")), dev)
+    _check_tensor("delta", delta, ((batch, dim, length), ("batch", "dim", "length")), dev)
+    _check_tensor("A", A, ((dim, None), ("dim", "state")), dev)
+    n = A.shape[1]
+    _check_tensor("B", B, ((batch, n, length), ("batch", "state", "length")), dev)
+    _check_tensor("C", C, ((batch, n, length), ("batch", "state", "length")), dev)
+    _check_tensor("D", D, ((dim,), ("dim",)), dev, optional=True)
+    _check_tensor("z", z, ((batch, dim, length), ("batch", "dim", "length")), dev, optional=True)
+    _check_tensor("delta_bias", delta_bias, ((dim,), ("dim",)), dev, optional=True)
+    _check_tensor("initial_state", initial_state, ((batch, dim, n), ("batch", "dim", "state")), dev, optional=True)
+    reset = check_reset(reset, batch, length, dev)
+    require((A <= 0).all(), "A must have entries <= 0 (continuous-time decay, e.g. A = -exp(A_log)); got a positive "
+            "entry", host_read=False)  # no host sync
     tensors = (u, delta, A, B, C, D, z, delta_bias, initial_state)
     save_states = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
-    impl = choose("selective_scan", u.device, backend, state_size=A.shape[1])
-    y, last_state, _ = _ops.selective_scan(
-        u, delta, A, B, C, D, z, delta_bias, bool(delta_softplus), initial_state, reset, save_states, impl
-    )
+    impl = choose("selective_scan", dev, backend, state_size=n)
+    y, last_state, _ = _ops.selective_scan(u, delta, A, B, C, D, z, delta_bias, bool(delta_softplus), initial_state,
+                                           reset, save_states, impl)
     return (y, last_state) if return_last_state else y
 
 
-def selective_state_update(
-    state: torch.Tensor,
-    x: torch.Tensor,
-    dt: torch.Tensor,
-    A: torch.Tensor,
-    B: torch.Tensor,
-    C: torch.Tensor,
-    D: torch.Tensor | None = None,
-    z: torch.Tensor | None = None,
-    dt_bias: torch.Tensor | None = None,
-    dt_softplus: bool = False,
-    backend: str | None = None,
-) -> torch.Tensor:
+def selective_state_update(state: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
+                           D: Tensor | None = None, z: Tensor | None = None, dt_bias: Tensor | None = None,
+                           dt_softplus: bool = False, backend: str | None = None) -> Tensor:
     """One decoding step of the selective SSM (Mamba paper eq. 2a/2b in recurrent mode), O(1) in the context.
 
     ``state`` is updated IN PLACE to ``h_t = exp(dt * A) * h_{t-1} + dt * B * x`` and the function returns
@@ -363,7 +306,7 @@ def selective_state_update(
             works: the step computes in float32, or float64 for float64, and writes back in ``state``'s dtype).
         x: (batch, dim) this token's SSM input; float32, bfloat16, float16 (float64 allowed).
         dt: (batch, dim) time step before ``dt_bias`` and softplus.
-        A: (dim, state), entries <= 0 (not checked here, see the module docstring).
+        A: (dim, state), entries <= 0 (not checked per step: :func:`selective_scan` checks it).
         B, C: (batch, state). D: (dim,) optional. z: (batch, dim) gate, optional. dt_bias: (dim,) optional.
         dt_softplus: apply softplus to ``dt + dt_bias``.
         backend: as :func:`selective_scan`.
@@ -393,14 +336,11 @@ def selective_state_update(
     _check_tensor("D", D, ((dim,), ("dim",)), dev, optional=True)
     _check_tensor("z", z, ((batch, dim), ("batch", "dim")), dev, optional=True)
     _check_tensor("dt_bias", dt_bias, ((dim,), ("dim",)), dev, optional=True)
-    if torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (state, x, dt, A, B, C, D, z, dt_bias)
-    ):
-        raise RuntimeError(
-            "selective_state_update is a decoding step without gradients: call it under torch.no_grad() (or "
-            "torch.inference_mode()), or run the whole sequence through selective_scan(..., initial_state=state, "
-            "return_last_state=True), which is differentiable"
-        )
+    tensors = (state, x, dt, A, B, C, D, z, dt_bias)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        raise RuntimeError("selective_state_update is a decoding step without gradients: call it under torch.no_grad() "
+                           "(or torch.inference_mode()), or run the whole sequence through selective_scan(..., "
+                           "initial_state=state, return_last_state=True), which is differentiable")
     impl = choose("selective_state_update", state.device, backend, state_size=n,
                   step=state.is_contiguous() and state.dtype in (torch.float32, torch.float64))
     direct = implementation("selective_state_update", impl).calls.get("direct")

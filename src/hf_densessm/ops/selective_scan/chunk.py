@@ -10,14 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
-try:  # triton: needed only when a kernel of this file runs
-    import triton
-    import triton.language as tl
-except ImportError as error:
-    raise ImportError(f"{__name__} holds Triton kernels and needs the `triton` package") from error
-
 from ..backend import GPUArch, device_arch, inputs_compute_dtype
-from ..triton_utils import launch, softplus
+from ..triton_utils import launch, softplus, tl, triton  # raises ImportError without triton
 
 __all__ = [
     "SelectiveScanConfig", "selective_scan_config", "selective_scan_triton_bwd", "selective_scan_triton_fwd",
@@ -461,10 +455,12 @@ def _selective_scan_chunk_bwd_kernel(
 
 
 def _strides3(t):
+    """The three strides of ``t``, zeros for None."""
     return (t.stride(0), t.stride(1), t.stride(2)) if t is not None else (0, 0, 0)
 
 
 def _config(config, u, nstate) -> SelectiveScanConfig:
+    """``config`` (default :func:`selective_scan_config`) checked: powers of 2, ``d_steps >= 1``."""
     if config is None:
         config = selective_scan_config(device_arch(u.device), u.dtype, nstate)
     for name in ("chunk", "fwd_block_d", "bwd_block_d", "carry_block", "carry_chunks"):
@@ -477,6 +473,7 @@ def _config(config, u, nstate) -> SelectiveScanConfig:
 
 
 def _grid(batch, dim, n_chunks, block_d, d_steps):
+    """The per-chunk kernels' grid: (channel blocks, chunks, batch)."""
     return (triton.cdiv(dim, block_d * d_steps), n_chunks, batch)
 
 
@@ -506,11 +503,7 @@ def _vectors(x, dtype):
 def _setup(u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, reset, config, backward):
     """What both passes launch with: the checked config, the accumulation dtype's ``kw`` (dtype, device), ``D``,
     ``delta_bias`` and ``reset`` as the kernels index them, ``B`` and ``C`` by :func:`_vectors`, the per-chunk
-    kernels' grid and their constants but ``HAS_Z``.
-
-    Raises:
-        ValueError: as :func:`selective_scan_triton_fwd`.
-    """
+    kernels' grid and their constants but ``HAS_Z``. Raises ``ValueError`` as :func:`selective_scan_triton_fwd`."""
     batch, dim, length = u.shape
     nstate = A.shape[1]
     config = _config(config, u, nstate)
@@ -541,8 +534,7 @@ def _summaries(kernel, x, delta, A, V, z, bias, reset, kw, grid, flags):
     launch(kernel)[grid](
         x, delta, A, V, z, bias, reset, out, dtsum, flag,
         *_strides3(x), *_strides3(delta), A.stride(0), A.stride(1), *_strides3(V), *_strides3(z),
-        dim, length, n_chunks, REVERSE=kernel is _selective_scan_chunk_adjoint_kernel, HAS_Z=z is not None, **flags,
-    )
+        dim, length, n_chunks, REVERSE=kernel is _selective_scan_chunk_adjoint_kernel, HAS_Z=z is not None, **flags)
     return out, dtsum, flag
 
 
@@ -556,8 +548,7 @@ def _scan_chunks(x0, vals, dtsum, flag, A, reverse, acc_tl, config):
         x0, vals, dtsum, flag, A, out, final, A.stride(0), A.stride(1), dim, n_chunks,
         NSTATE=nstate, HAS_X0=x0 is not None, REVERSE=reverse, HAS_RESET=flag is not None, ACC=acc_tl,
         BLOCK=config.carry_block, BLOCK_C=min(config.carry_chunks, triton.next_power_of_2(n_chunks)),
-        num_warps=config.carry_warps, num_stages=config.num_stages,
-    )
+        num_warps=config.carry_warps, num_stages=config.num_stages)
     return out, final
 
 
@@ -567,11 +558,9 @@ def selective_scan_triton_fwd(u, delta, A, B, C, D=None, z=None, delta_bias=None
     :func:`_selective_scan_carry_kernel`, :func:`_selective_scan_chunk_output_kernel`.
 
     Args:
-        u, delta, z: (batch, dim, length); B, C: (batch, state, length); float32, bfloat16 or float16 (float64 for
-            tests), any strides (the model's token-major views, channel stride 1, are read coalesced). A: (dim,
-            state), entries <= 0 (not checked here). D, delta_bias: (dim,) or None. initial_state: (batch, dim,
-            state) or None (zeros). delta_softplus: apply softplus to ``delta + delta_bias``. reset: (batch, length)
-            bool, True where a packed document starts (the state before that token is dropped), or None.
+        u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, reset: as
+            :func:`hf_densessm.ops.selective_scan` (``reset`` bool or None), any strides (token-major views, channel
+            stride 1, are read coalesced).
         save_states: return the state entering each chunk, which :func:`selective_scan_triton_bwd` starts from.
         config: a :class:`SelectiveScanConfig` (default :func:`selective_scan_config`); the backward pass must
             be given the same ``chunk``.
@@ -599,8 +588,7 @@ def selective_scan_triton_fwd(u, delta, A, B, C, D=None, z=None, delta_bias=None
     launch(_selective_scan_chunk_output_kernel)[grid](
         u, delta, A, Bv, Cv, D, z, delta_bias, reset_k, states, y,
         *_strides3(u), *_strides3(delta), A.stride(0), A.stride(1), *_strides3(Bv), *_strides3(Cv), *_strides3(z),
-        *_strides3(y), dim, length, grid[1], HAS_D=D is not None, HAS_Z=z is not None, **flags,
-    )
+        *_strides3(y), dim, length, grid[1], HAS_D=D is not None, HAS_Z=z is not None, **flags)
     if not save_states:
         states = torch.empty(batch, 0, dim, A.shape[1], **kw)
     return y, last_state, states
@@ -613,11 +601,8 @@ def selective_scan_triton_bwd(dy, dlast, u, delta, A, B, C, D=None, z=None, delt
     :func:`_selective_scan_chunk_bwd_kernel`.
 
     Args:
-        dy: (batch, dim, length) gradient of ``y`` or None (zero); dlast: (batch, dim, state) gradient of
-            ``last_state`` or None (zero); any float dtype, any strides.
-        u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, reset: the forward pass's arguments.
-        chunk_states: (batch, n_chunks, dim, state), what the forward pass returned with ``save_states``.
-        config: the forward pass's :class:`SelectiveScanConfig` (None there: None here).
+        dy: (batch, dim, length) gradient of ``y``, dlast: (batch, dim, state) of ``last_state``, None for zero.
+        u, ..., reset, config: the forward pass's; chunk_states: (batch, n_chunks, dim, state) it returned.
 
     Returns:
         ``(du, ddelta, dA, dB, dC, dD, dz, ddelta_bias, dinitial_state)``, each in the dtype of its input; ``du``,
@@ -636,10 +621,8 @@ def selective_scan_triton_bwd(dy, dlast, u, delta, A, B, C, D=None, z=None, delt
         u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, reset, config, backward=True)
     n_chunks = grid[1]
     if chunk_states is None or chunk_states.shape[1] != n_chunks:
-        raise ValueError(
-            f"chunk_states must hold the {n_chunks} chunk states of a forward pass with save_states=True and chunk "
-            f"{config.chunk}, got {None if chunk_states is None else tuple(chunk_states.shape)}"
-        )
+        raise ValueError(f"chunk_states must hold the {n_chunks} chunk states of a forward pass with save_states=True "
+                         f"and chunk {config.chunk}, got {None if chunk_states is None else tuple(chunk_states.shape)}")
     dy = torch.zeros(batch, dim, length, **kw) if dy is None else dy
     dlast = None if dlast is None else dlast.to(kw["dtype"]).contiguous()
     # 1. each chunk's adjoint sent out of its start from a zero adjoint at its end; 2. the adjoints reaching the
@@ -659,14 +642,11 @@ def selective_scan_triton_bwd(dy, dlast, u, delta, A, B, C, D=None, z=None, delt
         torch.empty(batch, length, dim, **kw), du, ddelta, dz, dB, dC, dA, dD, dbias,
         *_strides3(u), *_strides3(delta), A.stride(0), A.stride(1), *_strides3(Bv), *_strides3(Cv), *_strides3(z),
         *_strides3(dy), *_strides3(du), *_strides3(ddelta), *_strides3(dz),
-        dim, length, n_chunks, HAS_D=D is not None, HAS_Z=z is not None, **flags,
-    )
+        dim, length, n_chunks, HAS_D=D is not None, HAS_Z=z is not None, **flags)
 
     def cast(g, like):
         return None if g is None else g.to(like.dtype) if like is not None else g
 
-    return (
-        du, ddelta, cast(dA.sum((0, 1)), A), cast(dB, B).transpose(1, 2), cast(dC, C).transpose(1, 2),
-        None if D is None else cast(dD.sum((0, 1)), D), dz,
-        None if delta_bias is None else cast(dbias.sum((0, 1)), delta_bias), cast(dh0, initial_state),
-    )
+    return (du, ddelta, cast(dA.sum((0, 1)), A), cast(dB, B).transpose(1, 2), cast(dC, C).transpose(1, 2),
+            None if D is None else cast(dD.sum((0, 1)), D), dz,
+            None if delta_bias is None else cast(dbias.sum((0, 1)), delta_bias), cast(dh0, initial_state))

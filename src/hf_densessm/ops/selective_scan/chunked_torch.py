@@ -223,24 +223,16 @@ def _chunk_size(length: int, chunk_size: int | None) -> int:
 
 def selective_scan_torch_fwd(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
                              initial_state=None, reset=None, chunk_size=None):
-    """Forward pass of the selective scan in chunked PyTorch (Mamba paper, Algorithm 2, eq. 2a/2b and 4; chunked
-    as in the module docstring): the PyTorch body of the op ``hf_densessm::selective_scan``.
-
-    Args:
-        u, delta: (batch, dim, length), any float dtype: the SSM's input ``x`` and its time step before ``delta_bias``
-            and softplus. A: (dim, state) continuous-time diagonal state matrix, entries <= 0 (not checked here).
-        B, C: (batch, state, length) input and output projections. D: (dim,) skip connection, or None. z: (batch,
-            dim, length) gate ``y *= silu(z)``, or None. delta_bias: (dim,) added to ``delta``, or None.
-        delta_softplus: apply softplus to ``delta + delta_bias``. initial_state: (batch, dim, state) or None (zero).
-        reset: (batch, length) bool, True at the first token of each packed document: the state before it is
-            dropped (``h_{t-1} = 0``, the initial state too at ``t = 0``), or None.
-        chunk_size: tokens per chunk (default :func:`default_chunk_size`), speed only; the backward takes the same.
+    """Forward pass of the selective scan in chunked PyTorch (Mamba paper, Algorithm 2, eq. 2a/2b and 4), the
+    PyTorch body of ``hf_densessm::selective_scan``, no checks: arguments as :func:`hf_densessm.ops.selective_scan`
+    (any float dtypes; ``reset`` bool or None), plus ``chunk_size``, tokens per chunk (default
+    :func:`default_chunk_size`; speed only; the backward takes the same).
 
     Returns:
         ``(y, last_state, entry)``: ``y`` (batch, dim, length) in ``u``'s dtype; ``last_state`` (batch, dim, state)
         and ``entry``, the state entering each chunk, (batch, n_chunks, state, dim), both in the compute dtype
-        (float32, float64 when an input is float64). Fresh tensors, no autograd graph (the op's backward is
-        :func:`selective_scan_torch_bwd`), no argument checks (:func:`hf_densessm.ops.selective_scan` has them).
+        (float32, float64 when an input is float64). No autograd graph (the backward is
+        :func:`selective_scan_torch_bwd`).
     """
     cdt = inputs_compute_dtype(u, delta, A, B, C, D, z, delta_bias, initial_state)
     dt = discretize_delta(delta, delta_bias, delta_softplus, cdt)
@@ -252,15 +244,9 @@ def selective_scan_torch_fwd(u, delta, A, B, C, D=None, z=None, delta_bias=None,
 
 def selective_scan_torch_bwd(dy, dlast, u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
                              initial_state=None, reset=None, entry=None, chunk_size=None):
-    """Backward pass of :func:`selective_scan_torch_fwd` (the adjoint recurrence of docs/kernels.md): the
-    PyTorch body of the op ``hf_densessm::selective_scan_backward``.
-
-    Args:
-        dy: (batch, dim, length) gradient of ``y``, or None (zero). dlast: (batch, dim, state) gradient of
-            ``last_state``, or None (zero).
-        u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, reset: the forward pass's arguments.
-        entry: (batch, n_chunks, state, dim), the chunk entry states :func:`selective_scan_torch_fwd` returned.
-        chunk_size: the forward pass's ``chunk_size`` (None there: None here).
+    """Backward pass of :func:`selective_scan_torch_fwd` (the adjoint recurrence of docs/kernels.md), the PyTorch
+    body of ``hf_densessm::selective_scan_backward``, from ``dy`` (batch, dim, length) and ``dlast`` (batch, dim,
+    state) (None: zero), the forward pass's arguments and ``chunk_size``, and the ``entry`` it returned.
 
     Returns:
         ``(du, ddelta, dA, dB, dC, dD, dz, ddelta_bias, dinitial_state)``, each in the dtype of its input (``dD``,
@@ -275,10 +261,8 @@ def selective_scan_torch_bwd(dy, dlast, u, delta, A, B, C, D=None, z=None, delta
     n = A.shape[1]
     T = _chunk_size(length, chunk_size)
     if entry is None or entry.shape[1] != -(-length // T):
-        raise ValueError(
-            f"entry must hold the {-(-length // T)} chunk states of the forward pass with chunk_size={T}, got "
-            f"{None if entry is None else tuple(entry.shape)}"
-        )
+        raise ValueError(f"entry must hold the {-(-length // T)} chunk states of the forward pass with chunk_size={T}, "
+                         f"got {None if entry is None else tuple(entry.shape)}")
     dt_raw = discretize_delta(delta, delta_bias, False, cdt)
     dt = F.softplus(dt_raw) if delta_softplus else dt_raw
     keep = None if reset is None else (~reset.bool())[:, None, :].to(cdt)
@@ -293,10 +277,8 @@ def selective_scan_torch_bwd(dy, dlast, u, delta, A, B, C, D=None, z=None, delta
     dinitial = torch.empty(batch, dim, n, **kw)
     for d0 in range(0, dim, block):
         s = slice(d0, d0 + block)
-        g = _scan_bwd(
-            u[:, s], dt[:, s], A[s], B, C, None if D is None else D[s], None if z is None else z[:, s],
-            entry[..., s], None if dy is None else dy[:, s], None if dlast is None else dlast[:, s], T, keep,
-        )
+        g = _scan_bwd(u[:, s], dt[:, s], A[s], B, C, None if D is None else D[s], None if z is None else z[:, s],
+                      entry[..., s], None if dy is None else dy[:, s], None if dlast is None else dlast[:, s], T, keep)
         du[:, s], ddt[:, s], dA[s], dinitial[:, s] = g[0], g[1], g[2], g[7]
         dB += g[3]
         dC += g[4]
@@ -312,18 +294,8 @@ def selective_scan_torch_bwd(dy, dlast, u, delta, A, B, C, D=None, z=None, delta
 
 
 def selective_state_update_torch(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False):
-    """One decode step of the selective SSM (Mamba paper eq. 2a/2b, recurrent mode), in PyTorch.
-
-    Args:
-        state: (batch, dim, state) SSM state, updated IN PLACE to ``h_t`` (computed in float32, float64 for
-            float64, and written back in ``state``'s dtype).
-        x: (batch, dim) input of this token. dt: (batch, dim) time step before ``dt_bias``/softplus.
-        A: (dim, state), entries <= 0. B, C: (batch, state). D: (dim,) optional. z: (batch, dim) optional gate.
-        dt_bias: (dim,) optional. dt_softplus: apply softplus to ``dt``.
-
-    Returns:
-        ``y`` (batch, dim) in ``x``'s dtype: ``(sum_n C_n h_n + D x) * silu(z)``.
-    """
+    """One decode step of the selective SSM (Mamba paper eq. 2a/2b, recurrent mode) in PyTorch, no checks: arguments
+    (``state`` updated in place) and ``y`` as :func:`hf_densessm.ops.selective_state_update`."""
     cdt = compute_dtype(state.dtype)
     dt = dt.to(cdt) if dt_bias is None else dt.to(cdt) + dt_bias
     if dt_softplus:

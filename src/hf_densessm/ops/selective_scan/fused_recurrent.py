@@ -6,14 +6,8 @@ from __future__ import annotations
 
 import torch
 
-try:  # triton: needed only when a kernel of this file runs
-    import triton
-    import triton.language as tl
-except ImportError as error:
-    raise ImportError(f"{__name__} holds Triton kernels and needs the `triton` package") from error
-
 from ..backend import GPUArch, device_arch
-from ..triton_utils import acc, launch, silu, softplus
+from ..triton_utils import acc, launch, silu, softplus, tl, triton  # raises ImportError without triton
 
 __all__ = ["selective_state_update_config", "selective_state_update_triton"]
 
@@ -24,16 +18,11 @@ def selective_state_update_config(arch: GPUArch, nstate: int) -> tuple[int, int]
     del arch
     return max(4, min(32, 512 // triton.next_power_of_2(nstate))), 4
 
+
 @triton.jit
 def _selective_state_update_kernel(
     state_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, bias_ptr, y_ptr,
-    s_h_b, s_h_d, s_h_n,
-    s_x_b, s_x_d,
-    s_dt_b, s_dt_d,
-    s_A_d, s_A_n,
-    s_B_b, s_B_n,
-    s_C_b, s_C_n,
-    s_z_b, s_z_d,
+    s_h_b, s_h_d, s_h_n, s_x_b, s_x_d, s_dt_b, s_dt_d, s_A_d, s_A_n, s_B_b, s_B_n, s_C_b, s_C_n, s_z_b, s_z_d,
     dim, nstate,
     HAS_Z: tl.constexpr, HAS_D: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
     USE_FP64: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -81,12 +70,8 @@ def selective_state_update_triton(state, x, dt, A, B, C, D=None, z=None, dt_bias
     D, dt_bias = (None if t is None else t.contiguous() for t in (D, dt_bias))
     y = torch.empty(batch, dim, dtype=x.dtype, device=x.device)
     launch(_selective_state_update_kernel)[(batch, triton.cdiv(dim, block_d))](
-        state, x, dt, A, B, C, D, z, dt_bias, y,  # then the strides of the 3-D state and the 2-D inputs
-        *state.stride(), *x.stride(), *dt.stride(), *A.stride(), *B.stride(), *C.stride(),
-        *((0, 0) if z is None else z.stride()),
-        dim, nstate,
-        HAS_Z=z is not None, HAS_D=D is not None, HAS_BIAS=dt_bias is not None, SOFTPLUS=bool(dt_softplus),
-        USE_FP64=state.dtype == torch.float64,
-        BLOCK_D=block_d, BLOCK_N=triton.next_power_of_2(nstate), num_warps=num_warps,
-    )
+        state, x, dt, A, B, C, D, z, dt_bias, y, *state.stride(), *x.stride(), *dt.stride(), *A.stride(), *B.stride(),
+        *C.stride(), *((0, 0) if z is None else z.stride()), dim, nstate, HAS_Z=z is not None, HAS_D=D is not None,
+        HAS_BIAS=dt_bias is not None, SOFTPLUS=bool(dt_softplus), USE_FP64=state.dtype == torch.float64,
+        BLOCK_D=block_d, BLOCK_N=triton.next_power_of_2(nstate), num_warps=num_warps)
     return y
