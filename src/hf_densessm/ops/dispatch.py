@@ -109,7 +109,8 @@ class Implementation:
             its arguments goes through a function marked ``torch.compiler.assume_constant_result``.
         traced: whether ``torch.compile`` traces its functions into the graph; if False, the op runs them inside an
             opaque ``torch.library.custom_op``.
-        calls: its functions by role (``"forward"``, ``"backward"``, ``"step"``, ``"saved"``), each contract
+        calls: its functions by role (``"forward"``, ``"backward"``, ``"step"``, ``"saved"``; ``"direct"``: a
+            registered operator the public function calls itself, without the op's Python layer), each contract
             documented by the op's module.
     """
 
