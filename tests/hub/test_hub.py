@@ -84,9 +84,12 @@ def test_bundled_code_is_flat_and_needs_nothing_optional(saved, family):
         assert all(node.level == 1 for node in relative) and {f"{m}.py" for m in modules} <= set(generated), path.name
         # on a Hub download transformers requires every import outside try blocks to be installed
         assert set(get_imports(path)) <= ALLOWED_IMPORTS, (path.name, set(get_imports(path)) - ALLOWED_IMPORTS)
-    # the Triton kernels are bundled (imported lazily by the op's dispatch), their `import triton` inside `try`
-    kernel = (folder / f"ops_{OPS[family]}_chunk.py").read_text()
-    assert "\n    import triton\n" in kernel and "triton" not in get_imports(folder / f"ops_{OPS[family]}_chunk.py")
+    # the Triton kernels are bundled (imported lazily by the op's dispatch); `import triton` only inside the `try`
+    # of ops_triton_utils.py, from which the kernel files take it
+    utils = (folder / "ops_triton_utils.py").read_text()
+    assert "\n    import triton\n" in utils and "triton" not in get_imports(folder / "ops_triton_utils.py")
+    kernel = folder / f"ops_{OPS[family]}_chunk.py"
+    assert "from .ops_triton_utils import" in kernel.read_text() and "triton" not in get_imports(kernel)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
