@@ -43,7 +43,7 @@ print(json.dumps({"kernel": cpu_kernel.load_kernel(), "err": err}))
 
 def extension():
     capability = torch.backends.cpu.get_cpu_capability()
-    flags = cpu_kernel.capability_flags(capability)
+    flags = cpu_kernel.capability_flags(capability) + cpu_kernel.openmp_flags()  # as cpu_kernel._build
     return cpu_kernel.extension_name(cpu_kernel.SOURCE.read_text(), capability, torch.__version__, flags)
 
 
