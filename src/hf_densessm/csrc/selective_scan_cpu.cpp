@@ -806,7 +806,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tenso
 
 // ---------------------------------------------------------------------------------------------------------------
 // One decoding step (eager batch-1 decoding, issue 35): the selective state update and the convolution's step, as
-// ops dispatched in C++, called by the public functions without a Python op in between (ops/decode_cpu.py).
+// ops dispatched in C++, called by the public functions without a Python op in between (ops/cpu_kernel.py).
 //
 //   hf_densessm::selective_state_update_cpu(state!, x, dt, A, B, C, D?, z?, dt_bias?, dt_softplus) -> y
 //       dt = softplus(dt + dt_bias); h = exp(dt A) h + dt B x (state updated in place); y = (C.h + D x) silu(z)
