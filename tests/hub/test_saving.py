@@ -259,3 +259,23 @@ def test_saved_files_get_the_process_umask(tmp_path, umask):
     for path in files:
         assert path.stat().st_mode & 0o777 == 0o666 & ~umask, path.name
     assert (tmp_path / "out").stat().st_mode & 0o777 == 0o777 & ~umask
+
+
+def test_a_torn_read_of_a_save_that_ended_meanwhile_is_read_again(tmp_path, monkeypatch):
+    """A load reads the files' save ids one by one: a save finishing in between gives a mixed view while no save runs
+    any more (seen once in CI's racing test). The load reads the ids again before refusing, and loads the whole
+    save."""
+    from hf_densessm.modeling import save_check
+
+    model = micro_model("densemamba")
+    model.save_pretrained(tmp_path / "folder")
+    real, calls = save_check.save_ids, []
+
+    def torn_once(folder, variant=None):
+        ids = real(folder, variant)
+        calls.append(1)
+        return {**ids, "config.json": "0" * 32} if len(calls) == 1 else ids  # the first read: config of another save
+
+    monkeypatch.setattr(save_check, "save_ids", torn_once)
+    loaded = DenseMambaForCausalLM.from_pretrained(tmp_path / "folder")
+    assert same_model(loaded, model) and len(calls) >= 3

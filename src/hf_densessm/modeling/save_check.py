@@ -149,7 +149,8 @@ def _checked_load(load, folder: Path, variant: str | None, passed: dict):
             else:
                 if {**save_ids(folder, variant), **passed} == before:
                     return model
-        elif not save_running(folder) or any(list(before.values()).count(i) == 1 for i in passed.values()):
+        elif ((not save_running(folder) or any(list(before.values()).count(i) == 1 for i in passed.values()))
+              and {**save_ids(folder, variant), **passed} == before):  # read alike twice: not a save that just ended
             raise _error(folder, before, running=False)  # a config passed in of another save never matches again
         if time.monotonic() > deadline:
             raise _error(folder, before, running=True)
