@@ -73,9 +73,10 @@ def _check_state(name, state, q, v):
 #
 # The entries' functions (docs/kernels.md, "The dispatch table"), arguments as the ops below take them:
 #   "forward"(q, k, v, scale, initial_state, reset) -> (o, final_state), o (batch, length, heads, value_dim) in v's
-#       dtype with the strides of a transposed (batch, heads, length, value_dim) tensor where not traced (the opaque
-#       op's fake), final_state (batch, heads, key_dim, value_dim) in the compute dtype;
-#   "backward"(d_o, d_final_state, q, k, v, scale, initial_state, reset) -> (dq, dk, dv, d_initial_state);
+#       dtype, contiguous where not traced (the opaque op's fake), final_state (batch, heads, key_dim, value_dim) in
+#       the compute dtype;
+#   "backward"(d_o, d_final_state, q, k, v, scale, initial_state, reset) -> (dq, dk, dv, d_initial_state), dq, dk, dv
+#       contiguous where not traced;
 #   "step"(state, q, k, v, scale) -> o, state updated in place (retention_state_update's entries).
 
 
@@ -129,21 +130,14 @@ def _eager_backward(d_o: Tensor, d_final_state: Optional[Tensor], q: Tensor, k: 
                                                                          initial_state, reset)
 
 
-def _transposed_like(x: Tensor, dtype: torch.dtype) -> Tensor:
-    """An empty ``(batch, length, heads, dim)`` tensor with the strides of the PyTorch path's outputs (transposed views
-    of ``(batch, heads, length, dim)`` ones)."""
-    batch, length, heads, dim = x.shape
-    return x.new_empty(batch, heads, length, dim, dtype=dtype).transpose(1, 2)
-
-
 def _eager_fake(q, k, v, scale, initial_state, reset, impl):
     state = q.new_empty(q.shape[0], q.shape[2], q.shape[3], v.shape[3], dtype=compute_dtype(v.dtype))
-    return _transposed_like(v, v.dtype), state
+    return v.new_empty(v.shape), state
 
 
 def _eager_backward_fake(d_o, d_final_state, q, k, v, scale, initial_state, reset, impl):
     d_state = q.new_empty(q.shape[0], q.shape[2], q.shape[3], v.shape[3], dtype=compute_dtype(v.dtype))
-    return _transposed_like(q, q.dtype), _transposed_like(k, k.dtype), _transposed_like(v, v.dtype), d_state
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), d_state
 
 
 _ops = OpGroup()

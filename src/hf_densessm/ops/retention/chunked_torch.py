@@ -47,31 +47,39 @@ def _causal(scores, intra):
     return torch.where(intra > 0, scores * intra, 0)
 
 
-def _block_forward(q, k, v, state, masks):
-    """Retention over ``n`` chunks of ``C``: ``q`` (scaled), ``k`` ``(B, H, n, C, K)``, ``v`` ``(B, H, n, C, V)``,
-    ``state`` ``(B, H, K, V)``; returns ``o``, the states before each chunk ``(B, H, n, K, V)`` and the last one."""
-    intra, q_decay, k_decay, chunk_decay = masks
-    # intra-chunk ((q k^T) * D) v, all chunks at once. A product with v would carry a later token's NaN or inf into
-    # earlier rows (0 * inf): the finite part goes through the product, the rest reaches token j's row and later ones
-    # through a running sum, so a non-finite v stays non-finite where the recurrence would carry it
-    finite_v = torch.where(v.isfinite(), v, 0)
-    o = _causal(q @ k.transpose(-1, -2), intra) @ finite_v + (v - finite_v).cumsum(-2)
-    updates = (k * k_decay).transpose(-1, -2) @ v  # (B, H, n, K, V): sum_j gamma^(C-1-j) k_j^T v_j
+def _states(k, v, state, masks):
+    """The states before each of ``n`` chunks ``(B, H, n, K, V)`` and after the last, from ``k`` ``(B, H, n, C, K)``,
+    ``v`` ``(B, H, n, C, V)`` and the state before the first chunk ``(B, H, K, V)``; and ``k * k_decay``."""
+    _, _, k_decay, chunk_decay = masks
+    k_write = k * k_decay
+    updates = k_write.transpose(-1, -2) @ v  # (B, H, n, K, V): sum_j gamma^(C-1-j) k_j^T v_j
     states = []
     for c, update in enumerate(updates.unbind(2)):  # the only loop, over chunks: S_c = gamma^C S_{c-1} + U_c
         states.append(state)
         state = torch.addcmul(update, state, chunk_decay[:, :, c])
-    previous = torch.stack(states, dim=2)
-    o = o + (q * q_decay) @ previous
-    return o, previous, state
+    return torch.stack(states, dim=2), state, k_write
 
 
-def _block_backward(q, k, v, previous, masks, d_o, d_state):
-    """Gradients of :func:`_block_forward` (the formulas of docs/kernels.md, "Chunkwise retention"): ``dq`` (of the
-    scaled ``q``), ``dk``, ``dv`` and the gradient of the state before the first chunk."""
+def _block_forward(q, k, v, state, masks):
+    """Retention over ``n`` chunks of ``C``: ``q`` (scaled), ``k`` ``(B, H, n, C, K)``, ``v`` ``(B, H, n, C, V)``,
+    ``state`` ``(B, H, K, V)``; returns ``o`` and the state after the last chunk."""
+    intra, q_decay = masks[:2]
+    # intra-chunk ((q k^T) * D) v, all chunks at once. A product with v would carry a later token's NaN or inf into
+    # earlier rows (0 * inf): the finite part goes through the product, the rest reaches token j's row and later ones
+    # through a running sum, so a non-finite v stays non-finite where the recurrence would carry it
+    finite_v = torch.nan_to_num(v, nan=0.0, posinf=0.0, neginf=0.0)
+    o = _causal(q @ k.transpose(-1, -2), intra) @ finite_v + (v - finite_v).cumsum(-2)
+    previous, state, _ = _states(k, v, state, masks)
+    return o + (q * q_decay) @ previous, state
+
+
+def _block_backward(q, k, v, state, masks, d_o, d_state):
+    """Gradients of :func:`_block_forward` (the formulas of docs/kernels.md, "Chunkwise retention"), the states
+    recomputed from ``state`` (before the first chunk): ``dq`` (of the scaled ``q``), ``dk``, ``dv`` and the gradient
+    of ``state``."""
     intra, q_decay, k_decay, chunk_decay = masks
-    q_read = q * q_decay
-    read_grads = q_read.transpose(-1, -2) @ d_o  # (B, H, n, K, V): what o adds to dH_prev of each chunk
+    previous, _, k_write = _states(k, v, state, masks)
+    read_grads = (q * q_decay).transpose(-1, -2) @ d_o  # (B, H, n, K, V): what o adds to dH_prev of each chunk
     d_after = []
     for c in range(q.shape[2] - 1, -1, -1):  # backward in time, over chunks
         d_after.append(d_state)
@@ -80,13 +88,13 @@ def _block_backward(q, k, v, previous, masks, d_o, d_state):
     d_scores = _causal(d_o @ v.transpose(-1, -2), intra)  # (dO v^T) * D
     dq = d_scores @ k + (d_o @ previous.transpose(-1, -2)) * q_decay
     dk = d_scores.transpose(-1, -2) @ q + (v @ d_after.transpose(-1, -2)) * k_decay
-    dv = _causal(q @ k.transpose(-1, -2), intra).transpose(-1, -2) @ d_o + (k * k_decay) @ d_after
+    dv = _causal(q @ k.transpose(-1, -2), intra).transpose(-1, -2) @ d_o + k_write @ d_after
     return dq, dk, dv, d_state
 
 
-def _blocks(q, k, v, state, log2_gamma, documents, chunk_size):
-    """:func:`_block_forward` over the full chunks as one block, then the remainder as one shorter chunk: yields
-    each block's ``(start, stop, size)``, inputs, masks, ``o``, states before each chunk and state after it."""
+def _blocks(q, k, v, log2_gamma, documents, chunk_size):
+    """The full chunks as one block, then the remainder as one shorter chunk: yields each block's ``(start, stop,
+    size)``, its inputs ``(B, H, n, size, *)`` and masks."""
     length = q.shape[2]
     full = (length // chunk_size) * chunk_size
     for start, stop, size in ((0, full, chunk_size), (full, length, length - full)):
@@ -95,23 +103,34 @@ def _blocks(q, k, v, state, log2_gamma, documents, chunk_size):
         inputs = [_split(x, start, stop, size) for x in (q, k, v)]
         segments = None if documents is None else torch.cat(  # the document before each chunk, then its tokens'
             [documents[:, start:stop:size, None], documents[:, 1 + start : 1 + stop].unflatten(1, (-1, size))], -1)
-        masks = _block_masks(log2_gamma, size, inputs[0].shape[2], segments, q.dtype)
-        o, previous, state = _block_forward(*inputs, state, masks)
-        yield (start, stop, size), inputs, masks, o, previous, state
+        yield (start, stop, size), inputs, _block_masks(log2_gamma, size, inputs[0].shape[2], segments, q.dtype)
 
 
 def _prepare(q, k, v, scale, initial_state, reset):
-    """The inputs in the compute dtype and ``(B, H, L, *)`` layout (``q`` scaled), the initial state (a copy, or
-    zeros), the per-head ``log2(gamma)`` and the document index of every token, 0 for the initial state's
-    document (``(B, 1 + L)``, or None)."""
+    """The inputs in the compute dtype and a contiguous ``(B, H, L, *)`` layout (``q`` scaled; a batched product of
+    a strided operand copies it), the initial state (a copy, or zeros), the per-head ``log2(gamma)`` and the
+    document index of every token, 0 for the initial state's document (``(B, 1 + L)``, or None)."""
     batch, _, heads, key_dim = q.shape
     cdt = compute_dtype(v.dtype)
-    q, k, v = (x.transpose(1, 2).to(dtype=cdt, memory_format=torch.contiguous_format) for x in (q, k, v))
+    q, k, v = (_contiguous(x.transpose(1, 2), cdt) for x in (q, k, v))
     q = q * scale
     state = (q.new_zeros(batch, heads, key_dim, v.shape[-1]) if initial_state is None
              else initial_state.to(cdt, copy=True))  # a copy: the final state never aliases the initial one
     documents = None if reset is None else F.pad(reset.long().cumsum(-1), (1, 0))
     return q, k, v, state, retention_log2_gamma(heads, q.device, cdt), documents
+
+
+def _contiguous(x, dtype):
+    """``x`` in ``dtype``, contiguous, in one copy at most (``to`` keeps a same-dtype transposed view as it is)."""
+    return x.to(dtype, memory_format=torch.contiguous_format).contiguous()
+
+
+def _token_major(parts, like):
+    """The ``(B, H, l_i, *)`` ``parts`` joined along the tokens into a new contiguous ``(B, L, H, *)`` tensor of
+    ``like``'s ``(B, H, L, *)`` shape and dtype: the layout the model reads, so that it copies nothing."""
+    if not parts:  # length 0
+        return like.transpose(1, 2).clone(memory_format=torch.contiguous_format)
+    return torch.cat([x.transpose(1, 2) for x in parts], dim=1)  # cat writes a contiguous result
 
 
 def _split(x, start, stop, size):
@@ -129,11 +148,10 @@ def chunk_retention_torch(q, k, v, scale=None, initial_state=None, output_final_
     v_dtype = v.dtype
     q, k, v, state, log2_gamma, documents = _prepare(q, k, v, scale, initial_state, reset)
     outputs = []
-    for _, _, _, o, _, state in _blocks(q, k, v, state, log2_gamma, documents, chunk_size):
+    for _, inputs, masks in _blocks(q, k, v, log2_gamma, documents, chunk_size):
+        o, state = _block_forward(*inputs, state, masks)
         outputs.append(o.flatten(2, 3))
-    o = torch.cat(outputs, dim=2) if outputs else v.new_zeros(v.shape)  # (length 0: a fresh tensor)
-    o = o.transpose(1, 2).to(v_dtype)
-    return o, (state if output_final_state else None)
+    return _token_major(outputs, v).to(v_dtype), (state if output_final_state else None)
 
 
 def chunk_retention_torch_backward(d_o, d_final_state, q, k, v, scale, initial_state=None, chunk_size=None,
@@ -145,19 +163,20 @@ def chunk_retention_torch_backward(d_o, d_final_state, q, k, v, scale, initial_s
     chunk_size = default_chunk_size(key_dim, value_dim) if chunk_size is None else chunk_size
     dtypes = (q.dtype, k.dtype, v.dtype)
     q, k, v, state, log2_gamma, documents = _prepare(q, k, v, scale, initial_state, reset)
-    d_o = d_o.transpose(1, 2).to(q.dtype)
+    d_o = _contiguous(d_o.transpose(1, 2), q.dtype)
     d_state = torch.zeros_like(state) if d_final_state is None else d_final_state.to(q.dtype, copy=True)
-    kept = [(span, inputs, masks, previous) for span, inputs, masks, _, previous, _ in  # the forward pass
-            _blocks(q, k, v, state, log2_gamma, documents, chunk_size)]
+    kept = []
+    for span, inputs, masks in _blocks(q, k, v, log2_gamma, documents, chunk_size):  # the states before each block
+        kept.append((span, inputs, masks, state))
+        if span[1] < q.shape[2]:
+            state = _states(inputs[1], inputs[2], state, masks)[1]
     grads = []
-    for span, inputs, masks, previous in reversed(kept):  # backward in time
-        dq, dk, dv, d_state = _block_backward(*inputs, previous, masks, _split(d_o, *span), d_state)
+    for span, inputs, masks, state in reversed(kept):  # backward in time
+        dq, dk, dv, d_state = _block_backward(*inputs, state, masks, _split(d_o, *span), d_state)
         grads.append([g.flatten(2, 3) for g in (dq, dk, dv)])
-    # without chunks (length 0), clones of the empty inputs
-    dq, dk, dv = (torch.cat(p[::-1], dim=2) for p in zip(*grads)) if grads else (q.clone(), k.clone(), v.clone())
-    dq = dq * scale
-    dq, dk, dv = (g.transpose(1, 2).to(dtype) for g, dtype in zip((dq, dk, dv), dtypes))
-    return dq, dk, dv, d_state
+    dq, dk, dv = (_token_major([g[i] for g in grads[::-1]], x) for i, x in enumerate((q, k, v)))
+    dq.mul_(scale)
+    return *(g.to(dtype) for g, dtype in zip((dq, dk, dv), dtypes)), d_state
 
 
 def retention_state_update_torch(state, q, k, v, scale=None):
