@@ -165,6 +165,37 @@ def test_torch_backward_matches_autograd(length, chunk_size, packed):
             torch.testing.assert_close(a, b.grad, rtol=1e-10, atol=1e-10, msg=lambda m: f"{name}: {m}")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_torch_path_copies_each_input_once_and_writes_token_major(dtype):
+    """The PyTorch path's forward and backward over 2 full chunks and a remainder: q, k, v (and ``d_o``) copied
+    once into the compute layout, never again by a batched product (which copies a strided operand at every use:
+    14 copies per call at the 30M shapes before issue 35's fix), and ``o``, ``dq``, ``dk``, ``dv`` returned
+    contiguous in the ``(batch, length, heads, dim)`` layout the model reads (elements copied, by a dispatch
+    mode; the only other copies are of the 2 heads' decays)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    copied = []
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket in (torch.ops.aten.clone, torch.ops.aten._to_copy, torch.ops.aten.copy_):
+                copied.append(args[0].numel())
+            return func(*args, **(kwargs or {}))
+
+    q, k, v = (x.to(dtype) for x in _inputs(1, 140, 2, 16, 24)[:3])
+    d_o = torch.randn(v.shape, generator=torch.Generator().manual_seed(5)).to(dtype)
+    with Count():
+        o, _ = chunk_retention_torch(q, k, v, 0.5, None, True, chunk_size=64)
+    cast = dtype != torch.float32  # the results computed in float32 are cast back once
+    assert sum(n for n in copied if n > 2) == q.numel() + k.numel() + v.numel() * (1 + cast), copied
+    copied.clear()
+    with Count():
+        grads = chunk_retention_torch_backward(d_o, None, q, k, v, 0.5, chunk_size=64)
+    assert sum(n for n in copied if n > 2) == (q.numel() + k.numel() + v.numel()) * (1 + cast) + d_o.numel(), copied
+    for x in (o, *grads[:3]):
+        assert x.is_contiguous() and x.dtype == dtype
+
+
 def test_torch_backward_matches_parallel_with_resets():
     """Through the public op (``backend="torch"``, so the written-out backward): output and gradients equal the
     quadratic form's (Eq. 24 with a same-document mask), which autograd differentiates."""

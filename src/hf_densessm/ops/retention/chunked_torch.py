@@ -92,49 +92,45 @@ def _block_backward(q, k, v, state, masks, d_o, d_state):
     return dq, dk, dv, d_state
 
 
-def _blocks(q, k, v, log2_gamma, documents, chunk_size):
-    """The full chunks as one block, then the remainder as one shorter chunk: yields each block's ``(start, stop,
-    size)``, its inputs ``(B, H, n, size, *)`` and masks."""
-    length = q.shape[2]
+def _blocks(q, k, v, scale, initial_state, reset, chunk_size, d_o=None):
+    """The full chunks as one block, then the remainder as one shorter chunk; returns the blocks, the initial state
+    (a copy, or zeros; a copy: the final state never aliases the initial one) and ``d_o``'s blocks (or None).
+
+    A block is ``(inputs, masks)``: ``q`` (scaled), ``k``, ``v`` ``(B, H, n, size, *)`` in the compute dtype, each
+    copied once from its ``(B, L, H, *)`` input into a contiguous block (a batched product copies a strided operand
+    at every use), and the masks of :func:`_block_masks` over each token's document (``reset``: None, or ``(B, L)``).
+    """
+    batch, length, heads, key_dim = q.shape
+    cdt = compute_dtype(v.dtype)
     full = (length // chunk_size) * chunk_size
-    for start, stop, size in ((0, full, chunk_size), (full, length, length - full)):
-        if stop == start:
-            continue
-        inputs = [_split(x, start, stop, size) for x in (q, k, v)]
+    spans = [(start, stop, size) for start, stop, size in ((0, full, chunk_size), (full, length, length - full))
+             if stop > start]
+    log2_gamma = retention_log2_gamma(heads, q.device, cdt)
+    documents = None if reset is None else F.pad(reset.long().cumsum(-1), (1, 0))  # 0: the initial state's
+    blocks = []
+    for start, stop, size in spans:
+        q_b, k_b, v_b = (_block(x, start, stop, size, cdt) for x in (q, k, v))
         segments = None if documents is None else torch.cat(  # the document before each chunk, then its tokens'
             [documents[:, start:stop:size, None], documents[:, 1 + start : 1 + stop].unflatten(1, (-1, size))], -1)
-        yield (start, stop, size), inputs, _block_masks(log2_gamma, size, inputs[0].shape[2], segments, q.dtype)
+        blocks.append(((q_b * scale, k_b, v_b), _block_masks(log2_gamma, size, q_b.shape[2], segments, cdt)))
+    state = (q.new_zeros(batch, heads, key_dim, v.shape[-1], dtype=cdt) if initial_state is None
+             else initial_state.to(cdt, copy=True))
+    return blocks, state, None if d_o is None else [_block(d_o, *span, cdt) for span in spans]
 
 
-def _prepare(q, k, v, scale, initial_state, reset):
-    """The inputs in the compute dtype and a contiguous ``(B, H, L, *)`` layout (``q`` scaled; a batched product of
-    a strided operand copies it), the initial state (a copy, or zeros), the per-head ``log2(gamma)`` and the
-    document index of every token, 0 for the initial state's document (``(B, 1 + L)``, or None)."""
-    batch, _, heads, key_dim = q.shape
-    cdt = compute_dtype(v.dtype)
-    q, k, v = (_contiguous(x.transpose(1, 2), cdt) for x in (q, k, v))
-    q = q * scale
-    state = (q.new_zeros(batch, heads, key_dim, v.shape[-1]) if initial_state is None
-             else initial_state.to(cdt, copy=True))  # a copy: the final state never aliases the initial one
-    documents = None if reset is None else F.pad(reset.long().cumsum(-1), (1, 0))
-    return q, k, v, state, retention_log2_gamma(heads, q.device, cdt), documents
-
-
-def _contiguous(x, dtype):
-    """``x`` in ``dtype``, contiguous, in one copy at most (``to`` keeps a same-dtype transposed view as it is)."""
-    return x.to(dtype, memory_format=torch.contiguous_format).contiguous()
+def _block(x, start, stop, size, dtype):
+    """Tokens ``start:stop`` of ``x`` ``(B, L, H, D)`` as a contiguous ``(B, H, n, size, D)`` tensor in ``dtype``, one
+    copy (``to`` keeps a same-dtype transposed view as it is)."""
+    x = x[:, start:stop].transpose(1, 2)
+    return x.to(dtype, memory_format=torch.contiguous_format).contiguous().unflatten(2, (-1, size))
 
 
 def _token_major(parts, like):
-    """The ``(B, H, l_i, *)`` ``parts`` joined along the tokens into a new contiguous ``(B, L, H, *)`` tensor of
-    ``like``'s ``(B, H, L, *)`` shape and dtype: the layout the model reads, so that it copies nothing."""
-    if not parts:  # length 0
-        return like.transpose(1, 2).clone(memory_format=torch.contiguous_format)
-    return torch.cat([x.transpose(1, 2) for x in parts], dim=1)  # cat writes a contiguous result
-
-
-def _split(x, start, stop, size):
-    return x[:, :, start:stop].unflatten(2, (-1, size))
+    """The ``(B, H, n_i, C_i, D)`` ``parts`` joined along the tokens into a new contiguous ``(B, L, H, D)`` tensor:
+    the layout the model reads, so that it copies nothing (``like``: any ``(B, L, H, D)`` tensor, for length 0)."""
+    if not parts:
+        return torch.empty_like(like, memory_format=torch.contiguous_format)
+    return torch.cat([x.flatten(2, 3).transpose(1, 2) for x in parts], dim=1)  # cat writes a contiguous result
 
 
 def chunk_retention_torch(q, k, v, scale=None, initial_state=None, output_final_state=False, chunk_size=None,
@@ -145,13 +141,12 @@ def chunk_retention_torch(q, k, v, scale=None, initial_state=None, output_final_
     key_dim, value_dim = q.shape[-1], v.shape[-1]
     scale = key_dim**-0.5 if scale is None else scale
     chunk_size = default_chunk_size(key_dim, value_dim) if chunk_size is None else chunk_size
-    v_dtype = v.dtype
-    q, k, v, state, log2_gamma, documents = _prepare(q, k, v, scale, initial_state, reset)
+    blocks, state, _ = _blocks(q, k, v, scale, initial_state, reset, chunk_size)
     outputs = []
-    for _, inputs, masks in _blocks(q, k, v, log2_gamma, documents, chunk_size):
+    for inputs, masks in blocks:
         o, state = _block_forward(*inputs, state, masks)
-        outputs.append(o.flatten(2, 3))
-    return _token_major(outputs, v).to(v_dtype), (state if output_final_state else None)
+        outputs.append(o)
+    return _token_major(outputs, v).to(v.dtype), (state if output_final_state else None)
 
 
 def chunk_retention_torch_backward(d_o, d_final_state, q, k, v, scale, initial_state=None, chunk_size=None,
@@ -161,22 +156,20 @@ def chunk_retention_torch_backward(d_o, d_final_state, q, k, v, scale, initial_s
     initial state (of a zero one without ``initial_state``) in the compute dtype."""
     key_dim, value_dim = q.shape[-1], v.shape[-1]
     chunk_size = default_chunk_size(key_dim, value_dim) if chunk_size is None else chunk_size
-    dtypes = (q.dtype, k.dtype, v.dtype)
-    q, k, v, state, log2_gamma, documents = _prepare(q, k, v, scale, initial_state, reset)
-    d_o = _contiguous(d_o.transpose(1, 2), q.dtype)
-    d_state = torch.zeros_like(state) if d_final_state is None else d_final_state.to(q.dtype, copy=True)
+    blocks, state, d_o_blocks = _blocks(q, k, v, scale, initial_state, reset, chunk_size, d_o)
+    d_state = torch.zeros_like(state) if d_final_state is None else d_final_state.to(state.dtype, copy=True)
     kept = []
-    for span, inputs, masks in _blocks(q, k, v, log2_gamma, documents, chunk_size):  # the states before each block
-        kept.append((span, inputs, masks, state))
-        if span[1] < q.shape[2]:
+    for inputs, masks in blocks:  # the state before each block
+        kept.append(state)
+        if len(kept) < len(blocks):
             state = _states(inputs[1], inputs[2], state, masks)[1]
     grads = []
-    for span, inputs, masks, state in reversed(kept):  # backward in time
-        dq, dk, dv, d_state = _block_backward(*inputs, state, masks, _split(d_o, *span), d_state)
-        grads.append([g.flatten(2, 3) for g in (dq, dk, dv)])
+    for (inputs, masks), state, d_o_block in reversed(list(zip(blocks, kept, d_o_blocks))):  # backward in time
+        dq, dk, dv, d_state = _block_backward(*inputs, state, masks, d_o_block, d_state)
+        grads.append((dq, dk, dv))
     dq, dk, dv = (_token_major([g[i] for g in grads[::-1]], x) for i, x in enumerate((q, k, v)))
     dq.mul_(scale)
-    return *(g.to(dtype) for g, dtype in zip((dq, dk, dv), dtypes)), d_state
+    return *(g.to(x.dtype) for g, x in zip((dq, dk, dv), (q, k, v))), d_state
 
 
 def retention_state_update_torch(state, q, k, v, scale=None):
