@@ -125,6 +125,61 @@ def _chunk_decays(log2_gamma, docs, i_b, start, L, HAS_RESET: tl.constexpr, TRAN
 
 
 @triton.jit
+def _head(i_bh, log2_gamma_ptr, scale, L, H: tl.constexpr, BT: tl.constexpr, ACC: tl.constexpr):
+    """Row (int64) and head of program ``i_bh``, the number of chunks, the head's ``log2(gamma)``, ``scale`` in
+    ``ACC`` (fp32 from Triton's launcher, fp64 from Inductor's: cast to one dtype)."""
+    i_b, i_h = (i_bh // H).to(tl.int64), i_bh % H
+    return i_b, i_h, tl.cdiv(L, BT), tl.load(log2_gamma_ptr + i_h), tl.full((), scale, ACC)
+
+
+@triton.jit
+def _walk(a, b, states, first, last, docs, log2_gamma_ptr, scale, L, H: tl.constexpr, K: tl.constexpr,
+          V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, HAS_FIRST: tl.constexpr,
+          STORE_LAST: tl.constexpr, REVERSE: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr,
+          HAS_RESET: tl.constexpr):
+    """The chunk walk of ``_retention_chunk_h_kernel`` (``a, b = k, v``, forward in time) and
+    ``_retention_chunk_dh_kernel`` (``a, b = q, dO``, ``REVERSE``): stores the tile met at each chunk into
+    ``states`` ``(batch * heads, NT, K, V)``, starting from ``first`` (zero without ``HAS_FIRST``), and the last one
+    into ``last`` if ``STORE_LAST``."""
+    i_v, i_k, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h, NT, log2_gamma, scale = _head(i_bh, log2_gamma_ptr, scale, L, H, BT, ACC)
+    offs_t = tl.arange(0, BT)
+    offs_k = i_k * BK + tl.arange(0, BK)
+    offs_v = i_v * BV + tl.arange(0, BV)
+    mask_k, mask_v = offs_k < K, offs_v < V
+    mask_kv = mask_k[:, None] & mask_v[None, :]
+    # (batch, length, heads, dim) layout, contiguous: token stride H * dim
+    a_base = a + i_b * L * H * K + i_h * K
+    b_base = b + i_b * L * H * V + i_h * V
+    tile_offs = offs_k[:, None] * V + offs_v[None, :]
+    states_base = states + i_bh.to(tl.int64) * NT * K * V
+    state_offs = i_bh.to(tl.int64) * K * V + tile_offs
+    state = tl.zeros([BK, BV], dtype=ACC)
+    if HAS_FIRST:
+        state += tl.load(first + state_offs, mask=mask_kv, other=0.0).to(ACC)
+    for i in range(0, NT):
+        i_t = i
+        if REVERSE:
+            i_t = NT - 1 - i
+        start = i_t * BT
+        tl.store(states_base + i_t * K * V + tile_offs, state.to(states.dtype.element_ty), mask=mask_kv)
+        t = start + offs_t
+        mask_t = t < L
+        a_blk = tl.load(a_base + t[:, None] * (H * K) + offs_k[None, :], mask=mask_t[:, None] & mask_k[None, :],
+                        other=0.0)
+        b_blk = tl.load(b_base + t[:, None] * (H * V) + offs_v[None, :], mask=mask_t[:, None] & mask_v[None, :],
+                        other=0.0)
+        _, q_decay, k_decay, state_decay = _chunk_decays(log2_gamma, docs, i_b, start, L, HAS_RESET, False, BT, ACC)
+        if REVERSE:  # dH <- gamma^n dH + sum_i gamma^(i+1) q~_i^T dO_i
+            a_blk = (a_blk * (scale * q_decay)[:, None]).to(b_blk.dtype)
+        else:  # S <- gamma^n S + sum_j gamma^(n-1-j) k_j^T v_j
+            a_blk = (a_blk * k_decay[:, None]).to(b_blk.dtype)
+        state = state * state_decay + _dot(tl.trans(a_blk), b_blk, ACC, PRECISION)
+    if STORE_LAST:
+        tl.store(last + state_offs, state.to(last.dtype.element_ty), mask=mask_kv)
+
+
+@triton.jit
 def _retention_chunk_h_kernel(
     k, v, h, initial_state, final_state, docs, log2_gamma_ptr, L,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -133,40 +188,8 @@ def _retention_chunk_h_kernel(
 ):
     """Grid (value tiles, key tiles, batch * heads), forward in time: ``h[b, h, c] = S_c`` (the state entering
     chunk ``c``) for every chunk, and the final state."""
-    i_v, i_k, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_b, i_h = (i_bh // H).to(tl.int64), i_bh % H
-    NT = tl.cdiv(L, BT)
-    log2_gamma = tl.load(log2_gamma_ptr + i_h)
-    offs_t = tl.arange(0, BT)
-    offs_k = i_k * BK + tl.arange(0, BK)
-    offs_v = i_v * BV + tl.arange(0, BV)
-    mask_k, mask_v = offs_k < K, offs_v < V
-    mask_kv = mask_k[:, None] & mask_v[None, :]
-    # (batch, length, heads, dim) layout, contiguous: token stride H * dim; h: (batch * heads, NT, K, V).
-    k_base = k + i_b * L * H * K + i_h * K
-    v_base = v + i_b * L * H * V + i_h * V
-    tile_offs = offs_k[:, None] * V + offs_v[None, :]
-    h_base = h + i_bh.to(tl.int64) * NT * K * V
-    state_offs = i_bh.to(tl.int64) * K * V + tile_offs
-
-    state = tl.zeros([BK, BV], dtype=ACC)
-    if HAS_INITIAL_STATE:
-        state += tl.load(initial_state + state_offs, mask=mask_kv, other=0.0).to(ACC)
-    for i_t in range(0, NT):
-        start = i_t * BT
-        tl.store(h_base + i_t * K * V + tile_offs, state.to(h.dtype.element_ty), mask=mask_kv)
-        t = start + offs_t
-        mask_t = t < L
-        k_blk = tl.load(k_base + t[:, None] * (H * K) + offs_k[None, :], mask=mask_t[:, None] & mask_k[None, :],
-                        other=0.0)
-        v_blk = tl.load(v_base + t[:, None] * (H * V) + offs_v[None, :], mask=mask_t[:, None] & mask_v[None, :],
-                        other=0.0)
-        _, _, k_decay, state_decay = _chunk_decays(log2_gamma, docs, i_b, start, L, HAS_RESET, False, BT, ACC)
-        # S <- gamma^n S + sum_j gamma^(n-1-j) k_j^T v_j
-        k_blk = (k_blk * k_decay[:, None]).to(v_blk.dtype)
-        state = state * state_decay + _dot(tl.trans(k_blk), v_blk, ACC, PRECISION)
-    if STORE_FINAL_STATE:
-        tl.store(final_state + state_offs, state.to(final_state.dtype.element_ty), mask=mask_kv)
+    _walk(k, v, h, initial_state, final_state, docs, log2_gamma_ptr, 1.0, L, H, K, V, BT, BK, BV, HAS_INITIAL_STATE,
+          STORE_FINAL_STATE, False, ACC, PRECISION, HAS_RESET)
 
 
 @triton.jit
@@ -178,10 +201,7 @@ def _retention_chunk_o_kernel(
     """Grid (value tiles, chunks, batch * heads): ``o = ((q~ k^T) * D) v + gamma^(i+1) q~ S_c`` of one chunk and
     value tile, the key axis summed inside the program."""
     i_v, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_b, i_h = (i_bh // H).to(tl.int64), i_bh % H
-    NT = tl.cdiv(L, BT)
-    log2_gamma = tl.load(log2_gamma_ptr + i_h)
-    scale = tl.full((), scale, ACC)  # fp32 from Triton's launcher, fp64 from Inductor's: cast to one dtype
+    i_b, i_h, NT, log2_gamma, scale = _head(i_bh, log2_gamma_ptr, scale, L, H, BT, ACC)
     start = i_t * BT
     t = start + tl.arange(0, BT)
     mask_t = t < L
@@ -191,7 +211,6 @@ def _retention_chunk_o_kernel(
     k_base = k + i_b * L * H * K + i_h * K
     h_base = h + (i_bh.to(tl.int64) * NT + i_t) * K * V
     dt = v.dtype.element_ty
-
     scores = tl.zeros([BT, BT], dtype=ACC)
     o_state = tl.zeros([BT, BV], dtype=ACC)
     for k_start in range(0, K, BK):
@@ -222,40 +241,8 @@ def _retention_chunk_dh_kernel(
 ):
     """Grid (value tiles, key tiles, batch * heads), backward in time: ``dh[b, h, c] = dH_c`` (the gradient of the
     state leaving chunk ``c``) for every chunk, and the gradient of the initial state."""
-    i_v, i_k, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_b, i_h = (i_bh // H).to(tl.int64), i_bh % H
-    NT = tl.cdiv(L, BT)
-    log2_gamma = tl.load(log2_gamma_ptr + i_h)
-    scale = tl.full((), scale, ACC)  # fp32 from Triton's launcher, fp64 from Inductor's: cast to one dtype
-    offs_t = tl.arange(0, BT)
-    offs_k = i_k * BK + tl.arange(0, BK)
-    offs_v = i_v * BV + tl.arange(0, BV)
-    mask_k, mask_v = offs_k < K, offs_v < V
-    mask_kv = mask_k[:, None] & mask_v[None, :]
-    q_base = q + i_b * L * H * K + i_h * K
-    do_base = do + i_b * L * H * V + i_h * V
-    tile_offs = offs_k[:, None] * V + offs_v[None, :]
-    dh_base = dh + i_bh.to(tl.int64) * NT * K * V
-    state_offs = i_bh.to(tl.int64) * K * V + tile_offs
-
-    d_state = tl.zeros([BK, BV], dtype=ACC)
-    if HAS_D_FINAL_STATE:
-        d_state += tl.load(d_final_state + state_offs, mask=mask_kv, other=0.0).to(ACC)
-    for i in range(0, NT):
-        i_t = NT - 1 - i
-        start = i_t * BT
-        tl.store(dh_base + i_t * K * V + tile_offs, d_state.to(dh.dtype.element_ty), mask=mask_kv)
-        t = start + offs_t
-        mask_t = t < L
-        q_blk = tl.load(q_base + t[:, None] * (H * K) + offs_k[None, :], mask=mask_t[:, None] & mask_k[None, :],
-                        other=0.0)
-        do_blk = tl.load(do_base + t[:, None] * (H * V) + offs_v[None, :], mask=mask_t[:, None] & mask_v[None, :],
-                         other=0.0)
-        _, q_decay, _, state_decay = _chunk_decays(log2_gamma, docs, i_b, start, L, HAS_RESET, False, BT, ACC)
-        # dH <- gamma^n dH + sum_i gamma^(i+1) q~_i^T dO_i
-        q_blk = (q_blk * (scale * q_decay)[:, None]).to(do_blk.dtype)
-        d_state = d_state * state_decay + _dot(tl.trans(q_blk), do_blk, ACC, PRECISION)
-    tl.store(d_initial_state + state_offs, d_state.to(d_initial_state.dtype.element_ty), mask=mask_kv)
+    _walk(q, do, dh, d_final_state, d_initial_state, docs, log2_gamma_ptr, scale, L, H, K, V, BT, BK, BV,
+          HAS_D_FINAL_STATE, True, True, ACC, PRECISION, HAS_RESET)
 
 
 @triton.jit
@@ -268,10 +255,7 @@ def _retention_chunk_dqk_kernel(
     ``dk = ((dO v^T) * D)^T q~ + gamma^(n-1-j) v dH_c^T`` of one chunk and key tile, the value axis summed inside
     the program."""
     i_k, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_b, i_h = (i_bh // H).to(tl.int64), i_bh % H
-    NT = tl.cdiv(L, BT)
-    log2_gamma = tl.load(log2_gamma_ptr + i_h)
-    scale = tl.full((), scale, ACC)  # fp32 from Triton's launcher, fp64 from Inductor's: cast to one dtype
+    i_b, i_h, NT, log2_gamma, scale = _head(i_bh, log2_gamma_ptr, scale, L, H, BT, ACC)
     start = i_t * BT
     t = start + tl.arange(0, BT)
     mask_t = t < L
@@ -320,10 +304,7 @@ def _retention_chunk_dv_kernel(
     """Grid (value tiles, chunks, batch * heads): ``dv = ((q~ k^T) * D)^T dO + gamma^(n-1-j) k dH_c`` of one chunk
     and value tile, the key axis summed inside the program."""
     i_v, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_b, i_h = (i_bh // H).to(tl.int64), i_bh % H
-    NT = tl.cdiv(L, BT)
-    log2_gamma = tl.load(log2_gamma_ptr + i_h)
-    scale = tl.full((), scale, ACC)  # fp32 from Triton's launcher, fp64 from Inductor's: cast to one dtype
+    i_b, i_h, NT, log2_gamma, scale = _head(i_bh, log2_gamma_ptr, scale, L, H, BT, ACC)
     start = i_t * BT
     t = start + tl.arange(0, BT)
     mask_t = t < L
@@ -359,42 +340,38 @@ def _retention_chunk_dv_kernel(
 # ---------------------------------------------------------------------------------------------------------- host
 
 
-def _document_indices(reset):
-    """``(batch, 1 + length)`` int32 document indices, 0 then ``cumsum(reset)``; None without ``reset``."""
-    if reset is None:
-        return None
-    return torch.nn.functional.pad(torch.cumsum(reset.to(torch.int32), dim=1, dtype=torch.int32), (1, 0))
-
-
 def _launch(kernel, grid, block_t, tiles, key_dim, value_dim, *args, **meta):
     """Launch ``kernel`` over ``grid`` with its tiles (:func:`~..triton_utils.launch`)."""
     launch(kernel)[grid](*args, K=key_dim, V=value_dim, BT=block_t, BK=tiles.block_k, BV=tiles.block_v,
                          num_warps=tiles.num_warps, num_stages=tiles.num_stages, **meta)
 
 
-def _prepare(q, k, v, initial_state, config):
+def _prepare(q, k, v, initial_state, reset, config):
     """The launch choice (``config``, or the one for this GPU and shape), contiguous ``q``, ``k``, ``v`` and initial
-    state, the accumulation dtypes and the per-head ``log2(gamma)``."""
+    state, the ``(batch, 1 + length)`` int32 document indices (0 then ``cumsum(reset)``; None without ``reset``), the
+    per-head ``log2(gamma)``, and the constexprs every kernel takes besides the sizes."""
     if config is None:
         config = chunk_retention_config(device_arch(q.device), q.dtype, q.shape[-1], v.shape[-1])
     acc_torch, acc_tl = (torch.float64, tl.float64) if v.dtype == torch.float64 else (torch.float32, tl.float32)
+    docs = None if reset is None else torch.nn.functional.pad(
+        torch.cumsum(reset.to(torch.int32), dim=1, dtype=torch.int32), (1, 0))
     precision = "ieee" if v.dtype in (torch.float32, torch.float64) else "tf32"  # tl.dot exact for float32/64
+    meta = dict(H=q.shape[2], ACC=acc_tl, PRECISION=precision, HAS_RESET=reset is not None)
     log2_gamma = retention_log2_gamma(q.shape[2], q.device, acc_torch)
     initial_state = None if initial_state is None else initial_state.contiguous()
-    return config, q.contiguous(), k.contiguous(), v.contiguous(), initial_state, acc_tl, precision, log2_gamma
+    return config, q.contiguous(), k.contiguous(), v.contiguous(), initial_state, docs, log2_gamma, meta
 
 
-def _chunk_states(k, v, initial_state, final_state, docs, log2_gamma, config, acc_tl, precision):
+def _chunk_states(k, v, initial_state, final_state, docs, log2_gamma, config, meta):
     """Run ``_retention_chunk_h_kernel``: the states entering every chunk, ``(batch, heads, NT, key_dim,
     value_dim)`` in the inputs' dtype; the final state is written to ``final_state`` unless it is None."""
     batch, length, heads, key_dim = k.shape
-    value_dim = v.shape[-1]
-    tiles = config.h
+    value_dim, tiles = v.shape[-1], config.h
     h = k.new_empty(batch, heads, triton.cdiv(length, config.block_t), key_dim, value_dim)
     grid = (triton.cdiv(value_dim, tiles.block_v), triton.cdiv(key_dim, tiles.block_k), batch * heads)
     _launch(_retention_chunk_h_kernel, grid, config.block_t, tiles, key_dim, value_dim, k, v, h, initial_state,
-            final_state, docs, log2_gamma, length, H=heads, HAS_INITIAL_STATE=initial_state is not None,
-            STORE_FINAL_STATE=final_state is not None, ACC=acc_tl, PRECISION=precision, HAS_RESET=docs is not None)
+            final_state, docs, log2_gamma, length, HAS_INITIAL_STATE=initial_state is not None,
+            STORE_FINAL_STATE=final_state is not None, **meta)
     return h
 
 
@@ -405,17 +382,14 @@ def chunk_retention_fwd_triton(q, k, v, scale, initial_state=None, reset=None, c
     block_t) * key_dim * value_dim`` values in the inputs' dtype, live until the outputs are written."""
     batch, length, heads, key_dim = q.shape
     value_dim = v.shape[-1]
-    config, q, k, v, initial_state, acc_tl, precision, log2_gamma = _prepare(q, k, v, initial_state, config)
-    docs = _document_indices(reset)
+    config, q, k, v, initial_state, docs, log2_gamma, meta = _prepare(q, k, v, initial_state, reset, config)
     final_state = q.new_empty(batch, heads, key_dim, value_dim, dtype=compute_dtype(v.dtype))
-    h = _chunk_states(k, v, initial_state, final_state, docs, log2_gamma, config, acc_tl, precision)
+    h = _chunk_states(k, v, initial_state, final_state, docs, log2_gamma, config, meta)
     o = torch.empty_like(v)
-    num_chunks = h.shape[2]
-    if num_chunks:
-        tiles = config.o
-        grid = (triton.cdiv(value_dim, tiles.block_v), num_chunks, batch * heads)
-        _launch(_retention_chunk_o_kernel, grid, config.block_t, tiles, key_dim, value_dim, q, k, v, h, o, docs,
-                log2_gamma, scale, length, H=heads, ACC=acc_tl, PRECISION=precision, HAS_RESET=docs is not None)
+    if h.shape[2]:
+        grid = (triton.cdiv(value_dim, config.o.block_v), h.shape[2], batch * heads)
+        _launch(_retention_chunk_o_kernel, grid, config.block_t, config.o, key_dim, value_dim, q, k, v, h, o, docs,
+                log2_gamma, scale, length, **meta)
     return o, final_state
 
 
@@ -428,28 +402,21 @@ def chunk_retention_bwd_triton(d_o, d_final_state, q, k, v, scale, initial_state
     gradients together take twice the forward's memory."""
     batch, length, heads, key_dim = q.shape
     value_dim = v.shape[-1]
-    config, q, k, v, initial_state, acc_tl, precision, log2_gamma = _prepare(q, k, v, initial_state, config)
+    config, q, k, v, initial_state, docs, log2_gamma, meta = _prepare(q, k, v, initial_state, reset, config)
     d_o = d_o.to(v.dtype).contiguous()
-    if d_final_state is not None:
-        d_final_state = d_final_state.contiguous()
-    docs = _document_indices(reset)
-    meta = dict(H=heads, ACC=acc_tl, PRECISION=precision, HAS_RESET=docs is not None)
-    h = _chunk_states(k, v, initial_state, None, docs, log2_gamma, config, acc_tl, precision)
-    num_chunks = h.shape[2]
-    dh = torch.empty_like(h)
+    d_final_state = None if d_final_state is None else d_final_state.contiguous()
+    h = _chunk_states(k, v, initial_state, None, docs, log2_gamma, config, meta)
+    num_chunks, dh = h.shape[2], torch.empty_like(h)
     d_initial_state = q.new_empty(batch, heads, key_dim, value_dim, dtype=compute_dtype(v.dtype))
-    tiles = config.dh
-    grid = (triton.cdiv(value_dim, tiles.block_v), triton.cdiv(key_dim, tiles.block_k), batch * heads)
-    _launch(_retention_chunk_dh_kernel, grid, config.block_t, tiles, key_dim, value_dim, q, d_o, dh, d_final_state,
+    grid = (triton.cdiv(value_dim, config.dh.block_v), triton.cdiv(key_dim, config.dh.block_k), batch * heads)
+    _launch(_retention_chunk_dh_kernel, grid, config.block_t, config.dh, key_dim, value_dim, q, d_o, dh, d_final_state,
             d_initial_state, docs, log2_gamma, scale, length, HAS_D_FINAL_STATE=d_final_state is not None, **meta)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     if num_chunks:
-        tiles = config.dqk
-        grid = (triton.cdiv(key_dim, tiles.block_k), num_chunks, batch * heads)
-        _launch(_retention_chunk_dqk_kernel, grid, config.block_t, tiles, key_dim, value_dim, q, k, v, d_o, h, dh, dq,
-                dk, docs, log2_gamma, scale, length, **meta)
-        tiles = config.dv
-        grid = (triton.cdiv(value_dim, tiles.block_v), num_chunks, batch * heads)
-        _launch(_retention_chunk_dv_kernel, grid, config.block_t, tiles, key_dim, value_dim, q, k, d_o, dh, dv, docs,
-                log2_gamma, scale, length, **meta)
+        grid = (triton.cdiv(key_dim, config.dqk.block_k), num_chunks, batch * heads)
+        _launch(_retention_chunk_dqk_kernel, grid, config.block_t, config.dqk, key_dim, value_dim, q, k, v, d_o, h, dh,
+                dq, dk, docs, log2_gamma, scale, length, **meta)
+        grid = (triton.cdiv(value_dim, config.dv.block_v), num_chunks, batch * heads)
+        _launch(_retention_chunk_dv_kernel, grid, config.block_t, config.dv, key_dim, value_dim, q, k, d_o, dh, dv,
+                docs, log2_gamma, scale, length, **meta)
     return dq, dk, dv, d_initial_state
