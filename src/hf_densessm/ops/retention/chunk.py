@@ -193,44 +193,60 @@ def _retention_chunk_h_kernel(
 
 
 @triton.jit
-def _retention_chunk_o_kernel(
-    q, k, v, h, o, docs, log2_gamma_ptr, scale, L,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    ACC: tl.constexpr, PRECISION: tl.constexpr, HAS_RESET: tl.constexpr,
-):
-    """Grid (value tiles, chunks, batch * heads): ``o = ((q~ k^T) * D) v + gamma^(i+1) q~ S_c`` of one chunk and
-    value tile, the key axis summed inside the program."""
+def _value_tile(a, b, c, states, out, docs, log2_gamma_ptr, scale, L, H: tl.constexpr, K: tl.constexpr,
+                V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, ACC: tl.constexpr,
+                PRECISION: tl.constexpr, HAS_RESET: tl.constexpr, REVERSE: tl.constexpr):
+    """One chunk and value tile of ``_retention_chunk_o_kernel`` (``a, b, c = q, k, v``, ``states = h``) or, if
+    ``REVERSE``, of ``_retention_chunk_dv_kernel`` (``a, b, c = k, q, dO``, ``states = dh``): ``out = ((a b^T) *
+    D~) c + d (a S_c)``, ``D~`` the decays ``D`` (their transpose if ``REVERSE``) times ``scale``, ``d`` the decay of
+    the read of the carried state (``scale gamma^(i+1)``; ``REVERSE``: ``gamma^(n-1-j)``); the key axis summed
+    inside the program. A non-finite ``v`` passes by a running sum over the chunk (as chunked_torch.py)."""
     i_v, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h, NT, log2_gamma, scale = _head(i_bh, log2_gamma_ptr, scale, L, H, BT, ACC)
     start = i_t * BT
     t = start + tl.arange(0, BT)
     mask_t = t < L
     offs_v = i_v * BV + tl.arange(0, BV)
-    mask_tv = mask_t[:, None] & (offs_v < V)[None, :]
-    q_base = q + i_b * L * H * K + i_h * K
-    k_base = k + i_b * L * H * K + i_h * K
-    h_base = h + (i_bh.to(tl.int64) * NT + i_t) * K * V
-    dt = v.dtype.element_ty
-    scores = tl.zeros([BT, BT], dtype=ACC)
-    o_state = tl.zeros([BT, BV], dtype=ACC)
+    mask_v = offs_v < V
+    mask_tv = mask_t[:, None] & mask_v[None, :]
+    a_base = a + i_b * L * H * K + i_h * K
+    b_base = b + i_b * L * H * K + i_h * K
+    states_base = states + (i_bh.to(tl.int64) * NT + i_t) * K * V
+    dt = a.dtype.element_ty
+    scores = tl.zeros([BT, BT], dtype=ACC)  # a b^T
+    from_state = tl.zeros([BT, BV], dtype=ACC)  # a S_c
     for k_start in range(0, K, BK):
         offs_k = k_start + tl.arange(0, BK)
         mask_k = offs_k < K
         mask_tk = mask_t[:, None] & mask_k[None, :]
-        q_blk = tl.load(q_base + t[:, None] * (H * K) + offs_k[None, :], mask=mask_tk, other=0.0)
-        k_blk = tl.load(k_base + t[:, None] * (H * K) + offs_k[None, :], mask=mask_tk, other=0.0)
-        h_blk = tl.load(h_base + offs_k[:, None] * V + offs_v[None, :], mask=mask_k[:, None] & (offs_v < V)[None, :],
+        a_blk = tl.load(a_base + t[:, None] * (H * K) + offs_k[None, :], mask=mask_tk, other=0.0)
+        b_blk = tl.load(b_base + t[:, None] * (H * K) + offs_k[None, :], mask=mask_tk, other=0.0)
+        s_blk = tl.load(states_base + offs_k[:, None] * V + offs_v[None, :], mask=mask_k[:, None] & mask_v[None, :],
                         other=0.0)
-        scores += _dot(q_blk, tl.trans(k_blk), ACC, PRECISION)
-        o_state += _dot(q_blk, h_blk, ACC, PRECISION)
-    intra, q_decay, _, _ = _chunk_decays(log2_gamma, docs, i_b, start, L, HAS_RESET, False, BT, ACC)
+        scores += _dot(a_blk, tl.trans(b_blk), ACC, PRECISION)
+        from_state += _dot(a_blk, s_blk, ACC, PRECISION)
+    intra, q_decay, k_decay, _ = _chunk_decays(log2_gamma, docs, i_b, start, L, HAS_RESET, REVERSE, BT, ACC)
     scores = tl.where(intra > 0, scores * scale * intra, 0.0)  # selected: a later token's NaN or inf stays out
-    v_blk = tl.load(v + i_b * L * H * V + i_h * V + t[:, None] * (H * V) + offs_v[None, :], mask=mask_tv, other=0.0)
-    # the finite part of v through the product, the rest by a running sum over the chunk (as chunked_torch.py)
-    finite_v = tl.where(tl.abs(v_blk) < float("inf"), v_blk, 0.0)
-    out = _dot(scores.to(dt), finite_v, ACC, PRECISION) + o_state * (scale * q_decay)[:, None]
-    out += tl.cumsum((v_blk - finite_v).to(ACC), axis=0)
-    tl.store(o + i_b * L * H * V + i_h * V + t[:, None] * (H * V) + offs_v[None, :], out.to(dt), mask=mask_tv)
+    tv_offs = i_b * L * H * V + i_h * V + t[:, None] * (H * V) + offs_v[None, :]
+    c_blk = tl.load(c + tv_offs, mask=mask_tv, other=0.0)
+    if REVERSE:
+        result = _dot(scores.to(dt), c_blk, ACC, PRECISION) + from_state * k_decay[:, None]
+    else:  # the finite part of v through the product, the rest by the running sum
+        finite_c = tl.where(tl.abs(c_blk) < float("inf"), c_blk, 0.0)
+        result = _dot(scores.to(dt), finite_c, ACC, PRECISION) + from_state * (scale * q_decay)[:, None]
+        result += tl.cumsum((c_blk - finite_c).to(ACC), axis=0)
+    tl.store(out + tv_offs, result.to(out.dtype.element_ty), mask=mask_tv)
+
+
+@triton.jit
+def _retention_chunk_o_kernel(
+    q, k, v, h, o, docs, log2_gamma_ptr, scale, L,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    ACC: tl.constexpr, PRECISION: tl.constexpr, HAS_RESET: tl.constexpr,
+):
+    """Grid (value tiles, chunks, batch * heads): ``o = ((q~ k^T) * D) v + gamma^(i+1) q~ S_c`` of one chunk and
+    value tile."""
+    _value_tile(q, k, v, h, o, docs, log2_gamma_ptr, scale, L, H, K, V, BT, BK, BV, ACC, PRECISION, HAS_RESET, False)
 
 
 @triton.jit
@@ -302,39 +318,8 @@ def _retention_chunk_dv_kernel(
     ACC: tl.constexpr, PRECISION: tl.constexpr, HAS_RESET: tl.constexpr,
 ):
     """Grid (value tiles, chunks, batch * heads): ``dv = ((q~ k^T) * D)^T dO + gamma^(n-1-j) k dH_c`` of one chunk
-    and value tile, the key axis summed inside the program."""
-    i_v, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_b, i_h, NT, log2_gamma, scale = _head(i_bh, log2_gamma_ptr, scale, L, H, BT, ACC)
-    start = i_t * BT
-    t = start + tl.arange(0, BT)
-    mask_t = t < L
-    offs_v = i_v * BV + tl.arange(0, BV)
-    mask_v = offs_v < V
-    mask_tv = mask_t[:, None] & mask_v[None, :]
-    q_base = q + i_b * L * H * K + i_h * K
-    k_base = k + i_b * L * H * K + i_h * K
-    dh_base = dh + (i_bh.to(tl.int64) * NT + i_t) * K * V
-    dt = k.dtype.element_ty
-
-    scores_t = tl.zeros([BT, BT], dtype=ACC)  # (k q^T)[j, i] = k_j . q_i
-    dv_state = tl.zeros([BT, BV], dtype=ACC)  # k dH_c
-    for k_start in range(0, K, BK):
-        offs_k = k_start + tl.arange(0, BK)
-        mask_k = offs_k < K
-        mask_tk = mask_t[:, None] & mask_k[None, :]
-        q_blk = tl.load(q_base + t[:, None] * (H * K) + offs_k[None, :], mask=mask_tk, other=0.0)
-        k_blk = tl.load(k_base + t[:, None] * (H * K) + offs_k[None, :], mask=mask_tk, other=0.0)
-        dh_blk = tl.load(dh_base + offs_k[:, None] * V + offs_v[None, :], mask=mask_k[:, None] & mask_v[None, :],
-                         other=0.0)
-        scores_t += _dot(k_blk, tl.trans(q_blk), ACC, PRECISION)
-        dv_state += _dot(k_blk, dh_blk, ACC, PRECISION)
-    intra_t, _, k_decay, _ = _chunk_decays(log2_gamma, docs, i_b, start, L, HAS_RESET, True, BT, ACC)
-    scores_t = tl.where(intra_t > 0, scores_t * scale * intra_t, 0.0)
-    do_blk = tl.load(do + i_b * L * H * V + i_h * V + t[:, None] * (H * V) + offs_v[None, :], mask=mask_tv,
-                     other=0.0)
-    dv_blk = _dot(scores_t.to(dt), do_blk, ACC, PRECISION) + dv_state * k_decay[:, None]
-    tl.store(dv + i_b * L * H * V + i_h * V + t[:, None] * (H * V) + offs_v[None, :], dv_blk.to(dv.dtype.element_ty),
-             mask=mask_tv)
+    and value tile."""
+    _value_tile(k, q, do, dh, dv, docs, log2_gamma_ptr, scale, L, H, K, V, BT, BK, BV, ACC, PRECISION, HAS_RESET, True)
 
 
 # ---------------------------------------------------------------------------------------------------------- host
