@@ -70,18 +70,16 @@ def _check_state(name, state, q, v):
 
 
 # ---------------------------------------------------------------------------------------------- the tables
-#
 # The entries' functions (docs/kernels.md, "The dispatch table"), arguments as the ops below take them:
-#   "forward"(q, k, v, scale, initial_state, reset) -> (o, final_state), o (batch, length, heads, value_dim) in v's
-#       dtype with the strides of a transposed (batch, heads, length, value_dim) tensor where not traced (the opaque
-#       op's fake), final_state (batch, heads, key_dim, value_dim) in the compute dtype;
+#   "forward"(q, k, v, scale, initial_state, reset) -> (o, final_state), o in v's dtype (where not traced: with the
+#       strides of _token_major_like), final_state in the compute dtype;
 #   "backward"(d_o, d_final_state, q, k, v, scale, initial_state, reset) -> (dq, dk, dv, d_initial_state);
 #   "step"(state, q, k, v, scale) -> o, state updated in place (retention_state_update's entries).
 
 
 def _triton(module: str, name: str):
-    """The function ``name`` of ``chunk.py`` or ``fused_recurrent.py`` (``module``), imported when called (both need
-    triton)."""
+    """The function ``name`` of ``chunk.py`` or ``fused_recurrent.py`` (``module``, both need triton), imported when
+    called."""
     def call(*args):
         from . import chunk  # one module per statement: transformers' remote-code scan reads one per line
         from . import fused_recurrent
@@ -110,9 +108,8 @@ TABLES["retention_state_update"] = [
 
 
 # ---------------------------------------------------------------------------------------------------- the ops
-#
-# As the selective scan's: the ops run the entry named by ``impl``; an untraced entry runs inside the opaque ops
-# ``chunk_retention_eager`` (+ ``_backward``) (docs/kernels.md, "The ops").
+# They run the entry named by ``impl``, an untraced one inside the opaque ops ``chunk_retention_eager`` (+
+# ``_backward``) (docs/kernels.md, "The ops").
 
 
 def _eager(q: Tensor, k: Tensor, v: Tensor, scale: float, initial_state: Optional[Tensor], reset: Optional[Tensor],
@@ -129,21 +126,19 @@ def _eager_backward(d_o: Tensor, d_final_state: Optional[Tensor], q: Tensor, k: 
                                                                          initial_state, reset)
 
 
-def _transposed_like(x: Tensor, dtype: torch.dtype) -> Tensor:
-    """An empty ``(batch, length, heads, dim)`` tensor with the strides of the PyTorch path's outputs (transposed views
-    of ``(batch, heads, length, dim)`` ones)."""
-    batch, length, heads, dim = x.shape
-    return x.new_empty(batch, heads, length, dim, dtype=dtype).transpose(1, 2)
+def _token_major_like(*tensors: Tensor) -> tuple[Tensor, ...]:
+    """Empty tensors shaped and typed as the ``(batch, length, heads, dim)`` ``tensors``, with the strides of the
+    PyTorch path's outputs (transposed views of ``(batch, heads, length, dim)`` ones)."""
+    return tuple(x.new_empty(x.shape[0], x.shape[2], x.shape[1], x.shape[3]).transpose(1, 2) for x in tensors)
 
 
 def _eager_fake(q, k, v, scale, initial_state, reset, impl):
     state = q.new_empty(q.shape[0], q.shape[2], q.shape[3], v.shape[3], dtype=compute_dtype(v.dtype))
-    return _transposed_like(v, v.dtype), state
+    return *_token_major_like(v), state
 
 
 def _eager_backward_fake(d_o, d_final_state, q, k, v, scale, initial_state, reset, impl):
-    d_state = q.new_empty(q.shape[0], q.shape[2], q.shape[3], v.shape[3], dtype=compute_dtype(v.dtype))
-    return _transposed_like(q, q.dtype), _transposed_like(k, k.dtype), _transposed_like(v, v.dtype), d_state
+    return *_token_major_like(q, k, v), _eager_fake(q, k, v, scale, initial_state, reset, impl)[1]
 
 
 _ops = OpGroup()

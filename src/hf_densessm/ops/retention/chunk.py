@@ -84,18 +84,6 @@ def _dot(a, b, ACC: tl.constexpr, PRECISION: tl.constexpr):
 
 
 @triton.jit
-def _document_masks(doc_base, start, t, mask_t, n):
-    """From this row's document indices ``doc_base`` (``(1 + L)``): ``same`` (tokens i, j in one document),
-    ``reads`` (token in the carried state's document), ``writes`` (in the chunk's last token's), ``carries`` (the
-    carried state's document reaches the chunk's end)."""
-    seg = tl.load(doc_base + 1 + t, mask=mask_t, other=-1)
-    before = tl.load(doc_base + start)
-    last = tl.load(doc_base + start + n)
-    same = seg[:, None] == seg[None, :]
-    return same, seg == before, seg == last, last == before
-
-
-@triton.jit
 def _chunk_decays(log2_gamma, docs, i_b, start, L, HAS_RESET: tl.constexpr, TRANSPOSED: tl.constexpr,
                   BT: tl.constexpr, ACC: tl.constexpr):
     """Decays of the chunk starting at token ``start`` of row ``i_b``, document masks applied (``docs``: ``(batch,
@@ -115,12 +103,15 @@ def _chunk_decays(log2_gamma, docs, i_b, start, L, HAS_RESET: tl.constexpr, TRAN
     q_decay = tl.exp2((offs_t + 1).to(ACC) * log2_gamma)
     k_decay = tl.where(mask_t, tl.exp2((n - 1 - offs_t).to(ACC) * log2_gamma), 0.0)
     state_decay = tl.exp2(n.to(ACC) * log2_gamma)
-    if HAS_RESET:  # nothing crosses a document boundary (``same`` is symmetric)
-        same, reads, writes, carries = _document_masks(docs + i_b * (L + 1), start, t, mask_t, n)
-        intra = tl.where(same, intra, 0.0)
-        q_decay = tl.where(reads, q_decay, 0.0)
-        k_decay = tl.where(writes, k_decay, 0.0)
-        state_decay = tl.where(carries, state_decay, 0.0)
+    if HAS_RESET:  # nothing crosses a document boundary (the mask of ``intra`` is symmetric)
+        doc_base = docs + i_b * (L + 1)
+        seg = tl.load(doc_base + 1 + t, mask=mask_t, other=-1)
+        before = tl.load(doc_base + start)  # the carried state's document
+        last = tl.load(doc_base + start + n)  # the chunk's last token's
+        intra = tl.where(seg[:, None] == seg[None, :], intra, 0.0)
+        q_decay = tl.where(seg == before, q_decay, 0.0)
+        k_decay = tl.where(seg == last, k_decay, 0.0)
+        state_decay = tl.where(last == before, state_decay, 0.0)
     return intra, q_decay, k_decay, state_decay
 
 
