@@ -12,10 +12,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-__all__ = [
-    "ARCHS", "GPUArch", "OpGroup", "compute_dtype", "device_arch", "in_own_precision", "inputs_compute_dtype",
-    "own_precision", "require", "tracing",
-]
+__all__ = ["ARCHS", "GPUArch", "OpGroup", "compute_dtype", "device_arch", "in_own_precision", "inputs_compute_dtype",
+           "own_precision", "require", "tracing"]
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:

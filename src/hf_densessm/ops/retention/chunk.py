@@ -13,10 +13,8 @@ from ..backend import GPUArch, compute_dtype, device_arch
 from ..triton_utils import launch, tl, triton  # raises ImportError without triton
 from .naive import retention_log2_gamma
 
-__all__ = [
-    "ChunkRetentionConfig", "StateTiles", "chunk_retention_bwd_triton", "chunk_retention_config",
-    "chunk_retention_fwd_triton",
-]
+__all__ = ["ChunkRetentionConfig", "StateTiles", "chunk_retention_bwd_triton", "chunk_retention_config",
+           "chunk_retention_fwd_triton"]
 
 
 @dataclass(frozen=True)
