@@ -21,17 +21,10 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 Tensor = torch.Tensor
 
 
-def _check_scale(scale, key_dim):
-    """``scale`` as a float, ``key_dim ** -0.5`` for None."""
-    if scale is None:
-        return key_dim**-0.5
-    if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale) or scale <= 0:
-        raise ValueError(f"scale must be a positive finite number (default key_dim ** -0.5), got {scale!r}")
-    return float(scale)
-
-
-def _check_qkv(q, k, v, layout):
-    """Check that q, k, v are tensors of one supported dtype and device, shaped ``layout + (key/value_dim,)``."""
+def _check(q, k, v, layout, scale, state_name, state):
+    """Check that q, k, v are tensors of one supported dtype and device, shaped ``layout + (key/value_dim,)``, and
+    ``state`` a recurrent state for them (an ``initial_state`` may be None); return ``scale`` as a float,
+    ``key_dim ** -0.5`` for None."""
     rank = len(layout) + 1
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
@@ -52,21 +45,24 @@ def _check_qkv(q, k, v, layout):
         raise ValueError(f"v must match q in ({', '.join(layout)}), got q {tuple(q.shape)}, v {tuple(v.shape)}")
     if q.shape[-1] == 0 or v.shape[-1] == 0:
         raise ValueError(f"key_dim and value_dim must be positive, got q {tuple(q.shape)}, v {tuple(v.shape)}")
-
-
-def _check_state(name, state, q, v):
-    """Check a recurrent state against q (..., heads, key_dim) and v (..., heads, value_dim)."""
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale)
+                              or scale <= 0):
+        raise ValueError(f"scale must be a positive finite number (default key_dim ** -0.5), got {scale!r}")
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    if state is None and state_name == "initial_state":
+        return scale
     expected = (q.shape[0], q.shape[-2], q.shape[-1], v.shape[-1])
     if not isinstance(state, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(state).__name__}")
+        raise TypeError(f"{state_name} must be a torch.Tensor, got {type(state).__name__}")
     if tuple(state.shape) != expected:
-        raise ValueError(f"{name} must have shape (batch, heads, key_dim, value_dim) = {expected}, got "
+        raise ValueError(f"{state_name} must have shape (batch, heads, key_dim, value_dim) = {expected}, got "
                          f"{tuple(state.shape)}")
     if state.dtype not in ((torch.float32, torch.float64) if v.dtype == torch.float64 else (torch.float32,)):
-        raise TypeError(f"{name} must be float32 (or float64 with float64 inputs), got {state.dtype} with {v.dtype} "
-                        "inputs")
+        raise TypeError(f"{state_name} must be float32 (or float64 with float64 inputs), got {state.dtype} with "
+                        f"{v.dtype} inputs")
     if state.device != q.device:
-        raise ValueError(f"{name} must be on the device of q ({q.device}), got {state.device}")
+        raise ValueError(f"{state_name} must be on the device of q ({q.device}), got {state.device}")
+    return scale
 
 
 # ---------------------------------------------------------------------------------------------- the tables
@@ -229,10 +225,7 @@ def chunk_retention(q, k, v, scale=None, initial_state=None, output_final_state=
             non-positive ``scale``, an unknown ``backend``.
         RuntimeError: ``backend="triton"`` without triton, or on CPU tensors without ``TRITON_INTERPRET=1``.
     """
-    _check_qkv(q, k, v, ("batch", "length", "heads"))
-    scale = _check_scale(scale, q.shape[-1])
-    if initial_state is not None:
-        _check_state("initial_state", initial_state, q, v)
+    scale = _check(q, k, v, ("batch", "length", "heads"), scale, "initial_state", initial_state)
     reset = check_reset(reset, q.shape[0], q.shape[1], q.device)
     impl = choose("chunk_retention", q.device, backend)
     o, final_state = _ops.chunk_retention(q, k, v, scale, initial_state, reset, impl)
@@ -256,7 +249,5 @@ def retention_state_update(state, q, k, v, scale=None, backend=None):
         TypeError, ValueError, RuntimeError: as :func:`chunk_retention`, with ``state`` in place of
         ``initial_state``.
     """
-    _check_qkv(q, k, v, ("batch", "heads"))
-    scale = _check_scale(scale, q.shape[-1])
-    _check_state("state", state, q, v)
+    scale = _check(q, k, v, ("batch", "heads"), scale, "state", state)
     return _ops.retention_state_update(state, q, k, v, scale, choose("retention_state_update", q.device, backend))

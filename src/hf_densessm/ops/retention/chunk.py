@@ -271,7 +271,6 @@ def _retention_chunk_dqk_kernel(
     do_base = do + i_b * L * H * V + i_h * V
     state_base = (i_bh.to(tl.int64) * NT + i_t) * K * V
     dt = v.dtype.element_ty
-
     d_scores = tl.zeros([BT, BT], dtype=ACC)  # dO v^T
     dq_state = tl.zeros([BT, BK], dtype=ACC)  # dO S_c^T
     dk_state = tl.zeros([BT, BK], dtype=ACC)  # v dH_c^T
@@ -320,33 +319,30 @@ def _launch(kernel, grid, block_t, tiles, key_dim, value_dim, *args, **meta):
                          num_warps=tiles.num_warps, num_stages=tiles.num_stages, **meta)
 
 
-def _prepare(q, k, v, initial_state, reset, config):
-    """The launch choice (``config``, or the one for this GPU and shape), contiguous ``q``, ``k``, ``v`` and initial
-    state, the ``(batch, 1 + length)`` int32 document indices (0 then ``cumsum(reset)``; None without ``reset``), the
-    per-head ``log2(gamma)``, and the constexprs every kernel takes besides the sizes."""
+def _prepare(q, k, v, initial_state, final_state, reset, config):
+    """Run ``_retention_chunk_h_kernel``, the final state written to ``final_state`` unless it is None. Returns the
+    states entering every chunk, ``h`` ``(batch, heads, NT, key_dim, value_dim)`` in the inputs' dtype, the launch
+    choice (``config``, or the one for this GPU and shape), contiguous ``q``, ``k``, ``v``, the ``(batch, 1 +
+    length)`` int32 document indices (0 then ``cumsum(reset)``; None without ``reset``), the per-head
+    ``log2(gamma)``, and the constexprs every kernel takes besides the sizes."""
+    batch, length, heads, key_dim = q.shape
+    value_dim = v.shape[-1]
     if config is None:
-        config = chunk_retention_config(device_arch(q.device), q.dtype, q.shape[-1], v.shape[-1])
+        config = chunk_retention_config(device_arch(q.device), q.dtype, key_dim, value_dim)
     acc_torch, acc_tl = (torch.float64, tl.float64) if v.dtype == torch.float64 else (torch.float32, tl.float32)
     docs = None if reset is None else torch.nn.functional.pad(
         torch.cumsum(reset.to(torch.int32), dim=1, dtype=torch.int32), (1, 0))
     precision = "ieee" if v.dtype in (torch.float32, torch.float64) else "tf32"  # tl.dot exact for float32/64
-    meta = dict(H=q.shape[2], ACC=acc_tl, PRECISION=precision, HAS_RESET=reset is not None)
-    log2_gamma = retention_log2_gamma(q.shape[2], q.device, acc_torch)
+    meta = dict(H=heads, ACC=acc_tl, PRECISION=precision, HAS_RESET=reset is not None)
+    log2_gamma = retention_log2_gamma(heads, q.device, acc_torch)
     initial_state = None if initial_state is None else initial_state.contiguous()
-    return config, q.contiguous(), k.contiguous(), v.contiguous(), initial_state, docs, log2_gamma, meta
-
-
-def _chunk_states(k, v, initial_state, final_state, docs, log2_gamma, config, meta):
-    """Run ``_retention_chunk_h_kernel``: the states entering every chunk, ``(batch, heads, NT, key_dim,
-    value_dim)`` in the inputs' dtype; the final state is written to ``final_state`` unless it is None."""
-    batch, length, heads, key_dim = k.shape
-    value_dim, tiles = v.shape[-1], config.h
+    q, k, v, tiles = q.contiguous(), k.contiguous(), v.contiguous(), config.h
     h = k.new_empty(batch, heads, triton.cdiv(length, config.block_t), key_dim, value_dim)
     grid = (triton.cdiv(value_dim, tiles.block_v), triton.cdiv(key_dim, tiles.block_k), batch * heads)
     _launch(_retention_chunk_h_kernel, grid, config.block_t, tiles, key_dim, value_dim, k, v, h, initial_state,
             final_state, docs, log2_gamma, length, HAS_INITIAL_STATE=initial_state is not None,
             STORE_FINAL_STATE=final_state is not None, **meta)
-    return h
+    return h, config, q, k, v, docs, log2_gamma, meta
 
 
 def chunk_retention_fwd_triton(q, k, v, scale, initial_state=None, reset=None, config=None):
@@ -356,9 +352,8 @@ def chunk_retention_fwd_triton(q, k, v, scale, initial_state=None, reset=None, c
     block_t) * key_dim * value_dim`` values in the inputs' dtype, live until the outputs are written."""
     batch, length, heads, key_dim = q.shape
     value_dim = v.shape[-1]
-    config, q, k, v, initial_state, docs, log2_gamma, meta = _prepare(q, k, v, initial_state, reset, config)
     final_state = q.new_empty(batch, heads, key_dim, value_dim, dtype=compute_dtype(v.dtype))
-    h = _chunk_states(k, v, initial_state, final_state, docs, log2_gamma, config, meta)
+    h, config, q, k, v, docs, log2_gamma, meta = _prepare(q, k, v, initial_state, final_state, reset, config)
     o = torch.empty_like(v)
     if h.shape[2]:
         grid = (triton.cdiv(value_dim, config.o.block_v), h.shape[2], batch * heads)
@@ -376,10 +371,9 @@ def chunk_retention_bwd_triton(d_o, d_final_state, q, k, v, scale, initial_state
     gradients together take twice the forward's memory."""
     batch, length, heads, key_dim = q.shape
     value_dim = v.shape[-1]
-    config, q, k, v, initial_state, docs, log2_gamma, meta = _prepare(q, k, v, initial_state, reset, config)
+    h, config, q, k, v, docs, log2_gamma, meta = _prepare(q, k, v, initial_state, None, reset, config)
     d_o = d_o.to(v.dtype).contiguous()
     d_final_state = None if d_final_state is None else d_final_state.contiguous()
-    h = _chunk_states(k, v, initial_state, None, docs, log2_gamma, config, meta)
     num_chunks, dh = h.shape[2], torch.empty_like(h)
     d_initial_state = q.new_empty(batch, heads, key_dim, value_dim, dtype=compute_dtype(v.dtype))
     grid = (triton.cdiv(value_dim, config.dh.block_v), triton.cdiv(key_dim, config.dh.block_k), batch * heads)
