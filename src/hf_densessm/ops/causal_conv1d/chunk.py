@@ -220,10 +220,9 @@ def _launch_args(x, taps, bias, window, reset, block_t, per_thread, unroll):
     batch, length, channels = x.shape
     block_c = min(32 * per_thread * 4, triton.next_power_of_2(channels))
     grid = (batch * triton.cdiv(length, block_t), triton.cdiv(channels, block_c))
-    win = window.stride() if window is not None else (0, 0, 0)
-    res = reset.stride() if reset is not None else (0, 0)
     args = (x, taps, bias, window, reset)
-    strides = (*x.stride(), *taps.stride(), *win, *res)
+    strides = (*x.stride(), *taps.stride(), *(window.stride() if window is not None else (0, 0, 0)),
+               *(reset.stride() if reset is not None else (0, 0)))
     flags = dict(K=taps.shape[1], HAS_BIAS=bias is not None, HAS_WINDOW=window is not None,
                  HAS_RESET=reset is not None, ACC=tl.float64 if compute_dtype(x.dtype) == torch.float64 else tl.float32,
                  BLOCK_T=block_t, BLOCK_C=block_c, UNROLL=min(unroll, block_t),
@@ -249,11 +248,10 @@ def causal_conv1d_triton_bwd(grad_out, x, taps, bias=None, window=None, reset=No
     strides, the rest as :func:`causal_conv1d_triton_fwd`; returns as :func:`~.torch_path.causal_conv1d_backward_torch`.
     """
     batch, length, channels = x.shape
-    kernel = taps.shape[1]
     cdt = compute_dtype(x.dtype)
     grad_x = torch.empty((batch, length, channels), dtype=x.dtype, device=x.device)
     grid, args, strides, flags = _launch_args(x, taps, bias, window, reset, block_t, min(4, 16 // x.element_size()), 4)
-    dw = torch.empty((grid[0], channels, kernel), dtype=cdt, device=x.device)
+    dw = torch.empty((grid[0], channels, taps.shape[1]), dtype=cdt, device=x.device)
     db = None if bias is None else torch.empty((grid[0], channels), dtype=cdt, device=x.device)
     grad_window = x.new_empty((0,)) if window is None else x.new_zeros(window.shape, dtype=window.dtype)
     if grad_x.numel():

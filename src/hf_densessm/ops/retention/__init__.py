@@ -83,18 +83,12 @@ def _triton(module: str, name: str):
     return call
 
 
-def _torch_forward(q, k, v, scale, initial_state, reset):
-    return chunk_retention_torch(q, k, v, scale, initial_state, True, reset=reset)
-
-
-def _torch_backward(d_o, d_final_state, q, k, v, scale, initial_state, reset):
-    return chunk_retention_torch_backward(d_o, d_final_state, q, k, v, scale, initial_state, reset=reset)
-
-
 TABLES["chunk_retention"] = [
     triton_entry(forward=_triton("chunk", "chunk_retention_fwd_triton"),
                  backward=_triton("chunk", "chunk_retention_bwd_triton")),
-    Implementation("torch", ("auto", "torch"), calls=dict(forward=_torch_forward, backward=_torch_backward)),
+    Implementation("torch", ("auto", "torch"), calls=dict(
+        forward=lambda q, k, v, scale, s0, reset: chunk_retention_torch(q, k, v, scale, s0, True, reset=reset),
+        backward=lambda *args: chunk_retention_torch_backward(*args[:7], reset=args[7]))),
 ]
 TABLES["retention_state_update"] = [
     triton_entry(step=_triton("fused_recurrent", "retention_state_update_triton")),

@@ -216,15 +216,14 @@ def _value_tile(a, b, c, states, out, docs, log2_gamma_ptr, scale, L, H: tl.cons
         from_state += _dot(a_blk, s_blk, ACC, PRECISION)
     intra, q_decay, k_decay, _ = _chunk_decays(log2_gamma, docs, i_b, start, L, HAS_RESET, REVERSE, BT, ACC)
     scores = tl.where(intra > 0, scores * scale * intra, 0.0)  # selected: a later token's NaN or inf stays out
-    tv_offs = i_b * L * H * V + i_h * V + t[:, None] * (H * V) + offs_v[None, :]
-    c_blk = tl.load(c + tv_offs, mask=mask_tv, other=0.0)
+    c_blk = tl.load(c + i_b * L * H * V + i_h * V + t[:, None] * (H * V) + offs_v[None, :], mask=mask_tv, other=0.0)
     if REVERSE:
         result = _dot(scores.to(dt), c_blk, ACC, PRECISION) + from_state * k_decay[:, None]
     else:  # the finite part of v through the product, the rest by the running sum
         finite_c = tl.where(tl.abs(c_blk) < float("inf"), c_blk, 0.0)
         result = _dot(scores.to(dt), finite_c, ACC, PRECISION) + from_state * (scale * q_decay)[:, None]
         result += tl.cumsum((c_blk - finite_c).to(ACC), axis=0)
-    tl.store(out + tv_offs, result.to(out.dtype.element_ty), mask=mask_tv)
+    tl.store(out + i_b * L * H * V + i_h * V + t[:, None] * (H * V) + offs_v[None, :], result.to(dt), mask=mask_tv)
 
 
 @triton.jit
@@ -365,10 +364,8 @@ def chunk_retention_fwd_triton(q, k, v, scale, initial_state=None, reset=None, c
 def chunk_retention_bwd_triton(d_o, d_final_state, q, k, v, scale, initial_state=None, reset=None, config=None):
     """The Triton branch of ``hf_densessm::chunk_retention_backward``: given ``d_o`` and ``d_final_state`` (None:
     zero) and the forward's arguments, ``dq, dk, dv`` in the dtypes of q, k, v and the gradient of the initial state
-    (of a zero one without it) in the state dtype. The per-chunk states are recomputed
-    (``_retention_chunk_h_kernel``), their gradients walk backward (``_retention_chunk_dh_kernel``), then
-    ``_retention_chunk_dqk_kernel`` and ``_retention_chunk_dv_kernel`` run parallel over chunks; states and their
-    gradients together take twice the forward's memory."""
+    (of a zero one without it) in the state dtype. The per-chunk states are recomputed, then their gradients
+    (docs/kernels.md): together they take twice the forward's memory."""
     batch, length, heads, key_dim = q.shape
     value_dim = v.shape[-1]
     h, config, q, k, v, docs, log2_gamma, meta = _prepare(q, k, v, initial_state, None, reset, config)
