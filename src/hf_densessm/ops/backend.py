@@ -173,6 +173,5 @@ class OpGroup:
                 if spec["fake"] is not None:
                     op.register_fake(spec["fake"])
                 if "autograd" in spec:
-                    backward, setup_context = spec["autograd"]
-                    op.register_autograd(backward, setup_context=setup_context)
+                    op.register_autograd(spec["autograd"][0], setup_context=spec["autograd"][1])
             setattr(self, name, getattr(namespace, name + suffix))

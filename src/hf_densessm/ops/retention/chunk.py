@@ -47,16 +47,11 @@ class ChunkRetentionConfig:
     dqk: StateTiles
     dv: StateTiles
 
-    def fit(self, key_dim: int, value_dim: int) -> "ChunkRetentionConfig":
-        """Every kernel's tiles fitted (:meth:`StateTiles.fit`)."""
-        tiles = (self.h, self.o, self.dh, self.dqk, self.dv)
-        return ChunkRetentionConfig(self.block_t, *(t.fit(key_dim, value_dim) for t in tiles))
-
 
 def chunk_retention_config(arch: GPUArch, dtype: torch.dtype, key_dim: int, value_dim: int) -> ChunkRetentionConfig:
     """The :class:`ChunkRetentionConfig` of the GPU ``arch`` (:func:`~..backend.device_arch`), the dtype of ``q``,
-    ``k``, ``v`` and the per-head sizes (tiles shrink to them): choices that compile without spills (docs/kernels.md,
-    "Tile, warp and stage choices")."""
+    ``k``, ``v`` and the per-head sizes (tiles shrink to them, :meth:`StateTiles.fit`): choices that compile without
+    spills (docs/kernels.md, "Tile, warp and stage choices")."""
     if dtype in (torch.float16, torch.bfloat16):  # tensor-core products, 64-token chunks
         stages = 2 if arch.shared_per_block >= 96 * 1024 else 1  # 2 stages: <= 48 KB (sm_8x), 65 KB (sm_90)
         # the tile of the axis an output kernel keeps (o, dv: value; dqk: key), 64 or 128: the one with fewer
@@ -65,11 +60,11 @@ def chunk_retention_config(arch: GPUArch, dtype: torch.dtype, key_dim: int, valu
         tile_v = wide(value_dim) if value_dim > 64 else 64
         walk, out = StateTiles(64, 64, 4, stages), StateTiles(64, tile_v, tile_v // 16, stages)  # 4 or 8 warps
         dqk = StateTiles(64 if arch.capability >= (9, 0) else wide(key_dim), 64, 8, stages)
-        config = ChunkRetentionConfig(64, walk, out, walk, dqk, out)
+        tiles = (walk, out, walk, dqk, out)
     else:  # float32 / float64: exact products on the FMA units, operands in registers
         walk, out = StateTiles(32, 64, 8), StateTiles(32, 32, 8)
-        config = ChunkRetentionConfig(64, walk, out, walk, out, out)
-    return config.fit(key_dim, value_dim)
+        tiles = (walk, out, walk, out, out)
+    return ChunkRetentionConfig(64, *(t.fit(key_dim, value_dim) for t in tiles))
 
 
 # ------------------------------------------------------------------------------------------------------- kernels
