@@ -74,8 +74,8 @@ def _check(q, k, v, layout, scale, state_name, state):
 
 
 def _triton(module: str, name: str):
-    """The function ``name`` of ``chunk.py`` or ``fused_recurrent.py`` (``module``, both need triton), imported when
-    called."""
+    """The function ``name`` of ``chunk.py`` or ``fused_recurrent.py`` (``module``), imported when called (both need
+    triton)."""
     def call(*args):
         from . import chunk  # one module per statement: transformers' remote-code scan reads one per line
         from . import fused_recurrent
