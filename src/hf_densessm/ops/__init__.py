@@ -7,7 +7,4 @@ from .causal_conv1d import causal_conv1d
 from .retention import chunk_retention, retention_state_update
 from .selective_scan import selective_scan, selective_state_update
 
-__all__ = [
-    "causal_conv1d", "chunk_retention", "retention_state_update", "selective_scan",
-    "selective_state_update",
-]
+__all__ = ["causal_conv1d", "chunk_retention", "retention_state_update", "selective_scan", "selective_state_update"]

@@ -12,10 +12,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-__all__ = [
-    "ARCHS", "GPUArch", "OpGroup", "compute_dtype", "device_arch", "in_own_precision", "inputs_compute_dtype",
-    "own_precision", "require", "tracing",
-]
+__all__ = ["ARCHS", "GPUArch", "OpGroup", "compute_dtype", "device_arch", "in_own_precision", "inputs_compute_dtype",
+           "own_precision", "require", "tracing"]
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -175,6 +173,5 @@ class OpGroup:
                 if spec["fake"] is not None:
                     op.register_fake(spec["fake"])
                 if "autograd" in spec:
-                    backward, setup_context = spec["autograd"]
-                    op.register_autograd(backward, setup_context=setup_context)
+                    op.register_autograd(spec["autograd"][0], setup_context=spec["autograd"][1])
             setattr(self, name, getattr(namespace, name + suffix))

@@ -12,10 +12,8 @@ from typing import Callable
 
 import torch
 
-__all__ = [
-    "BACKENDS", "Implementation", "TABLES", "check_backend", "choose", "chosen_backend", "implementation",
-    "interpreting", "register", "triton_available", "triton_entry", "triton_missing", "use_backend",
-]
+__all__ = ["BACKENDS", "Implementation", "TABLES", "check_backend", "choose", "chosen_backend", "implementation",
+           "interpreting", "register", "triton_available", "triton_entry", "triton_missing", "use_backend"]
 
 #: The values of every op's ``backend`` argument and of the models' ``config.kernel_backend``: ``"auto"`` (the first
 #: implementation of the table for the device), ``"triton"`` (the Triton kernels), ``"torch"`` (no Triton).

@@ -33,10 +33,7 @@ def launch(kernel):
 @triton.jit
 def acc(x, USE_FP64: tl.constexpr):
     """Cast a tile of any float dtype to the accumulation dtype: float64 if ``USE_FP64`` else float32."""
-    if USE_FP64:
-        return x.to(tl.float64)
-    else:
-        return x.to(tl.float32)
+    return x.to(tl.float64 if USE_FP64 else tl.float32)
 
 
 @triton.jit

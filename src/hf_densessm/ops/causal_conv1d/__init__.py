@@ -61,9 +61,8 @@ def _causal_conv1d_backward_op(
 
 
 def _setup_context(ctx, inputs, output):
-    x, taps, bias, window, reset, silu, impl = inputs
-    ctx.save_for_backward(x, taps, bias, window, reset)
-    ctx.silu, ctx.impl = silu, impl
+    ctx.save_for_backward(*inputs[:5])  # x, taps, bias, window, reset
+    ctx.silu, ctx.impl = inputs[5:]
 
 
 def _backward(ctx, grad_out):

@@ -139,13 +139,14 @@ def _causal_conv1d_fwd_kernel(
 
 
 @triton.jit
-def _backward_token(x_ptrs, g_ptrs, reset_ptr, r_off, s_x_l, s_g_l, s_r_l, i, rem, xs, pos, accs, dws, dbias, ws,
-                    bias, mask_c, K: tl.constexpr, SILU: tl.constexpr, HAS_RESET: tl.constexpr, ACC: tl.constexpr,
+def _backward_token(block, i, walk, K: tl.constexpr, SILU: tl.constexpr, HAS_RESET: tl.constexpr, ACC: tl.constexpr,
                     SUMS: tl.constexpr):
-    """Token ``t = t0 + i`` of the backward walk: ``g_t = dL/dpre_t`` (``pre`` recomputed) added to the partial
-    gradients ``accs`` of ``x_{t-1} .. x_{t-K+1}`` (same document) and, with ``SUMS`` (the block's own tokens), to
-    the sums ``dws`` (``sum_t g_t x_{t-s}``, ``s = 0 .. K - 1``) and ``dbias``. Returns ``(xs, pos, accs, dws,
-    dbias)`` for the next token and the complete gradient of ``x_{t-K+1}``."""
+    """Token ``t = t0 + i`` of the backward walk (``walk``: ``(xs, pos, accs, dws, dbias)``): ``g_t = dL/dpre_t``
+    (``pre`` recomputed) added to the partial gradients ``accs`` of ``x_{t-1} .. x_{t-K+1}`` (same document) and,
+    with ``SUMS`` (the block's own tokens), to the sums ``dws`` (``sum_t g_t x_{t-s}``, ``s = 0 .. K - 1``) and
+    ``dbias``. Returns the walk for the next token and the complete gradient of ``x_{t-K+1}``."""
+    x_ptrs, g_ptrs, reset_ptr, r_off, s_x_l, s_g_l, s_r_l, rem, ws, bias, mask_c = block
+    xs, pos, accs, dws, dbias = walk
     xt, pos = _token(x_ptrs, reset_ptr, r_off, s_x_l, s_r_l, i, i < rem, pos, mask_c, K, HAS_RESET, ACC)
     g = tl.load(g_ptrs + i * s_g_l, mask=tl.where(i < rem, mask_c, False), other=0.0).to(ACC)
     if SILU:
@@ -161,7 +162,7 @@ def _backward_token(x_ptrs, g_ptrs, reset_ptr, r_off, s_x_l, s_g_l, s_r_l, i, re
         done = new[K - 2]
     if SUMS:
         dws, dbias = d, dbias + g
-    return _push(xs, xt, K - 1), pos, _push(new, ws[K - 1] * g, K - 1), dws, dbias, done
+    return (_push(xs, xt, K - 1), pos, _push(new, ws[K - 1] * g, K - 1), dws, dbias), done
 
 
 @triton.jit
@@ -184,12 +185,11 @@ def _causal_conv1d_bwd_kernel(
     rem = length - t0
     own = tl.minimum(rem, BLOCK_T)
     n = own + K - 1  # rows of dx_ptrs in the block
-    accs, dws, dbias = _zeros(bias, K - 1), _zeros(bias, K), tl.zeros((BLOCK_C,), ACC)
+    block = (x_ptrs, g_ptrs, reset_ptr, r_off, s_x_l, s_g_l, s_r_l, rem, ws, bias, mask_c)
+    walk = (xs, pos, _zeros(bias, K - 1), _zeros(bias, K), tl.zeros((BLOCK_C,), ACC))
     HEAD: tl.constexpr = (K - 2 + UNROLL) // UNROLL * UNROLL  # the tokens completing inputs before the block
     for j in tl.static_range(HEAD):
-        xs, pos, accs, dws, dbias, done = _backward_token(x_ptrs, g_ptrs, reset_ptr, r_off, s_x_l, s_g_l, s_r_l, j,
-                                                          rem, xs, pos, accs, dws, dbias, ws, bias, mask_c, K,
-                                                          SILU, HAS_RESET, ACC, j < BLOCK_T)
+        walk, done = _backward_token(block, j, walk, K, SILU, HAS_RESET, ACC, j < BLOCK_T)
         if j >= K - 1:
             tl.store(dx_ptrs + j * channels, done, mask=tl.where(j < n, mask_c, False))
         elif HAS_WINDOW:
@@ -199,16 +199,12 @@ def _causal_conv1d_bwd_kernel(
     for i0 in range(HEAD, end, UNROLL):  # no token past the block's end but past the sequence's (g = 0)
         for u in tl.static_range(UNROLL):
             i = i0 + u
-            xs, pos, accs, dws, dbias, done = _backward_token(x_ptrs, g_ptrs, reset_ptr, r_off, s_x_l, s_g_l, s_r_l,
-                                                              i, rem, xs, pos, accs, dws, dbias, ws, bias, mask_c,
-                                                              K, SILU, HAS_RESET, ACC, True)
+            walk, done = _backward_token(block, i, walk, K, SILU, HAS_RESET, ACC, True)
             tl.store(dx_ptrs + i * channels, done, mask=tl.where(i < n, mask_c, False))
     for u in tl.static_range(K - 1):  # the tokens after the block complete its last inputs
-        xs, pos, accs, dws, dbias, done = _backward_token(x_ptrs, g_ptrs, reset_ptr, r_off, s_x_l, s_g_l, s_r_l,
-                                                          end + u, rem, xs, pos, accs, dws, dbias, ws, bias, mask_c,
-                                                          K, SILU, HAS_RESET, ACC, False)
+        walk, done = _backward_token(block, end + u, walk, K, SILU, HAS_RESET, ACC, False)
         tl.store(dx_ptrs + (end + u) * channels, done, mask=tl.where(end + u < n, mask_c, False))
-    row = tl.program_id(0) * channels + offs_c
+    row, dws, dbias = tl.program_id(0) * channels + offs_c, walk[3], walk[4]
     for s in tl.static_range(K):
         tl.store(dw_ptr + row * K + K - 1 - s, dws[s], mask=mask_c)
     if HAS_BIAS:
@@ -224,10 +220,9 @@ def _launch_args(x, taps, bias, window, reset, block_t, per_thread, unroll):
     batch, length, channels = x.shape
     block_c = min(32 * per_thread * 4, triton.next_power_of_2(channels))
     grid = (batch * triton.cdiv(length, block_t), triton.cdiv(channels, block_c))
-    win = window.stride() if window is not None else (0, 0, 0)
-    res = reset.stride() if reset is not None else (0, 0)
     args = (x, taps, bias, window, reset)
-    strides = (*x.stride(), *taps.stride(), *win, *res)
+    strides = (*x.stride(), *taps.stride(), *(window.stride() if window is not None else (0, 0, 0)),
+               *(reset.stride() if reset is not None else (0, 0)))
     flags = dict(K=taps.shape[1], HAS_BIAS=bias is not None, HAS_WINDOW=window is not None,
                  HAS_RESET=reset is not None, ACC=tl.float64 if compute_dtype(x.dtype) == torch.float64 else tl.float32,
                  BLOCK_T=block_t, BLOCK_C=block_c, UNROLL=min(unroll, block_t),
@@ -253,11 +248,10 @@ def causal_conv1d_triton_bwd(grad_out, x, taps, bias=None, window=None, reset=No
     strides, the rest as :func:`causal_conv1d_triton_fwd`; returns as :func:`~.torch_path.causal_conv1d_backward_torch`.
     """
     batch, length, channels = x.shape
-    kernel = taps.shape[1]
     cdt = compute_dtype(x.dtype)
     grad_x = torch.empty((batch, length, channels), dtype=x.dtype, device=x.device)
     grid, args, strides, flags = _launch_args(x, taps, bias, window, reset, block_t, min(4, 16 // x.element_size()), 4)
-    dw = torch.empty((grid[0], channels, kernel), dtype=cdt, device=x.device)
+    dw = torch.empty((grid[0], channels, taps.shape[1]), dtype=cdt, device=x.device)
     db = None if bias is None else torch.empty((grid[0], channels), dtype=cdt, device=x.device)
     grad_window = x.new_empty((0,)) if window is None else x.new_zeros(window.shape, dtype=window.dtype)
     if grad_x.numel():

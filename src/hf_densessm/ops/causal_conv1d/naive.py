@@ -18,15 +18,9 @@ def causal_conv1d_naive(x, weight, bias=None, window=None, reset=None, activatio
     window), and with ``reset`` a tap reads ``x_p`` only when ``p`` lies in ``t``'s packed document (a reset at any
     token after ``p`` up to ``t`` cuts it off).
 
-    Args:
-        x: ``(batch, seq_len, channels)``, any float dtype.
-        weight: ``(channels, 1, K)`` or ``(channels, K)``. bias: ``(channels,)`` or ``None``.
-        window: ``(batch, channels, K)`` or ``None``. reset: ``(batch, seq_len)`` bool or ``None``.
-        activation: ``None`` or ``"silu"``.
-
-    Returns:
-        ``(batch, seq_len, channels)`` float64, differentiable in ``x``, ``weight``, ``bias`` and ``window``. No
-        argument checks (a test reference; :func:`hf_densessm.ops.causal_conv1d` checks).
+    Arguments (any float dtype) as :func:`hf_densessm.ops.causal_conv1d`, ``reset`` bool; no checks (a test
+    reference). Returns ``(batch, seq_len, channels)`` float64, differentiable in ``x``, ``weight``, ``bias`` and
+    ``window``.
     """
     x = x.double()
     taps = weight.double().reshape(weight.shape[0], weight.shape[-1])

@@ -51,21 +51,24 @@ def _pre_activation(x, taps, bias, window, reset, cdt) -> torch.Tensor:
     taps = taps.to(cdt).t().contiguous().t()  # each tap's column unit-strided: the vectorized loops
     pre = torch.mul(x, taps[:, kernel - 1]) if bias is None else torch.addcmul(bias.to(cdt), x, taps[:, kernel - 1])
     pre = pre.contiguous()  # tap K - 1 (shift 0); a copy only where x's layout is channel-major
-    context = None if window is None else window[:, :, 1:].to(cdt).transpose(1, 2)  # (batch, K - 1, channels)
+    for k, s, tokens, read, source, _ in _shifts(x, window, length, kernel, cdt):
+        source = source[:, read] if masks is None else source[:, read] * masks[s][:, tokens]
+        pre[:, tokens].addcmul_(source, taps[:, k])
+    return pre
+
+
+def _shifts(x, window, length, kernel, cdt):
+    """The eager forms' shifted reads: per tap ``k < K - 1`` (shift ``s = K - 1 - k``), for ``x`` ``(batch, seq_len,
+    channels)`` then the window's newest ``K - 1`` inputs (if any) as ``(batch, K - 1, channels)`` in ``cdt``, the
+    slices ``tokens`` (``t``) and ``read`` (``t - s``) of the tokens reading that source: ``(k, s, tokens, read,
+    source, index of the source)``."""
+    sources = [(x, 0)] + ([] if window is None else [(window[:, :, 1:].to(cdt).transpose(1, 2), 1 - kernel)])
     for k in range(kernel - 1):
         s = kernel - 1 - k
-        if s < length:  # tokens t >= s read x_{t - s}
-            source = x[:, : length - s]
-            if masks is not None:
-                source = source * masks[s][:, s:]
-            pre[:, s:].addcmul_(source, taps[:, k])
-        if context is not None:  # tokens t < s read the window's input t - s
-            n = min(s, length)
-            source = context[:, kernel - 1 - s : kernel - 1 - s + n]
-            if masks is not None:
-                source = source * masks[s][:, :n]
-            pre[:, :n].addcmul_(source, taps[:, k])
-    return pre
+        for i, (source, start) in enumerate(sources):
+            t0, t1 = max(0, start + s), min(length, start + source.shape[1] + s)
+            if t0 < t1:
+                yield k, s, slice(t0, t1), slice(t0 - s - start, t1 - s - start), source, i
 
 
 def causal_conv1d_torch(x, taps, bias=None, window=None, reset=None, silu=False) -> torch.Tensor:
@@ -121,22 +124,11 @@ def _backward_in_place(g, x, taps, window, masks, cdt):
     batch, length, channels = x.shape
     kernel = int(taps.shape[1])
     xc, tc = x.to(cdt), taps.to(cdt).t().contiguous().t()  # each tap's column unit-strided
-    context = None if window is None else window[:, :, 1:].to(cdt).transpose(1, 2)  # (batch, K - 1, channels)
     grad_context = None if window is None else torch.zeros((batch, kernel - 1, channels), dtype=cdt, device=x.device)
     grad_x = torch.mul(g, tc[:, kernel - 1]).contiguous()  # tap K - 1 (shift 0)
-    columns = [None] * kernel
-    columns[kernel - 1] = (g * xc).sum((0, 1))
-    for k in range(kernel - 1):
-        s = kernel - 1 - k
-        column = torch.zeros((channels,), dtype=cdt, device=x.device)
-        if s < length:  # g_t, t >= s, flows to x_{t - s}
-            gs = g[:, s:] if masks is None else g[:, s:] * masks[s][:, s:]
-            grad_x[:, : length - s].addcmul_(gs, tc[:, k])
-            column = column + (gs * xc[:, : length - s]).sum((0, 1))
-        if context is not None:  # g_t, t < s, flows to the window's input t - s
-            n = min(s, length)
-            gs = g[:, :n] if masks is None else g[:, :n] * masks[s][:, :n]
-            grad_context[:, kernel - 1 - s : kernel - 1 - s + n].addcmul_(gs, tc[:, k])
-            column = column + (gs * context[:, kernel - 1 - s : kernel - 1 - s + n]).sum((0, 1))
-        columns[k] = column
+    columns = [torch.zeros((channels,), dtype=cdt, device=x.device) for _ in range(kernel - 1)] + [(g * xc).sum((0, 1))]
+    for k, s, tokens, read, source, i in _shifts(xc, window, length, kernel, cdt):  # g_t flows to source t - s
+        gs = g[:, tokens] if masks is None else g[:, tokens] * masks[s][:, tokens]
+        (grad_context if i else grad_x)[:, read].addcmul_(gs, tc[:, k])
+        columns[k] = columns[k] + (gs * source[:, read]).sum((0, 1))
     return grad_x, grad_context, columns

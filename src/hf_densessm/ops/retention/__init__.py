@@ -21,17 +21,10 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 Tensor = torch.Tensor
 
 
-def _check_scale(scale, key_dim):
-    """``scale`` as a float, ``key_dim ** -0.5`` for None."""
-    if scale is None:
-        return key_dim**-0.5
-    if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale) or scale <= 0:
-        raise ValueError(f"scale must be a positive finite number (default key_dim ** -0.5), got {scale!r}")
-    return float(scale)
-
-
-def _check_qkv(q, k, v, layout):
-    """Check that q, k, v are tensors of one supported dtype and device, shaped ``layout + (key/value_dim,)``."""
+def _check(q, k, v, layout, scale, state_name, state):
+    """Check that q, k, v are tensors of one supported dtype and device, shaped ``layout + (key/value_dim,)``, and
+    ``state`` a recurrent state for them (an ``initial_state`` may be None); return ``scale`` as a float,
+    ``key_dim ** -0.5`` for None."""
     rank = len(layout) + 1
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
@@ -52,31 +45,32 @@ def _check_qkv(q, k, v, layout):
         raise ValueError(f"v must match q in ({', '.join(layout)}), got q {tuple(q.shape)}, v {tuple(v.shape)}")
     if q.shape[-1] == 0 or v.shape[-1] == 0:
         raise ValueError(f"key_dim and value_dim must be positive, got q {tuple(q.shape)}, v {tuple(v.shape)}")
-
-
-def _check_state(name, state, q, v):
-    """Check a recurrent state against q (..., heads, key_dim) and v (..., heads, value_dim)."""
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale)
+                              or scale <= 0):
+        raise ValueError(f"scale must be a positive finite number (default key_dim ** -0.5), got {scale!r}")
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    if state is None and state_name == "initial_state":
+        return scale
     expected = (q.shape[0], q.shape[-2], q.shape[-1], v.shape[-1])
     if not isinstance(state, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(state).__name__}")
+        raise TypeError(f"{state_name} must be a torch.Tensor, got {type(state).__name__}")
     if tuple(state.shape) != expected:
-        raise ValueError(f"{name} must have shape (batch, heads, key_dim, value_dim) = {expected}, got "
+        raise ValueError(f"{state_name} must have shape (batch, heads, key_dim, value_dim) = {expected}, got "
                          f"{tuple(state.shape)}")
     if state.dtype not in ((torch.float32, torch.float64) if v.dtype == torch.float64 else (torch.float32,)):
-        raise TypeError(f"{name} must be float32 (or float64 with float64 inputs), got {state.dtype} with {v.dtype} "
-                        "inputs")
+        raise TypeError(f"{state_name} must be float32 (or float64 with float64 inputs), got {state.dtype} with "
+                        f"{v.dtype} inputs")
     if state.device != q.device:
-        raise ValueError(f"{name} must be on the device of q ({q.device}), got {state.device}")
+        raise ValueError(f"{state_name} must be on the device of q ({q.device}), got {state.device}")
+    return scale
 
 
 # ---------------------------------------------------------------------------------------------- the tables
-#
 # The entries' functions (docs/kernels.md, "The dispatch table"), arguments as the ops below take them:
-#   "forward"(q, k, v, scale, initial_state, reset) -> (o, final_state), o (batch, length, heads, value_dim) in v's
-#       dtype, contiguous where not traced (the opaque op's fake), final_state (batch, heads, key_dim, value_dim) in
-#       the compute dtype;
-#   "backward"(d_o, d_final_state, q, k, v, scale, initial_state, reset) -> (dq, dk, dv, d_initial_state), dq, dk, dv
-#       contiguous where not traced;
+#   "forward"(q, k, v, scale, initial_state, reset) -> (o, final_state), o in v's dtype (where not traced:
+#       contiguous), final_state in the compute dtype;
+#   "backward"(d_o, d_final_state, q, k, v, scale, initial_state, reset) -> (dq, dk, dv, d_initial_state) (where not
+#       traced: dq, dk, dv contiguous);
 #   "step"(state, q, k, v, scale) -> o, state updated in place (retention_state_update's entries).
 
 
@@ -90,18 +84,12 @@ def _triton(module: str, name: str):
     return call
 
 
-def _torch_forward(q, k, v, scale, initial_state, reset):
-    return chunk_retention_torch(q, k, v, scale, initial_state, True, reset=reset)
-
-
-def _torch_backward(d_o, d_final_state, q, k, v, scale, initial_state, reset):
-    return chunk_retention_torch_backward(d_o, d_final_state, q, k, v, scale, initial_state, reset=reset)
-
-
 TABLES["chunk_retention"] = [
     triton_entry(forward=_triton("chunk", "chunk_retention_fwd_triton"),
                  backward=_triton("chunk", "chunk_retention_bwd_triton")),
-    Implementation("torch", ("auto", "torch"), calls=dict(forward=_torch_forward, backward=_torch_backward)),
+    Implementation("torch", ("auto", "torch"), calls=dict(
+        forward=lambda q, k, v, scale, s0, reset: chunk_retention_torch(q, k, v, scale, s0, True, reset=reset),
+        backward=lambda *args: chunk_retention_torch_backward(*args[:7], reset=args[7]))),
 ]
 TABLES["retention_state_update"] = [
     triton_entry(step=_triton("fused_recurrent", "retention_state_update_triton")),
@@ -111,9 +99,8 @@ TABLES["retention_state_update"] = [
 
 
 # ---------------------------------------------------------------------------------------------------- the ops
-#
-# As the selective scan's: the ops run the entry named by ``impl``; an untraced entry runs inside the opaque ops
-# ``chunk_retention_eager`` (+ ``_backward``) (docs/kernels.md, "The ops").
+# They run the entry named by ``impl``, an untraced one inside the opaque ops ``chunk_retention_eager`` (+
+# ``_backward``) (docs/kernels.md, "The ops").
 
 
 def _eager(q: Tensor, k: Tensor, v: Tensor, scale: float, initial_state: Optional[Tensor], reset: Optional[Tensor],
@@ -136,8 +123,7 @@ def _eager_fake(q, k, v, scale, initial_state, reset, impl):
 
 
 def _eager_backward_fake(d_o, d_final_state, q, k, v, scale, initial_state, reset, impl):
-    d_state = q.new_empty(q.shape[0], q.shape[2], q.shape[3], v.shape[3], dtype=compute_dtype(v.dtype))
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), d_state
+    return q.new_empty(q.shape), k.new_empty(k.shape), *_eager_fake(q, k, v, scale, initial_state, reset, impl)
 
 
 _ops = OpGroup()
@@ -228,10 +214,7 @@ def chunk_retention(q, k, v, scale=None, initial_state=None, output_final_state=
             non-positive ``scale``, an unknown ``backend``.
         RuntimeError: ``backend="triton"`` without triton, or on CPU tensors without ``TRITON_INTERPRET=1``.
     """
-    _check_qkv(q, k, v, ("batch", "length", "heads"))
-    scale = _check_scale(scale, q.shape[-1])
-    if initial_state is not None:
-        _check_state("initial_state", initial_state, q, v)
+    scale = _check(q, k, v, ("batch", "length", "heads"), scale, "initial_state", initial_state)
     reset = check_reset(reset, q.shape[0], q.shape[1], q.device)
     impl = choose("chunk_retention", q.device, backend)
     o, final_state = _ops.chunk_retention(q, k, v, scale, initial_state, reset, impl)
@@ -255,7 +238,5 @@ def retention_state_update(state, q, k, v, scale=None, backend=None):
         TypeError, ValueError, RuntimeError: as :func:`chunk_retention`, with ``state`` in place of
         ``initial_state``.
     """
-    _check_qkv(q, k, v, ("batch", "heads"))
-    scale = _check_scale(scale, q.shape[-1])
-    _check_state("state", state, q, v)
+    scale = _check(q, k, v, ("batch", "heads"), scale, "state", state)
     return _ops.retention_state_update(state, q, k, v, scale, choose("retention_state_update", q.device, backend))

@@ -13,10 +13,8 @@ from ..backend import GPUArch, compute_dtype, device_arch
 from ..triton_utils import launch, tl, triton  # raises ImportError without triton
 from .naive import retention_log2_gamma
 
-__all__ = [
-    "ChunkRetentionConfig", "StateTiles", "chunk_retention_bwd_triton", "chunk_retention_config",
-    "chunk_retention_fwd_triton",
-]
+__all__ = ["ChunkRetentionConfig", "StateTiles", "chunk_retention_bwd_triton", "chunk_retention_config",
+           "chunk_retention_fwd_triton"]
 
 
 @dataclass(frozen=True)
@@ -49,16 +47,11 @@ class ChunkRetentionConfig:
     dqk: StateTiles
     dv: StateTiles
 
-    def fit(self, key_dim: int, value_dim: int) -> "ChunkRetentionConfig":
-        """Every kernel's tiles fitted (:meth:`StateTiles.fit`)."""
-        tiles = (self.h, self.o, self.dh, self.dqk, self.dv)
-        return ChunkRetentionConfig(self.block_t, *(t.fit(key_dim, value_dim) for t in tiles))
-
 
 def chunk_retention_config(arch: GPUArch, dtype: torch.dtype, key_dim: int, value_dim: int) -> ChunkRetentionConfig:
     """The :class:`ChunkRetentionConfig` of the GPU ``arch`` (:func:`~..backend.device_arch`), the dtype of ``q``,
-    ``k``, ``v`` and the per-head sizes (tiles shrink to them): choices that compile without spills (docs/kernels.md,
-    "Tile, warp and stage choices")."""
+    ``k``, ``v`` and the per-head sizes (tiles shrink to them, :meth:`StateTiles.fit`): choices that compile without
+    spills (docs/kernels.md, "Tile, warp and stage choices")."""
     if dtype in (torch.float16, torch.bfloat16):  # tensor-core products, 64-token chunks
         stages = 2 if arch.shared_per_block >= 96 * 1024 else 1  # 2 stages: <= 48 KB (sm_8x), 65 KB (sm_90)
         # the tile of the axis an output kernel keeps (o, dv: value; dqk: key), 64 or 128: the one with fewer
@@ -67,11 +60,11 @@ def chunk_retention_config(arch: GPUArch, dtype: torch.dtype, key_dim: int, valu
         tile_v = wide(value_dim) if value_dim > 64 else 64
         walk, out = StateTiles(64, 64, 4, stages), StateTiles(64, tile_v, tile_v // 16, stages)  # 4 or 8 warps
         dqk = StateTiles(64 if arch.capability >= (9, 0) else wide(key_dim), 64, 8, stages)
-        config = ChunkRetentionConfig(64, walk, out, walk, dqk, out)
+        tiles = (walk, out, walk, dqk, out)
     else:  # float32 / float64: exact products on the FMA units, operands in registers
         walk, out = StateTiles(32, 64, 8), StateTiles(32, 32, 8)
-        config = ChunkRetentionConfig(64, walk, out, walk, out, out)
-    return config.fit(key_dim, value_dim)
+        tiles = (walk, out, walk, out, out)
+    return ChunkRetentionConfig(64, *(t.fit(key_dim, value_dim) for t in tiles))
 
 
 # ------------------------------------------------------------------------------------------------------- kernels
@@ -81,18 +74,6 @@ def chunk_retention_config(arch: GPUArch, dtype: torch.dtype, key_dim: int, valu
 def _dot(a, b, ACC: tl.constexpr, PRECISION: tl.constexpr):
     """``a @ b`` in the operands' dtype, accumulated in ``ACC``."""
     return tl.dot(a, b, out_dtype=ACC, input_precision=PRECISION)
-
-
-@triton.jit
-def _document_masks(doc_base, start, t, mask_t, n):
-    """From this row's document indices ``doc_base`` (``(1 + L)``): ``same`` (tokens i, j in one document),
-    ``reads`` (token in the carried state's document), ``writes`` (in the chunk's last token's), ``carries`` (the
-    carried state's document reaches the chunk's end)."""
-    seg = tl.load(doc_base + 1 + t, mask=mask_t, other=-1)
-    before = tl.load(doc_base + start)
-    last = tl.load(doc_base + start + n)
-    same = seg[:, None] == seg[None, :]
-    return same, seg == before, seg == last, last == before
 
 
 @triton.jit
@@ -115,13 +96,71 @@ def _chunk_decays(log2_gamma, docs, i_b, start, L, HAS_RESET: tl.constexpr, TRAN
     q_decay = tl.exp2((offs_t + 1).to(ACC) * log2_gamma)
     k_decay = tl.where(mask_t, tl.exp2((n - 1 - offs_t).to(ACC) * log2_gamma), 0.0)
     state_decay = tl.exp2(n.to(ACC) * log2_gamma)
-    if HAS_RESET:  # nothing crosses a document boundary (``same`` is symmetric)
-        same, reads, writes, carries = _document_masks(docs + i_b * (L + 1), start, t, mask_t, n)
-        intra = tl.where(same, intra, 0.0)
-        q_decay = tl.where(reads, q_decay, 0.0)
-        k_decay = tl.where(writes, k_decay, 0.0)
-        state_decay = tl.where(carries, state_decay, 0.0)
+    if HAS_RESET:  # nothing crosses a document boundary (the mask of ``intra`` is symmetric)
+        doc_base = docs + i_b * (L + 1)
+        seg = tl.load(doc_base + 1 + t, mask=mask_t, other=-1)
+        before = tl.load(doc_base + start)  # the carried state's document
+        last = tl.load(doc_base + start + n)  # the chunk's last token's
+        intra = tl.where(seg[:, None] == seg[None, :], intra, 0.0)
+        q_decay = tl.where(seg == before, q_decay, 0.0)
+        k_decay = tl.where(seg == last, k_decay, 0.0)
+        state_decay = tl.where(last == before, state_decay, 0.0)
     return intra, q_decay, k_decay, state_decay
+
+
+@triton.jit
+def _head(i_bh, log2_gamma_ptr, scale, L, H: tl.constexpr, BT: tl.constexpr, ACC: tl.constexpr):
+    """Row (int64) and head of program ``i_bh``, the number of chunks, the head's ``log2(gamma)``, ``scale`` in
+    ``ACC`` (fp32 from Triton's launcher, fp64 from Inductor's: cast to one dtype)."""
+    i_b, i_h = (i_bh // H).to(tl.int64), i_bh % H
+    return i_b, i_h, tl.cdiv(L, BT), tl.load(log2_gamma_ptr + i_h), tl.full((), scale, ACC)
+
+
+@triton.jit
+def _walk(a, b, states, first, last, docs, log2_gamma_ptr, scale, L, H: tl.constexpr, K: tl.constexpr,
+          V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, HAS_FIRST: tl.constexpr,
+          STORE_LAST: tl.constexpr, REVERSE: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr,
+          HAS_RESET: tl.constexpr):
+    """The chunk walk of ``_retention_chunk_h_kernel`` (``a, b = k, v``, forward in time) and
+    ``_retention_chunk_dh_kernel`` (``a, b = q, dO``, ``REVERSE``): stores the tile met at each chunk into
+    ``states`` ``(batch * heads, NT, K, V)``, starting from ``first`` (zero without ``HAS_FIRST``), and the last one
+    into ``last`` if ``STORE_LAST``."""
+    i_v, i_k, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h, NT, log2_gamma, scale = _head(i_bh, log2_gamma_ptr, scale, L, H, BT, ACC)
+    offs_t = tl.arange(0, BT)
+    offs_k = i_k * BK + tl.arange(0, BK)
+    offs_v = i_v * BV + tl.arange(0, BV)
+    mask_k, mask_v = offs_k < K, offs_v < V
+    mask_kv = mask_k[:, None] & mask_v[None, :]
+    # (batch, length, heads, dim) layout, contiguous: token stride H * dim
+    a_base = a + i_b * L * H * K + i_h * K
+    b_base = b + i_b * L * H * V + i_h * V
+    tile_offs = offs_k[:, None] * V + offs_v[None, :]
+    states_base = states + i_bh.to(tl.int64) * NT * K * V
+    state_offs = i_bh.to(tl.int64) * K * V + tile_offs
+    state = tl.zeros([BK, BV], dtype=ACC)
+    if HAS_FIRST:
+        state += tl.load(first + state_offs, mask=mask_kv, other=0.0).to(ACC)
+    for i in range(0, NT):
+        i_t = i
+        if REVERSE:
+            i_t = NT - 1 - i
+        start = i_t * BT
+        tl.store(states_base + i_t * K * V + tile_offs, state.to(states.dtype.element_ty), mask=mask_kv)
+        t = start + offs_t
+        mask_t = t < L
+        a_blk = tl.load(a_base + t[:, None] * (H * K) + offs_k[None, :], mask=mask_t[:, None] & mask_k[None, :],
+                        other=0.0)
+        b_blk = tl.load(b_base + t[:, None] * (H * V) + offs_v[None, :], mask=mask_t[:, None] & mask_v[None, :],
+                        other=0.0)
+        _, q_decay, k_decay, state_decay = _chunk_decays(log2_gamma, docs, i_b, start, L, HAS_RESET, False, BT, ACC)
+        if REVERSE:  # dH <- gamma^n dH + sum_i gamma^(i+1) q~_i^T dO_i
+            a_blk = (a_blk * (scale * q_decay)[:, None]).to(b_blk.dtype)
+        else:  # S <- gamma^n S + sum_j gamma^(n-1-j) k_j^T v_j
+            a_blk = (a_blk * k_decay[:, None]).to(b_blk.dtype)
+        state = state * state_decay + _dot(tl.trans(a_blk), b_blk, ACC, PRECISION)
+    if STORE_LAST:
+        tl.store(last + state_offs, state.to(last.dtype.element_ty), mask=mask_kv)
 
 
 @triton.jit
@@ -133,40 +172,53 @@ def _retention_chunk_h_kernel(
 ):
     """Grid (value tiles, key tiles, batch * heads), forward in time: ``h[b, h, c] = S_c`` (the state entering
     chunk ``c``) for every chunk, and the final state."""
-    i_v, i_k, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_b, i_h = (i_bh // H).to(tl.int64), i_bh % H
-    NT = tl.cdiv(L, BT)
-    log2_gamma = tl.load(log2_gamma_ptr + i_h)
-    offs_t = tl.arange(0, BT)
-    offs_k = i_k * BK + tl.arange(0, BK)
-    offs_v = i_v * BV + tl.arange(0, BV)
-    mask_k, mask_v = offs_k < K, offs_v < V
-    mask_kv = mask_k[:, None] & mask_v[None, :]
-    # (batch, length, heads, dim) layout, contiguous: token stride H * dim; h: (batch * heads, NT, K, V).
-    k_base = k + i_b * L * H * K + i_h * K
-    v_base = v + i_b * L * H * V + i_h * V
-    tile_offs = offs_k[:, None] * V + offs_v[None, :]
-    h_base = h + i_bh.to(tl.int64) * NT * K * V
-    state_offs = i_bh.to(tl.int64) * K * V + tile_offs
+    _walk(k, v, h, initial_state, final_state, docs, log2_gamma_ptr, 1.0, L, H, K, V, BT, BK, BV, HAS_INITIAL_STATE,
+          STORE_FINAL_STATE, False, ACC, PRECISION, HAS_RESET)
 
-    state = tl.zeros([BK, BV], dtype=ACC)
-    if HAS_INITIAL_STATE:
-        state += tl.load(initial_state + state_offs, mask=mask_kv, other=0.0).to(ACC)
-    for i_t in range(0, NT):
-        start = i_t * BT
-        tl.store(h_base + i_t * K * V + tile_offs, state.to(h.dtype.element_ty), mask=mask_kv)
-        t = start + offs_t
-        mask_t = t < L
-        k_blk = tl.load(k_base + t[:, None] * (H * K) + offs_k[None, :], mask=mask_t[:, None] & mask_k[None, :],
+
+@triton.jit
+def _value_tile(a, b, c, states, out, docs, log2_gamma_ptr, scale, L, H: tl.constexpr, K: tl.constexpr,
+                V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, ACC: tl.constexpr,
+                PRECISION: tl.constexpr, HAS_RESET: tl.constexpr, REVERSE: tl.constexpr):
+    """One chunk and value tile of ``_retention_chunk_o_kernel`` (``a, b, c = q, k, v``, ``states = h``) or, if
+    ``REVERSE``, of ``_retention_chunk_dv_kernel`` (``a, b, c = k, q, dO``, ``states = dh``): ``out = ((a b^T) *
+    D~) c + d (a S_c)``, ``D~`` the decays ``D`` (their transpose if ``REVERSE``) times ``scale``, ``d`` the decay of
+    the read of the carried state (``scale gamma^(i+1)``; ``REVERSE``: ``gamma^(n-1-j)``); the key axis summed
+    inside the program. A non-finite ``v`` passes by a running sum over the chunk (as chunked_torch.py)."""
+    i_v, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h, NT, log2_gamma, scale = _head(i_bh, log2_gamma_ptr, scale, L, H, BT, ACC)
+    start = i_t * BT
+    t = start + tl.arange(0, BT)
+    mask_t = t < L
+    offs_v = i_v * BV + tl.arange(0, BV)
+    mask_v = offs_v < V
+    mask_tv = mask_t[:, None] & mask_v[None, :]
+    a_base = a + i_b * L * H * K + i_h * K
+    b_base = b + i_b * L * H * K + i_h * K
+    states_base = states + (i_bh.to(tl.int64) * NT + i_t) * K * V
+    dt = a.dtype.element_ty
+    scores = tl.zeros([BT, BT], dtype=ACC)  # a b^T
+    from_state = tl.zeros([BT, BV], dtype=ACC)  # a S_c
+    for k_start in range(0, K, BK):
+        offs_k = k_start + tl.arange(0, BK)
+        mask_k = offs_k < K
+        mask_tk = mask_t[:, None] & mask_k[None, :]
+        a_blk = tl.load(a_base + t[:, None] * (H * K) + offs_k[None, :], mask=mask_tk, other=0.0)
+        b_blk = tl.load(b_base + t[:, None] * (H * K) + offs_k[None, :], mask=mask_tk, other=0.0)
+        s_blk = tl.load(states_base + offs_k[:, None] * V + offs_v[None, :], mask=mask_k[:, None] & mask_v[None, :],
                         other=0.0)
-        v_blk = tl.load(v_base + t[:, None] * (H * V) + offs_v[None, :], mask=mask_t[:, None] & mask_v[None, :],
-                        other=0.0)
-        _, _, k_decay, state_decay = _chunk_decays(log2_gamma, docs, i_b, start, L, HAS_RESET, False, BT, ACC)
-        # S <- gamma^n S + sum_j gamma^(n-1-j) k_j^T v_j
-        k_blk = (k_blk * k_decay[:, None]).to(v_blk.dtype)
-        state = state * state_decay + _dot(tl.trans(k_blk), v_blk, ACC, PRECISION)
-    if STORE_FINAL_STATE:
-        tl.store(final_state + state_offs, state.to(final_state.dtype.element_ty), mask=mask_kv)
+        scores += _dot(a_blk, tl.trans(b_blk), ACC, PRECISION)
+        from_state += _dot(a_blk, s_blk, ACC, PRECISION)
+    intra, q_decay, k_decay, _ = _chunk_decays(log2_gamma, docs, i_b, start, L, HAS_RESET, REVERSE, BT, ACC)
+    scores = tl.where(intra > 0, scores * scale * intra, 0.0)  # selected: a later token's NaN or inf stays out
+    c_blk = tl.load(c + i_b * L * H * V + i_h * V + t[:, None] * (H * V) + offs_v[None, :], mask=mask_tv, other=0.0)
+    if REVERSE:
+        result = _dot(scores.to(dt), c_blk, ACC, PRECISION) + from_state * k_decay[:, None]
+    else:  # the finite part of v through the product, the rest by the running sum
+        finite_c = tl.where(tl.abs(c_blk) < float("inf"), c_blk, 0.0)
+        result = _dot(scores.to(dt), finite_c, ACC, PRECISION) + from_state * (scale * q_decay)[:, None]
+        result += tl.cumsum((c_blk - finite_c).to(ACC), axis=0)
+    tl.store(out + i_b * L * H * V + i_h * V + t[:, None] * (H * V) + offs_v[None, :], result.to(dt), mask=mask_tv)
 
 
 @triton.jit
@@ -176,42 +228,8 @@ def _retention_chunk_o_kernel(
     ACC: tl.constexpr, PRECISION: tl.constexpr, HAS_RESET: tl.constexpr,
 ):
     """Grid (value tiles, chunks, batch * heads): ``o = ((q~ k^T) * D) v + gamma^(i+1) q~ S_c`` of one chunk and
-    value tile, the key axis summed inside the program."""
-    i_v, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_b, i_h = (i_bh // H).to(tl.int64), i_bh % H
-    NT = tl.cdiv(L, BT)
-    log2_gamma = tl.load(log2_gamma_ptr + i_h)
-    scale = tl.full((), scale, ACC)  # fp32 from Triton's launcher, fp64 from Inductor's: cast to one dtype
-    start = i_t * BT
-    t = start + tl.arange(0, BT)
-    mask_t = t < L
-    offs_v = i_v * BV + tl.arange(0, BV)
-    mask_tv = mask_t[:, None] & (offs_v < V)[None, :]
-    q_base = q + i_b * L * H * K + i_h * K
-    k_base = k + i_b * L * H * K + i_h * K
-    h_base = h + (i_bh.to(tl.int64) * NT + i_t) * K * V
-    dt = v.dtype.element_ty
-
-    scores = tl.zeros([BT, BT], dtype=ACC)
-    o_state = tl.zeros([BT, BV], dtype=ACC)
-    for k_start in range(0, K, BK):
-        offs_k = k_start + tl.arange(0, BK)
-        mask_k = offs_k < K
-        mask_tk = mask_t[:, None] & mask_k[None, :]
-        q_blk = tl.load(q_base + t[:, None] * (H * K) + offs_k[None, :], mask=mask_tk, other=0.0)
-        k_blk = tl.load(k_base + t[:, None] * (H * K) + offs_k[None, :], mask=mask_tk, other=0.0)
-        h_blk = tl.load(h_base + offs_k[:, None] * V + offs_v[None, :], mask=mask_k[:, None] & (offs_v < V)[None, :],
-                        other=0.0)
-        scores += _dot(q_blk, tl.trans(k_blk), ACC, PRECISION)
-        o_state += _dot(q_blk, h_blk, ACC, PRECISION)
-    intra, q_decay, _, _ = _chunk_decays(log2_gamma, docs, i_b, start, L, HAS_RESET, False, BT, ACC)
-    scores = tl.where(intra > 0, scores * scale * intra, 0.0)  # selected: a later token's NaN or inf stays out
-    v_blk = tl.load(v + i_b * L * H * V + i_h * V + t[:, None] * (H * V) + offs_v[None, :], mask=mask_tv, other=0.0)
-    # the finite part of v through the product, the rest by a running sum over the chunk (as chunked_torch.py)
-    finite_v = tl.where(tl.abs(v_blk) < float("inf"), v_blk, 0.0)
-    out = _dot(scores.to(dt), finite_v, ACC, PRECISION) + o_state * (scale * q_decay)[:, None]
-    out += tl.cumsum((v_blk - finite_v).to(ACC), axis=0)
-    tl.store(o + i_b * L * H * V + i_h * V + t[:, None] * (H * V) + offs_v[None, :], out.to(dt), mask=mask_tv)
+    value tile."""
+    _value_tile(q, k, v, h, o, docs, log2_gamma_ptr, scale, L, H, K, V, BT, BK, BV, ACC, PRECISION, HAS_RESET, False)
 
 
 @triton.jit
@@ -222,40 +240,8 @@ def _retention_chunk_dh_kernel(
 ):
     """Grid (value tiles, key tiles, batch * heads), backward in time: ``dh[b, h, c] = dH_c`` (the gradient of the
     state leaving chunk ``c``) for every chunk, and the gradient of the initial state."""
-    i_v, i_k, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_b, i_h = (i_bh // H).to(tl.int64), i_bh % H
-    NT = tl.cdiv(L, BT)
-    log2_gamma = tl.load(log2_gamma_ptr + i_h)
-    scale = tl.full((), scale, ACC)  # fp32 from Triton's launcher, fp64 from Inductor's: cast to one dtype
-    offs_t = tl.arange(0, BT)
-    offs_k = i_k * BK + tl.arange(0, BK)
-    offs_v = i_v * BV + tl.arange(0, BV)
-    mask_k, mask_v = offs_k < K, offs_v < V
-    mask_kv = mask_k[:, None] & mask_v[None, :]
-    q_base = q + i_b * L * H * K + i_h * K
-    do_base = do + i_b * L * H * V + i_h * V
-    tile_offs = offs_k[:, None] * V + offs_v[None, :]
-    dh_base = dh + i_bh.to(tl.int64) * NT * K * V
-    state_offs = i_bh.to(tl.int64) * K * V + tile_offs
-
-    d_state = tl.zeros([BK, BV], dtype=ACC)
-    if HAS_D_FINAL_STATE:
-        d_state += tl.load(d_final_state + state_offs, mask=mask_kv, other=0.0).to(ACC)
-    for i in range(0, NT):
-        i_t = NT - 1 - i
-        start = i_t * BT
-        tl.store(dh_base + i_t * K * V + tile_offs, d_state.to(dh.dtype.element_ty), mask=mask_kv)
-        t = start + offs_t
-        mask_t = t < L
-        q_blk = tl.load(q_base + t[:, None] * (H * K) + offs_k[None, :], mask=mask_t[:, None] & mask_k[None, :],
-                        other=0.0)
-        do_blk = tl.load(do_base + t[:, None] * (H * V) + offs_v[None, :], mask=mask_t[:, None] & mask_v[None, :],
-                         other=0.0)
-        _, q_decay, _, state_decay = _chunk_decays(log2_gamma, docs, i_b, start, L, HAS_RESET, False, BT, ACC)
-        # dH <- gamma^n dH + sum_i gamma^(i+1) q~_i^T dO_i
-        q_blk = (q_blk * (scale * q_decay)[:, None]).to(do_blk.dtype)
-        d_state = d_state * state_decay + _dot(tl.trans(q_blk), do_blk, ACC, PRECISION)
-    tl.store(d_initial_state + state_offs, d_state.to(d_initial_state.dtype.element_ty), mask=mask_kv)
+    _walk(q, do, dh, d_final_state, d_initial_state, docs, log2_gamma_ptr, scale, L, H, K, V, BT, BK, BV,
+          HAS_D_FINAL_STATE, True, True, ACC, PRECISION, HAS_RESET)
 
 
 @triton.jit
@@ -268,10 +254,7 @@ def _retention_chunk_dqk_kernel(
     ``dk = ((dO v^T) * D)^T q~ + gamma^(n-1-j) v dH_c^T`` of one chunk and key tile, the value axis summed inside
     the program."""
     i_k, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_b, i_h = (i_bh // H).to(tl.int64), i_bh % H
-    NT = tl.cdiv(L, BT)
-    log2_gamma = tl.load(log2_gamma_ptr + i_h)
-    scale = tl.full((), scale, ACC)  # fp32 from Triton's launcher, fp64 from Inductor's: cast to one dtype
+    i_b, i_h, NT, log2_gamma, scale = _head(i_bh, log2_gamma_ptr, scale, L, H, BT, ACC)
     start = i_t * BT
     t = start + tl.arange(0, BT)
     mask_t = t < L
@@ -282,7 +265,6 @@ def _retention_chunk_dqk_kernel(
     do_base = do + i_b * L * H * V + i_h * V
     state_base = (i_bh.to(tl.int64) * NT + i_t) * K * V
     dt = v.dtype.element_ty
-
     d_scores = tl.zeros([BT, BT], dtype=ACC)  # dO v^T
     dq_state = tl.zeros([BT, BK], dtype=ACC)  # dO S_c^T
     dk_state = tl.zeros([BT, BK], dtype=ACC)  # v dH_c^T
@@ -318,52 +300,11 @@ def _retention_chunk_dv_kernel(
     ACC: tl.constexpr, PRECISION: tl.constexpr, HAS_RESET: tl.constexpr,
 ):
     """Grid (value tiles, chunks, batch * heads): ``dv = ((q~ k^T) * D)^T dO + gamma^(n-1-j) k dH_c`` of one chunk
-    and value tile, the key axis summed inside the program."""
-    i_v, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_b, i_h = (i_bh // H).to(tl.int64), i_bh % H
-    NT = tl.cdiv(L, BT)
-    log2_gamma = tl.load(log2_gamma_ptr + i_h)
-    scale = tl.full((), scale, ACC)  # fp32 from Triton's launcher, fp64 from Inductor's: cast to one dtype
-    start = i_t * BT
-    t = start + tl.arange(0, BT)
-    mask_t = t < L
-    offs_v = i_v * BV + tl.arange(0, BV)
-    mask_v = offs_v < V
-    mask_tv = mask_t[:, None] & mask_v[None, :]
-    q_base = q + i_b * L * H * K + i_h * K
-    k_base = k + i_b * L * H * K + i_h * K
-    dh_base = dh + (i_bh.to(tl.int64) * NT + i_t) * K * V
-    dt = k.dtype.element_ty
-
-    scores_t = tl.zeros([BT, BT], dtype=ACC)  # (k q^T)[j, i] = k_j . q_i
-    dv_state = tl.zeros([BT, BV], dtype=ACC)  # k dH_c
-    for k_start in range(0, K, BK):
-        offs_k = k_start + tl.arange(0, BK)
-        mask_k = offs_k < K
-        mask_tk = mask_t[:, None] & mask_k[None, :]
-        q_blk = tl.load(q_base + t[:, None] * (H * K) + offs_k[None, :], mask=mask_tk, other=0.0)
-        k_blk = tl.load(k_base + t[:, None] * (H * K) + offs_k[None, :], mask=mask_tk, other=0.0)
-        dh_blk = tl.load(dh_base + offs_k[:, None] * V + offs_v[None, :], mask=mask_k[:, None] & mask_v[None, :],
-                         other=0.0)
-        scores_t += _dot(k_blk, tl.trans(q_blk), ACC, PRECISION)
-        dv_state += _dot(k_blk, dh_blk, ACC, PRECISION)
-    intra_t, _, k_decay, _ = _chunk_decays(log2_gamma, docs, i_b, start, L, HAS_RESET, True, BT, ACC)
-    scores_t = tl.where(intra_t > 0, scores_t * scale * intra_t, 0.0)
-    do_blk = tl.load(do + i_b * L * H * V + i_h * V + t[:, None] * (H * V) + offs_v[None, :], mask=mask_tv,
-                     other=0.0)
-    dv_blk = _dot(scores_t.to(dt), do_blk, ACC, PRECISION) + dv_state * k_decay[:, None]
-    tl.store(dv + i_b * L * H * V + i_h * V + t[:, None] * (H * V) + offs_v[None, :], dv_blk.to(dv.dtype.element_ty),
-             mask=mask_tv)
+    and value tile."""
+    _value_tile(k, q, do, dh, dv, docs, log2_gamma_ptr, scale, L, H, K, V, BT, BK, BV, ACC, PRECISION, HAS_RESET, True)
 
 
 # ---------------------------------------------------------------------------------------------------------- host
-
-
-def _document_indices(reset):
-    """``(batch, 1 + length)`` int32 document indices, 0 then ``cumsum(reset)``; None without ``reset``."""
-    if reset is None:
-        return None
-    return torch.nn.functional.pad(torch.cumsum(reset.to(torch.int32), dim=1, dtype=torch.int32), (1, 0))
 
 
 def _launch(kernel, grid, block_t, tiles, key_dim, value_dim, *args, **meta):
@@ -372,30 +313,30 @@ def _launch(kernel, grid, block_t, tiles, key_dim, value_dim, *args, **meta):
                          num_warps=tiles.num_warps, num_stages=tiles.num_stages, **meta)
 
 
-def _prepare(q, k, v, initial_state, config):
-    """The launch choice (``config``, or the one for this GPU and shape), contiguous ``q``, ``k``, ``v`` and initial
-    state, the accumulation dtypes and the per-head ``log2(gamma)``."""
-    if config is None:
-        config = chunk_retention_config(device_arch(q.device), q.dtype, q.shape[-1], v.shape[-1])
-    acc_torch, acc_tl = (torch.float64, tl.float64) if v.dtype == torch.float64 else (torch.float32, tl.float32)
-    precision = "ieee" if v.dtype in (torch.float32, torch.float64) else "tf32"  # tl.dot exact for float32/64
-    log2_gamma = retention_log2_gamma(q.shape[2], q.device, acc_torch)
-    initial_state = None if initial_state is None else initial_state.contiguous()
-    return config, q.contiguous(), k.contiguous(), v.contiguous(), initial_state, acc_tl, precision, log2_gamma
-
-
-def _chunk_states(k, v, initial_state, final_state, docs, log2_gamma, config, acc_tl, precision):
-    """Run ``_retention_chunk_h_kernel``: the states entering every chunk, ``(batch, heads, NT, key_dim,
-    value_dim)`` in the inputs' dtype; the final state is written to ``final_state`` unless it is None."""
-    batch, length, heads, key_dim = k.shape
+def _prepare(q, k, v, initial_state, final_state, reset, config):
+    """Run ``_retention_chunk_h_kernel``, the final state written to ``final_state`` unless it is None. Returns the
+    states entering every chunk, ``h`` ``(batch, heads, NT, key_dim, value_dim)`` in the inputs' dtype, the launch
+    choice (``config``, or the one for this GPU and shape), contiguous ``q``, ``k``, ``v``, the ``(batch, 1 +
+    length)`` int32 document indices (0 then ``cumsum(reset)``; None without ``reset``), the per-head
+    ``log2(gamma)``, and the constexprs every kernel takes besides the sizes."""
+    batch, length, heads, key_dim = q.shape
     value_dim = v.shape[-1]
-    tiles = config.h
+    if config is None:
+        config = chunk_retention_config(device_arch(q.device), q.dtype, key_dim, value_dim)
+    acc_torch, acc_tl = (torch.float64, tl.float64) if v.dtype == torch.float64 else (torch.float32, tl.float32)
+    docs = None if reset is None else torch.nn.functional.pad(
+        torch.cumsum(reset.to(torch.int32), dim=1, dtype=torch.int32), (1, 0))
+    precision = "ieee" if v.dtype in (torch.float32, torch.float64) else "tf32"  # tl.dot exact for float32/64
+    meta = dict(H=heads, ACC=acc_tl, PRECISION=precision, HAS_RESET=reset is not None)
+    log2_gamma = retention_log2_gamma(heads, q.device, acc_torch)
+    initial_state = None if initial_state is None else initial_state.contiguous()
+    q, k, v, tiles = q.contiguous(), k.contiguous(), v.contiguous(), config.h
     h = k.new_empty(batch, heads, triton.cdiv(length, config.block_t), key_dim, value_dim)
     grid = (triton.cdiv(value_dim, tiles.block_v), triton.cdiv(key_dim, tiles.block_k), batch * heads)
     _launch(_retention_chunk_h_kernel, grid, config.block_t, tiles, key_dim, value_dim, k, v, h, initial_state,
-            final_state, docs, log2_gamma, length, H=heads, HAS_INITIAL_STATE=initial_state is not None,
-            STORE_FINAL_STATE=final_state is not None, ACC=acc_tl, PRECISION=precision, HAS_RESET=docs is not None)
-    return h
+            final_state, docs, log2_gamma, length, HAS_INITIAL_STATE=initial_state is not None,
+            STORE_FINAL_STATE=final_state is not None, **meta)
+    return h, config, q, k, v, docs, log2_gamma, meta
 
 
 def chunk_retention_fwd_triton(q, k, v, scale, initial_state=None, reset=None, config=None):
@@ -405,51 +346,37 @@ def chunk_retention_fwd_triton(q, k, v, scale, initial_state=None, reset=None, c
     block_t) * key_dim * value_dim`` values in the inputs' dtype, live until the outputs are written."""
     batch, length, heads, key_dim = q.shape
     value_dim = v.shape[-1]
-    config, q, k, v, initial_state, acc_tl, precision, log2_gamma = _prepare(q, k, v, initial_state, config)
-    docs = _document_indices(reset)
     final_state = q.new_empty(batch, heads, key_dim, value_dim, dtype=compute_dtype(v.dtype))
-    h = _chunk_states(k, v, initial_state, final_state, docs, log2_gamma, config, acc_tl, precision)
+    h, config, q, k, v, docs, log2_gamma, meta = _prepare(q, k, v, initial_state, final_state, reset, config)
     o = torch.empty_like(v)
-    num_chunks = h.shape[2]
-    if num_chunks:
-        tiles = config.o
-        grid = (triton.cdiv(value_dim, tiles.block_v), num_chunks, batch * heads)
-        _launch(_retention_chunk_o_kernel, grid, config.block_t, tiles, key_dim, value_dim, q, k, v, h, o, docs,
-                log2_gamma, scale, length, H=heads, ACC=acc_tl, PRECISION=precision, HAS_RESET=docs is not None)
+    if h.shape[2]:
+        grid = (triton.cdiv(value_dim, config.o.block_v), h.shape[2], batch * heads)
+        _launch(_retention_chunk_o_kernel, grid, config.block_t, config.o, key_dim, value_dim, q, k, v, h, o, docs,
+                log2_gamma, scale, length, **meta)
     return o, final_state
 
 
 def chunk_retention_bwd_triton(d_o, d_final_state, q, k, v, scale, initial_state=None, reset=None, config=None):
     """The Triton branch of ``hf_densessm::chunk_retention_backward``: given ``d_o`` and ``d_final_state`` (None:
     zero) and the forward's arguments, ``dq, dk, dv`` in the dtypes of q, k, v and the gradient of the initial state
-    (of a zero one without it) in the state dtype. The per-chunk states are recomputed
-    (``_retention_chunk_h_kernel``), their gradients walk backward (``_retention_chunk_dh_kernel``), then
-    ``_retention_chunk_dqk_kernel`` and ``_retention_chunk_dv_kernel`` run parallel over chunks; states and their
-    gradients together take twice the forward's memory."""
+    (of a zero one without it) in the state dtype. The per-chunk states are recomputed, then their gradients
+    (docs/kernels.md): together they take twice the forward's memory."""
     batch, length, heads, key_dim = q.shape
     value_dim = v.shape[-1]
-    config, q, k, v, initial_state, acc_tl, precision, log2_gamma = _prepare(q, k, v, initial_state, config)
+    h, config, q, k, v, docs, log2_gamma, meta = _prepare(q, k, v, initial_state, None, reset, config)
     d_o = d_o.to(v.dtype).contiguous()
-    if d_final_state is not None:
-        d_final_state = d_final_state.contiguous()
-    docs = _document_indices(reset)
-    meta = dict(H=heads, ACC=acc_tl, PRECISION=precision, HAS_RESET=docs is not None)
-    h = _chunk_states(k, v, initial_state, None, docs, log2_gamma, config, acc_tl, precision)
-    num_chunks = h.shape[2]
-    dh = torch.empty_like(h)
+    d_final_state = None if d_final_state is None else d_final_state.contiguous()
+    num_chunks, dh = h.shape[2], torch.empty_like(h)
     d_initial_state = q.new_empty(batch, heads, key_dim, value_dim, dtype=compute_dtype(v.dtype))
-    tiles = config.dh
-    grid = (triton.cdiv(value_dim, tiles.block_v), triton.cdiv(key_dim, tiles.block_k), batch * heads)
-    _launch(_retention_chunk_dh_kernel, grid, config.block_t, tiles, key_dim, value_dim, q, d_o, dh, d_final_state,
+    grid = (triton.cdiv(value_dim, config.dh.block_v), triton.cdiv(key_dim, config.dh.block_k), batch * heads)
+    _launch(_retention_chunk_dh_kernel, grid, config.block_t, config.dh, key_dim, value_dim, q, d_o, dh, d_final_state,
             d_initial_state, docs, log2_gamma, scale, length, HAS_D_FINAL_STATE=d_final_state is not None, **meta)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     if num_chunks:
-        tiles = config.dqk
-        grid = (triton.cdiv(key_dim, tiles.block_k), num_chunks, batch * heads)
-        _launch(_retention_chunk_dqk_kernel, grid, config.block_t, tiles, key_dim, value_dim, q, k, v, d_o, h, dh, dq,
-                dk, docs, log2_gamma, scale, length, **meta)
-        tiles = config.dv
-        grid = (triton.cdiv(value_dim, tiles.block_v), num_chunks, batch * heads)
-        _launch(_retention_chunk_dv_kernel, grid, config.block_t, tiles, key_dim, value_dim, q, k, d_o, dh, dv, docs,
-                log2_gamma, scale, length, **meta)
+        grid = (triton.cdiv(key_dim, config.dqk.block_k), num_chunks, batch * heads)
+        _launch(_retention_chunk_dqk_kernel, grid, config.block_t, config.dqk, key_dim, value_dim, q, k, v, d_o, h, dh,
+                dq, dk, docs, log2_gamma, scale, length, **meta)
+        grid = (triton.cdiv(value_dim, config.dv.block_v), num_chunks, batch * heads)
+        _launch(_retention_chunk_dv_kernel, grid, config.block_t, config.dv, key_dim, value_dim, q, k, d_o, dh, dv,
+                docs, log2_gamma, scale, length, **meta)
     return dq, dk, dv, d_initial_state

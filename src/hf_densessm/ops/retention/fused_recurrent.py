@@ -6,17 +6,15 @@ import torch
 
 from ..backend import GPUArch, device_arch
 from ..triton_utils import launch, tl, triton  # raises ImportError without triton
+from .chunk import StateTiles
 
 __all__ = ["retention_state_update_config", "retention_state_update_triton"]
 
 
-def retention_state_update_config(arch: GPUArch, key_dim: int, value_dim: int) -> tuple[int, int, int]:
-    """``(block_k, block_v, num_warps)`` of the decode step: 64 x 64 tiles on 4 warps for every ``arch``, shrunk to a
+def retention_state_update_config(arch: GPUArch, key_dim: int, value_dim: int) -> StateTiles:
+    """The tiles of the decode step (its ``num_stages`` unused): 64 x 64 on 4 warps for every ``arch``, shrunk to a
     smaller head's ``key_dim`` / ``value_dim`` (docs/kernels.md, "Tile, warp and stage choices")."""
-    del arch
-    block_k = min(64, max(16, triton.next_power_of_2(key_dim)))
-    block_v = min(64, max(16, triton.next_power_of_2(value_dim)))
-    return block_k, block_v, 4
+    return StateTiles(64, 64, 4).fit(key_dim, value_dim)
 
 
 @triton.jit
@@ -50,16 +48,16 @@ def _retention_step_kernel(
 
 def retention_state_update_triton(state, q, k, v, scale, config=None):
     """No checks: arguments and ``o`` as :func:`hf_densessm.ops.retention.retention_state_update` (``scale`` a
-    float), plus ``config`` ``(block_k, block_v, num_warps)`` (default :func:`retention_state_update_config`)."""
+    float), plus ``config`` (default :func:`retention_state_update_config`)."""
     batch, heads, key_dim = q.shape
     value_dim = v.shape[-1]
     acc = tl.float64 if state.dtype == torch.float64 else tl.float32
     work = state if state.is_contiguous() else state.contiguous()
     o = torch.empty_like(v)
-    block_k, block_v, num_warps = config or retention_state_update_config(device_arch(q.device), key_dim, value_dim)
-    launch(_retention_step_kernel)[(triton.cdiv(value_dim, block_v), batch * heads)](
+    tiles = config or retention_state_update_config(device_arch(q.device), key_dim, value_dim)
+    launch(_retention_step_kernel)[(triton.cdiv(value_dim, tiles.block_v), batch * heads)](
         work, q.contiguous(), k.contiguous(), v.contiguous(), o, scale,
-        H=heads, K=key_dim, V=value_dim, BK=block_k, BV=block_v, ACC=acc, num_warps=num_warps)
+        H=heads, K=key_dim, V=value_dim, BK=tiles.block_k, BV=tiles.block_v, ACC=acc, num_warps=tiles.num_warps)
     if work is not state:
         state.copy_(work)
     return o
