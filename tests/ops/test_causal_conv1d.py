@@ -166,6 +166,7 @@ def test_window_is_read_not_kept():
         (dict(x=torch.ones(1, 3, 4, dtype=torch.long)), TypeError, "x must be a floating-point tensor"),
         (dict(weight=torch.randn(5, 1, 4)), ValueError, "weight must have shape \\(4, 1, kernel\\)"),
         (dict(weight=torch.ones(4, 1, 4, dtype=torch.long)), TypeError, "weight must be a floating-point tensor"),
+        (dict(weight=None), TypeError, "weight must be a floating-point tensor, got None"),
         (dict(bias=torch.randn(3)), ValueError, "bias must have shape \\(4,\\)"),
         (dict(window=torch.randn(1, 4, 3)), ValueError, "window must have shape"),
         (dict(activation="gelu"), ValueError, "activation must be one of"),

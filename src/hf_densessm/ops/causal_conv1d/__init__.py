@@ -109,8 +109,10 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         raise ValueError(f"x must have shape (batch, seq_len, channels), got shape {tuple(x.shape)}")
     batch, length, channels = x.shape
     for name, value in (("weight", weight), ("bias", bias), ("window", window)):
-        if value is not None and (not isinstance(value, torch.Tensor) or not value.is_floating_point()):
-            raise TypeError(f"{name} must be a floating-point tensor or None, got {value!r:.60}")
+        floating = isinstance(value, torch.Tensor) and value.is_floating_point()
+        if not floating and (value is not None or name == "weight"):
+            raise TypeError(f"{name} must be a floating-point tensor{'' if name == 'weight' else ' or None'}, got "
+                            f"{value!r:.60}")
         if value is not None and value.device != x.device:
             raise ValueError(f"{name} is on {value.device} but x is on {x.device}")
     if weight.dim() not in (2, 3) or weight.shape[0] != channels or (weight.dim() == 3 and weight.shape[1] != 1):
