@@ -37,30 +37,24 @@ Tensor = torch.Tensor
 
 
 def capability_flags(capability: str) -> list[str]:
-    """Compiler flags (a new list of strings) for one of PyTorch's CPU capabilities
-    (``torch.backends.cpu.get_cpu_capability()``): ``"AVX512"`` and ``"AVX2"`` get ATen's ``-m`` flags and
-    ``CPU_CAPABILITY_*`` macros, anything else the portable ``DEFAULT`` one (docs/kernels.md, "The C++ CPU kernel")."""
-    base = ["-O3"]
-    if capability == "AVX512":
-        return base + ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma",
-                       "-DCPU_CAPABILITY_AVX512", "-DCPU_CAPABILITY=AVX512"]
-    if capability == "AVX2":
-        return base + ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2"]
-    return base + ["-DCPU_CAPABILITY_DEFAULT", "-DCPU_CAPABILITY=DEFAULT"]
+    """Compiler flags (a new list) for a ``torch.backends.cpu.get_cpu_capability()``: ATen's ``-m`` flags and
+    ``CPU_CAPABILITY_*`` macros for ``"AVX512"`` and ``"AVX2"``, the portable ``DEFAULT`` ones for anything else."""
+    isa = {"AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"],
+           "AVX2": ["-mavx2", "-mfma", "-mf16c"]}.get(capability)
+    tag = capability if isa else "DEFAULT"
+    return ["-O3", *(isa or []), f"-DCPU_CAPABILITY_{tag}", f"-DCPU_CAPABILITY={tag}"]
 
 
 def openmp_flags() -> list[str]:
-    """``["-fopenmp"]`` where ATen's parallel backend is OpenMP on Linux, else ``[]``. ``at::parallel_for`` is a
-    header template: compiled without ``_OPENMP`` it runs its whole range on the calling thread. The library then
-    links the ``libgomp.so.1`` that PyTorch already loaded (one runtime, one pool: ``torch.set_num_threads``)."""
+    """``["-fopenmp"]`` where ATen's parallel backend is OpenMP on Linux, else ``[]`` (without ``_OPENMP`` the
+    header template ``at::parallel_for`` runs on the calling thread; docs/kernels.md)."""
     openmp = "ATen parallel backend: OpenMP" in torch.__config__.parallel_info()
     return ["-fopenmp"] if openmp and sys.platform.startswith("linux") else []
 
 
 def extension_name(source_text: str, capability: str, torch_version: str, flags: list[str]) -> str:
-    """The extension's name (and so its build directory): ``hf_densessm_scan_cpu_<capability>_<hash>``, the
-    hash (12 hex digits of SHA-256) over the source text, the torch version and the flags. Any change of CPU
-    capability, torch, flags or source gives another name, so a stale or foreign build is never loaded."""
+    """The extension's name and build folder, ``hf_densessm_scan_cpu_<capability>_<hash>``, the hash (12 hex digits
+    of SHA-256) over the source text, torch version and flags: a stale or foreign build is never loaded."""
     key = "\0".join([source_text, torch_version, capability, *flags])
     tag = "".join(c if c.isalnum() else "_" for c in capability.lower())
     return f"hf_densessm_scan_cpu_{tag}_{hashlib.sha256(key.encode()).hexdigest()[:12]}"
@@ -71,8 +65,7 @@ SWITCH = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false":
 
 
 def kernel_enabled() -> bool:
-    """Whether the environment variable ``HF_DENSESSM_CPU_KERNEL`` leaves the kernel on (read when a scan chooses its
-    implementation: once per call of ``selective_scan``).
+    """Whether ``HF_DENSESSM_CPU_KERNEL`` leaves the kernel on (read once per call of ``selective_scan``).
 
     Raises:
         ValueError: the variable is set to anything but a spelling in :data:`SWITCH` or the empty string.
@@ -86,7 +79,7 @@ def kernel_enabled() -> bool:
 
 @functools.cache
 def _register_fakes() -> None:
-    """Fake (meta) implementations of the library's ops (once), so that ``torch.compile`` / ``opcheck`` can trace them."""
+    """Fake (meta) implementations of the library's ops (once), for ``torch.compile`` and ``opcheck``."""
 
     def token_major(u, channels):  # y, du, ddelta, dz, dB, dC: views of token-major tensors, as the kernel's
         return u.new_empty(u.shape[0], u.shape[2], channels).transpose(1, 2)
@@ -117,13 +110,9 @@ def _register_fakes() -> None:
 
 @functools.cache
 def load_kernel() -> bool:
-    """Load the C++ kernel from the cache, building it there first if needed, once per process.
-
-    Returns:
-        True when the ops ``hf_densessm::selective_scan_cpu_fwd`` / ``_bwd`` are registered; False when the source
-        file is absent (silently) or the build or load failed (one ``RuntimeWarning`` with the reason and the cache
-        folder). Never waits on another process; does not read ``HF_DENSESSM_CPU_KERNEL`` (:func:`missing` does).
-    """
+    """Load the C++ kernel from the cache, building it there first if needed, once per process: True when its ops
+    are registered; False when the source is absent (silently) or the build or load failed (one ``RuntimeWarning``
+    with the reason and the cache folder). Never waits on another process; ignores ``HF_DENSESSM_CPU_KERNEL``."""
     if hasattr(torch.ops.hf_densessm, "selective_scan_cpu_fwd"):  # loaded by another copy of this module
         _register_fakes()
         return True
@@ -136,9 +125,8 @@ def _sha256(path: Path) -> str:
 
 
 def _build(source: Path) -> bool:
-    """Load ``source``'s library (keyed by :func:`extension_name`) from ``<cache>/<name>/<name>.so`` when its
-    SHA-256 matches the ``.sha256`` file beside it; else compile it into a private folder there (loading it), then
-    publish the hash and the library by atomic renames. False as :func:`load_kernel` says; docs/kernels.md."""
+    """:func:`load_kernel`'s work: ``<cache>/<name>/<name>.so`` (:func:`extension_name`) loaded when its SHA-256
+    matches the ``.sha256`` beside it, else built in a private folder and published by atomic renames."""
     if not source.is_file():
         return False
     folder = None
@@ -179,9 +167,8 @@ def _build(source: Path) -> bool:
 
 
 def missing(device: torch.device, state_size: int, **facts) -> str | None:
-    """Why the kernel cannot run a scan (``None`` when it can): a non-CPU ``device``, a state size beyond
-    :data:`MAX_STATE`, ``HF_DENSESSM_CPU_KERNEL`` off (:func:`kernel_enabled`, whose ``ValueError`` it raises), or no
-    kernel loaded (:func:`load_kernel`, which it calls: the first call may build it)."""
+    """Why the kernel cannot run a scan (``None`` when it can): a non-CPU ``device``, a state size over
+    :data:`MAX_STATE`, the switch off (raises :func:`kernel_enabled`'s ``ValueError``) or no :func:`load_kernel`."""
     if device.type != "cpu":
         return "runs on CPU tensors only"
     if state_size > MAX_STATE:
@@ -205,10 +192,9 @@ def _cast(t, dtype):
 def scan_fwd(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False, initial_state=None,
              reset=None):
     """Forward selective scan through the C++ kernel (Mamba paper Alg. 2, eq. 2a, 2b, 4): arguments (CPU tensors,
-    any float dtypes and strides, computed in float64 if any is float64, else float32) and ``(y, last_state,
-    chunk_states)`` as :func:`~.selective_scan.chunked_torch.selective_scan_torch_fwd`, but ``y`` token-major in
-    memory (a ``.transpose(1, 2)`` view of a contiguous (batch, length, dim) tensor) and ``chunk_states`` (batch,
-    dim, ceil(length / CHECKPOINT), state), contiguous, in the compute dtype. Layouts: docs/kernels.md.
+    any float dtypes and strides) and ``(y, last_state, chunk_states)`` as ``selective_scan_torch_fwd``, but ``y``
+    token-major in memory and ``chunk_states`` (batch, dim, ceil(length / CHECKPOINT), state), contiguous, in the
+    compute dtype (float64 if any input is, else float32). Layouts: docs/kernels.md.
 
     Raises:
         RuntimeError: from the kernel's ``TORCH_CHECK`` on a bad shape, a non-CPU tensor, a state size beyond its
@@ -223,10 +209,8 @@ def scan_fwd(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=
 
 def scan_bwd(dy, dlast, u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
              initial_state=None, reset=None, chunk_states=None):
-    """Backward of :func:`scan_fwd` through the C++ kernel (the adjoint recurrence, each chunk's states recomputed
-    from ``chunk_states``, what :func:`scan_fwd` returned): arguments and gradients as ``selective_scan_torch_bwd``,
-    but ``du``, ``ddelta``, ``dz``, ``dB``, ``dC`` token-major in memory (``.transpose(1, 2)`` views of contiguous
-    tensors).
+    """Backward of :func:`scan_fwd` through the C++ kernel from its ``chunk_states``: arguments and gradients as
+    ``selective_scan_torch_bwd``, but ``du``, ``ddelta``, ``dz``, ``dB``, ``dC`` token-major in memory.
 
     Raises:
         ValueError: ``chunk_states`` is not the forward kernel's ``(batch, dim, n_chunks, state)`` (e.g. the
@@ -267,9 +251,8 @@ def _saved(u, A, dtype):
 
 
 def _step_missing(device: torch.device, state_size: int = 1, step: bool = False, **facts) -> str | None:
-    """:func:`missing` for the decoding-step entries, which also need ``step`` (the conv: one token over a window, no
-    reset, nothing to differentiate; the state update: a contiguous float32 / float64 state) and an eager call
-    (``torch.compile`` traces the PyTorch step instead)."""
+    """:func:`missing` for the decoding-step entries, which also need ``step`` (the op's facts allow the C++ step)
+    and an eager call (``torch.compile`` traces the PyTorch step instead)."""
     if not step:
         return "runs a decoding step only (one token over a window, no reset or gradients; a contiguous float state)"
     if torch.compiler.is_compiling():
