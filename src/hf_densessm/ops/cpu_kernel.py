@@ -1,7 +1,6 @@
-"""The C++ CPU kernel of the selective scan (``csrc/selective_scan_cpu.cpp``; Mamba paper Alg. 2, eq. 2a/2b, 4),
-forward and recompute backward, registered in C++ as ``hf_densessm::selective_scan_cpu_fwd`` / ``_bwd``, built on
-first use (:func:`load_kernel`, :func:`extension_name`): the ``"cpp"`` entry of the selective scan's table
-(:data:`IMPLEMENTATION`). Build, key, layouts and fallback: docs/kernels.md, "The C++ CPU kernel".
+"""The C++ CPU kernel of the selective scan (``csrc/selective_scan_cpu.cpp``; Mamba paper Alg. 2), its ops
+``hf_densessm::selective_scan_cpu_fwd`` / ``_bwd`` and decoding steps built on first use (:func:`load_kernel`), and
+their table entries. Build, key, layouts and fallback: docs/kernels.md, "The C++ CPU kernel".
 """
 
 from __future__ import annotations
@@ -32,8 +31,6 @@ SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "selective_scan_cpu.c
 CHECKPOINT = 64
 #: Largest state size sent to the kernel (``kMaxState`` in the C++ source).
 MAX_STATE = 64
-
-Tensor = torch.Tensor
 
 
 def capability_flags(capability: str) -> list[str]:
@@ -78,45 +75,11 @@ def kernel_enabled() -> bool:
 
 
 @functools.cache
-def _register_fakes() -> None:
-    """Fake (meta) implementations of the library's ops (once), for ``torch.compile`` and ``opcheck``."""
-
-    def token_major(u, channels):  # y, du, ddelta, dz, dB, dC: views of token-major tensors, as the kernel's
-        return u.new_empty(u.shape[0], u.shape[2], channels).transpose(1, 2)
-
-    @torch.library.register_fake("hf_densessm::selective_scan_cpu_fwd")
-    def _fwd_fake(u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, reset):
-        batch, dim, length = u.shape
-        n = A.shape[1]
-        nc = (length + CHECKPOINT - 1) // CHECKPOINT
-        return token_major(u, dim), u.new_empty(batch, dim, n), u.new_empty(batch, dim, nc, n)
-
-    @torch.library.register_fake("hf_densessm::selective_scan_cpu_bwd")
-    def _bwd_fake(dy, dlast, u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, reset,
-                  chunk_states):
-        dim, n = A.shape
-        return (token_major(u, dim), token_major(u, dim), u.new_empty(dim, n), token_major(u, n), token_major(u, n),
-                u.new_empty(dim if D is not None else 0), token_major(u, dim) if z is not None else u.new_empty(0),
-                u.new_empty(dim if delta_bias is not None else 0), u.new_empty(u.shape[0], dim, n))
-
-    @torch.library.register_fake("hf_densessm::selective_state_update_cpu")
-    def _step_fake(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus):
-        return x.new_empty(x.shape)
-
-    @torch.library.register_fake("hf_densessm::causal_conv1d_step_cpu")
-    def _conv_step_fake(x, taps, bias, window, silu):
-        return x.new_empty(x.shape)
-
-
-@functools.cache
 def load_kernel() -> bool:
     """Load the C++ kernel from the cache, building it there first if needed, once per process: True when its ops
     are registered; False when the source is absent (silently) or the build or load failed (one ``RuntimeWarning``
     with the reason and the cache folder). Never waits on another process; ignores ``HF_DENSESSM_CPU_KERNEL``."""
-    if hasattr(torch.ops.hf_densessm, "selective_scan_cpu_fwd"):  # loaded by another copy of this module
-        _register_fakes()
-        return True
-    return _build(SOURCE)
+    return hasattr(torch.ops.hf_densessm, "selective_scan_cpu_fwd") or _build(SOURCE)  # or loaded by another copy
 
 
 def _sha256(path: Path) -> str:
@@ -155,7 +118,6 @@ def _build(source: Path) -> bool:
                 os.replace(built, library)
             finally:
                 shutil.rmtree(private, ignore_errors=True)
-        _register_fakes()
         return True
     except Exception as exc:  # noqa: BLE001 -- any build/load failure leaves the PyTorch path
         lines = str(exc).strip().splitlines()
@@ -233,8 +195,7 @@ def scan_bwd(dy, dlast, u, delta, A, B, C, D=None, z=None, delta_bias=None, delt
 
 
 def _forward(*args):
-    """The entry's "forward" (``selective_scan/__init__.py``): :func:`scan_fwd`, the checkpoints flattened to
-    (batch, dim, n_chunks * state)."""
+    """The entry's "forward": :func:`scan_fwd`, the checkpoints flattened to (batch, dim, n_chunks * state)."""
     y, last, states = scan_fwd(*args[:-1])
     return y, last, states.flatten(2)
 
