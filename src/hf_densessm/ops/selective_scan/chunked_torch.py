@@ -1,6 +1,5 @@
-"""The selective scan in vectorized PyTorch (Mamba paper, Algorithm 2, eq. 2a/2b and 4), chunked over the length, with
-a hand-written recompute backward (docs/kernels.md, "The PyTorch path of the scan"; ground truth ``naive.py``).
-Traceable by ``torch.compile``. Accumulation in float32 (float64 for float64 inputs).
+"""The selective scan in vectorized PyTorch (Mamba paper, Algorithm 2), chunked over the length, with a hand-written
+recompute backward, traceable by ``torch.compile`` (docs/kernels.md, "The PyTorch path of the scan").
 """
 
 from __future__ import annotations
@@ -74,8 +73,7 @@ def _chunked_inputs(u, dt, A, B, C, keep, T, nc):
 
 
 def _decay(dt_c, At, keep_c, t, out):
-    """``exp(dt_t A)`` of step ``t`` into ``out`` (bc, state, dim), zeroed for the rows whose token starts a
-    document (``keep_c`` (T, bc, 1), 0 there; ``None`` when nothing is reset)."""
+    """``exp(dt_t A)`` of step ``t`` into ``out`` (bc, state, dim), times ``keep_c`` (T, bc, 1) unless None."""
     torch.mul(dt_c[t][:, None, :], At, out=out).exp_()
     if keep_c is not None:
         out.mul_(keep_c[t][:, :, None])
@@ -91,9 +89,8 @@ def _chunk_decay(dt_c, At, keep_c, batch, nc):
 
 
 def _scan_fwd(u, dt, A, B, C, D, z, initial_state, chunk_size, keep=None):
-    """Chunked forward scan: arguments as :func:`selective_scan_torch_fwd` but ``dt`` discretized in the compute
-    dtype and ``keep`` (batch, 1, length), 0 where a document starts, or None; ``(y, last_state, entry)`` in the
-    compute dtype."""
+    """:func:`selective_scan_torch_fwd` from ``dt`` discretized and ``keep`` (batch, 1, length), 0 where a document
+    starts, or None; ``(y, last_state, entry)`` in the compute dtype."""
     batch, dim, length = u.shape
     n, T = A.shape[1], chunk_size
     nc = -(-length // T)
