@@ -3,8 +3,6 @@
 their table entries. Build, key, layouts and fallback: docs/kernels.md, "The C++ CPU kernel".
 """
 
-from __future__ import annotations
-
 import functools
 import hashlib
 import logging
@@ -62,11 +60,8 @@ SWITCH = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false":
 
 
 def kernel_enabled() -> bool:
-    """Whether ``HF_DENSESSM_CPU_KERNEL`` leaves the kernel on (read once per call of ``selective_scan``).
-
-    Raises:
-        ValueError: the variable is set to anything but a spelling in :data:`SWITCH` or the empty string.
-    """
+    """Whether ``HF_DENSESSM_CPU_KERNEL`` leaves the kernel on (read once per call of ``selective_scan``); raises
+    ``ValueError`` when it is set to anything but a spelling in :data:`SWITCH` or the empty string."""
     value = os.environ.get("HF_DENSESSM_CPU_KERNEL", "").strip().lower() or "1"
     if value not in SWITCH:
         raise ValueError(f"HF_DENSESSM_CPU_KERNEL must be one of {', '.join(SWITCH)} (any case) or unset, got "
@@ -179,9 +174,7 @@ def scan_bwd(dy, dlast, u, delta, A, B, C, D=None, z=None, delta_bias=None, delt
             chunked PyTorch path's states).
     """
     cdt = inputs_compute_dtype(u, delta, A, B, C, D, z, delta_bias, initial_state)
-    batch, dim, length = u.shape
-    n = A.shape[1]
-    want = (batch, dim, (length + CHECKPOINT - 1) // CHECKPOINT, n)
+    want = (*u.shape[:2], (u.shape[2] + CHECKPOINT - 1) // CHECKPOINT, A.shape[1])
     if chunk_states is None or tuple(chunk_states.shape) != want:
         got = None if chunk_states is None else tuple(chunk_states.shape)
         raise ValueError(f"chunk_states must be the C++ kernel's checkpoints {want} (batch, dim, n_chunks, state), "

@@ -430,8 +430,7 @@ def _strides3(t):
 
 def _config(config, u, nstate) -> SelectiveScanConfig:
     """``config`` (default :func:`selective_scan_config`) checked: powers of 2, ``d_steps >= 1``."""
-    if config is None:
-        config = selective_scan_config(device_arch(u.device), u.dtype, nstate)
+    config = config or selective_scan_config(device_arch(u.device), u.dtype, nstate)
     for name in ("chunk", "fwd_block_d", "bwd_block_d", "carry_block", "carry_chunks"):
         value = getattr(config, name)
         if value < 1 or value & (value - 1):
@@ -539,9 +538,7 @@ def selective_scan_triton_fwd(u, delta, A, B, C, D=None, z=None, delta_bias=None
         u, delta, A, Bv, Cv, D, z, delta_bias, reset_k, states, y,
         *_strides3(u), *_strides3(delta), A.stride(0), A.stride(1), *_strides3(Bv), *_strides3(Cv), *_strides3(z),
         *_strides3(y), dim, length, grid[1], HAS_D=D is not None, HAS_Z=z is not None, **flags)
-    if not save_states:
-        states = torch.empty(batch, 0, dim, A.shape[1], **kw)
-    return y, last_state, states
+    return y, last_state, states if save_states else torch.empty(batch, 0, dim, A.shape[1], **kw)
 
 
 def selective_scan_triton_bwd(dy, dlast, u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,

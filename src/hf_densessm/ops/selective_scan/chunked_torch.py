@@ -2,8 +2,6 @@
 recompute backward, traceable by ``torch.compile`` (docs/kernels.md, "The PyTorch path of the scan").
 """
 
-from __future__ import annotations
-
 import math
 
 import torch

@@ -1,7 +1,5 @@
 """The selective scan token by token in float64 (Mamba paper Alg. 2): the ground truth of the tests."""
 
-from __future__ import annotations
-
 import torch
 import torch.nn.functional as F
 
