@@ -928,6 +928,48 @@ Tensor causal_conv1d_step_cpu(const Tensor& x, const Tensor& taps, const std::op
   return out.to(x.scalar_type());
 }
 
+// ------------------------------------------------------------------------------------------ meta (fake) kernels
+// The outputs' shapes, dtypes and strides only, from symbolic sizes (torch.compile, torch.library.opcheck).
+
+Tensor token_major_meta(const Tensor& u, const c10::SymInt& channels) {  // (batch, channels, length), token-major
+  return at::empty_symint({u.sym_size(0), u.sym_size(2), channels}, u.options()).transpose(1, 2);
+}
+
+std::tuple<Tensor, Tensor, Tensor> selective_scan_cpu_fwd_meta(
+    const Tensor& u, const Tensor& delta, const Tensor& A, const Tensor& B, const Tensor& C,
+    const std::optional<Tensor>& D, const std::optional<Tensor>& z, const std::optional<Tensor>& delta_bias,
+    bool delta_softplus, const std::optional<Tensor>& initial_state, const std::optional<Tensor>& reset) {
+  const c10::SymInt dim = u.sym_size(1), n = A.sym_size(1), nc = (u.sym_size(2) + kCheckpoint - 1) / kCheckpoint;
+  return {token_major_meta(u, dim), at::empty_symint({u.sym_size(0), dim, n}, u.options()),
+          at::empty_symint({u.sym_size(0), dim, nc, n}, u.options())};
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> selective_scan_cpu_bwd_meta(
+    const std::optional<Tensor>& dy, const std::optional<Tensor>& dlast, const Tensor& u, const Tensor& delta,
+    const Tensor& A, const Tensor& B, const Tensor& C, const std::optional<Tensor>& D, const std::optional<Tensor>& z,
+    const std::optional<Tensor>& delta_bias, bool delta_softplus, const std::optional<Tensor>& initial_state,
+    const std::optional<Tensor>& reset, const Tensor& chunk_states) {
+  const c10::SymInt dim = A.sym_size(0), n = A.sym_size(1);
+  const auto opt = u.options();
+  const auto vec = [&](bool has) { return at::empty_symint({has ? dim : c10::SymInt(0)}, opt); };
+  return {token_major_meta(u, dim), token_major_meta(u, dim), at::empty_symint({dim, n}, opt),
+          token_major_meta(u, n), token_major_meta(u, n), vec(D.has_value()),
+          z ? token_major_meta(u, dim) : at::empty({0}, opt), vec(delta_bias.has_value()),
+          at::empty_symint({u.sym_size(0), dim, n}, opt)};
+}
+
+Tensor selective_state_update_cpu_meta(Tensor state, const Tensor& x, const Tensor& dt, const Tensor& A,
+                                       const Tensor& B, const Tensor& C, const std::optional<Tensor>& D,
+                                       const std::optional<Tensor>& z, const std::optional<Tensor>& dt_bias,
+                                       bool dt_softplus) {
+  return at::empty_symint(x.sym_sizes(), x.options());
+}
+
+Tensor causal_conv1d_step_cpu_meta(const Tensor& x, const Tensor& taps, const std::optional<Tensor>& bias,
+                                   const Tensor& window, bool silu) {
+  return at::empty_symint(x.sym_sizes(), x.options());
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(hf_densessm, m) {
@@ -949,4 +991,11 @@ TORCH_LIBRARY_IMPL(hf_densessm, CPU, m) {
   m.impl("selective_scan_cpu_bwd", &selective_scan_cpu_bwd);
   m.impl("selective_state_update_cpu", &selective_state_update_cpu);
   m.impl("causal_conv1d_step_cpu", &causal_conv1d_step_cpu);
+}
+
+TORCH_LIBRARY_IMPL(hf_densessm, Meta, m) {
+  m.impl("selective_scan_cpu_fwd", &selective_scan_cpu_fwd_meta);
+  m.impl("selective_scan_cpu_bwd", &selective_scan_cpu_bwd_meta);
+  m.impl("selective_state_update_cpu", &selective_state_update_cpu_meta);
+  m.impl("causal_conv1d_step_cpu", &causal_conv1d_step_cpu_meta);
 }

@@ -1,10 +1,7 @@
-"""The C++ CPU kernel of the selective scan (``csrc/selective_scan_cpu.cpp``; Mamba paper Alg. 2, eq. 2a/2b, 4),
-forward and recompute backward, registered in C++ as ``hf_densessm::selective_scan_cpu_fwd`` / ``_bwd``, built on
-first use (:func:`load_kernel`, :func:`extension_name`): the ``"cpp"`` entry of the selective scan's table
-(:data:`IMPLEMENTATION`). Build, key, layouts and fallback: docs/kernels.md, "The C++ CPU kernel".
+"""The C++ CPU kernel of the selective scan (``csrc/selective_scan_cpu.cpp``; Mamba paper Alg. 2), its ops
+``hf_densessm::selective_scan_cpu_fwd`` / ``_bwd`` and decoding steps built on first use (:func:`load_kernel`), and
+their table entries. Build, key, layouts and fallback: docs/kernels.md, "The C++ CPU kernel".
 """
-
-from __future__ import annotations
 
 import functools
 import hashlib
@@ -33,34 +30,26 @@ CHECKPOINT = 64
 #: Largest state size sent to the kernel (``kMaxState`` in the C++ source).
 MAX_STATE = 64
 
-Tensor = torch.Tensor
-
 
 def capability_flags(capability: str) -> list[str]:
-    """Compiler flags (a new list of strings) for one of PyTorch's CPU capabilities
-    (``torch.backends.cpu.get_cpu_capability()``): ``"AVX512"`` and ``"AVX2"`` get ATen's ``-m`` flags and
-    ``CPU_CAPABILITY_*`` macros, anything else the portable ``DEFAULT`` one (docs/kernels.md, "The C++ CPU kernel")."""
-    base = ["-O3"]
-    if capability == "AVX512":
-        return base + ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma",
-                       "-DCPU_CAPABILITY_AVX512", "-DCPU_CAPABILITY=AVX512"]
-    if capability == "AVX2":
-        return base + ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2"]
-    return base + ["-DCPU_CAPABILITY_DEFAULT", "-DCPU_CAPABILITY=DEFAULT"]
+    """Compiler flags (a new list) for a ``torch.backends.cpu.get_cpu_capability()``: ATen's ``-m`` flags and
+    ``CPU_CAPABILITY_*`` macros for ``"AVX512"`` and ``"AVX2"``, the portable ``DEFAULT`` ones for anything else."""
+    isa = {"AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"],
+           "AVX2": ["-mavx2", "-mfma", "-mf16c"]}.get(capability)
+    tag = capability if isa else "DEFAULT"
+    return ["-O3", *(isa or []), f"-DCPU_CAPABILITY_{tag}", f"-DCPU_CAPABILITY={tag}"]
 
 
 def openmp_flags() -> list[str]:
-    """``["-fopenmp"]`` where ATen's parallel backend is OpenMP on Linux, else ``[]``. ``at::parallel_for`` is a
-    header template: compiled without ``_OPENMP`` it runs its whole range on the calling thread. The library then
-    links the ``libgomp.so.1`` that PyTorch already loaded (one runtime, one pool: ``torch.set_num_threads``)."""
+    """``["-fopenmp"]`` where ATen's parallel backend is OpenMP on Linux, else ``[]`` (without ``_OPENMP`` the
+    header template ``at::parallel_for`` runs on the calling thread; docs/kernels.md)."""
     openmp = "ATen parallel backend: OpenMP" in torch.__config__.parallel_info()
     return ["-fopenmp"] if openmp and sys.platform.startswith("linux") else []
 
 
 def extension_name(source_text: str, capability: str, torch_version: str, flags: list[str]) -> str:
-    """The extension's name (and so its build directory): ``hf_densessm_scan_cpu_<capability>_<hash>``, the
-    hash (12 hex digits of SHA-256) over the source text, the torch version and the flags. Any change of CPU
-    capability, torch, flags or source gives another name, so a stale or foreign build is never loaded."""
+    """The extension's name and build folder, ``hf_densessm_scan_cpu_<capability>_<hash>``, the hash (12 hex digits
+    of SHA-256) over the source text, torch version and flags: a stale or foreign build is never loaded."""
     key = "\0".join([source_text, torch_version, capability, *flags])
     tag = "".join(c if c.isalnum() else "_" for c in capability.lower())
     return f"hf_densessm_scan_cpu_{tag}_{hashlib.sha256(key.encode()).hexdigest()[:12]}"
@@ -71,12 +60,8 @@ SWITCH = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false":
 
 
 def kernel_enabled() -> bool:
-    """Whether the environment variable ``HF_DENSESSM_CPU_KERNEL`` leaves the kernel on (read when a scan chooses its
-    implementation: once per call of ``selective_scan``).
-
-    Raises:
-        ValueError: the variable is set to anything but a spelling in :data:`SWITCH` or the empty string.
-    """
+    """Whether ``HF_DENSESSM_CPU_KERNEL`` leaves the kernel on (read once per call of ``selective_scan``); raises
+    ``ValueError`` when it is set to anything but a spelling in :data:`SWITCH` or the empty string."""
     value = os.environ.get("HF_DENSESSM_CPU_KERNEL", "").strip().lower() or "1"
     if value not in SWITCH:
         raise ValueError(f"HF_DENSESSM_CPU_KERNEL must be one of {', '.join(SWITCH)} (any case) or unset, got "
@@ -85,49 +70,11 @@ def kernel_enabled() -> bool:
 
 
 @functools.cache
-def _register_fakes() -> None:
-    """Fake (meta) implementations of the library's ops (once), so that ``torch.compile`` / ``opcheck`` can trace them."""
-
-    def token_major(u, channels):  # y, du, ddelta, dz, dB, dC: views of token-major tensors, as the kernel's
-        return u.new_empty(u.shape[0], u.shape[2], channels).transpose(1, 2)
-
-    @torch.library.register_fake("hf_densessm::selective_scan_cpu_fwd")
-    def _fwd_fake(u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, reset):
-        batch, dim, length = u.shape
-        n = A.shape[1]
-        nc = (length + CHECKPOINT - 1) // CHECKPOINT
-        return token_major(u, dim), u.new_empty(batch, dim, n), u.new_empty(batch, dim, nc, n)
-
-    @torch.library.register_fake("hf_densessm::selective_scan_cpu_bwd")
-    def _bwd_fake(dy, dlast, u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, reset,
-                  chunk_states):
-        dim, n = A.shape
-        return (token_major(u, dim), token_major(u, dim), u.new_empty(dim, n), token_major(u, n), token_major(u, n),
-                u.new_empty(dim if D is not None else 0), token_major(u, dim) if z is not None else u.new_empty(0),
-                u.new_empty(dim if delta_bias is not None else 0), u.new_empty(u.shape[0], dim, n))
-
-    @torch.library.register_fake("hf_densessm::selective_state_update_cpu")
-    def _step_fake(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus):
-        return x.new_empty(x.shape)
-
-    @torch.library.register_fake("hf_densessm::causal_conv1d_step_cpu")
-    def _conv_step_fake(x, taps, bias, window, silu):
-        return x.new_empty(x.shape)
-
-
-@functools.cache
 def load_kernel() -> bool:
-    """Load the C++ kernel from the cache, building it there first if needed, once per process.
-
-    Returns:
-        True when the ops ``hf_densessm::selective_scan_cpu_fwd`` / ``_bwd`` are registered; False when the source
-        file is absent (silently) or the build or load failed (one ``RuntimeWarning`` with the reason and the cache
-        folder). Never waits on another process; does not read ``HF_DENSESSM_CPU_KERNEL`` (:func:`missing` does).
-    """
-    if hasattr(torch.ops.hf_densessm, "selective_scan_cpu_fwd"):  # loaded by another copy of this module
-        _register_fakes()
-        return True
-    return _build(SOURCE)
+    """Load the C++ kernel from the cache, building it there first if needed, once per process: True when its ops
+    are registered; False when the source is absent (silently) or the build or load failed (one ``RuntimeWarning``
+    with the reason and the cache folder). Never waits on another process; ignores ``HF_DENSESSM_CPU_KERNEL``."""
+    return hasattr(torch.ops.hf_densessm, "selective_scan_cpu_fwd") or _build(SOURCE)  # or loaded by another copy
 
 
 def _sha256(path: Path) -> str:
@@ -136,9 +83,8 @@ def _sha256(path: Path) -> str:
 
 
 def _build(source: Path) -> bool:
-    """Load ``source``'s library (keyed by :func:`extension_name`) from ``<cache>/<name>/<name>.so`` when its
-    SHA-256 matches the ``.sha256`` file beside it; else compile it into a private folder there (loading it), then
-    publish the hash and the library by atomic renames. False as :func:`load_kernel` says; docs/kernels.md."""
+    """:func:`load_kernel`'s work: ``<cache>/<name>/<name>.so`` (:func:`extension_name`) loaded when its SHA-256
+    matches the ``.sha256`` beside it, else built in a private folder and published by atomic renames."""
     if not source.is_file():
         return False
     folder = None
@@ -167,7 +113,6 @@ def _build(source: Path) -> bool:
                 os.replace(built, library)
             finally:
                 shutil.rmtree(private, ignore_errors=True)
-        _register_fakes()
         return True
     except Exception as exc:  # noqa: BLE001 -- any build/load failure leaves the PyTorch path
         lines = str(exc).strip().splitlines()
@@ -179,9 +124,8 @@ def _build(source: Path) -> bool:
 
 
 def missing(device: torch.device, state_size: int, **facts) -> str | None:
-    """Why the kernel cannot run a scan (``None`` when it can): a non-CPU ``device``, a state size beyond
-    :data:`MAX_STATE`, ``HF_DENSESSM_CPU_KERNEL`` off (:func:`kernel_enabled`, whose ``ValueError`` it raises), or no
-    kernel loaded (:func:`load_kernel`, which it calls: the first call may build it)."""
+    """Why the kernel cannot run a scan (``None`` when it can): a non-CPU ``device``, a state size over
+    :data:`MAX_STATE`, the switch off (raises :func:`kernel_enabled`'s ``ValueError``) or no :func:`load_kernel`."""
     if device.type != "cpu":
         return "runs on CPU tensors only"
     if state_size > MAX_STATE:
@@ -205,10 +149,9 @@ def _cast(t, dtype):
 def scan_fwd(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False, initial_state=None,
              reset=None):
     """Forward selective scan through the C++ kernel (Mamba paper Alg. 2, eq. 2a, 2b, 4): arguments (CPU tensors,
-    any float dtypes and strides, computed in float64 if any is float64, else float32) and ``(y, last_state,
-    chunk_states)`` as :func:`~.selective_scan.chunked_torch.selective_scan_torch_fwd`, but ``y`` token-major in
-    memory (a ``.transpose(1, 2)`` view of a contiguous (batch, length, dim) tensor) and ``chunk_states`` (batch,
-    dim, ceil(length / CHECKPOINT), state), contiguous, in the compute dtype. Layouts: docs/kernels.md.
+    any float dtypes and strides) and ``(y, last_state, chunk_states)`` as ``selective_scan_torch_fwd``, but ``y``
+    token-major in memory and ``chunk_states`` (batch, dim, ceil(length / CHECKPOINT), state), contiguous, in the
+    compute dtype (float64 if any input is, else float32). Layouts: docs/kernels.md.
 
     Raises:
         RuntimeError: from the kernel's ``TORCH_CHECK`` on a bad shape, a non-CPU tensor, a state size beyond its
@@ -223,19 +166,15 @@ def scan_fwd(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=
 
 def scan_bwd(dy, dlast, u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
              initial_state=None, reset=None, chunk_states=None):
-    """Backward of :func:`scan_fwd` through the C++ kernel (the adjoint recurrence, each chunk's states recomputed
-    from ``chunk_states``, what :func:`scan_fwd` returned): arguments and gradients as ``selective_scan_torch_bwd``,
-    but ``du``, ``ddelta``, ``dz``, ``dB``, ``dC`` token-major in memory (``.transpose(1, 2)`` views of contiguous
-    tensors).
+    """Backward of :func:`scan_fwd` through the C++ kernel from its ``chunk_states``: arguments and gradients as
+    ``selective_scan_torch_bwd``, but ``du``, ``ddelta``, ``dz``, ``dB``, ``dC`` token-major in memory.
 
     Raises:
         ValueError: ``chunk_states`` is not the forward kernel's ``(batch, dim, n_chunks, state)`` (e.g. the
             chunked PyTorch path's states).
     """
     cdt = inputs_compute_dtype(u, delta, A, B, C, D, z, delta_bias, initial_state)
-    batch, dim, length = u.shape
-    n = A.shape[1]
-    want = (batch, dim, (length + CHECKPOINT - 1) // CHECKPOINT, n)
+    want = (*u.shape[:2], (u.shape[2] + CHECKPOINT - 1) // CHECKPOINT, A.shape[1])
     if chunk_states is None or tuple(chunk_states.shape) != want:
         got = None if chunk_states is None else tuple(chunk_states.shape)
         raise ValueError(f"chunk_states must be the C++ kernel's checkpoints {want} (batch, dim, n_chunks, state), "
@@ -249,8 +188,7 @@ def scan_bwd(dy, dlast, u, delta, A, B, C, D=None, z=None, delta_bias=None, delt
 
 
 def _forward(*args):
-    """The entry's "forward" (``selective_scan/__init__.py``): :func:`scan_fwd`, the checkpoints flattened to
-    (batch, dim, n_chunks * state)."""
+    """The entry's "forward": :func:`scan_fwd`, the checkpoints flattened to (batch, dim, n_chunks * state)."""
     y, last, states = scan_fwd(*args[:-1])
     return y, last, states.flatten(2)
 
@@ -267,9 +205,8 @@ def _saved(u, A, dtype):
 
 
 def _step_missing(device: torch.device, state_size: int = 1, step: bool = False, **facts) -> str | None:
-    """:func:`missing` for the decoding-step entries, which also need ``step`` (the conv: one token over a window, no
-    reset, nothing to differentiate; the state update: a contiguous float32 / float64 state) and an eager call
-    (``torch.compile`` traces the PyTorch step instead)."""
+    """:func:`missing` for the decoding-step entries, which also need ``step`` (the op's facts allow the C++ step)
+    and an eager call (``torch.compile`` traces the PyTorch step instead)."""
     if not step:
         return "runs a decoding step only (one token over a window, no reset or gradients; a contiguous float state)"
     if torch.compiler.is_compiling():

@@ -1,7 +1,6 @@
-"""Selective scan of Mamba (Mamba paper, Algorithm 2, §3.3, App. D): :func:`selective_scan` (whole sequence;
-``mamba_ssm``'s ``selective_scan_fn`` layout) and :func:`selective_state_update` (one decoding token), their argument
-checks, the ops' tables (:data:`~..dispatch.TABLES`) and the ``torch.library`` ops ``hf_densessm::selective_scan``
-(+ ``_backward``) and ``::selective_state_update`` that run the entry chosen. Forms, schemas, dispatch: docs/kernels.md.
+"""Selective scan of Mamba (Mamba paper, Algorithm 2, §3.3, App. D): :func:`selective_scan` (``mamba_ssm``'s
+``selective_scan_fn`` layout) and :func:`selective_state_update` (one token), the ops' tables and the ``torch.library``
+ops ``hf_densessm::selective_scan`` (+ ``_backward``) and ``::selective_state_update`` (docs/kernels.md).
 """
 
 from typing import Optional
@@ -22,34 +21,36 @@ __all__ = ["selective_scan", "selective_state_update"]
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 Tensor = torch.Tensor
+Opt = Optional[Tensor]
 _ops = OpGroup()
 
 
-def _check_tensor(name, t, shape, device, optional=False):
-    """Type, ``shape`` ((sizes, None = any), dimension names), dtype and device of ``t``; ``None`` if ``optional``."""
-    if t is None:
-        if optional:
-            return
-        raise TypeError(f"{name} is required, got None")
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    sizes, names = shape
-    if t.dim() != len(sizes) or any(s is not None and s != got for s, got in zip(sizes, t.shape)):
-        want = ", ".join(f"{n}={s}" if s is not None else n for n, s in zip(names, sizes))
-        raise ValueError(f"{name} must have shape ({', '.join(names)}) with {want}, got shape {tuple(t.shape)}")
-    if t.dtype not in _FLOAT_DTYPES:
-        raise TypeError(f"{name} must have dtype in {[str(d) for d in _FLOAT_DTYPES]}, got {t.dtype}")
-    if t.device != device:
-        raise ValueError(f"{name} is on {t.device} but u/x is on {device}: all tensors must be on one device")
+def _check_tensors(sizes: dict, device: torch.device, *specs) -> None:
+    """Type, shape, dtype and device of each ``(name, tensor, dims[, optional])`` of ``specs``: ``dims`` the dimension
+    names, each of the size ``sizes`` gives it (any size if none); ``tensor`` may be ``None`` if ``optional``."""
+    for name, t, dims, *optional in specs:
+        if t is None:
+            if optional:
+                continue
+            raise TypeError(f"{name} is required, got None")
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        names = dims.split()
+        if t.dim() != len(names) or any(sizes.get(n, got) != got for n, got in zip(names, t.shape)):
+            want = ", ".join(f"{n}={sizes[n]}" if n in sizes else n for n in names)
+            raise ValueError(f"{name} must have shape ({', '.join(names)}) with {want}, got shape {tuple(t.shape)}")
+        if t.dtype not in _FLOAT_DTYPES:
+            raise TypeError(f"{name} must have dtype in {[str(d) for d in _FLOAT_DTYPES]}, got {t.dtype}")
+        if t.device != device:
+            raise ValueError(f"{name} is on {t.device} but u/x is on {device}: all tensors must be on one device")
 
 
-def _or_empty(grad: Optional[Tensor], like: Tensor) -> Tensor:
+def _or_empty(grad: Opt, like: Tensor) -> Tensor:
     """An op returns a tensor in every slot: an absent gradient (its input was None) is an empty tensor."""
     return like.new_empty(0) if grad is None else grad
 
 
 # ---------------------------------------------------------------------------------------------- the tables
-#
 # The entries' functions (docs/kernels.md, "The dispatch table"), with ``args`` = (u, delta, A, B, C, D, z,
 # delta_bias, delta_softplus, initial_state, reset) as :func:`selective_scan` takes them (reset: bool or None):
 #   "forward"(*args, save_states) -> (y, last_state, saved): y (batch, dim, length) in u's dtype (an untraced entry's
@@ -65,8 +66,7 @@ def _or_empty(grad: Optional[Tensor], like: Tensor) -> Tensor:
 
 
 def _triton(module: str, name: str):
-    """The function ``name`` of ``chunk.py`` or ``fused_recurrent.py`` (``module``), imported when called (both need
-    triton)."""
+    """The function ``name`` of ``chunk.py`` or ``fused_recurrent.py`` (``module``), imported when called."""
     def call(*args):
         from . import chunk  # one module per statement: transformers' remote-code scan reads one per line
         from . import fused_recurrent
@@ -107,18 +107,17 @@ TABLES["selective_state_update"] = [
 
 
 # ------------------------------------------------------------------------------------------------------ the ops
-#
 # The ops run the entry named by ``impl``, which the backward receives from the forward's context; an untraced entry
 # runs inside the opaque ops ``selective_scan_eager`` (+ ``_backward``) (docs/kernels.md, "The ops").
 
 
 _Grads = tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]  # the backward ops' outputs
+_Outs = tuple[Tensor, Tensor, Tensor]  # the forward ops' outputs
 _TOKEN_MAJOR_GRADS = (0, 1, 3, 4, 6)  # du, ddelta, dB, dC, dz: the layout of the model's u, delta, B, C, z
 
 
 def _token_major(x: Tensor) -> Tensor:
-    """``x`` (batch, channels, length) laid out token-major, (batch, length, channels) contiguous in memory, as the
-    model's tensors are (no copy if it already is)."""
+    """``x`` (batch, channels, length) laid out token-major as the model's tensors (no copy if it already is)."""
     return x.transpose(1, 2).contiguous().transpose(1, 2)
 
 
@@ -126,18 +125,16 @@ def _token_major_like(x: Tensor) -> Tensor:
     return x.new_empty(x.shape[0], x.shape[2], x.shape[1]).transpose(1, 2)
 
 
-def _eager(u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Optional[Tensor], z: Optional[Tensor],
-           delta_bias: Optional[Tensor], delta_softplus: bool, initial_state: Optional[Tensor],
-           reset: Optional[Tensor], save_states: bool, impl: str) -> tuple[Tensor, Tensor, Tensor]:
+def _eager(u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Opt, z: Opt, delta_bias: Opt,
+           delta_softplus: bool, initial_state: Opt, reset: Opt, save_states: bool, impl: str) -> _Outs:
     with own_precision(u.device):
         y, last, saved = implementation("selective_scan", impl).calls["forward"](
             u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, reset, save_states)
     return _token_major(y), last, saved
 
 
-def _eager_backward(dy: Optional[Tensor], dlast: Optional[Tensor], u: Tensor, delta: Tensor, A: Tensor, B: Tensor,
-                    C: Tensor, D: Optional[Tensor], z: Optional[Tensor], delta_bias: Optional[Tensor],
-                    delta_softplus: bool, initial_state: Optional[Tensor], reset: Optional[Tensor], saved: Tensor,
+def _eager_backward(dy: Opt, dlast: Opt, u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Opt, z: Opt,
+                    delta_bias: Opt, delta_softplus: bool, initial_state: Opt, reset: Opt, saved: Tensor,
                     impl: str) -> _Grads:
     with own_precision(u.device):
         grads = implementation("selective_scan", impl).calls["backward"](
@@ -165,25 +162,20 @@ _ops.custom_op("selective_scan_eager_backward", _eager_backward, fake=_eager_bac
 
 
 @_ops.triton_op("selective_scan")
-def _selective_scan_op(u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Optional[Tensor],
-                       z: Optional[Tensor], delta_bias: Optional[Tensor], delta_softplus: bool,
-                       initial_state: Optional[Tensor], reset: Optional[Tensor], save_states: bool,
-                       impl: str) -> tuple[Tensor, Tensor, Tensor]:
-    """``hf_densessm::selective_scan``: ``(y, last_state, saved)`` of the implementation ``impl`` (the table's
-    "forward"); see :func:`selective_scan` for the arguments (``reset``: (batch, length) bool or None)."""
+def _selective_scan_op(u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Opt, z: Opt, delta_bias: Opt,
+                       delta_softplus: bool, initial_state: Opt, reset: Opt, save_states: bool, impl: str) -> _Outs:
+    """``hf_densessm::selective_scan``: the table's "forward" of ``impl``; arguments as :func:`selective_scan`."""
     entry = implementation("selective_scan", impl)
     args = (u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, reset, save_states)
     return entry.calls["forward"](*args) if entry.traced else _ops.selective_scan_eager(*args, impl)
 
 
 @_ops.triton_op("selective_scan_backward")
-def _selective_scan_backward_op(dy: Optional[Tensor], dlast: Optional[Tensor], u: Tensor, delta: Tensor, A: Tensor,
-                                B: Tensor, C: Tensor, D: Optional[Tensor], z: Optional[Tensor],
-                                delta_bias: Optional[Tensor], delta_softplus: bool, initial_state: Optional[Tensor],
-                                reset: Optional[Tensor], saved: Tensor, impl: str) -> _Grads:
-    """``hf_densessm::selective_scan_backward``: the gradients of the implementation ``impl``'s "backward" from
-    ``dy``, ``dlast`` (None: zero), the forward op's arguments and its ``saved`` (with all its chunks), each in its
-    input's dtype; the gradient of an absent ``D``, ``z`` or ``delta_bias`` is an empty tensor."""
+def _selective_scan_backward_op(dy: Opt, dlast: Opt, u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor,
+                                D: Opt, z: Opt, delta_bias: Opt, delta_softplus: bool, initial_state: Opt, reset: Opt,
+                                saved: Tensor, impl: str) -> _Grads:
+    """``hf_densessm::selective_scan_backward``: the table's "backward" of ``impl``, the gradient of an absent
+    ``D``, ``z`` or ``delta_bias`` an empty tensor."""
     entry = implementation("selective_scan", impl)
     args = (dy, dlast, u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, reset, saved)
     if entry.traced:
@@ -214,13 +206,11 @@ _ops.register_autograd("selective_scan", _scan_backward, setup_context=_scan_set
 
 
 @_ops.triton_op("selective_state_update", mutates_args=("state",))
-def _selective_state_update_op(state: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
-                               D: Optional[Tensor], z: Optional[Tensor], dt_bias: Optional[Tensor], dt_softplus: bool,
-                               impl: str) -> Tensor:
-    """``hf_densessm::selective_state_update``: one decoding step of the implementation ``impl``, ``state`` updated
-    in place, ``y`` returned; see :func:`selective_state_update`. No autograd formula: decoding only."""
-    step = implementation("selective_state_update", impl).calls["step"]
-    return step(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus)
+def _selective_state_update_op(state: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Opt, z: Opt,
+                               dt_bias: Opt, dt_softplus: bool, impl: str) -> Tensor:
+    """``hf_densessm::selective_state_update``: the table's "step" of ``impl`` (:func:`selective_state_update`)."""
+    return implementation("selective_state_update", impl).calls["step"](state, x, dt, A, B, C, D, z, dt_bias,
+                                                                         dt_softplus)
 
 
 _ops.define()
@@ -230,23 +220,17 @@ def selective_scan(u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, D:
                    z: Tensor | None = None, delta_bias: Tensor | None = None, delta_softplus: bool = False,
                    initial_state: Tensor | None = None, return_last_state: bool = False, backend: str | None = None,
                    reset: Tensor | None = None):
-    """Selective scan over a whole sequence (Mamba paper, Algorithm 2; fused kernel of §3.3.2 and App. D).
-
-    For each channel ``d`` and state index ``n``, with ``dt = softplus(delta + delta_bias)`` (bias and softplus
-    optional, eq. 4's discretization as in the authors' code: ZOH for ``A``, Euler for ``B``)::
-
-        h_t = exp(dt_t * A) * h_{t-1} + dt_t * B_t * u_t        (eq. 2a; h_0 = initial_state or 0)
-        y_t = sum_n C_{t,n} h_{t,n} + D * u_t                   (eq. 2b plus the skip)
-        y_t = y_t * silu(z_t)                                   (the gate of the Mamba block, if z is given)
+    """Selective scan over a whole sequence (Mamba paper, Algorithm 2; fused kernel of §3.3.2 and App. D): with
+    ``dt = softplus(delta + delta_bias)`` (bias and softplus optional; eq. 4: ZOH for ``A``, Euler for ``B``),
+    ``h_t = exp(dt_t A) h_{t-1} + dt_t B_t u_t`` (eq. 2a; ``h_0 = initial_state`` or 0) and ``y_t = (sum_n C_{t,n}
+    h_{t,n} + D u_t) silu(z_t)`` (eq. 2b, the skip ``D`` and the Mamba block's gate ``z`` optional).
 
     Args:
-        u: (batch, dim, length) SSM input; float32, bfloat16, float16 (float64 allowed, for tests).
-        delta: (batch, dim, length) time step, before ``delta_bias`` and softplus.
-        A: (dim, state), entries <= 0, any float dtype (cast to the accumulation dtype).
-        B, C: (batch, state, length) input-dependent projections (the "selective" parameters).
-        D: (dim,) skip weight, optional. z: (batch, dim, length) gate, optional.
-        delta_bias: (dim,) optional. delta_softplus: apply softplus to ``delta + delta_bias``.
-        initial_state: (batch, dim, state) state before the first token (e.g. a cache), any float dtype.
+        u: (batch, dim, length) SSM input; float32, bfloat16, float16 (float64 for tests); the others: any of them.
+        delta: (batch, dim, length) time step, before ``delta_bias`` and softplus. A: (dim, state), entries <= 0.
+        B, C: (batch, state, length) input-dependent projections. D: (dim,) skip weight, optional.
+        z: (batch, dim, length) gate, optional. delta_bias: (dim,) optional. delta_softplus: apply softplus.
+        initial_state: (batch, dim, state) state before the first token (e.g. a cache).
         return_last_state: also return the state after the last token.
         backend: ``"auto"`` | ``"triton"`` | ``"torch"`` (docs/kernels.md, "The dispatch table"); ``None``: the
             active one (:class:`~..dispatch.use_backend`, ``"auto"`` by default).
@@ -271,17 +255,12 @@ def selective_scan(u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, D:
     batch, dim, length = u.shape
     if length == 0:
         raise ValueError("u must have length >= 1 (shape (batch, dim, length)), got length 0")
-    dev = u.device
-    _check_tensor("u", u, ((batch, dim, length), ("batch", "dim", "length")), dev)
-    _check_tensor("delta", delta, ((batch, dim, length), ("batch", "dim", "length")), dev)
-    _check_tensor("A", A, ((dim, None), ("dim", "state")), dev)
-    n = A.shape[1]
-    _check_tensor("B", B, ((batch, n, length), ("batch", "state", "length")), dev)
-    _check_tensor("C", C, ((batch, n, length), ("batch", "state", "length")), dev)
-    _check_tensor("D", D, ((dim,), ("dim",)), dev, optional=True)
-    _check_tensor("z", z, ((batch, dim, length), ("batch", "dim", "length")), dev, optional=True)
-    _check_tensor("delta_bias", delta_bias, ((dim,), ("dim",)), dev, optional=True)
-    _check_tensor("initial_state", initial_state, ((batch, dim, n), ("batch", "dim", "state")), dev, optional=True)
+    dev, seq, sizes = u.device, "batch dim length", dict(batch=batch, dim=dim, length=length)
+    _check_tensors(sizes, dev, ("u", u, seq), ("delta", delta, seq), ("A", A, "dim state"))
+    n = sizes["state"] = A.shape[1]
+    _check_tensors(sizes, dev, ("B", B, "batch state length"), ("C", C, "batch state length"), ("D", D, "dim", True),
+                   ("z", z, seq, True), ("delta_bias", delta_bias, "dim", True),
+                   ("initial_state", initial_state, "batch dim state", True))
     reset = check_reset(reset, batch, length, dev)
     require((A <= 0).all(), "A must have entries <= 0 (continuous-time decay, e.g. A = -exp(A_log)); got a positive "
             "entry", host_read=False)  # no host sync
@@ -296,20 +275,17 @@ def selective_scan(u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, D:
 def selective_state_update(state: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
                            D: Tensor | None = None, z: Tensor | None = None, dt_bias: Tensor | None = None,
                            dt_softplus: bool = False, backend: str | None = None) -> Tensor:
-    """One decoding step of the selective SSM (Mamba paper eq. 2a/2b in recurrent mode), O(1) in the context.
-
-    ``state`` is updated IN PLACE to ``h_t = exp(dt * A) * h_{t-1} + dt * B * x`` and the function returns
-    ``y = (sum_n C_n h_n + D * x) * silu(z)``, with ``dt = softplus(dt + dt_bias)`` (both optional).
+    """One decoding step of the selective SSM (Mamba paper eq. 2a/2b in recurrent mode), O(1) in the context:
+    ``state`` updated IN PLACE to ``h_t = exp(dt A) h_{t-1} + dt B x``, ``y = (sum_n C_n h_n + D x) silu(z)``
+    returned, with ``dt = softplus(dt + dt_bias)`` (both optional).
 
     Args:
-        state: (batch, dim, state) SSM state, e.g. a cache entry; float32 is intended (another float dtype
-            works: the step computes in float32, or float64 for float64, and writes back in ``state``'s dtype).
+        state: (batch, dim, state) SSM state, e.g. a cache entry; float32 is intended (another float dtype is
+            computed in float32, float64 in float64, and written back in ``state``'s dtype).
         x: (batch, dim) this token's SSM input; float32, bfloat16, float16 (float64 allowed).
-        dt: (batch, dim) time step before ``dt_bias`` and softplus.
-        A: (dim, state), entries <= 0 (not checked per step: :func:`selective_scan` checks it).
+        dt: (batch, dim) time step before ``dt_bias`` and softplus. A: (dim, state), entries <= 0 (not checked).
         B, C: (batch, state). D: (dim,) optional. z: (batch, dim) gate, optional. dt_bias: (dim,) optional.
-        dt_softplus: apply softplus to ``dt + dt_bias``.
-        backend: as :func:`selective_scan`.
+        dt_softplus: apply softplus to ``dt + dt_bias``. backend: as :func:`selective_scan`.
 
     Returns:
         ``y`` (batch, dim) in ``x``'s dtype.
@@ -326,16 +302,10 @@ def selective_state_update(state: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: T
     if state.dim() != 3:
         raise ValueError(f"state must have shape (batch, dim, state) (3 dims), got shape {tuple(state.shape)}")
     batch, dim, n = state.shape
-    dev = state.device
-    _check_tensor("state", state, ((batch, dim, n), ("batch", "dim", "state")), dev)
-    _check_tensor("x", x, ((batch, dim), ("batch", "dim")), dev)
-    _check_tensor("dt", dt, ((batch, dim), ("batch", "dim")), dev)
-    _check_tensor("A", A, ((dim, n), ("dim", "state")), dev)
-    _check_tensor("B", B, ((batch, n), ("batch", "state")), dev)
-    _check_tensor("C", C, ((batch, n), ("batch", "state")), dev)
-    _check_tensor("D", D, ((dim,), ("dim",)), dev, optional=True)
-    _check_tensor("z", z, ((batch, dim), ("batch", "dim")), dev, optional=True)
-    _check_tensor("dt_bias", dt_bias, ((dim,), ("dim",)), dev, optional=True)
+    _check_tensors(dict(batch=batch, dim=dim, state=n), state.device, ("state", state, "batch dim state"),
+                   ("x", x, "batch dim"), ("dt", dt, "batch dim"), ("A", A, "dim state"), ("B", B, "batch state"),
+                   ("C", C, "batch state"), ("D", D, "dim", True), ("z", z, "batch dim", True),
+                   ("dt_bias", dt_bias, "dim", True))
     tensors = (state, x, dt, A, B, C, D, z, dt_bias)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
         raise RuntimeError("selective_state_update is a decoding step without gradients: call it under torch.no_grad() "
@@ -343,7 +313,6 @@ def selective_state_update(state: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: T
                            "initial_state=state, return_last_state=True), which is differentiable")
     impl = choose("selective_state_update", state.device, backend, state_size=n,
                   step=state.is_contiguous() and state.dtype in (torch.float32, torch.float64))
-    direct = implementation("selective_state_update", impl).calls.get("direct")
-    if direct is not None:  # an operator dispatched in C++: no Python op in between (eager steps only)
-        return direct(state, x, dt, A, B, C, D, z, dt_bias, bool(dt_softplus))
-    return _ops.selective_state_update(state, x, dt, A, B, C, D, z, dt_bias, bool(dt_softplus), impl)
+    direct = implementation("selective_state_update", impl).calls.get("direct")  # an operator dispatched in C++
+    args = (state, x, dt, A, B, C, D, z, dt_bias, bool(dt_softplus))
+    return direct(*args) if direct is not None else _ops.selective_state_update(*args, impl)  # no Python op between

@@ -1,7 +1,6 @@
 """Chunk-parallel Triton selective scan, forward and backward by recomputation (Mamba paper Alg. 2, §3.3.2,
-App. D): the Triton bodies of ``hf_densessm::selective_scan`` / ``_backward``, three launches each through
-``torch.library.wrap_triton``, accumulating in float32 (float64 for float64 inputs). How the kernels work, packed
-documents, tile choices: docs/kernels.md, "Selective scan".
+App. D): the Triton bodies of ``hf_densessm::selective_scan`` / ``_backward``, accumulating in float32 (float64 for
+float64 inputs). How the kernels work, packed documents, tile choices: docs/kernels.md, "Selective scan".
 """
 
 from __future__ import annotations
@@ -25,12 +24,10 @@ LN2 = tl.constexpr(0.6931471805599453)
 
 @dataclass(frozen=True)
 class SelectiveScanConfig:
-    """Launch choices of the scan (see :func:`selective_scan_config`): ``chunk`` tokens walked by one program (a
-    power of 2, the spacing of ``chunk_states``: the backward pass must use the forward pass's); channels per
-    program (a power of 2; one thread per channel at ``32 * warps`` channels, two at twice that), channel blocks
-    walked one after another by a program and warps of the forward kernels (``fwd_*``) and of the backward ones
-    (``bwd_*``); the chunk scan's ``(channel, state)`` entries per program and warps (it holds ``carry_chunks``
-    chunks of each entry at once); pipelining stages."""
+    """Launch choices of the scan (docs/kernels.md): ``chunk`` tokens per program (the backward pass must use the
+    forward pass's); channels per program (``block_d``), channel blocks per program and warps of the forward
+    (``fwd_*``) and backward (``bwd_*``) kernels; the carry kernel's ``(channel, state)`` entries per program, warps
+    and chunks held at once; pipelining stages. ``chunk``, ``*_block_d``, ``carry_*`` but warps: powers of 2."""
 
     chunk: int = 32
     fwd_block_d: int = 64
@@ -46,9 +43,8 @@ class SelectiveScanConfig:
 
 
 def selective_scan_config(arch: GPUArch, dtype: torch.dtype, nstate: int) -> SelectiveScanConfig:
-    """The :class:`SelectiveScanConfig` of ``nstate`` states, the same for every ``arch`` (the GPU's limits,
-    :func:`~..backend.device_arch`) and ``dtype`` (``u``'s): 32-token chunks, one-warp programs, two channels per
-    thread in the forward kernels up to 16 states, else one (docs/kernels.md, "Tile, warp and stage choices")."""
+    """The :class:`SelectiveScanConfig` of ``nstate`` states, the same for every ``arch`` and ``dtype`` (``u``'s):
+    two channels per thread in the forward kernels up to 16 states, else one (docs/kernels.md, "Tile, warp...")."""
     del arch, dtype
     return SelectiveScanConfig(fwd_block_d=64 if nstate <= 16 else 32)
 
@@ -92,7 +88,17 @@ def _channel(ptr, offs_d, mask_d, HAS: tl.constexpr, ACC: tl.constexpr):
 
 
 @triton.jit
-def _summary(
+def _program(length, n_chunks, CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, NSTATE: tl.constexpr):
+    """A per-chunk program's ``(pid_d, pid_b, start, end, row, offs_n, mask_n)``: its tokens ``[start, end)``, its
+    chunk's index ``row`` in ``(batch, n_chunks)``, the states ``offs_n``."""
+    pid_d, pid_c, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    start = pid_c * CHUNK
+    offs_n = tl.arange(0, BLOCK_N)
+    return pid_d, pid_b, start, tl.minimum(start + CHUNK, length), pid_b * n_chunks + pid_c, offs_n, offs_n < NSTATE
+
+
+@triton.jit
+def _selective_scan_chunk_state_kernel(
     x_ptr, delta_ptr, A_ptr, V_ptr, z_ptr, bias_ptr, reset_ptr,
     out_ptr, dtsum_ptr, flag_ptr,
     s_x_b, s_x_d, s_x_l, s_dt_b, s_dt_d, s_dt_l, s_A_d, s_A_n, s_V_b, s_V_n, s_V_l, s_z_b, s_z_d, s_z_l,
@@ -101,18 +107,11 @@ def _summary(
     HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, HAS_RESET: tl.constexpr, ACC: tl.constexpr,
     BLOCK_D: tl.constexpr, D_STEPS: tl.constexpr, BLOCK_N: tl.constexpr, CPT: tl.constexpr, EVEN_D: tl.constexpr,
 ):
-    """Phase 1 of either pass, grid (channel blocks, chunks, batch): one chunk walked from a zero state. Forward
-    (``x = u``, ``V = B``): ``h <- a_t h + dt_t u_t B_t`` in order, its end state into ``out``. Backward
-    (``x = dy``, ``V = C``, ``REVERSE``): ``m <- a_t (m + C_t gy_t)`` in reverse, ``gy = dy silu(z)``, the adjoint
-    it sends out of the chunk's start into ``out``. ``a_t = exp(dt_t A)``, 0 where a document starts. ``out``:
-    ``(batch, n_chunks, dim, state)``; ``dtsum``: each channel's ``sum dt`` over the chunk, ``(batch, n_chunks,
-    dim)``; ``flag``: whether a document starts in the chunk (its total decay is then 0), ``(batch, n_chunks)``."""
-    pid_d, pid_c, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    start = pid_c * CHUNK
-    end = tl.minimum(start + CHUNK, length)
-    offs_n = tl.arange(0, BLOCK_N)
-    mask_n = offs_n < NSTATE
-    row = pid_b * n_chunks + pid_c
+    """Phase 1 of either pass, grid (channel blocks, chunks, batch): a chunk walked from zero, forward (``x = u``,
+    ``V = B``) ``h <- a_t h + dt_t u_t B_t`` to its end state, or ``REVERSE`` (``x = dy``, ``V = C``) ``m <- a_t (m
+    + C_t dy_t silu(z_t))`` to the adjoint leaving its start, into ``out`` ``(batch, n_chunks, dim, state)``;
+    ``dtsum``: ``sum dt`` ``(batch, n_chunks, dim)``; ``flag``: a document starts in it ``(batch, n_chunks)``."""
+    pid_d, pid_b, start, end, row, offs_n, mask_n = _program(length, n_chunks, CHUNK, BLOCK_N, NSTATE)
     v_base = V_ptr + pid_b * s_V_b + offs_n * s_V_n
     for j in range(D_STEPS):
         offs_d = _channels(pid_d * D_STEPS + j, BLOCK_D, CPT)
@@ -154,23 +153,6 @@ def _summary(
 
 
 @triton.jit
-def _selective_scan_chunk_state_kernel(
-    x_ptr, delta_ptr, A_ptr, V_ptr, z_ptr, bias_ptr, reset_ptr,
-    out_ptr, dtsum_ptr, flag_ptr,
-    s_x_b, s_x_d, s_x_l, s_dt_b, s_dt_d, s_dt_l, s_A_d, s_A_n, s_V_b, s_V_n, s_V_l, s_z_b, s_z_d, s_z_l,
-    dim, length, n_chunks,
-    CHUNK: tl.constexpr, NSTATE: tl.constexpr, REVERSE: tl.constexpr, HAS_Z: tl.constexpr,
-    HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, HAS_RESET: tl.constexpr, ACC: tl.constexpr,
-    BLOCK_D: tl.constexpr, D_STEPS: tl.constexpr, BLOCK_N: tl.constexpr, CPT: tl.constexpr, EVEN_D: tl.constexpr,
-):
-    """Forward phase 1: :func:`_summary` in order (``x = u``, ``V = B``)."""
-    _summary(x_ptr, delta_ptr, A_ptr, V_ptr, z_ptr, bias_ptr, reset_ptr, out_ptr, dtsum_ptr, flag_ptr, s_x_b, s_x_d,
-             s_x_l, s_dt_b, s_dt_d, s_dt_l, s_A_d, s_A_n, s_V_b, s_V_n, s_V_l, s_z_b, s_z_d, s_z_l, dim, length,
-             n_chunks, CHUNK, NSTATE, REVERSE, HAS_Z, HAS_BIAS, SOFTPLUS, HAS_RESET, ACC, BLOCK_D, D_STEPS, BLOCK_N,
-             CPT, EVEN_D)
-
-
-@triton.jit
 def _selective_scan_chunk_adjoint_kernel(
     x_ptr, delta_ptr, A_ptr, V_ptr, z_ptr, bias_ptr, reset_ptr,
     out_ptr, dtsum_ptr, flag_ptr,
@@ -180,11 +162,11 @@ def _selective_scan_chunk_adjoint_kernel(
     HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, HAS_RESET: tl.constexpr, ACC: tl.constexpr,
     BLOCK_D: tl.constexpr, D_STEPS: tl.constexpr, BLOCK_N: tl.constexpr, CPT: tl.constexpr, EVEN_D: tl.constexpr,
 ):
-    """Backward phase 1: :func:`_summary` in reverse (``x = dy``, ``V = C``)."""
-    _summary(x_ptr, delta_ptr, A_ptr, V_ptr, z_ptr, bias_ptr, reset_ptr, out_ptr, dtsum_ptr, flag_ptr, s_x_b, s_x_d,
-             s_x_l, s_dt_b, s_dt_d, s_dt_l, s_A_d, s_A_n, s_V_b, s_V_n, s_V_l, s_z_b, s_z_d, s_z_l, dim, length,
-             n_chunks, CHUNK, NSTATE, REVERSE, HAS_Z, HAS_BIAS, SOFTPLUS, HAS_RESET, ACC, BLOCK_D, D_STEPS, BLOCK_N,
-             CPT, EVEN_D)
+    """Backward phase 1: :func:`_selective_scan_chunk_state_kernel` in reverse (``x = dy``, ``V = C``)."""
+    _selective_scan_chunk_state_kernel(
+        x_ptr, delta_ptr, A_ptr, V_ptr, z_ptr, bias_ptr, reset_ptr, out_ptr, dtsum_ptr, flag_ptr, s_x_b, s_x_d, s_x_l,
+        s_dt_b, s_dt_d, s_dt_l, s_A_d, s_A_n, s_V_b, s_V_n, s_V_l, s_z_b, s_z_d, s_z_l, dim, length, n_chunks, CHUNK,
+        NSTATE, REVERSE, HAS_Z, HAS_BIAS, SOFTPLUS, HAS_RESET, ACC, BLOCK_D, D_STEPS, BLOCK_N, CPT, EVEN_D)
 
 
 @triton.jit
@@ -200,10 +182,9 @@ def _selective_scan_carry_kernel(
     NSTATE: tl.constexpr, HAS_X0: tl.constexpr, REVERSE: tl.constexpr, HAS_RESET: tl.constexpr,
     ACC: tl.constexpr, BLOCK: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
-    """Phase 2, grid (batch, blocks of ``dim * state``): ``x <- P_c x + vals_c`` over the chunks from ``x0``, in
-    order (forward) or in reverse (backward), ``P_c = exp(A dtsum_c)`` (0 where ``flag_c``), ``BLOCK_C`` chunks at a
-    time by an associative scan. ``out[c]``: the ``x`` entering chunk ``c`` (backward: reaching its end); ``final``:
-    the last ``x``. ``vals``, ``out``: ``(batch, n_chunks, dim, state)``; ``x0``, ``final``: ``(batch, dim, state)``."""
+    """Phase 2, grid (batch, blocks of ``dim * state``): ``x <- P_c x + vals_c`` over the chunks from ``x0``, in order
+    or ``REVERSE``, ``P_c = exp(A dtsum_c)`` (0 where ``flag_c``), ``BLOCK_C`` chunks at a time: ``out``, ``final``
+    as :func:`_carry` returns them; ``vals``: ``(batch, n_chunks, dim, state)``; ``x0``: ``(batch, dim, state)``."""
     pid_b = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     size = dim * NSTATE
@@ -255,12 +236,7 @@ def _selective_scan_chunk_output_kernel(
 ):
     """Forward phase 3, grid (channel blocks, chunks, batch): the chunk walked from the state entering it
     (``states``, ``(batch, n_chunks, dim, state)``), ``y_t = (C_t . h_t + D u_t) silu(z_t)`` stored per token."""
-    pid_d, pid_c, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    start = pid_c * CHUNK
-    end = tl.minimum(start + CHUNK, length)
-    offs_n = tl.arange(0, BLOCK_N)
-    mask_n = offs_n < NSTATE
-    row = pid_b * n_chunks + pid_c
+    pid_d, pid_b, start, end, row, offs_n, mask_n = _program(length, n_chunks, CHUNK, BLOCK_N, NSTATE)
     b_base = B_ptr + pid_b * s_B_b + offs_n * s_B_n
     c_base = C_ptr + pid_b * s_C_b + offs_n * s_C_n
     for j in range(D_STEPS):
@@ -295,9 +271,9 @@ def _selective_scan_chunk_output_kernel(
 
 @triton.jit
 def _sum_over_channels(x, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Row sums of a (BLOCK_N, BLOCK_D) tile scattered over its columns by a reduce-scatter (docs/kernels.md):
-    ``(s, rows, own)``, (max(1, BLOCK_N / BLOCK_D), BLOCK_D) tiles, ``s[k, j]`` the sum of row ``rows[k, j]``,
-    ``own`` one column per row. Constexpr arithmetic stays inline: a name assigned one would make it a tensor."""
+    """Row sums of a (BLOCK_N, BLOCK_D) tile by a reduce-scatter over its columns (docs/kernels.md): ``(s, rows,
+    own)``, (max(1, BLOCK_N / BLOCK_D), BLOCK_D) tiles, ``s[k, j]`` the sum of row ``rows[k, j]``, ``own`` one column
+    per row. Constexpr arithmetic stays inline (a name assigned one would make it a tensor)."""
     cols = tl.arange(0, BLOCK_D)
     base = cols * 0
     own = cols >= 0
@@ -342,17 +318,10 @@ def _selective_scan_chunk_bwd_kernel(
     SOFTPLUS: tl.constexpr, HAS_RESET: tl.constexpr, ACC: tl.constexpr,
     BLOCK_D: tl.constexpr, D_STEPS: tl.constexpr, BLOCK_N: tl.constexpr, CPT: tl.constexpr, EVEN_D: tl.constexpr,
 ):
-    """Backward phase 3, grid (channel blocks, chunks, batch): every gradient of one chunk from the state entering
-    it (``states``) and the adjoint reaching its end (``lam``), in two walks (docs/kernels.md), ``w`` a ``(batch,
-    length, dim)`` scratch; the chunk's share of ``dA`` into ``(batch, n_chunks, dim, state)``, of ``dD`` and ``d
-    delta_bias`` into ``(batch, n_chunks, dim)``. Sums over states weighted by ``A`` use ``A2 = A log2(e)``, then
-    times ``ln 2``."""
-    pid_d, pid_c, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    start = pid_c * CHUNK
-    end = tl.minimum(start + CHUNK, length)
-    offs_n = tl.arange(0, BLOCK_N)
-    mask_n = offs_n < NSTATE
-    row = pid_b * n_chunks + pid_c
+    """Backward phase 3, grid (channel blocks, chunks, batch): every gradient of one chunk from ``states`` and the
+    adjoint reaching its end (``lam``), in two walks (docs/kernels.md), ``w`` a ``(batch, length, dim)`` scratch;
+    per-chunk ``dA`` ``(batch, n_chunks, dim, state)``, ``dD``, ``d delta_bias`` ``(batch, n_chunks, dim)``."""
+    pid_d, pid_b, start, end, row, offs_n, mask_n = _program(length, n_chunks, CHUNK, BLOCK_N, NSTATE)
     b_base = B_ptr + pid_b * s_B_b + offs_n * s_B_n
     c_base = C_ptr + pid_b * s_C_b + offs_n * s_C_n
     dbc_base = pid_b * length * NSTATE  # dB, dC: (batch, length, state)
@@ -461,8 +430,7 @@ def _strides3(t):
 
 def _config(config, u, nstate) -> SelectiveScanConfig:
     """``config`` (default :func:`selective_scan_config`) checked: powers of 2, ``d_steps >= 1``."""
-    if config is None:
-        config = selective_scan_config(device_arch(u.device), u.dtype, nstate)
+    config = config or selective_scan_config(device_arch(u.device), u.dtype, nstate)
     for name in ("chunk", "fwd_block_d", "bwd_block_d", "carry_block", "carry_chunks"):
         value = getattr(config, name)
         if value < 1 or value & (value - 1):
@@ -487,9 +455,9 @@ def _tiles(config, dim, backward):
                 EVEN_D=dim % (block_d * d_steps) == 0, num_warps=warps)
 
 
-def _token_major(batch, dim, length, dtype, device):
-    """A (batch, dim, length) view of a new (batch, length, dim) tensor: the layout the model consumes."""
-    return torch.empty(batch, length, dim, dtype=dtype, device=device).transpose(1, 2)
+def _token_major(like):
+    """A new tensor like ``like`` (batch, dim, length), a view of a (batch, length, dim) one: the model's layout."""
+    return like.new_empty(like.shape[0], like.shape[2], like.shape[1]).transpose(1, 2)
 
 
 def _vectors(x, dtype):
@@ -501,9 +469,8 @@ def _vectors(x, dtype):
 
 
 def _setup(u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, reset, config, backward):
-    """What both passes launch with: the checked config, the accumulation dtype's ``kw`` (dtype, device), ``D``,
-    ``delta_bias`` and ``reset`` as the kernels index them, ``B`` and ``C`` by :func:`_vectors`, the per-chunk
-    kernels' grid and their constants but ``HAS_Z``. Raises ``ValueError`` as :func:`selective_scan_triton_fwd`."""
+    """Both passes' launch inputs: the checked config, ``kw`` (accumulation dtype, device), ``D``, ``delta_bias``,
+    ``reset``, ``B``, ``C`` as the kernels index them, the per-chunk grid and constants but ``HAS_Z``, ``HAS_D``."""
     batch, dim, length = u.shape
     nstate = A.shape[1]
     config = _config(config, u, nstate)
@@ -523,97 +490,73 @@ def _setup(u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, r
     return config, kw, D, delta_bias, reset, _vectors(B, kw["dtype"]), _vectors(C, kw["dtype"]), grid, flags
 
 
-def _summaries(kernel, x, delta, A, V, z, bias, reset, kw, grid, flags):
-    """Phase 1 (:func:`_summary`, by ``kernel``): each chunk's summary ``(batch, n_chunks, dim, state)``, its sum
-    of dt ``(batch, n_chunks, dim)`` and whether a document starts in it (``(batch, n_chunks)`` int8, or None)."""
+def _carry(kernel, x, delta, A, V, z, bias, reset, x0, kw, grid, flags, config):
+    """Phases 1 and 2 of a pass: each chunk's summary by ``kernel``, then :func:`_selective_scan_carry_kernel` from
+    ``x0`` (None: zero). Returns the ``x`` entering each chunk (backward: reaching its end), ``(batch, n_chunks, dim,
+    state)``, the last ``x``, ``(batch, dim, state)``, and each chunk's sum of dt, ``(batch, n_chunks, dim)``."""
     batch, dim, length = x.shape
-    n_chunks = grid[1]
-    out = torch.empty(batch, n_chunks, dim, A.shape[1], **kw)
-    dtsum = torch.empty(batch, n_chunks, dim, **kw)
+    n_chunks, nstate, reverse = grid[1], A.shape[1], kernel is _selective_scan_chunk_adjoint_kernel
+    vals, dtsum = torch.empty(batch, n_chunks, dim, nstate, **kw), torch.empty(batch, n_chunks, dim, **kw)
     flag = torch.empty(batch, n_chunks, dtype=torch.int8, device=x.device) if reset is not None else None
     launch(kernel)[grid](
-        x, delta, A, V, z, bias, reset, out, dtsum, flag,
+        x, delta, A, V, z, bias, reset, vals, dtsum, flag,
         *_strides3(x), *_strides3(delta), A.stride(0), A.stride(1), *_strides3(V), *_strides3(z),
-        dim, length, n_chunks, REVERSE=kernel is _selective_scan_chunk_adjoint_kernel, HAS_Z=z is not None, **flags)
-    return out, dtsum, flag
-
-
-def _scan_chunks(x0, vals, dtsum, flag, A, reverse, acc_tl, config):
-    """Phase 2 (:func:`_selective_scan_carry_kernel`): the ``x`` entering each chunk, ``(batch, n_chunks, dim,
-    state)``, and the last ``x``, ``(batch, dim, state)``."""
-    batch, n_chunks, dim, nstate = vals.shape
-    out = torch.empty_like(vals)
-    final = torch.empty(batch, dim, nstate, dtype=vals.dtype, device=vals.device)
+        dim, length, n_chunks, REVERSE=reverse, HAS_Z=z is not None, **flags)
+    out, final = torch.empty_like(vals), torch.empty(batch, dim, nstate, **kw)
     launch(_selective_scan_carry_kernel)[(batch, triton.cdiv(dim * nstate, config.carry_block))](
-        x0, vals, dtsum, flag, A, out, final, A.stride(0), A.stride(1), dim, n_chunks,
-        NSTATE=nstate, HAS_X0=x0 is not None, REVERSE=reverse, HAS_RESET=flag is not None, ACC=acc_tl,
-        BLOCK=config.carry_block, BLOCK_C=min(config.carry_chunks, triton.next_power_of_2(n_chunks)),
-        num_warps=config.carry_warps, num_stages=config.num_stages)
-    return out, final
+        None if x0 is None else x0.to(kw["dtype"]).contiguous(), vals, dtsum, flag, A, out, final, A.stride(0),
+        A.stride(1), dim, n_chunks, NSTATE=nstate, HAS_X0=x0 is not None, REVERSE=reverse,
+        HAS_RESET=flag is not None, ACC=flags["ACC"], BLOCK=config.carry_block,
+        BLOCK_C=min(config.carry_chunks, triton.next_power_of_2(n_chunks)), num_warps=config.carry_warps,
+        num_stages=config.num_stages)
+    return out, final, dtsum
 
 
 def selective_scan_triton_fwd(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
                               initial_state=None, reset=None, save_states=True, config=None):
     """The Triton body of ``hf_densessm::selective_scan``, no checks: :func:`_selective_scan_chunk_state_kernel`,
-    :func:`_selective_scan_carry_kernel`, :func:`_selective_scan_chunk_output_kernel`.
-
-    Args:
-        u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, reset: as
-            :func:`hf_densessm.ops.selective_scan` (``reset`` bool or None), any strides (token-major views, channel
-            stride 1, are read coalesced).
-        save_states: return the state entering each chunk, which :func:`selective_scan_triton_bwd` starts from.
-        config: a :class:`SelectiveScanConfig` (default :func:`selective_scan_config`); the backward pass must
-            be given the same ``chunk``.
+    :func:`_selective_scan_carry_kernel`, :func:`_selective_scan_chunk_output_kernel`. Arguments as
+    :func:`hf_densessm.ops.selective_scan` (``reset`` bool or None; any strides, token-major views read coalesced),
+    plus ``save_states`` (return the states entering the chunks, which the backward starts from) and ``config`` (a
+    :class:`SelectiveScanConfig`, default :func:`selective_scan_config`; the backward must get the same ``chunk``).
 
     Returns:
         ``(y, last_state, chunk_states)``: ``y`` (batch, dim, length) in ``u``'s dtype, a view of a token-major
-        (batch, length, dim) tensor; ``last_state`` (batch, dim, state) and ``chunk_states`` (batch, n_chunks, dim,
-        state) in float32 (float64 for float64 inputs), contiguous; ``n_chunks = ceil(length / config.chunk)``, or
-        0 without ``save_states``.
+        tensor; ``last_state`` (batch, dim, state) and ``chunk_states`` (batch, n_chunks, dim, state), contiguous, in
+        float32 (float64 for float64 inputs); ``n_chunks = ceil(length / config.chunk)``, 0 without ``save_states``.
 
     Raises:
-        ValueError: a power-of-2 field of ``config`` is not one, a ``d_steps`` is < 1, or the length needs more
-        than :data:`MAX_CHUNKS` chunks.
+        ValueError: a power-of-2 field of ``config`` is not one, a ``d_steps`` < 1, over :data:`MAX_CHUNKS` chunks.
     """
     batch, dim, length = u.shape
     config, kw, D, delta_bias, reset_k, Bv, Cv, grid, flags = _setup(
         u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, reset, config, backward=False)
-    h0 = None if initial_state is None else initial_state.to(kw["dtype"]).contiguous()
-    # 1. each chunk's end state from a zero state; 2. the states entering the chunks, and the last state
-    ends, dtsum, flag = _summaries(_selective_scan_chunk_state_kernel, u, delta, A, Bv, None, delta_bias, reset_k, kw,
-                                   grid, flags)
-    states, last_state = _scan_chunks(h0, ends, dtsum, flag, A, False, flags["ACC"], config)
-    # 3. the outputs, token-major
-    y = _token_major(batch, dim, length, u.dtype, u.device)
+    states, last_state, _ = _carry(_selective_scan_chunk_state_kernel, u, delta, A, Bv, None, delta_bias, reset_k,
+                                   initial_state, kw, grid, flags, config)
+    y = _token_major(u)
     launch(_selective_scan_chunk_output_kernel)[grid](
         u, delta, A, Bv, Cv, D, z, delta_bias, reset_k, states, y,
         *_strides3(u), *_strides3(delta), A.stride(0), A.stride(1), *_strides3(Bv), *_strides3(Cv), *_strides3(z),
         *_strides3(y), dim, length, grid[1], HAS_D=D is not None, HAS_Z=z is not None, **flags)
-    if not save_states:
-        states = torch.empty(batch, 0, dim, A.shape[1], **kw)
-    return y, last_state, states
+    return y, last_state, states if save_states else torch.empty(batch, 0, dim, A.shape[1], **kw)
 
 
 def selective_scan_triton_bwd(dy, dlast, u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
                               initial_state=None, reset=None, chunk_states=None, config=None):
-    """The Triton body of ``hf_densessm::selective_scan_backward``, recomputation from the chunk entry states:
-    :func:`_selective_scan_chunk_adjoint_kernel`, :func:`_selective_scan_carry_kernel` (reverse),
-    :func:`_selective_scan_chunk_bwd_kernel`.
-
-    Args:
-        dy: (batch, dim, length) gradient of ``y``, dlast: (batch, dim, state) of ``last_state``, None for zero.
-        u, ..., reset, config: the forward pass's; chunk_states: (batch, n_chunks, dim, state) it returned.
+    """The Triton body of ``hf_densessm::selective_scan_backward``, recomputing from the chunk entry states:
+    :func:`_selective_scan_chunk_adjoint_kernel`, :func:`_selective_scan_carry_kernel`,
+    :func:`_selective_scan_chunk_bwd_kernel`. ``dy`` (batch, dim, length) and ``dlast`` (batch, dim, state): the
+    gradients of ``y`` and ``last_state`` (None: zero); the other arguments the forward pass's, ``chunk_states``
+    (batch, n_chunks, dim, state) what it returned.
 
     Returns:
-        ``(du, ddelta, dA, dB, dC, dD, dz, ddelta_bias, dinitial_state)``, each in the dtype of its input; ``du``,
-        ``ddelta``, ``dz`` (batch, dim, length) and ``dB``, ``dC`` (batch, state, length) are views of token-major
-        tensors; ``dD``, ``dz``, ``ddelta_bias`` are None when ``D``, ``z``, ``delta_bias`` are;
-        ``dinitial_state`` is float32 (float64) when ``initial_state`` is None. ``dB``, ``dC``: atomic adds, last
-        bits may vary between runs.
+        ``(du, ddelta, dA, dB, dC, dD, dz, ddelta_bias, dinitial_state)``, each in its input's dtype (None for an
+        absent ``D``, ``z``, ``delta_bias``; float32 (float64) for an absent ``initial_state``); ``du``, ``ddelta``,
+        ``dz``, ``dB``, ``dC`` views of token-major tensors, ``dB``, ``dC`` by atomic adds (last bits vary).
 
     Raises:
-        ValueError: as :func:`selective_scan_triton_fwd` for ``config``, or ``chunk_states`` does not hold
-        ``ceil(length / config.chunk)`` chunks (e.g. a forward pass without ``save_states``).
+        ValueError: as :func:`selective_scan_triton_fwd`, or ``chunk_states`` does not hold ``ceil(length /
+        config.chunk)`` chunks (e.g. a forward pass without ``save_states``).
     """
     batch, dim, length = u.shape
     nstate = A.shape[1]
@@ -624,16 +567,9 @@ def selective_scan_triton_bwd(dy, dlast, u, delta, A, B, C, D=None, z=None, delt
         raise ValueError(f"chunk_states must hold the {n_chunks} chunk states of a forward pass with save_states=True "
                          f"and chunk {config.chunk}, got {None if chunk_states is None else tuple(chunk_states.shape)}")
     dy = torch.zeros(batch, dim, length, **kw) if dy is None else dy
-    dlast = None if dlast is None else dlast.to(kw["dtype"]).contiguous()
-    # 1. each chunk's adjoint sent out of its start from a zero adjoint at its end; 2. the adjoints reaching the
-    # chunks' ends, and d initial_state
-    mu, dtsum, flag = _summaries(_selective_scan_chunk_adjoint_kernel, dy, delta, A, Cv, z, bias_k, reset_k, kw,
-                                 grid, flags)
-    lam, dh0 = _scan_chunks(dlast, mu, dtsum, flag, A, True, flags["ACC"], config)
-    # 3. every gradient
-    du = _token_major(batch, dim, length, u.dtype, u.device)
-    ddelta = _token_major(batch, dim, length, delta.dtype, u.device)
-    dz = _token_major(batch, dim, length, z.dtype, u.device) if z is not None else None
+    lam, dh0, dtsum = _carry(_selective_scan_chunk_adjoint_kernel, dy, delta, A, Cv, z, bias_k, reset_k, dlast, kw,
+                             grid, flags, config)
+    du, ddelta, dz = (None if t is None else _token_major(t) for t in (u, delta, z))
     dB, dC = torch.zeros(batch, length, nstate, **kw), torch.zeros(batch, length, nstate, **kw)
     dA = torch.empty(batch, n_chunks, dim, nstate, **kw)
     dD, dbias = torch.empty(batch, n_chunks, dim, **kw), torch.empty(batch, n_chunks, dim, **kw)
@@ -643,10 +579,7 @@ def selective_scan_triton_bwd(dy, dlast, u, delta, A, B, C, D=None, z=None, delt
         *_strides3(u), *_strides3(delta), A.stride(0), A.stride(1), *_strides3(Bv), *_strides3(Cv), *_strides3(z),
         *_strides3(dy), *_strides3(du), *_strides3(ddelta), *_strides3(dz),
         dim, length, n_chunks, HAS_D=D is not None, HAS_Z=z is not None, **flags)
-
-    def cast(g, like):
-        return None if g is None else g.to(like.dtype) if like is not None else g
-
-    return (du, ddelta, cast(dA.sum((0, 1)), A), cast(dB, B).transpose(1, 2), cast(dC, C).transpose(1, 2),
-            None if D is None else cast(dD.sum((0, 1)), D), dz,
-            None if delta_bias is None else cast(dbias.sum((0, 1)), delta_bias), cast(dh0, initial_state))
+    return (du, ddelta, dA.sum((0, 1)).to(A.dtype), dB.to(B.dtype).transpose(1, 2), dC.to(C.dtype).transpose(1, 2),
+            None if D is None else dD.sum((0, 1)).to(D.dtype), dz,
+            None if delta_bias is None else dbias.sum((0, 1)).to(delta_bias.dtype),
+            dh0 if initial_state is None else dh0.to(initial_state.dtype))

@@ -1,9 +1,6 @@
-"""The selective scan in vectorized PyTorch (Mamba paper, Algorithm 2, eq. 2a/2b and 4), chunked over the length, with
-a hand-written recompute backward (docs/kernels.md, "The PyTorch path of the scan"; ground truth ``naive.py``).
-Traceable by ``torch.compile``. Accumulation in float32 (float64 for float64 inputs).
+"""The selective scan in vectorized PyTorch (Mamba paper, Algorithm 2), chunked over the length, with a hand-written
+recompute backward, traceable by ``torch.compile`` (docs/kernels.md, "The PyTorch path of the scan").
 """
-
-from __future__ import annotations
 
 import math
 
@@ -13,7 +10,7 @@ import torch.nn.functional as F
 from ..backend import compute_dtype, inputs_compute_dtype
 
 __all__ = [
-    "default_chunk_size", "discretize_delta", "selective_scan_torch_bwd", "selective_scan_torch_fwd",
+    "default_chunk_size", "selective_scan_torch_bwd", "selective_scan_torch_fwd",
     "selective_state_update_torch",
 ]
 
@@ -22,18 +19,18 @@ _BWD_BLOCK_ELEMENTS = 1 << 24
 
 
 def default_chunk_size(length: int) -> int:
-    """Chunk size of the chunked reference: about ``sqrt(length)`` (balances the in-chunk and the
-    across-chunk Python steps), at least 8 and at most ``length``, so a short prefill is one chunk."""
+    """Tokens per chunk: about ``sqrt(length)`` (balances the in-chunk and across-chunk Python steps), at least 8
+    and at most ``length``."""
     return max(1, min(length, max(8, int(round(math.sqrt(length))))))
 
 
-def discretize_delta(delta: torch.Tensor, delta_bias: torch.Tensor | None, softplus: bool, dtype: torch.dtype):
-    """``dt = softplus(delta + delta_bias)`` (bias and softplus optional; Mamba paper eq. 4's ``Delta``) in
-    ``dtype``, differentiable: ``delta`` (batch, dim, length), ``delta_bias`` (dim,) or None."""
-    dt = delta.to(dtype)
-    if delta_bias is not None:
-        dt = dt + delta_bias.to(dtype)[:, None]
-    return F.softplus(dt) if softplus else dt
+def _prepare(u, delta, A, B, C, D, z, delta_bias, initial_state, reset, chunk_size):
+    """What both passes start from: the compute dtype, ``delta + delta_bias`` in it (before the softplus), the
+    chunk length (default :func:`default_chunk_size`) and ``keep`` (:func:`_scan_fwd`)."""
+    cdt = inputs_compute_dtype(u, delta, A, B, C, D, z, delta_bias, initial_state)
+    dt = delta.to(cdt) if delta_bias is None else delta.to(cdt) + delta_bias.to(cdt)[:, None]
+    keep = None if reset is None else (~reset.bool())[:, None, :].to(cdt)
+    return cdt, dt, max(1, min(int(chunk_size or default_chunk_size(u.shape[-1])), u.shape[-1])), keep
 
 
 def _empty_chunks(chunk_size: int, bc: int, k: int, **kw) -> torch.Tensor:
@@ -74,8 +71,7 @@ def _chunked_inputs(u, dt, A, B, C, keep, T, nc):
 
 
 def _decay(dt_c, At, keep_c, t, out):
-    """``exp(dt_t A)`` of step ``t`` into ``out`` (bc, state, dim), zeroed for the rows whose token starts a
-    document (``keep_c`` (T, bc, 1), 0 there; ``None`` when nothing is reset)."""
+    """``exp(dt_t A)`` of step ``t`` into ``out`` (bc, state, dim), times ``keep_c`` (T, bc, 1) unless None."""
     torch.mul(dt_c[t][:, None, :], At, out=out).exp_()
     if keep_c is not None:
         out.mul_(keep_c[t][:, :, None])
@@ -91,11 +87,8 @@ def _chunk_decay(dt_c, At, keep_c, batch, nc):
 
 
 def _scan_fwd(u, dt, A, B, C, D, z, initial_state, chunk_size, keep=None):
-    """Chunked forward scan with the D skip and the gate: ``u, z`` (batch, dim, length), ``dt`` the same, discretized,
-    in the compute dtype, ``A`` (dim, state), ``B, C`` (batch, state, length), ``D`` (dim,), ``initial_state``
-    (batch, dim, state) (``D, z, initial_state`` may be None), ``keep`` (batch, 1, length), 0 where a token starts
-    a document, or None. Returns ``y`` (batch, dim, length), ``last_state`` (batch, dim, state) and the chunk entry
-    states (batch, n_chunks, state, dim), in the compute dtype."""
+    """:func:`selective_scan_torch_fwd` from ``dt`` discretized and ``keep`` (batch, 1, length), 0 where a document
+    starts, or None; ``(y, last_state, entry)`` in the compute dtype."""
     batch, dim, length = u.shape
     n, T = A.shape[1], chunk_size
     nc = -(-length // T)
@@ -137,10 +130,8 @@ def _scan_fwd(u, dt, A, B, C, D, z, initial_state, chunk_size, keep=None):
 
 
 def _scan_bwd(u, dt, A, B, C, D, z, entry, gout, glast, chunk_size, keep=None):
-    """Gradients of :func:`_scan_fwd` for one block of channels, given ``gout`` (batch, dim, length) and ``glast``
-    (batch, dim, state) (None: zero). Returns, in the compute dtype, ``du, ddt`` (batch, dim, length), ``dA`` (dim,
-    state), ``dB, dC`` (batch, state, length), ``dD`` (dim,) or None, ``dz`` (batch, dim, length) or None,
-    ``dinitial`` (batch, dim, state)."""
+    """Gradients of :func:`_scan_fwd` for one block of channels from ``gout`` and ``glast`` (None: zero): ``du, ddt,
+    dA, dB, dC, dD, dz, dinitial`` in the compute dtype, ``dD``, ``dz`` None without ``D``, ``z``."""
     cdt = dt.dtype
     batch, dim, length = u.shape
     n, T, nc = A.shape[1], chunk_size, entry.shape[1]
@@ -217,75 +208,52 @@ def _scan_bwd(u, dt, A, B, C, D, z, entry, gout, glast, chunk_size, keep=None):
     return du, ddt, dA, dB, dC, dD, dz, dinitial
 
 
-def _chunk_size(length: int, chunk_size: int | None) -> int:
-    return max(1, min(int(chunk_size or default_chunk_size(length)), length))
-
-
 def selective_scan_torch_fwd(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
                              initial_state=None, reset=None, chunk_size=None):
-    """Forward pass of the selective scan in chunked PyTorch (Mamba paper, Algorithm 2, eq. 2a/2b and 4), the
-    PyTorch body of ``hf_densessm::selective_scan``, no checks: arguments as :func:`hf_densessm.ops.selective_scan`
-    (any float dtypes; ``reset`` bool or None), plus ``chunk_size``, tokens per chunk (default
-    :func:`default_chunk_size`; speed only; the backward takes the same).
+    """The PyTorch body of ``hf_densessm::selective_scan``, no checks: arguments as
+    :func:`hf_densessm.ops.selective_scan` (any float dtypes; ``reset`` bool or None), plus ``chunk_size``, tokens
+    per chunk (default :func:`default_chunk_size`; the backward takes the same).
 
     Returns:
         ``(y, last_state, entry)``: ``y`` (batch, dim, length) in ``u``'s dtype; ``last_state`` (batch, dim, state)
-        and ``entry``, the state entering each chunk, (batch, n_chunks, state, dim), both in the compute dtype
-        (float32, float64 when an input is float64). No autograd graph (the backward is
-        :func:`selective_scan_torch_bwd`).
+        and ``entry``, the state entering each chunk, (batch, n_chunks, state, dim), in the compute dtype (float32,
+        float64 when an input is float64). No autograd graph (the backward is :func:`selective_scan_torch_bwd`).
     """
-    cdt = inputs_compute_dtype(u, delta, A, B, C, D, z, delta_bias, initial_state)
-    dt = discretize_delta(delta, delta_bias, delta_softplus, cdt)
-    chunk_size = _chunk_size(u.shape[-1], chunk_size)
-    keep = None if reset is None else (~reset.bool())[:, None, :].to(cdt)
-    y, last_state, entry = _scan_fwd(u, dt, A, B, C, D, z, initial_state, chunk_size, keep)
+    _, dt, T, keep = _prepare(u, delta, A, B, C, D, z, delta_bias, initial_state, reset, chunk_size)
+    y, last_state, entry = _scan_fwd(u, F.softplus(dt) if delta_softplus else dt, A, B, C, D, z, initial_state, T, keep)
     return y.to(u.dtype), last_state, entry
 
 
 def selective_scan_torch_bwd(dy, dlast, u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
                              initial_state=None, reset=None, entry=None, chunk_size=None):
-    """Backward pass of :func:`selective_scan_torch_fwd` (the adjoint recurrence of docs/kernels.md), the PyTorch
-    body of ``hf_densessm::selective_scan_backward``, from ``dy`` (batch, dim, length) and ``dlast`` (batch, dim,
-    state) (None: zero), the forward pass's arguments and ``chunk_size``, and the ``entry`` it returned.
+    """The PyTorch body of ``hf_densessm::selective_scan_backward`` (docs/kernels.md) from ``dy`` (batch, dim,
+    length) and ``dlast`` (batch, dim, state) (None: zero), the forward pass's arguments and the ``entry`` it returned.
 
     Returns:
-        ``(du, ddelta, dA, dB, dC, dD, dz, ddelta_bias, dinitial_state)``, each in the dtype of its input (``dD``,
-        ``dz``, ``ddelta_bias`` are None when ``D``, ``z``, ``delta_bias`` are; ``dinitial_state`` is in the
-        compute dtype when ``initial_state`` is None). ``ddelta`` includes the softplus and the bias.
+        ``(du, ddelta, dA, dB, dC, dD, dz, ddelta_bias, dinitial_state)``, each in its input's dtype (None for an
+        absent ``D``, ``z``, ``delta_bias``; the compute dtype for an absent ``initial_state``).
 
     Raises:
         ValueError: ``entry`` does not have the forward pass's number of chunks for this ``chunk_size``.
     """
-    cdt = inputs_compute_dtype(u, delta, A, B, C, D, z, delta_bias, initial_state)
+    cdt, dt_raw, T, keep = _prepare(u, delta, A, B, C, D, z, delta_bias, initial_state, reset, chunk_size)
     batch, dim, length = u.shape
     n = A.shape[1]
-    T = _chunk_size(length, chunk_size)
     if entry is None or entry.shape[1] != -(-length // T):
         raise ValueError(f"entry must hold the {-(-length // T)} chunk states of the forward pass with chunk_size={T}, "
                          f"got {None if entry is None else tuple(entry.shape)}")
-    dt_raw = discretize_delta(delta, delta_bias, False, cdt)
     dt = F.softplus(dt_raw) if delta_softplus else dt_raw
-    keep = None if reset is None else (~reset.bool())[:, None, :].to(cdt)
     entry = entry.to(cdt)
     block = max(1, min(dim, _BWD_BLOCK_ELEMENTS // max(1, batch * entry.shape[1] * T * n)))
-    kw = dict(dtype=cdt, device=u.device)
-    du, ddt = torch.empty(batch, dim, length, **kw), torch.empty(batch, dim, length, **kw)
-    dA = torch.empty(dim, n, **kw)
-    dB, dC = torch.zeros(batch, n, length, **kw), torch.zeros(batch, n, length, **kw)
-    dD = None if D is None else torch.empty(dim, **kw)
-    dz = None if z is None else torch.empty(batch, dim, length, **kw)
-    dinitial = torch.empty(batch, dim, n, **kw)
-    for d0 in range(0, dim, block):
-        s = slice(d0, d0 + block)
-        g = _scan_bwd(u[:, s], dt[:, s], A[s], B, C, None if D is None else D[s], None if z is None else z[:, s],
-                      entry[..., s], None if dy is None else dy[:, s], None if dlast is None else dlast[:, s], T, keep)
-        du[:, s], ddt[:, s], dA[s], dinitial[:, s] = g[0], g[1], g[2], g[7]
-        dB += g[3]
-        dC += g[4]
-        if D is not None:
-            dD[s] = g[5]
-        if z is not None:
-            dz[:, s] = g[6]
+    parts = []
+    for s in (slice(d0, d0 + block) for d0 in range(0, dim, block)):
+        parts.append(_scan_bwd(u[:, s], dt[:, s], A[s], B, C, None if D is None else D[s], None if z is None else
+                               z[:, s], entry[..., s], None if dy is None else dy[:, s],
+                               None if dlast is None else dlast[:, s], T, keep))
+    # per block: du, ddt (dim 1), dA (0), dB, dC (summed), dD (0), dz (1), dinitial (1)
+    du, ddt, dA, dB, dC, dD, dz, dinitial = (
+        None if p[0] is None else sum(p) if i in (3, 4) else torch.cat(p, 0 if i in (2, 5) else 1)
+        for i, p in enumerate(zip(*parts)))
     ddelta = ddt.mul_(torch.sigmoid(dt_raw)) if delta_softplus else ddt  # d softplus(x)/dx = sigmoid(x)
     dbias = None if delta_bias is None else ddelta.sum((0, 2))
     likes = (u, delta, A, B, C, D, z, delta_bias, initial_state)

@@ -1,6 +1,5 @@
-"""Fused Triton decode step of the selective SSM (Mamba paper eq. 2a/2b in recurrent mode), the state updated in
-place, in float32 (float64 for a float64 state): the Triton body of ``hf_densessm::selective_state_update``.
-"""
+"""Fused Triton decode step of the selective SSM (Mamba paper eq. 2a/2b, recurrent mode): the Triton body of
+``hf_densessm::selective_state_update``."""
 
 from __future__ import annotations
 

@@ -1,8 +1,4 @@
-"""The selective scan token by token in float64 (Mamba paper Alg. 2; eq. 2a/2b, discretized as eq. 4 as the authors'
-code does: ZOH for ``A``, Euler for ``B``): the ground truth of the tests.
-"""
-
-from __future__ import annotations
+"""The selective scan token by token in float64 (Mamba paper Alg. 2): the ground truth of the tests."""
 
 import torch
 import torch.nn.functional as F
@@ -12,21 +8,14 @@ __all__ = ["selective_scan_naive"]
 
 def selective_scan_naive(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False, initial_state=None,
                          reset=None):
-    """Selective scan token by token in float64 (Mamba paper Algorithm 2, eq. 2a, 2b, 4)::
+    """Selective scan token by token in float64 (Mamba paper Alg. 2, eq. 2a, 2b, 4: ZOH for ``A``, Euler for ``B``)::
 
         dt_t = softplus(delta_t + delta_bias)                 (bias and softplus optional)
         h_t  = exp(dt_t * A) * h_{t-1} + dt_t * B_t * u_t     (h_0 = initial_state or 0)
         y_t  = (sum_n C_{t,n} h_{t,n} + D * u_t) * silu(z_t)  (D and z optional)
 
-    Args:
-        u, delta: (batch, dim, length), any float dtype. A: (dim, state). B, C: (batch, state, length).
-        D, delta_bias: (dim,) or None. z: (batch, dim, length) or None. delta_softplus: apply softplus.
-        initial_state: (batch, dim, state) or None (zeros).
-        reset: (batch, length) bool or None: True where a packed document starts, ``h_{t-1}`` taken as 0 there.
-
-    Returns:
-        ``(y, last_state)``: (batch, dim, length) and (batch, dim, state), both float64, differentiable.
-        No argument checks (a test reference; :func:`hf_densessm.ops.selective_scan` checks).
+    Arguments as :func:`hf_densessm.ops.selective_scan` (any float dtypes; ``reset`` bool or None), unchecked.
+    Returns ``(y, last_state)``: (batch, dim, length) and (batch, dim, state), float64, differentiable.
     """
     u, delta, A, B, C = (t.double() for t in (u, delta, A, B, C))
     dt = delta + (delta_bias.double()[:, None] if delta_bias is not None else 0.0)
