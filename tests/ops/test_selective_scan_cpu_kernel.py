@@ -415,9 +415,14 @@ def test_kernel_tasks_run_on_torch_openmp_threads(enabled):
     library must hold an OpenMP parallel region and share PyTorch's one ``libgomp`` (one thread pool)."""
     if not cpu_kernel.openmp_flags():
         pytest.skip("ATen's parallel backend is not OpenMP on Linux: at::parallel_for needs no flag")
-    libraries = [Path(p) for p in torch.ops.loaded_libraries if "hf_densessm_scan_cpu_" in os.path.basename(p)]
-    libraries = [p for p in libraries if p.is_file()]  # (other tests build and delete libraries in tmp folders)
-    assert libraries and all(b"GOMP_parallel" in p.read_bytes() for p in libraries)
+    from torch.utils import cpp_extension
+
+    capability = torch.backends.cpu.get_cpu_capability()  # the library load_kernel published in the cache
+    flags = cpu_kernel.capability_flags(capability) + cpu_kernel.openmp_flags()
+    name = cpu_kernel.extension_name(cpu_kernel.SOURCE.read_text(), capability, torch.__version__, flags)
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
+    library = Path(root) / name / f"{name}{cpp_extension.LIB_EXT}"
+    assert library.is_file() and b"GOMP_parallel" in library.read_bytes()
     mapped = {line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines()
               if os.path.basename(line.split()[-1]).startswith(("libgomp", "libiomp", "libomp"))}
     assert len(mapped) == 1, mapped
