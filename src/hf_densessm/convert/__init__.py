@@ -14,7 +14,7 @@ import torch
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 from safetensors import safe_open
 from torch import nn
-from transformers import MambaForCausalLM, PretrainedConfig
+from transformers import PretrainedConfig
 from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, WEIGHTS_INDEX_NAME, WEIGHTS_NAME, cached_file
 from transformers.utils.hub import get_checkpoint_shard_files
 
@@ -115,8 +115,13 @@ def read_tensors(src: str | os.PathLike, names: set[str]) -> dict[str, torch.Ten
     return tensors
 
 
-def _raise_mismatch(source: str, missing, unexpected, wrong) -> None:
-    """Raise one ``ValueError`` listing every missing name, unexpected name and shape mismatch, if there are any."""
+def _check_loading_info(info: dict, source: str, rename=lambda name: name, optional: set[str] = frozenset(),
+                        new: set[str] = frozenset()) -> None:
+    """One ``ValueError`` listing every missing name (but ``new`` ones), unexpected name (but ``optional`` ones) and
+    shape mismatch in ``from_pretrained``'s loading ``info``, names through ``rename``, if there are any."""
+    wrong = [f"{rename(n)}: {tuple(saved)}, expected {tuple(shape)}" for n, saved, shape in info["mismatched_keys"]]
+    unexpected = {rename(name) for name in info["unexpected_keys"]} - set(optional)
+    missing = [rename(name) for name in info["missing_keys"] if name not in new]
     problems = [
         f"{title} ({len(names)}):\n  " + "\n  ".join(names[:40])
         + (f"\n  ... and {len(names) - 40} more" if len(names) > 40 else "")
@@ -126,25 +131,6 @@ def _raise_mismatch(source: str, missing, unexpected, wrong) -> None:
     ]
     if problems:
         raise ValueError(f"The state dict of {source} does not match the model:\n" + "\n".join(problems))
-
-
-def _check_loading_info(info: dict, source: str, rename=lambda name: name, optional: set[str] = frozenset()) -> None:
-    """:func:`_raise_mismatch` on ``from_pretrained``'s loading info, names through ``rename``, ``optional`` allowed."""
-    wrong = [f"{rename(n)}: {tuple(saved)}, expected {tuple(shape)}" for n, saved, shape in info["mismatched_keys"]]
-    unexpected = {rename(name) for name in info["unexpected_keys"]} - set(optional)
-    _raise_mismatch(source, [rename(name) for name in info["missing_keys"]], unexpected, wrong)
-
-
-def check_state_dict(provided: dict[str, torch.Tensor], expected: dict[str, tuple[int, ...]], source: str,
-                     optional: frozenset[str] | set[str] = frozenset()) -> None:
-    """Check that ``provided`` has exactly the names of ``expected`` with those shapes (``optional`` names may be
-    present with any shape); else ``ValueError`` listing every problem, naming ``source``."""
-    wrong = [
-        f"{name}: {tuple(provided[name].shape)}, expected {tuple(shape)}"
-        for name, shape in expected.items()
-        if name in provided and tuple(provided[name].shape) != tuple(shape)
-    ]
-    _raise_mismatch(source, set(expected) - set(provided), set(provided) - set(expected) - set(optional), wrong)
 
 
 def _check_model_type(config: dict, allowed: tuple, source: str, expected_what: str) -> None:
@@ -190,18 +176,12 @@ def densemamba_from_mamba(src, **dense_kwargs) -> DenseMambaForCausalLM:
         raise ValueError("dense_selection='none' with dense_fusion='add' has no gate to close, so the converted model "
                          "could not start equal to the Mamba; use dense_selection='mlp' or 'linear' (or "
                          "dense_fusion='concat').")
-    if not isinstance(src, nn.Module):
-        src, info = MambaForCausalLM.from_pretrained(src, **_LOAD_KWARGS)
-        _check_loading_info(info, source)
-    state_dict = dict(src.state_dict())
-    if not any(name.startswith("backbone.") for name in state_dict):  # a MambaModel: add the CausalLM prefix
-        state_dict = {f"backbone.{name}": tensor for name, tensor in state_dict.items()}
-    model = DenseMambaForCausalLM(dense_config)
-    tied = dense_config.tie_word_embeddings
-    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()
-                if "dense" not in name and not (tied and name == "lm_head.weight")}
-    check_state_dict(state_dict, expected, source, optional={"lm_head.weight"} if tied else set())
-    model.load_state_dict({name: state_dict[name] for name in expected}, strict=False)
+    state_dict = None
+    if isinstance(src, nn.Module):  # copies (the result shares no tensor with src), under the CausalLM's names
+        prefix = "" if any(name.startswith("backbone.") for name in src.state_dict()) else "backbone."  # MambaModel
+        state_dict, src = {prefix + name: tensor.clone() for name, tensor in src.state_dict().items()}, None
+    model, info = DenseMambaForCausalLM.from_pretrained(src, config=dense_config, state_dict=state_dict, **_LOAD_KWARGS)
+    _check_loading_info(info, source, optional={"lm_head.weight"}, new={n for n in model.state_dict() if "dense" in n})
     if dense_config.dense_fusion == "add":
         for module in model.modules():
             if isinstance(module, DenseHiddenConnection):
@@ -276,6 +256,6 @@ def denseretnet_from_official(src: str | os.PathLike) -> DenseRetNetForCausalLM:
 
 
 __all__ = [
-    "DENSE_ARGUMENTS", "check_state_dict", "densemamba_from_mamba", "denseretnet_from_official",
+    "DENSE_ARGUMENTS", "densemamba_from_mamba", "denseretnet_from_official",
     "official_denseretnet_config", "official_denseretnet_name", "read_config", "read_tensors",
 ]

@@ -171,8 +171,8 @@ def check_cache(cache, config, batch: int) -> None:
         raise ValueError(f"`cache` was built for another model family (a {built_for} model, not {family}); {hint}.")
     for layer_idx, layer in enumerate(cache.layers):
         for kind in ("conv", "recurrent"):
-            filled = layer.is_conv_states_initialized if kind == "conv" else layer.is_recurrent_states_initialized
-            stray = [slot for slot, is_filled in filled.items() if is_filled and slot not in slots[kind]]
+            filled = getattr(layer, f"is_{kind}_states_initialized").items()
+            stray = [slot for slot, is_filled in filled if is_filled and slot not in slots[kind]]
             if stray:
                 raise ValueError(f"`cache` was built for another model family (layer {layer_idx} holds {kind} state "
                                  f"slot {stray[0]}, which a {family} model never fills); {hint}.")
@@ -181,9 +181,8 @@ def check_cache(cache, config, batch: int) -> None:
                         f"row, which place the rotary angles), got {type(cache).__name__}; {hint}.")
     expected = config.cache_shapes(batch)
     for layer_idx in range(len(cache.layers)):
-        for (kind, slot), shape in expected.items():  # the conv window is slot 0
-            state = conv_state(cache, layer_idx) if kind == "conv" else recurrent_state(cache, layer_idx, slot)
-            if state is not None and tuple(state.shape) != shape:
+        for (kind, slot), shape in expected.items():
+            if (state := cache_state(cache, layer_idx, kind, slot)) is not None and tuple(state.shape) != shape:
                 raise ValueError(f"`cache` holds a {kind} state of shape {tuple(state.shape)} in layer {layer_idx}, "
                                  f"but this model with batch size {batch} needs {shape} (a cache serves one batch "
                                  f"size); {hint}.")
@@ -208,7 +207,7 @@ def store_conv_inputs(cache: Cache, layer_idx: int, inputs: torch.Tensor, conv_k
     ``layer_idx``, keeping the last ``conv_kernel_size`` (transformers' ``update_conv_state``, handed whole windows
     so that it pads nothing); with gradients on, into a copy of the window; a recording :class:`DenseSSMCache` keeps
     the window before and ``inputs`` for its ``crop`` (docs/design.md §5)."""
-    layer, window, inputs = cache.layers[layer_idx], conv_state(cache, layer_idx), inputs.detach()
+    layer, window, inputs = cache.layers[layer_idx], cache_state(cache, layer_idx, "conv"), inputs.detach()
     if window is not None and torch.is_grad_enabled():
         layer.conv_states[0] = window = window.clone()
     recording = isinstance(cache, DenseSSMCache) and cache.recording
@@ -221,17 +220,10 @@ def store_conv_inputs(cache: Cache, layer_idx: int, inputs: torch.Tensor, conv_k
     cache.update_conv_state(inputs, layer_idx, conv_kernel_size=conv_kernel_size)
 
 
-def recurrent_state(cache: Cache | None, layer_idx: int, slot: int = 0) -> torch.Tensor | None:
-    """The recurrent state in ``slot`` of block ``layer_idx``, or ``None`` (no cache, or before the first update)."""
+def cache_state(cache: Cache | None, layer_idx: int, kind: str = "recurrent", slot: int = 0) -> torch.Tensor | None:
+    """The ``kind`` state (``"recurrent"``, or ``"conv"``: the window ``(batch, channels, conv_kernel)``) in ``slot``
+    of block ``layer_idx``, or ``None`` (no cache, or before the first update)."""
     if cache is None:
         return None
     layer = cache.layers[layer_idx]
-    return layer.recurrent_states[slot] if layer.is_recurrent_states_initialized[slot] else None
-
-
-def conv_state(cache: Cache | None, layer_idx: int) -> torch.Tensor | None:
-    """The conv window ``(batch, channels, conv_kernel)`` of block ``layer_idx``, or ``None`` (as above)."""
-    if cache is None:
-        return None
-    layer = cache.layers[layer_idx]
-    return layer.conv_states[0] if layer.is_conv_states_initialized[0] else None
+    return getattr(layer, f"{kind}_states")[slot] if getattr(layer, f"is_{kind}_states_initialized")[slot] else None

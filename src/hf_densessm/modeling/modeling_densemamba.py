@@ -17,7 +17,7 @@ from transformers.models.mamba.modeling_mamba import MambaCausalLMOutput, MambaO
 from ..configuration.configuration_densemamba import DenseMambaConfig
 from ..ops.causal_conv1d import causal_conv1d
 from ..ops.selective_scan import selective_scan, selective_state_update
-from .cache import conv_state, record_states, recurrent_state, store_conv_inputs, store_recurrent_state
+from .cache import cache_state, record_states, store_conv_inputs, store_recurrent_state
 from .cache_names import with_old_name
 from .dense_connection import build_dense_connection, init_dense_linear, split_dense_inputs
 from .modeling_densessm import (
@@ -46,10 +46,8 @@ class DenseMambaMixer(nn.Module):
         self.ssm_state_size = config.state_size
         self.conv_kernel_size = config.conv_kernel
         self.time_step_rank = config.time_step_rank
-        self.conv1d = nn.Conv1d(
-            self.intermediate_size, self.intermediate_size, config.conv_kernel, groups=self.intermediate_size,
-            padding=config.conv_kernel - 1, bias=config.use_conv_bias,
-        )
+        D, k = self.intermediate_size, config.conv_kernel
+        self.conv1d = nn.Conv1d(D, D, k, groups=D, padding=k - 1, bias=config.use_conv_bias)
         self.in_proj = nn.Linear(self.hidden_size, self.intermediate_size * 2, bias=config.use_bias)
         self.x_proj = nn.Linear(self.intermediate_size, self.time_step_rank + self.ssm_state_size * 2, bias=False)
         self.dt_proj = nn.Linear(self.time_step_rank, self.intermediate_size, bias=True)
@@ -70,7 +68,7 @@ class DenseMambaMixer(nn.Module):
         if decode:
             n = len(dense_inputs) // 4
             C_t = C[:, 0, :, None].to(torch.promote_types(C.dtype, torch.float32))
-            return [torch.bmm(recurrent_state(cache, self.layer_idx - i).to(C_t.dtype), C_t).transpose(1, 2)
+            return [torch.bmm(cache_state(cache, self.layer_idx - i).to(C_t.dtype), C_t).transpose(1, 2)
                     for i in range(1, n + 1)]
         us, dts, Bs, As, *initial = split_dense_inputs(dense_inputs, 5 if continuing else 4)
         initial = initial[0] if initial else [None] * len(us)
@@ -99,22 +97,20 @@ class DenseMambaMixer(nn.Module):
         z = z.transpose(1, 2)  # (batch, D, seq_len) view, the scan's layout
 
         # 2. causal depthwise convolution, continuing from the cached window of the last `conv_kernel` inputs
-        window = conv_state(cache, self.layer_idx)
+        window = cache_state(cache, self.layer_idx, "conv")
         previous_window = window.clone() if window is not None and keep is not None else None
         u = causal_conv1d(x, self.conv1d.weight, self.conv1d.bias, window, reset=reset, activation="silu")
         if cache is not None:
             store_conv_inputs(cache, self.layer_idx, x.transpose(1, 2), self.conv_kernel_size)
             if previous_window is not None:  # rows given only padding keep their window
                 padded_rows = ~attention_mask.bool().any(dim=-1)
-                updated = conv_state(cache, self.layer_idx)
+                updated = cache_state(cache, self.layer_idx, "conv")
                 updated.copy_(torch.where(padded_rows[:, None, None], previous_window, updated))
         if keep is not None:
             u = torch.where(keep, u, 0)
 
         # 3. input-dependent dt, B, C from the un-fused u
-        time_step, B, C = torch.split(
-            self.x_proj(u), [self.time_step_rank, self.ssm_state_size, self.ssm_state_size], dim=-1
-        )
+        time_step, B, C = self.x_proj(u).split([self.time_step_rank, self.ssm_state_size, self.ssm_state_size], dim=-1)
         # a module call (bias included), so that adapters such as LoRA take effect
         dt = self.dt_proj(time_step).transpose(1, 2)  # (batch, D, seq_len), before the softplus
         softplus = True
@@ -123,7 +119,7 @@ class DenseMambaMixer(nn.Module):
             softplus = False
 
         A = -torch.exp(self.A_log.to(acc))
-        state = recurrent_state(cache, self.layer_idx)
+        state = cache_state(cache, self.layer_idx)
         # with gradients on, the scan (differentiable everywhere, the cached state left as it was)
         decode = state is not None and seq_len == 1 and not torch.is_grad_enabled()
         fuse_states = self.dense_h is not None

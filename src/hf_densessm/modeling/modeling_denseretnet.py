@@ -13,7 +13,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from ..configuration.configuration_denseretnet import DenseRetNetConfig
 from ..ops.packing import document_positions
 from ..ops.retention import chunk_retention, retention_state_update
-from .cache import record_states, recurrent_state, store_recurrent_state
+from .cache import cache_state, record_states, store_recurrent_state
 from .dense_connection import build_dense_connection, init_dense_linear, split_dense_inputs
 from .modeling_densessm import (
     DenseSSMForCausalLM, DenseSSMForSequenceClassification, DenseSSMModel, DenseSSMPreTrainedModel, DenseSSMRMSNorm,
@@ -103,7 +103,7 @@ class DenseRetNetRetention(nn.Module):
 
         q, k = (theta_shift(t.view(batch, seq_len, self.num_heads, self.head_dim), *rotary[:2]) for t in (q, k))
         v = v.reshape(batch, seq_len, self.num_heads, -1)
-        state = recurrent_state(cache, self.layer_idx)
+        state = cache_state(cache, self.layer_idx)
         record_states(cache, self.layer_idx, state, _state_after, q, k, v)
 
         if state is not None and seq_len == 1 and not torch.is_grad_enabled():

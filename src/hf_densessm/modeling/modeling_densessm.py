@@ -10,7 +10,7 @@ from transformers import CompileConfig, GenerationMixin, PreTrainedModel
 from transformers.generation import GenerationMode
 from transformers.modeling_layers import GenericForSequenceClassification
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
-from transformers.utils import logging
+from transformers.utils import can_return_tuple, logging
 
 from ..ops.dispatch import use_backend
 from .cache import DenseSSMCache, check_cache
@@ -26,12 +26,6 @@ except ImportError:
 
 
 logger = logging.get_logger(__name__)
-
-
-def _returned(output, return_dict: bool | None, config):
-    """``output`` (a ``ModelOutput``), or its ``to_tuple()`` when ``return_dict`` (default ``config.return_dict``)
-    is False."""
-    return output if (return_dict if return_dict is not None else config.return_dict) else output.to_tuple()
 
 
 class DenseSSMRMSNorm(nn.Module):
@@ -104,10 +98,11 @@ class DenseSSMModel(DenseSSMPreTrainedModel):
         return {}
 
     @takes_cache
+    @can_return_tuple
     def forward(
         self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
         inputs_embeds: torch.Tensor | None = None, cache=None, use_cache: bool | None = None,
-        output_hidden_states: bool | None = None, return_dict: bool | None = None, **kwargs,
+        output_hidden_states: bool | None = None, **kwargs,
     ):
         r"""
         Args:
@@ -160,9 +155,7 @@ class DenseSSMModel(DenseSSMPreTrainedModel):
         hidden_states = getattr(self, self.final_norm_name)(hidden_states)
         if output_hidden_states:
             all_hidden_states += (hidden_states,)
-        output = model_output(self.output_class, cache, last_hidden_state=hidden_states,
-                              hidden_states=all_hidden_states)
-        return _returned(output, return_dict, config)
+        return model_output(self.output_class, cache, last_hidden_state=hidden_states, hidden_states=all_hidden_states)
 
 
 class DenseSSMForCausalLM(DenseSSMPreTrainedModel, GenerationMixin):
@@ -180,11 +173,12 @@ class DenseSSMForCausalLM(DenseSSMPreTrainedModel, GenerationMixin):
         self.post_init()
 
     @takes_cache
+    @can_return_tuple
     def forward(
         self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
         inputs_embeds: torch.Tensor | None = None, cache=None, labels: torch.LongTensor | None = None,
-        use_cache: bool | None = None, output_hidden_states: bool | None = None, return_dict: bool | None = None,
-        logits_to_keep: int | torch.Tensor = 0, **kwargs,
+        use_cache: bool | None = None, output_hidden_states: bool | None = None, logits_to_keep: int | torch.Tensor = 0,
+        **kwargs,
     ):
         r"""
         Args:
@@ -208,9 +202,8 @@ class DenseSSMForCausalLM(DenseSSMPreTrainedModel, GenerationMixin):
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-        output = model_output(self.output_class, output_cache(outputs), loss=loss, logits=logits,
-                              hidden_states=outputs.hidden_states)
-        return _returned(output, return_dict, self.config)
+        return model_output(self.output_class, output_cache(outputs), loss=loss, logits=logits,
+                            hidden_states=outputs.hidden_states)
 
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:
