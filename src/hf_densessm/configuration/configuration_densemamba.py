@@ -74,8 +74,7 @@ class DenseMambaConfig(DenseSSMConfig):
     cache_slots = {"conv": (0,), "recurrent": (0,)}  # the conv window, the SSM state
 
     def cache_shapes(self, batch: int) -> dict[tuple[str, int], tuple[int, ...]]:
-        """The conv window ``(batch, intermediate_size, conv_kernel)`` (the model's dtype) and the SSM state
-        ``(batch, intermediate_size, state_size)`` (float32)."""
+        """Conv window ``(batch, intermediate_size, conv_kernel)``, SSM state ``(..., state_size)`` (float32)."""
         return {
             ("conv", 0): (batch, self.intermediate_size, self.conv_kernel),
             ("recurrent", 0): (batch, self.intermediate_size, self.state_size),

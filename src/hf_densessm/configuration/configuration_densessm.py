@@ -115,10 +115,9 @@ def resolve_preset(presets: dict, name, family: str) -> dict:
 
 
 class DenseSSMConfig(PretrainedConfig):
-    """Base of the family configs: sets and validates the :data:`DENSE_KNOBS` given in ``kwargs`` (absent ones: the
-    family's :attr:`dense_defaults` or the knob's); a subclass calls ``super().__init__(**kwargs)`` after setting
-    ``hidden_size`` and ``num_hidden_layers``; other keywords go to ``transformers.PretrainedConfig``. A knob outside
-    its allowed values is a ``ValueError`` or ``TypeError`` naming the knob and what is allowed."""
+    """Base of the family configs: sets and checks the :data:`DENSE_KNOBS` in ``kwargs`` (absent ones: the family's
+    :attr:`dense_defaults` or the knob's; ``ValueError``/``TypeError`` naming a refused one); a subclass calls
+    ``super().__init__(**kwargs)`` after setting ``hidden_size`` and ``num_hidden_layers``."""
 
     model_type = ""
     #: Family defaults that differ from the knob table's (``dense_layers``: 4 for DenseMamba, 2 for DenseRetNet).
@@ -156,8 +155,7 @@ class DenseSSMConfig(PretrainedConfig):
 
     @property
     def kernel_backend(self) -> str:
-        """Which implementation of the ops runs (:data:`KERNEL_BACKENDS`): a runtime setting, never saved (ignored in
-        a loaded ``config.json``); setting another value is a ``ValueError``."""
+        """Which implementation of the ops runs (:data:`KERNEL_BACKENDS`, else ``ValueError``); never saved."""
         return self._kernel_backend
 
     @kernel_backend.setter
@@ -178,8 +176,7 @@ class DenseSSMConfig(PretrainedConfig):
 
     @classmethod
     def from_preset(cls, name: str, **overrides):
-        """A config of one of the family's :attr:`presets`, with any field overridden (e.g. ``dense_layers=0``);
-        ``TypeError``/``ValueError`` as :func:`resolve_preset` and the config."""
+        """A config of one of :attr:`presets`, fields overridden; errors: :func:`resolve_preset`'s, the config's."""
         return cls(**{**resolve_preset(cls.presets, name, cls.__name__.removesuffix("Config")), **overrides})
 
     @classmethod

@@ -54,8 +54,7 @@ OFFICIAL_REL_POS = ("model.retnet_rel_pos.angle", "model.retnet_rel_pos.decay")
 
 
 def _is_local(src: str | os.PathLike) -> bool:
-    """Whether ``src`` is a local folder rather than a Hub repository id; ``FileNotFoundError`` if it is neither (a
-    ``Path`` is always a folder)."""
+    """Whether ``src`` is a local folder, not a Hub id; ``FileNotFoundError`` if neither (a ``Path``: a folder)."""
     if os.path.isdir(src):
         return True
     if not isinstance(src, Path) and not os.path.exists(src):
@@ -115,8 +114,7 @@ def read_tensors(src: str | os.PathLike, names: set[str]) -> dict[str, torch.Ten
     return tensors
 
 
-def _check_loading_info(info: dict, source: str, rename=lambda name: name, optional: set[str] = frozenset(),
-                        new: set[str] = frozenset()) -> None:
+def _check_loading_info(info: dict, source: str, rename=lambda name: name, optional=frozenset(), new=frozenset()):
     """One ``ValueError`` listing every missing name (but ``new`` ones), unexpected name (but ``optional`` ones) and
     shape mismatch in ``from_pretrained``'s loading ``info``, names through ``rename``, if there are any."""
     wrong = [f"{rename(n)}: {tuple(saved)}, expected {tuple(shape)}" for n, saved, shape in info["mismatched_keys"]]
@@ -213,8 +211,8 @@ def official_denseretnet_config(config: dict, source: str = "the checkpoint") ->
 
 
 def official_denseretnet_name(name: str) -> str:
-    """The authors' parameter name of our DenseRetNet parameter ``name`` (e.g.
-    ``model.layers.3.self_attn.hidden_proj.weight`` -> ``model.layers.3.self_attn.to_hidden.0.weight``)."""
+    """The authors' name of our DenseRetNet parameter ``name`` (e.g. ``...self_attn.hidden_proj.weight`` ->
+    ``...self_attn.to_hidden.0.weight``)."""
     for ours, theirs in OFFICIAL_DENSERETNET_RENAMES:
         name = name.replace(ours, theirs)
     return name
@@ -243,9 +241,9 @@ def denseretnet_from_official(src: str | os.PathLike) -> DenseRetNetForCausalLM:
             optional |= {f"model.layers.{i}.self_attn.{part}.weight" for part in OFFICIAL_DENSE_ONLY}
     _check_loading_info(info, source, official_denseretnet_name, optional)
     # the saved rotary angles and log-decays must be the published definition (docs/design.md §3)
-    angle = rotary_angles(config.query_key_dim // config.num_attention_heads, config.rope_theta).double()
-    angle = angle.repeat_interleave(2)
-    decay = retention_gamma(config.num_attention_heads, dtype=torch.float64).log()
+    heads = config.num_attention_heads
+    angle = rotary_angles(config.query_key_dim // heads, config.rope_theta).double().repeat_interleave(2)
+    decay = retention_gamma(heads, dtype=torch.float64).log()
     for name, value in zip(OFFICIAL_REL_POS, (angle, decay)):
         tensor = rel_pos.get(name, value)  # an absent buffer passes
         if tensor.shape != value.shape or not torch.allclose(tensor.double(), value, rtol=1e-4, atol=1e-6):

@@ -1,5 +1,4 @@
-"""The recurrent-state cache of every DenseSSM family (:class:`DenseSSMCache`), its checks, and the helpers that read
-and store its states (docs/design.md §5)."""
+"""The recurrent-state cache of every family (:class:`DenseSSMCache`), its checks and helpers (docs/design.md §5)."""
 
 from __future__ import annotations
 
@@ -60,8 +59,7 @@ class DenseSSMCache(DynamicCache):
         self.real_tokens_seen.add_(count if attention_mask is None else attention_mask.long().sum(-1))
 
     def activate_past_recording(self) -> None:
-        """transformers' hook before speculative decoding: every forward keeps what :meth:`crop` needs, until
-        :meth:`stop_recording`."""
+        """transformers' hook before speculative decoding: forwards keep what :meth:`crop` needs (until stopped)."""
         self.recording = True
 
     def stop_recording(self) -> None:
@@ -144,12 +142,9 @@ def record_states(cache: Cache | None, layer_idx: int, state: torch.Tensor | Non
 
 def check_cache(cache, config, batch: int) -> None:
     """Check that ``cache`` fits a model of ``config`` given ``batch`` rows: one linear-attention layer per block,
-    only ``config.cache_slots`` filled, with ``config.cache_shapes``.
-
-    Raises:
-        TypeError: not a ``Cache``, not linear-attention layers, or not a :class:`DenseSSMCache` where the family
-            counts each row's tokens. ValueError: another layer count, family, batch size or width.
-    """
+    only ``config.cache_slots`` filled, with ``config.cache_shapes``. ``TypeError``: not a ``Cache``, not
+    linear-attention layers, or not a :class:`DenseSSMCache` where the family counts each row's tokens; ``ValueError``:
+    another layer count, family, batch size or width."""
     hint = (
         "leave `cache` unset (the model builds one), pass the cache a previous call returned, or build an empty one "
         "with `hf_densessm.modeling.cache.DenseSSMCache(config=model.config)`"

@@ -26,16 +26,15 @@ from .modeling_densessm import (
 
 
 def _state_after(u, dt, A, B, C, softplus, initial_state, n):
-    """The SSM state after the first ``n`` of a forward's tokens (``u``, ``B``, ``C`` token-major, ``dt`` channel-major,
-    as the mixer holds them), for a speculative ``crop`` (:func:`~.cache.record_states`)."""
+    """The SSM state after the first ``n`` of a forward's tokens (``dt`` channel-major, the rest token-major), for
+    ``crop`` (:func:`~.cache.record_states`)."""
     return selective_scan(u[:, :n].transpose(1, 2), dt[..., :n], A, B[:, :n].transpose(1, 2), C[:, :n].transpose(1, 2),
                           delta_softplus=softplus, initial_state=initial_state, return_last_state=True)[1]
 
 
 class DenseMambaMixer(nn.Module):
     """Sequence mixing of one DenseMamba block: transformers' ``MambaMixer`` (Mamba paper Alg. 2, Fig. 3) with the
-    dense connection (``dense_u``, ``dense_B`` or ``dense_h``; docs/design.md §4). ``D = intermediate_size``,
-    ``N = state_size``."""
+    dense connection (``dense_u``, ``dense_B`` or ``dense_h``; docs/design.md §4); ``D = intermediate_size``."""
 
     def __init__(self, config: DenseMambaConfig, layer_idx: int):
         super().__init__()
@@ -81,10 +80,9 @@ class DenseMambaMixer(nn.Module):
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
         """``hidden_states`` ``(batch, seq_len, hidden_size)`` (normalized) -> ``(output, features)``: ``output`` of the
         same shape and the pre-fusion ``(u, B)`` (``"input"``) or ``(u, dt, B, A[, state before this call])``
-        (``"state"``). ``dense_inputs``: the predecessors' features grouped by feature, nearest first; ``cache``: a
-        ``Cache`` or ``None``; ``attention_mask`` ``(batch, seq_len)`` 0/1, ``reset`` ``(batch, seq_len)`` bool (True at
-        each packed document's first token), or ``None``. One token over a filled cache without gradients is a
-        decoding step (the state updated in place); every other call runs the scan (docs/design.md §5)."""
+        (``"state"``). ``dense_inputs``: the predecessors' features grouped by feature, nearest first; ``cache``,
+        ``attention_mask`` ``(batch, seq_len)`` 0/1 and ``reset`` ``(batch, seq_len)`` bool may be ``None``. One token
+        over a filled cache without gradients decodes in place; any other call scans (docs/design.md §5)."""
         batch, seq_len, _ = hidden_states.shape
         dtype = hidden_states.dtype
         keep = attention_mask[..., None].bool() if attention_mask is not None else None  # selects, never multiplies
@@ -113,10 +111,9 @@ class DenseMambaMixer(nn.Module):
         time_step, B, C = self.x_proj(u).split([self.time_step_rank, self.ssm_state_size, self.ssm_state_size], dim=-1)
         # a module call (bias included), so that adapters such as LoRA take effect
         dt = self.dt_proj(time_step).transpose(1, 2)  # (batch, D, seq_len), before the softplus
-        softplus = True
+        softplus = keep is None
         if keep is not None:  # dt = 0 at padding: exp(0 * A) = 1 and no input, the state is left as it was
             dt = torch.where(keep.transpose(1, 2), F.softplus(dt.to(acc)), 0)
-            softplus = False
 
         A = -torch.exp(self.A_log.to(acc))
         state = cache_state(cache, self.layer_idx)
@@ -180,7 +177,7 @@ class DenseMambaBlock(GradientCheckpointingLayer):
 
 
 class DenseMambaPreTrainedModel(DenseSSMPreTrainedModel):
-    """Weight init and names shared by the DenseMamba models (as ``transformers.MambaPreTrainedModel``'s)."""
+    """Weight init and names of the DenseMamba models (as ``transformers.MambaPreTrainedModel``'s)."""
 
     config_class = DenseMambaConfig
     config: DenseMambaConfig
@@ -232,9 +229,7 @@ class DenseMambaPreTrainedModel(DenseSSMPreTrainedModel):
 @dataclass
 class DenseMambaOutput(MambaOutput):
     """Output of :class:`DenseMambaModel`: transformers' ``MambaOutput`` (the cache field named by the release,
-    docs/design.md §5; ``last_hidden_state``, ``hidden_states`` as in :meth:`DenseSSMModel.forward
-    <hf_densessm.modeling.modeling_densessm.DenseSSMModel.forward>`), plus ``attentions``, always ``None``, which
-    transformers' generic heads read."""
+    docs/design.md §5), plus ``attentions``, always ``None``, which transformers' generic heads read."""
 
     attentions: tuple[torch.Tensor, ...] | None = None
 
@@ -242,16 +237,12 @@ class DenseMambaOutput(MambaOutput):
 @with_old_name
 @dataclass
 class DenseMambaCausalLMOutput(MambaCausalLMOutput):
-    """Output of :class:`DenseMambaForCausalLM`: transformers' ``MambaCausalLMOutput`` (cache field as in
-    :class:`DenseMambaOutput`; fields as in :meth:`DenseSSMForCausalLM.forward
-    <hf_densessm.modeling.modeling_densessm.DenseSSMForCausalLM.forward>`)."""
+    """Output of :class:`DenseMambaForCausalLM`: transformers' ``MambaCausalLMOutput`` (cache field as above)."""
 
 
 class DenseMambaModel(DenseSSMModel, DenseMambaPreTrainedModel):
-    """The DenseMamba backbone: embeddings, ``num_hidden_layers`` :class:`DenseMambaBlock` with the dense
-    connection, final RMSNorm (``embeddings``, ``layers``, ``norm_f`` as in ``transformers.MambaModel``); ``forward``:
-    :meth:`DenseSSMModel.forward <hf_densessm.modeling.modeling_densessm.DenseSSMModel.forward>`, returning a
-    :class:`DenseMambaOutput`."""
+    """The DenseMamba backbone (``embeddings``, ``layers``, ``norm_f`` as in ``transformers.MambaModel``); ``forward``:
+    :meth:`DenseSSMModel.forward <hf_densessm.modeling.modeling_densessm.DenseSSMModel.forward>` -> DenseMambaOutput."""
 
     output_class = DenseMambaOutput
     final_norm_name = "norm_f"

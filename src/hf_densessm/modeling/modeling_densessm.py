@@ -1,6 +1,5 @@
-"""The model classes every DenseSSM family subclasses (docs/design.md §1, §5; docs/contributing.md, "Adding a
-family"): the pre-trained base, the backbone, the causal-LM head with its generation glue, the classification head;
-the RMSNorm of every block."""
+"""The classes every DenseSSM family subclasses (docs/design.md §1, §5; docs/contributing.md, "Adding a family"): the
+pre-trained base, the backbone, the causal-LM head with its generation glue, the classification head, the RMSNorm."""
 
 from __future__ import annotations
 
@@ -69,21 +68,15 @@ class DenseSSMPreTrainedModel(PreTrainedModel):
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
-        """transformers' ``from_pretrained`` (same arguments and return); raises ``MixedSaveError`` (an ``OSError``)
-        for a folder that mixes files of two saves."""
-        load = super().from_pretrained
-        path = pretrained_model_name_or_path
+        """transformers' ``from_pretrained``; ``MixedSaveError`` (an ``OSError``) for a folder mixing two saves."""
+        load, path = super().from_pretrained, pretrained_model_name_or_path
         return load_one_save(lambda: load(path, *args, **kwargs), path, kwargs)
 
-    def save_pretrained(self, save_directory, *args, **kwargs):
-        if hub is None:
-            return super().save_pretrained(save_directory, *args, **kwargs)
-        return hub.save_pretrained(self, save_directory, *args, **kwargs)
+    def save_pretrained(self, *args, **kwargs):
+        return super().save_pretrained(*args, **kwargs) if hub is None else hub.save_pretrained(self, *args, **kwargs)
 
-    def push_to_hub(self, repo_id, *args, **kwargs):
-        if hub is None:
-            return super().push_to_hub(repo_id, *args, **kwargs)
-        return hub.push_to_hub(self, repo_id, *args, **kwargs)
+    def push_to_hub(self, *args, **kwargs):
+        return super().push_to_hub(*args, **kwargs) if hub is None else hub.push_to_hub(self, *args, **kwargs)
 
 
 class DenseSSMModel(DenseSSMPreTrainedModel):
