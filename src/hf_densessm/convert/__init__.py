@@ -53,27 +53,20 @@ OFFICIAL_DENSE_ONLY = ("k_select.fc1", "k_select.fc2", "v_select.fc1", "v_select
 OFFICIAL_REL_POS = ("model.retnet_rel_pos.angle", "model.retnet_rel_pos.decay")
 
 
-def _is_local(src: str | os.PathLike) -> bool:
-    """Whether ``src`` is a local folder, not a Hub id; ``FileNotFoundError`` if neither (a ``Path``: a folder)."""
-    if os.path.isdir(src):
-        return True
-    if not isinstance(src, Path) and not os.path.exists(src):
-        with contextlib.suppress(HFValidationError):
-            validate_repo_id(str(src))
-            return False
-    raise FileNotFoundError(f"Checkpoint folder {str(src)!r} does not exist or is not a folder.")
-
-
 def read_config(src: str | os.PathLike) -> dict:
     """The ``config.json`` (a dict) of the checkpoint ``src``: a local folder, which must hold one of
-    :data:`WEIGHT_FILES`, or a Hub repository id.
+    :data:`WEIGHT_FILES`, or a Hub repository id (a ``Path`` is always a folder).
 
     Raises:
         FileNotFoundError: ``src`` does not exist, has no ``config.json`` or no weights.
         ValueError: ``config.json`` is not a JSON object. OSError: a Hub repository cannot be read (transformers').
     """
-    if not _is_local(src):
-        return PretrainedConfig.get_config_dict(str(src))[0]
+    if not os.path.isdir(src):
+        if not isinstance(src, Path) and not os.path.exists(src):
+            with contextlib.suppress(HFValidationError):
+                validate_repo_id(str(src))
+                return PretrainedConfig.get_config_dict(str(src))[0]
+        raise FileNotFoundError(f"Checkpoint folder {str(src)!r} does not exist or is not a folder.")
     folder = Path(src)
     holds = sorted(p.name for p in folder.iterdir())
     config_file = folder / "config.json"
