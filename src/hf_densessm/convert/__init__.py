@@ -134,8 +134,7 @@ def _check_model_type(config: dict, allowed: tuple, source: str, expected_what: 
 
 
 def densemamba_from_mamba(src, **dense_kwargs) -> DenseMambaForCausalLM:
-    """Upcycle a pretrained Mamba into DenseMamba: its weights copied strictly, the dense parameters starting as a
-    no-op, so the logits are the Mamba's (docs/hub_and_conversion.md).
+    """Upcycle a pretrained Mamba into DenseMamba whose dense parameters start as a no-op (docs/hub_and_conversion.md).
 
     Args:
         src: a transformers Mamba checkpoint (local folder or Hub id, e.g. ``"state-spaces/mamba-130m-hf"``) or a

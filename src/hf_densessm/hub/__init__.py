@@ -83,9 +83,8 @@ def field_docs(config_class: type) -> dict[str, str]:
 
 
 def model_card(model, files: list[str], repo_id: str | None = None, tags: list[str] | None = None) -> str:
-    """The ``README.md`` text of a folder holding ``model`` and ``files``: Hub metadata (``tags`` added), the
-    architecture, every config field with its value and meaning, how to load (from ``repo_id``, else a placeholder),
-    the files, the citation."""
+    """The ``README.md`` of a folder holding ``model`` and ``files``: Hub metadata (``tags`` added), architecture,
+    config fields (value, meaning), how to load (from ``repo_id``, else a placeholder), files, citation."""
     config = model.config
     family = type(config).__name__.removesuffix("Config")
     where = repo_id or "path/to/this/folder"

@@ -42,9 +42,8 @@ class DenseSSMCache(DynamicCache):
         return count
 
     def record_tokens(self, inputs: torch.Tensor, attention_mask: torch.Tensor | None = None) -> None:
-        """Count a forward's positions in :attr:`positions_seen` and (with :attr:`counts_row_tokens`) each row's real
-        tokens in :attr:`real_tokens_seen`; ``inputs``: ``(batch, seq_len, ...)`` (shape and device only),
-        ``attention_mask``: ``(batch, seq_len)`` 0/1 or ``None``."""
+        """Count a forward's positions and (with :attr:`counts_row_tokens`) each row's real tokens; ``inputs``
+        ``(batch, seq_len, ...)`` (shape and device only), ``attention_mask`` ``(batch, seq_len)`` 0/1 or ``None``."""
         batch, count = inputs.shape[:2]
         if self.positions_seen is None:
             self.positions_seen = self._new_count((), inputs.device)

@@ -66,9 +66,9 @@ class DenseGate(nn.Module):
 
 class DenseHiddenConnection(nn.Module):
     """Selective transition + hidden fusion (Eq. 10-17) of one feature in one layer with ``num_predecessors`` lower
-    layers; the other arguments: the config's dense knobs (docs/design.md §2). ``forward(x, feature, predecessors)``:
-    ``x`` ``(..., hidden_size)``, ``feature`` ``(..., feature_size)``, a list of tensors like ``feature``, nearest
-    first (``ValueError`` unless ``num_predecessors`` of them); returns the fused feature in ``feature``'s dtype."""
+    layers (the other arguments: the dense knobs). ``forward(x, feature, predecessors)``: ``x`` ``(..., hidden_size)``,
+    ``feature`` ``(..., feature_size)``, ``num_predecessors`` tensors like it, nearest first (else ``ValueError``) ->
+    the fused feature in ``feature``'s dtype."""
 
     def __init__(self, hidden_size: int, feature_size: int, num_predecessors: int, projection: str, selection: str,
                  shared_gate: bool, fusion: str, gate_hidden_size: int):

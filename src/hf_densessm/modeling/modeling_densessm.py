@@ -268,8 +268,7 @@ class DenseSSMForCausalLM(DenseSSMPreTrainedModel, GenerationMixin):
 
 class DenseSSMForSequenceClassification(DenseSSMPreTrainedModel):
     """A family's backbone (:attr:`backbone_class`) with a bias-free ``score: hidden_size -> num_labels`` at the last
-    non-padding token: transformers' ``GenericForSequenceClassification.forward`` (docs/design.md §5), returning a
-    ``SequenceClassifierOutputWithPast`` with ``logits`` ``(batch, num_labels)``."""
+    non-padding token (transformers' ``GenericForSequenceClassification.forward``): ``(batch, num_labels)`` logits."""
 
     backbone_class: type = None
     forward = GenericForSequenceClassification.forward
