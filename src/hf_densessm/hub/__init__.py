@@ -173,10 +173,9 @@ def save_pretrained(
     model: PreTrainedModel, save_directory: str | os.PathLike, is_main_process: bool = True,
     state_dict: dict | None = None, push_to_hub: bool = False, **kwargs,
 ):
-    """``model.save_pretrained``: transformers' (same arguments), plus the remote code, ``auto_map`` and the model
-    card (a ``README.md`` a person wrote is kept), written kill-safely (:func:`~.saving.staged_save`); then
-    ``model.push_to_hub`` if ``push_to_hub``. transformers' alone for ``is_main_process=False``,
-    ``distributed_checkpoint=True``, PEFT adapters and models loaded as remote code.
+    """``model.save_pretrained``: transformers' (same arguments) plus the remote code, ``auto_map`` and the model card
+    (not over a ``README.md`` a person wrote), kill-safely (:func:`~.saving.staged_save`); transformers' alone for
+    ``is_main_process=False``, ``distributed_checkpoint=True``, PEFT adapters and models loaded as remote code.
 
     Raises:
         NotADirectoryError: ``save_directory`` is a file.

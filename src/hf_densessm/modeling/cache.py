@@ -12,8 +12,7 @@ from ..ops.dispatch import chosen_backend, use_backend
 
 
 class DenseSSMCache(DynamicCache):
-    """transformers' ``DynamicCache`` (one ``LinearAttentionLayer`` per block), plus counts of the tokens seen
-    (tensors advanced in place, static addresses: docs/design.md §5).
+    """transformers' ``DynamicCache`` (a ``LinearAttentionLayer`` per block) plus in-place counts (docs/design.md §5).
 
     Attributes:
         model_type: the ``model_type`` of the config it was built for (``None`` without one).
@@ -198,9 +197,8 @@ def store_recurrent_state(cache: Cache, layer_idx: int, state: torch.Tensor, slo
 
 def store_conv_inputs(cache: Cache, layer_idx: int, inputs: torch.Tensor, conv_kernel_size: int) -> None:
     """Append ``inputs`` ``(batch, channels, seq_len)`` (the window's dtype), detached, to the conv window of block
-    ``layer_idx``, keeping the last ``conv_kernel_size`` (transformers' ``update_conv_state``, handed whole windows
-    so that it pads nothing); with gradients on, into a copy of the window; a recording :class:`DenseSSMCache` keeps
-    the window before and ``inputs`` for its ``crop`` (docs/design.md §5)."""
+    ``layer_idx``, keeping the last ``conv_kernel_size`` (with gradients on, in a copy of the window); a recording
+    :class:`DenseSSMCache` keeps the window before and ``inputs`` for ``crop`` (docs/design.md §5)."""
     layer, window, inputs = cache.layers[layer_idx], cache_state(cache, layer_idx, "conv"), inputs.detach()
     if window is not None and torch.is_grad_enabled():
         layer.conv_states[0] = window = window.clone()
