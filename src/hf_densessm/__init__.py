@@ -1,8 +1,7 @@
 """hf-densessm: DenseSSM language models (DenseMamba, DenseRetNet; He et al. 2024) for Hugging Face transformers.
 
-Importing the package registers every family (``modeling.FAMILIES``: ``"densemamba"``, ``"denseretnet"``) with
-``AutoConfig``, ``AutoModel``, ``AutoModelForCausalLM`` and ``AutoModelForSequenceClassification``, so
-``from_config`` / ``from_pretrained`` work as for any model."""
+Importing it registers every family (``modeling.FAMILIES``) with ``AutoConfig``, ``AutoModel``, ``AutoModelForCausalLM``
+and ``AutoModelForSequenceClassification``, so ``from_config`` / ``from_pretrained`` work as for any model."""
 
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification
 

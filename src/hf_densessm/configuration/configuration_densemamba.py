@@ -74,8 +74,7 @@ class DenseMambaConfig(DenseSSMConfig):
     cache_slots = {"conv": (0,), "recurrent": (0,)}  # the conv window, the SSM state
 
     def cache_shapes(self, batch: int) -> dict[tuple[str, int], tuple[int, ...]]:
-        """The conv window ``(batch, intermediate_size, conv_kernel)`` (the model's dtype) and the SSM state
-        ``(batch, intermediate_size, state_size)`` (float32)."""
+        """Conv window ``(batch, intermediate_size, conv_kernel)``, SSM state ``(..., state_size)`` (float32)."""
         return {
             ("conv", 0): (batch, self.intermediate_size, self.conv_kernel),
             ("recurrent", 0): (batch, self.intermediate_size, self.state_size),
@@ -92,38 +91,29 @@ class DenseMambaConfig(DenseSSMConfig):
         use_cache: bool = True, tie_word_embeddings: bool = True, **kwargs,
     ):
         intermediate_size = kwargs.pop("intermediate_size", None)  # derived; saved configs carry it
-        self.vocab_size = check_size("vocab_size", vocab_size)
-        self.hidden_size = check_size("hidden_size", hidden_size)
-        self.state_size = check_size("state_size", state_size)
-        self.num_hidden_layers = check_size("num_hidden_layers", num_hidden_layers)
-        self.layer_norm_epsilon = check_positive_float("layer_norm_epsilon", layer_norm_epsilon)
-        self.expand = check_size("expand", expand)
+        self.set_checked(check_size, vocab_size=vocab_size, hidden_size=hidden_size, state_size=state_size,
+                         num_hidden_layers=num_hidden_layers, expand=expand)
+        self.set_checked(check_positive_float, layer_norm_epsilon=layer_norm_epsilon,
+                         initializer_range=initializer_range, time_step_scale=time_step_scale,
+                         time_step_min=time_step_min, time_step_max=time_step_max, time_step_floor=time_step_floor)
+        self.set_checked(check_bool, use_bias=use_bias, use_conv_bias=use_conv_bias, residual_in_fp32=residual_in_fp32,
+                         rescale_prenorm_residual=rescale_prenorm_residual, use_cache=use_cache)
         self.conv_kernel = check_int("conv_kernel", conv_kernel, 1, MAX_CONV_KERNEL)
         self.intermediate_size = int(self.expand * self.hidden_size)
         if intermediate_size is not None and intermediate_size != self.intermediate_size:
             raise ValueError(f"`intermediate_size` is derived, `expand * hidden_size` = {self.intermediate_size}; got "
                              f"{intermediate_size!r}. Set `expand` (an int) instead, or leave `intermediate_size` out.")
-        self.use_bias = check_bool("use_bias", use_bias)
-        self.use_conv_bias = check_bool("use_conv_bias", use_conv_bias)
         self.hidden_act = check_choice("hidden_act", hidden_act, ("silu",))
-        self.initializer_range = check_positive_float("initializer_range", initializer_range)
         self.init_scheme = check_choice("init_scheme", init_scheme, ("transformers", "mamba_ssm"))
-        self.residual_in_fp32 = check_bool("residual_in_fp32", residual_in_fp32)
         if time_step_rank == "auto":
             time_step_rank = math.ceil(self.hidden_size / 16)
         self.time_step_rank = check_size("time_step_rank", time_step_rank)
-        self.time_step_scale = check_positive_float("time_step_scale", time_step_scale)
-        self.time_step_min = check_positive_float("time_step_min", time_step_min)
-        self.time_step_max = check_positive_float("time_step_max", time_step_max)
         if self.time_step_min > self.time_step_max:
             raise ValueError(f"`time_step_min` ({time_step_min}) must be <= `time_step_max` ({time_step_max}).")
         schemes = ("random", "constant")
         self.time_step_init_scheme = check_choice("time_step_init_scheme", time_step_init_scheme, schemes)
-        self.time_step_floor = check_positive_float("time_step_floor", time_step_floor)
         if 2 * self.time_step_scale * self.time_step_rank**-0.5 > 3.4e38:  # the dt_proj init range in float32
             raise ValueError(f"`time_step_scale` ({time_step_scale}) is too large: the dt_proj init range "
                              "2 * time_step_scale / sqrt(time_step_rank) must fit in float32 (<= 3.4e38).")
-        self.rescale_prenorm_residual = check_bool("rescale_prenorm_residual", rescale_prenorm_residual)
-        self.use_cache = check_bool("use_cache", use_cache)
         super().__init__(pad_token_id=pad_token_id, bos_token_id=bos_token_id, eos_token_id=eos_token_id,
                          tie_word_embeddings=tie_word_embeddings, **kwargs)

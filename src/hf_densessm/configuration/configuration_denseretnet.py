@@ -70,12 +70,12 @@ class DenseRetNetConfig(DenseSSMConfig):
         pad_token_id: int | None = 0, bos_token_id: int | None = 1, eos_token_id: int | list[int] | None = 2,
         use_cache: bool = True, tie_word_embeddings: bool = False, **kwargs,
     ):
-        self.vocab_size = check_size("vocab_size", vocab_size)
-        self.hidden_size = check_size("hidden_size", hidden_size)
-        self.num_hidden_layers = check_size("num_hidden_layers", num_hidden_layers)
-        self.num_attention_heads = check_size("num_attention_heads", num_attention_heads)
-        self.query_key_dim = check_size("query_key_dim", query_key_dim)
-        self.v_factor = check_positive_float("v_factor", v_factor)
+        self.set_checked(check_size, vocab_size=vocab_size, hidden_size=hidden_size,
+                         num_hidden_layers=num_hidden_layers, num_attention_heads=num_attention_heads,
+                         query_key_dim=query_key_dim)
+        self.set_checked(check_positive_float, v_factor=v_factor, rms_norm_eps=rms_norm_eps, rope_theta=rope_theta,
+                         initializer_range=initializer_range)
+        self.use_cache = check_bool("use_cache", use_cache)
         value_dim = self.v_factor * self.hidden_size
         if value_dim != int(value_dim):
             raise ValueError(f"`v_factor * hidden_size` must be an integer, got {v_factor} * {hidden_size}.")
@@ -86,13 +86,9 @@ class DenseRetNetConfig(DenseSSMConfig):
         if int(value_dim) % heads:
             raise ValueError(f"`v_factor * hidden_size` ({int(value_dim)}) must be divisible by `num_attention_heads` "
                              f"({heads}).")
-        self.rms_norm_eps = check_positive_float("rms_norm_eps", rms_norm_eps)
         if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
             raise ValueError(f"`dropout` must be a float in [0, 1), got {dropout!r}.")
         self.dropout = float(dropout)
-        self.rope_theta = check_positive_float("rope_theta", rope_theta)
-        self.initializer_range = check_positive_float("initializer_range", initializer_range)
-        self.use_cache = check_bool("use_cache", use_cache)
         # Configs saved before the cache redesign carry `number_of_conv_states: 2` (docs/design.md §5): dropped.
         kwargs.pop("number_of_conv_states", None)
         super().__init__(pad_token_id=pad_token_id, bos_token_id=bos_token_id, eos_token_id=eos_token_id,

@@ -16,8 +16,8 @@ MAX_SIZE = 2**24
 
 
 def check_int(name: str, value, minimum: int, maximum: int | None = None) -> int:
-    """``value`` if it is an ``int`` (not a ``bool``) in ``[minimum, maximum]``; else ``TypeError`` (not an int) or
-    ``ValueError`` (out of range), naming ``name`` and the range."""
+    """``value`` if an ``int`` (not a ``bool``) in ``[minimum, maximum]``; else ``TypeError`` (not an int) or
+    ``ValueError`` (out of range), naming ``name`` and the range. The checks below raise likewise."""
     allowed = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"`{name}` must be an int {allowed}, got {value!r} ({type(value).__name__}).")
@@ -27,13 +27,12 @@ def check_int(name: str, value, minimum: int, maximum: int | None = None) -> int
 
 
 def check_size(name: str, value) -> int:
-    """A width, count or vocabulary size: an int in ``[1, MAX_SIZE]`` (:func:`check_int`)."""
+    """A width, count or vocabulary size: an int in ``[1, MAX_SIZE]``."""
     return check_int(name, value, 1, MAX_SIZE)
 
 
 def check_positive_float(name: str, value) -> float:
-    """``float(value)`` if it is a finite real number ``> 0``; else ``TypeError`` (not a number, or a ``bool``) or
-    ``ValueError``, naming ``name``."""
+    """``float(value)`` for a finite real number ``> 0`` (``TypeError`` for a non-number or a ``bool``)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"`{name}` must be a positive number, got {value!r} ({type(value).__name__}).")
     if not (value > 0 and math.isfinite(value)):
@@ -42,14 +41,14 @@ def check_positive_float(name: str, value) -> float:
 
 
 def check_bool(name: str, value) -> bool:
-    """Return ``value`` if it is a ``bool``; else raise ``TypeError`` naming ``name`` (``'false'`` is refused)."""
+    """``value`` if a ``bool`` (``'false'`` is a ``TypeError``)."""
     if not isinstance(value, bool):
         raise TypeError(f"`{name}` must be a bool (True or False), got {value!r} ({type(value).__name__}).")
     return value
 
 
 def check_choice(name: str, value, allowed: tuple[str, ...]) -> str:
-    """Return ``value`` if it is one of ``allowed``; else raise ``ValueError`` naming ``name`` and what is allowed."""
+    """``value`` if one of ``allowed`` (else ``ValueError`` listing them)."""
     if not isinstance(value, str) or value not in allowed:
         raise ValueError(f"`{name}` must be one of {', '.join(repr(a) for a in allowed)}; got {value!r}.")
     return value
@@ -69,7 +68,7 @@ class Knob:
     optional: bool = False
 
     def check(self, value):
-        """Return ``value`` if allowed; raise ``TypeError``/``ValueError`` naming the knob otherwise."""
+        """``value`` if allowed, else ``TypeError``/``ValueError`` naming the knob."""
         if value is None and self.optional:
             return None
         if self.kind is bool:
@@ -100,8 +99,7 @@ DENSE_KNOBS: tuple[Knob, ...] = (
 #: The key of a save's id in ``config.json`` and the weights (``modeling.save_check``); never in ``to_dict``.
 SAVE_ID = "_save_id"
 
-#: The optimizer settings of every model of the paper (§4.2), as ``TrainingArguments`` keywords (a float
-#: ``warmup_steps`` below 1 is a fraction of the steps).
+#: The paper's optimizer settings (§4.2) as ``TrainingArguments`` keywords (``warmup_steps`` < 1: a fraction).
 PAPER_OPTIMIZER = dict(optim="adamw_torch", lr_scheduler_type="polynomial", warmup_steps=0.015, weight_decay=0.01,
                        max_grad_norm=1.0)
 
@@ -117,10 +115,9 @@ def resolve_preset(presets: dict, name, family: str) -> dict:
 
 
 class DenseSSMConfig(PretrainedConfig):
-    """Base of the family configs: sets and validates the :data:`DENSE_KNOBS` given in ``kwargs`` (absent ones: the
-    family's :attr:`dense_defaults` or the knob's); a subclass calls ``super().__init__(**kwargs)`` after setting
-    ``hidden_size`` and ``num_hidden_layers``; other keywords go to ``transformers.PretrainedConfig``. A knob outside
-    its allowed values is a ``ValueError`` or ``TypeError`` naming the knob and what is allowed."""
+    """Base of the family configs: sets and checks the :data:`DENSE_KNOBS` in ``kwargs`` (absent ones: the family's
+    :attr:`dense_defaults` or the knob's; ``ValueError``/``TypeError`` naming a refused one); a subclass calls
+    ``super().__init__(**kwargs)`` after setting ``hidden_size`` and ``num_hidden_layers``."""
 
     model_type = ""
     #: Family defaults that differ from the knob table's (``dense_layers``: 4 for DenseMamba, 2 for DenseRetNet).
@@ -138,6 +135,11 @@ class DenseSSMConfig(PretrainedConfig):
         """``{(kind, slot): shape}`` of each slot of :attr:`cache_slots` for ``batch`` rows (none in the base)."""
         return {}
 
+    def set_checked(self, check, **fields) -> None:
+        """Set each of ``fields`` to ``check(name, value)`` (:func:`check_size`, :func:`check_bool`, ...)."""
+        for name, value in fields.items():
+            setattr(self, name, check(name, value))
+
     def __init__(
         self, pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=True, kernel_backend="auto", **kwargs
     ):
@@ -153,8 +155,7 @@ class DenseSSMConfig(PretrainedConfig):
 
     @property
     def kernel_backend(self) -> str:
-        """Which implementation of the ops runs (:data:`KERNEL_BACKENDS`): a runtime setting, never saved (ignored in
-        a loaded ``config.json``); setting another value is a ``ValueError``."""
+        """Which implementation of the ops runs (:data:`KERNEL_BACKENDS`, else ``ValueError``); never saved."""
         return self._kernel_backend
 
     @kernel_backend.setter
@@ -162,8 +163,7 @@ class DenseSSMConfig(PretrainedConfig):
         self._kernel_backend = check_choice("kernel_backend", value, KERNEL_BACKENDS)
 
     def to_dict(self) -> dict:
-        """transformers' ``to_dict``, without the runtime setting ``kernel_backend`` and the save id
-        (:data:`SAVE_ID`)."""
+        """transformers' ``to_dict``, without the runtime ``kernel_backend`` and the save id (:data:`SAVE_ID`)."""
         output = super().to_dict()
         for key in ("_kernel_backend", "kernel_backend", SAVE_ID):
             output.pop(key, None)
@@ -176,8 +176,7 @@ class DenseSSMConfig(PretrainedConfig):
 
     @classmethod
     def from_preset(cls, name: str, **overrides):
-        """A config of one of the family's :attr:`presets`, with any field overridden (e.g. ``dense_layers=0``);
-        ``TypeError``/``ValueError`` as :func:`resolve_preset` and the config."""
+        """A config of one of :attr:`presets`, fields overridden; errors: :func:`resolve_preset`'s, the config's."""
         return cls(**{**resolve_preset(cls.presets, name, cls.__name__.removesuffix("Config")), **overrides})
 
     @classmethod

@@ -14,7 +14,7 @@ import torch
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 from safetensors import safe_open
 from torch import nn
-from transformers import MambaForCausalLM, PretrainedConfig
+from transformers import PretrainedConfig
 from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, WEIGHTS_INDEX_NAME, WEIGHTS_NAME, cached_file
 from transformers.utils.hub import get_checkpoint_shard_files
 
@@ -53,28 +53,20 @@ OFFICIAL_DENSE_ONLY = ("k_select.fc1", "k_select.fc2", "v_select.fc1", "v_select
 OFFICIAL_REL_POS = ("model.retnet_rel_pos.angle", "model.retnet_rel_pos.decay")
 
 
-def _is_local(src: str | os.PathLike) -> bool:
-    """Whether ``src`` is a local folder rather than a Hub repository id; ``FileNotFoundError`` if it is neither (a
-    ``Path`` is always a folder)."""
-    if os.path.isdir(src):
-        return True
-    if not isinstance(src, Path) and not os.path.exists(src):
-        with contextlib.suppress(HFValidationError):
-            validate_repo_id(str(src))
-            return False
-    raise FileNotFoundError(f"Checkpoint folder {str(src)!r} does not exist or is not a folder.")
-
-
 def read_config(src: str | os.PathLike) -> dict:
     """The ``config.json`` (a dict) of the checkpoint ``src``: a local folder, which must hold one of
-    :data:`WEIGHT_FILES`, or a Hub repository id.
+    :data:`WEIGHT_FILES`, or a Hub repository id (a ``Path`` is always a folder).
 
     Raises:
         FileNotFoundError: ``src`` does not exist, has no ``config.json`` or no weights.
         ValueError: ``config.json`` is not a JSON object. OSError: a Hub repository cannot be read (transformers').
     """
-    if not _is_local(src):
-        return PretrainedConfig.get_config_dict(str(src))[0]
+    if not os.path.isdir(src):
+        if not isinstance(src, Path) and not os.path.exists(src):
+            with contextlib.suppress(HFValidationError):
+                validate_repo_id(str(src))
+                return PretrainedConfig.get_config_dict(str(src))[0]
+        raise FileNotFoundError(f"Checkpoint folder {str(src)!r} does not exist or is not a folder.")
     folder = Path(src)
     holds = sorted(p.name for p in folder.iterdir())
     config_file = folder / "config.json"
@@ -115,8 +107,12 @@ def read_tensors(src: str | os.PathLike, names: set[str]) -> dict[str, torch.Ten
     return tensors
 
 
-def _raise_mismatch(source: str, missing, unexpected, wrong) -> None:
-    """Raise one ``ValueError`` listing every missing name, unexpected name and shape mismatch, if there are any."""
+def _check_loading_info(info: dict, source: str, rename=lambda name: name, optional=frozenset(), new=frozenset()):
+    """One ``ValueError`` listing every missing name (but ``new`` ones), unexpected name (but ``optional`` ones) and
+    shape mismatch in ``from_pretrained``'s loading ``info``, names through ``rename``, if there are any."""
+    wrong = [f"{rename(n)}: {tuple(saved)}, expected {tuple(shape)}" for n, saved, shape in info["mismatched_keys"]]
+    unexpected = {rename(name) for name in info["unexpected_keys"]} - set(optional)
+    missing = [rename(name) for name in info["missing_keys"] if name not in new]
     problems = [
         f"{title} ({len(names)}):\n  " + "\n  ".join(names[:40])
         + (f"\n  ... and {len(names) - 40} more" if len(names) > 40 else "")
@@ -126,25 +122,6 @@ def _raise_mismatch(source: str, missing, unexpected, wrong) -> None:
     ]
     if problems:
         raise ValueError(f"The state dict of {source} does not match the model:\n" + "\n".join(problems))
-
-
-def _check_loading_info(info: dict, source: str, rename=lambda name: name, optional: set[str] = frozenset()) -> None:
-    """:func:`_raise_mismatch` on ``from_pretrained``'s loading info, names through ``rename``, ``optional`` allowed."""
-    wrong = [f"{rename(n)}: {tuple(saved)}, expected {tuple(shape)}" for n, saved, shape in info["mismatched_keys"]]
-    unexpected = {rename(name) for name in info["unexpected_keys"]} - set(optional)
-    _raise_mismatch(source, [rename(name) for name in info["missing_keys"]], unexpected, wrong)
-
-
-def check_state_dict(provided: dict[str, torch.Tensor], expected: dict[str, tuple[int, ...]], source: str,
-                     optional: frozenset[str] | set[str] = frozenset()) -> None:
-    """Check that ``provided`` has exactly the names of ``expected`` with those shapes (``optional`` names may be
-    present with any shape); else ``ValueError`` listing every problem, naming ``source``."""
-    wrong = [
-        f"{name}: {tuple(provided[name].shape)}, expected {tuple(shape)}"
-        for name, shape in expected.items()
-        if name in provided and tuple(provided[name].shape) != tuple(shape)
-    ]
-    _raise_mismatch(source, set(expected) - set(provided), set(provided) - set(expected) - set(optional), wrong)
 
 
 def _check_model_type(config: dict, allowed: tuple, source: str, expected_what: str) -> None:
@@ -157,8 +134,7 @@ def _check_model_type(config: dict, allowed: tuple, source: str, expected_what: 
 
 
 def densemamba_from_mamba(src, **dense_kwargs) -> DenseMambaForCausalLM:
-    """Upcycle a pretrained Mamba into DenseMamba: its weights copied strictly, the dense parameters starting as a
-    no-op, so the logits are the Mamba's (docs/hub_and_conversion.md).
+    """Upcycle a pretrained Mamba into DenseMamba whose dense parameters start as a no-op (docs/hub_and_conversion.md).
 
     Args:
         src: a transformers Mamba checkpoint (local folder or Hub id, e.g. ``"state-spaces/mamba-130m-hf"``) or a
@@ -190,18 +166,12 @@ def densemamba_from_mamba(src, **dense_kwargs) -> DenseMambaForCausalLM:
         raise ValueError("dense_selection='none' with dense_fusion='add' has no gate to close, so the converted model "
                          "could not start equal to the Mamba; use dense_selection='mlp' or 'linear' (or "
                          "dense_fusion='concat').")
-    if not isinstance(src, nn.Module):
-        src, info = MambaForCausalLM.from_pretrained(src, **_LOAD_KWARGS)
-        _check_loading_info(info, source)
-    state_dict = dict(src.state_dict())
-    if not any(name.startswith("backbone.") for name in state_dict):  # a MambaModel: add the CausalLM prefix
-        state_dict = {f"backbone.{name}": tensor for name, tensor in state_dict.items()}
-    model = DenseMambaForCausalLM(dense_config)
-    tied = dense_config.tie_word_embeddings
-    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()
-                if "dense" not in name and not (tied and name == "lm_head.weight")}
-    check_state_dict(state_dict, expected, source, optional={"lm_head.weight"} if tied else set())
-    model.load_state_dict({name: state_dict[name] for name in expected}, strict=False)
+    state_dict = None
+    if isinstance(src, nn.Module):  # copies (the result shares no tensor with src), under the CausalLM's names
+        prefix = "" if any(name.startswith("backbone.") for name in src.state_dict()) else "backbone."  # MambaModel
+        state_dict, src = {prefix + name: tensor.clone() for name, tensor in src.state_dict().items()}, None
+    model, info = DenseMambaForCausalLM.from_pretrained(src, config=dense_config, state_dict=state_dict, **_LOAD_KWARGS)
+    _check_loading_info(info, source, optional={"lm_head.weight"}, new={n for n in model.state_dict() if "dense" in n})
     if dense_config.dense_fusion == "add":
         for module in model.modules():
             if isinstance(module, DenseHiddenConnection):
@@ -233,8 +203,8 @@ def official_denseretnet_config(config: dict, source: str = "the checkpoint") ->
 
 
 def official_denseretnet_name(name: str) -> str:
-    """The authors' parameter name of our DenseRetNet parameter ``name`` (e.g.
-    ``model.layers.3.self_attn.hidden_proj.weight`` -> ``model.layers.3.self_attn.to_hidden.0.weight``)."""
+    """The authors' name of our DenseRetNet parameter ``name`` (e.g. ``...self_attn.hidden_proj.weight`` ->
+    ``...self_attn.to_hidden.0.weight``)."""
     for ours, theirs in OFFICIAL_DENSERETNET_RENAMES:
         name = name.replace(ours, theirs)
     return name
@@ -263,9 +233,9 @@ def denseretnet_from_official(src: str | os.PathLike) -> DenseRetNetForCausalLM:
             optional |= {f"model.layers.{i}.self_attn.{part}.weight" for part in OFFICIAL_DENSE_ONLY}
     _check_loading_info(info, source, official_denseretnet_name, optional)
     # the saved rotary angles and log-decays must be the published definition (docs/design.md §3)
-    angle = rotary_angles(config.query_key_dim // config.num_attention_heads, config.rope_theta).double()
-    angle = angle.repeat_interleave(2)
-    decay = retention_gamma(config.num_attention_heads, dtype=torch.float64).log()
+    heads = config.num_attention_heads
+    angle = rotary_angles(config.query_key_dim // heads, config.rope_theta).double().repeat_interleave(2)
+    decay = retention_gamma(heads, dtype=torch.float64).log()
     for name, value in zip(OFFICIAL_REL_POS, (angle, decay)):
         tensor = rel_pos.get(name, value)  # an absent buffer passes
         if tensor.shape != value.shape or not torch.allclose(tensor.double(), value, rtol=1e-4, atol=1e-6):
@@ -276,6 +246,6 @@ def denseretnet_from_official(src: str | os.PathLike) -> DenseRetNetForCausalLM:
 
 
 __all__ = [
-    "DENSE_ARGUMENTS", "check_state_dict", "densemamba_from_mamba", "denseretnet_from_official",
+    "DENSE_ARGUMENTS", "densemamba_from_mamba", "denseretnet_from_official",
     "official_denseretnet_config", "official_denseretnet_name", "read_config", "read_tensors",
 ]

@@ -14,8 +14,6 @@ import torch
 from ..configuration import DenseMambaConfig
 from . import DENSE_ARGUMENTS, densemamba_from_mamba, denseretnet_from_official
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``argparse`` parser of ``python -m hf_densessm.convert`` (commands ``mamba``, ``official-denseretnet``)."""
@@ -31,10 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
     for knob in DenseMambaConfig.knobs():
         default = DenseMambaConfig.dense_defaults.get(knob.name, knob.default)
         option, help_text = "--" + knob.name.replace("_", "-"), f"{knob.help} (default {default})"
-        if knob.kind is bool:
-            mamba.add_argument(option, action=argparse.BooleanOptionalAction, default=None, help=help_text)
-        else:
-            mamba.add_argument(option, type=knob.kind, choices=knob.choices, default=None, help=help_text)
+        kind = dict(action=argparse.BooleanOptionalAction) if knob.kind is bool else dict(type=knob.kind)
+        mamba.add_argument(option, choices=knob.choices, default=None, help=help_text, **kind)
 
     official = commands.add_parser("official-denseretnet", help="convert a checkpoint of the authors' published "
                                    "DenseRetNet", description="Convert a checkpoint of the authors' published "
@@ -45,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
         command.add_argument("src", metavar="SRC", help=source)
         command.add_argument("out", metavar="OUT", help="folder to write, kill-safely (files of an existing OUT "
                              "that the save does not own are kept)")
-        command.add_argument("--dtype", choices=tuple(DTYPES), default="float32",
+        command.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
                              help="dtype of the saved weights (default float32)")
     return parser
 
@@ -60,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
             model = densemamba_from_mamba(args.src, **knobs)
         else:
             model = denseretnet_from_official(args.src)
-        model.to(DTYPES[args.dtype]).save_pretrained(args.out)
+        model.to(getattr(torch, args.dtype)).save_pretrained(args.out)
     except (OSError, ValueError, TypeError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1

@@ -1,8 +1,6 @@
-"""Hub-ready folders: what the models' ``save_pretrained`` / ``push_to_hub`` run (never shipped with remote code): the
-remote code and ``auto_map`` that ``tools/remote_code.py`` generated into ``remote_code/`` (per model type in its
-``manifest.json``), copied verbatim; the model card (``README.md``), from the model's own documentation (the modeling
-module's docstring, the config's ``Args:``, the knobs' help); kill-safe saving (:mod:`.saving`)
-(docs/hub_and_conversion.md)."""
+"""Hub-ready folders (docs/hub_and_conversion.md; not shipped with remote code): the models' ``save_pretrained`` /
+``push_to_hub`` add the remote code ``tools/remote_code.py`` generated into ``remote_code/`` and a model card built
+from the model's own docs, saved kill-safely (:mod:`.saving`)."""
 
 from __future__ import annotations
 
@@ -30,9 +28,8 @@ class BundleError(RuntimeError):
 
 
 def remote_code(model) -> tuple[dict[str, str], dict[str, Path]]:
-    """``(auto_map, {file name in a saved folder: its generated file})`` of ``model``'s ``config.model_type``, e.g.
-    ``({"AutoConfig": "configuration_densemamba.DenseMambaConfig", ...}, {"modeling_densemamba.py": ..., ...})``;
-    ``BundleError`` if none was generated for that model type."""
+    """``(auto_map, {file name in a saved folder: its generated file})`` of ``model``'s ``config.model_type`` (from
+    ``remote_code/manifest.json``); ``BundleError`` if none was generated for that model type."""
     manifest = json.loads((REMOTE_CODE / "manifest.json").read_text(encoding="utf-8"))
     entry = manifest["families"].get(model.config.model_type)
     if entry is None:
@@ -44,13 +41,11 @@ def remote_code(model) -> tuple[dict[str, str], dict[str, Path]]:
 def write_bundle(model, folder: str | os.PathLike) -> dict[str, str]:
     """Copy the code files of ``model`` (:func:`remote_code`) into ``folder`` and set ``auto_map`` in its
     ``config.json``; returns the ``auto_map``. Raises ``FileNotFoundError`` (no ``config.json``), ``BundleError``."""
-    folder = Path(folder)
     auto_map, files = remote_code(model)
-    config_file = folder / "config.json"
-    config = json.loads(config_file.read_text(encoding="utf-8"))
+    config_file = Path(folder, "config.json")
+    config = {**json.loads(config_file.read_text(encoding="utf-8")), "auto_map": auto_map}
     for name, source in files.items():
-        shutil.copyfile(source, folder / name)
-    config["auto_map"] = auto_map
+        shutil.copyfile(source, Path(folder, name))
     config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     return auto_map
 
@@ -88,9 +83,8 @@ def field_docs(config_class: type) -> dict[str, str]:
 
 
 def model_card(model, files: list[str], repo_id: str | None = None, tags: list[str] | None = None) -> str:
-    """The ``README.md`` text of a folder holding ``model`` and ``files``: Hub metadata (``tags`` added), the
-    architecture, every config field with its value and meaning, how to load (from ``repo_id``, else a placeholder),
-    the files, the citation."""
+    """The ``README.md`` of a folder holding ``model`` and ``files``: Hub metadata (``tags`` added), architecture,
+    config fields (value, meaning), how to load (from ``repo_id``, else a placeholder), files, citation."""
     config = model.config
     family = type(config).__name__.removesuffix("Config")
     where = repo_id or "path/to/this/folder"
@@ -146,17 +140,15 @@ same call works without `trust_remote_code`. Weights: {weights or "none"}.
 
 def write_model_card(model, folder: str | os.PathLike, repo_id: str | None = None, tags: list[str] | None = None):
     """Write :func:`model_card` as ``folder/README.md`` (listing the files already in ``folder``); returns its path."""
-    folder = Path(folder)
-    files = sorted(p.name for p in folder.iterdir() if p.is_file() and p.name != "README.md")
-    path = folder / "README.md"
+    path = Path(folder, "README.md")
+    files = sorted(p.name for p in path.parent.iterdir() if p.is_file() and p != path)
     path.write_text(model_card(model, files, repo_id=repo_id, tags=tags), encoding="utf-8")
     return path
 
 
 def file_head(path: str | os.PathLike, size: int) -> str:
     """The first ``size`` characters of ``path`` if it is a regular file (not a symlink), else ``""``."""
-    path = Path(path)
-    if not path.is_file() or path.is_symlink():
+    if not Path(path).is_file() or Path(path).is_symlink():
         return ""
     with open(path, encoding="utf-8", errors="replace") as file:
         return file.read(size)
@@ -181,10 +173,9 @@ def save_pretrained(
     model: PreTrainedModel, save_directory: str | os.PathLike, is_main_process: bool = True,
     state_dict: dict | None = None, push_to_hub: bool = False, **kwargs,
 ):
-    """``model.save_pretrained``: transformers' (same arguments), plus the remote code, ``auto_map`` and the model
-    card (a ``README.md`` a person wrote is kept), written kill-safely (:func:`~.saving.staged_save`); then
-    ``model.push_to_hub`` if ``push_to_hub``. transformers' alone for ``is_main_process=False``,
-    ``distributed_checkpoint=True``, PEFT adapters and models loaded as remote code.
+    """``model.save_pretrained``: transformers' (same arguments) plus the remote code, ``auto_map`` and the model card
+    (not over a ``README.md`` a person wrote), kill-safely (:func:`~.saving.staged_save`); transformers' alone for
+    ``is_main_process=False``, ``distributed_checkpoint=True``, PEFT adapters and models loaded as remote code.
 
     Raises:
         NotADirectoryError: ``save_directory`` is a file.
@@ -236,7 +227,5 @@ def push_to_hub(
                                  commit_description=commit_description, revision=revision, create_pr=create_pr)
 
 
-__all__ = [
-    "BUNDLE_MARKER", "CARD_MARKER", "BundleError", "model_card", "push_to_hub", "remote_code",
-    "replaced_by_save", "save_pretrained", "staged_save", "write_bundle", "write_model_card",
-]
+__all__ = ["BUNDLE_MARKER", "CARD_MARKER", "BundleError", "model_card", "push_to_hub", "remote_code",
+           "replaced_by_save", "save_pretrained", "staged_save", "write_bundle", "write_model_card"]

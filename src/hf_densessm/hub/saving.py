@@ -1,6 +1,5 @@
 """Kill-safe saving into a folder that may hold other files (docs/hub_and_conversion.md, "Saving survives a hard
-kill"): staged files stamped with a new save id and moved in with ``os.replace``, the previous whole save kept (hard
-links) until the new ``config.json`` is in, each staging folder locked with ``filelock`` while its save runs."""
+kill"): staged files stamped with a new save id, moved in with ``os.replace``, the previous save kept meanwhile."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""The recurrent-state cache of every DenseSSM family (:class:`DenseSSMCache`), its checks, and the helpers that read
-and store its states (docs/design.md §5)."""
+"""The recurrent-state cache of every family (:class:`DenseSSMCache`), its checks and helpers (docs/design.md §5)."""
 
 from __future__ import annotations
 
@@ -13,8 +12,7 @@ from ..ops.dispatch import chosen_backend, use_backend
 
 
 class DenseSSMCache(DynamicCache):
-    """transformers' ``DynamicCache`` (one ``LinearAttentionLayer`` per block), plus counts of the tokens seen
-    (tensors advanced in place, static addresses: docs/design.md §5).
+    """transformers' ``DynamicCache`` (a ``LinearAttentionLayer`` per block) plus in-place counts (docs/design.md §5).
 
     Attributes:
         model_type: the ``model_type`` of the config it was built for (``None`` without one).
@@ -43,9 +41,8 @@ class DenseSSMCache(DynamicCache):
         return count
 
     def record_tokens(self, inputs: torch.Tensor, attention_mask: torch.Tensor | None = None) -> None:
-        """Count a forward's positions in :attr:`positions_seen` and (with :attr:`counts_row_tokens`) each row's real
-        tokens in :attr:`real_tokens_seen`; ``inputs``: ``(batch, seq_len, ...)`` (shape and device only),
-        ``attention_mask``: ``(batch, seq_len)`` 0/1 or ``None``."""
+        """Count a forward's positions and (with :attr:`counts_row_tokens`) each row's real tokens; ``inputs``
+        ``(batch, seq_len, ...)`` (shape and device only), ``attention_mask`` ``(batch, seq_len)`` 0/1 or ``None``."""
         batch, count = inputs.shape[:2]
         if self.positions_seen is None:
             self.positions_seen = self._new_count((), inputs.device)
@@ -60,8 +57,7 @@ class DenseSSMCache(DynamicCache):
         self.real_tokens_seen.add_(count if attention_mask is None else attention_mask.long().sum(-1))
 
     def activate_past_recording(self) -> None:
-        """transformers' hook before speculative decoding: every forward keeps what :meth:`crop` needs, until
-        :meth:`stop_recording`."""
+        """transformers' hook before speculative decoding: forwards keep what :meth:`crop` needs (until stopped)."""
         self.recording = True
 
     def stop_recording(self) -> None:
@@ -144,12 +140,9 @@ def record_states(cache: Cache | None, layer_idx: int, state: torch.Tensor | Non
 
 def check_cache(cache, config, batch: int) -> None:
     """Check that ``cache`` fits a model of ``config`` given ``batch`` rows: one linear-attention layer per block,
-    only ``config.cache_slots`` filled, with ``config.cache_shapes``.
-
-    Raises:
-        TypeError: not a ``Cache``, not linear-attention layers, or not a :class:`DenseSSMCache` where the family
-            counts each row's tokens. ValueError: another layer count, family, batch size or width.
-    """
+    only ``config.cache_slots`` filled, with ``config.cache_shapes``. ``TypeError``: not a ``Cache``, not
+    linear-attention layers, or not a :class:`DenseSSMCache` where the family counts each row's tokens; ``ValueError``:
+    another layer count, family, batch size or width."""
     hint = (
         "leave `cache` unset (the model builds one), pass the cache a previous call returned, or build an empty one "
         "with `hf_densessm.modeling.cache.DenseSSMCache(config=model.config)`"
@@ -171,8 +164,8 @@ def check_cache(cache, config, batch: int) -> None:
         raise ValueError(f"`cache` was built for another model family (a {built_for} model, not {family}); {hint}.")
     for layer_idx, layer in enumerate(cache.layers):
         for kind in ("conv", "recurrent"):
-            filled = layer.is_conv_states_initialized if kind == "conv" else layer.is_recurrent_states_initialized
-            stray = [slot for slot, is_filled in filled.items() if is_filled and slot not in slots[kind]]
+            filled = getattr(layer, f"is_{kind}_states_initialized").items()
+            stray = [slot for slot, is_filled in filled if is_filled and slot not in slots[kind]]
             if stray:
                 raise ValueError(f"`cache` was built for another model family (layer {layer_idx} holds {kind} state "
                                  f"slot {stray[0]}, which a {family} model never fills); {hint}.")
@@ -181,9 +174,8 @@ def check_cache(cache, config, batch: int) -> None:
                         f"row, which place the rotary angles), got {type(cache).__name__}; {hint}.")
     expected = config.cache_shapes(batch)
     for layer_idx in range(len(cache.layers)):
-        for (kind, slot), shape in expected.items():  # the conv window is slot 0
-            state = conv_state(cache, layer_idx) if kind == "conv" else recurrent_state(cache, layer_idx, slot)
-            if state is not None and tuple(state.shape) != shape:
+        for (kind, slot), shape in expected.items():
+            if (state := cache_state(cache, layer_idx, kind, slot)) is not None and tuple(state.shape) != shape:
                 raise ValueError(f"`cache` holds a {kind} state of shape {tuple(state.shape)} in layer {layer_idx}, "
                                  f"but this model with batch size {batch} needs {shape} (a cache serves one batch "
                                  f"size); {hint}.")
@@ -205,10 +197,9 @@ def store_recurrent_state(cache: Cache, layer_idx: int, state: torch.Tensor, slo
 
 def store_conv_inputs(cache: Cache, layer_idx: int, inputs: torch.Tensor, conv_kernel_size: int) -> None:
     """Append ``inputs`` ``(batch, channels, seq_len)`` (the window's dtype), detached, to the conv window of block
-    ``layer_idx``, keeping the last ``conv_kernel_size`` (transformers' ``update_conv_state``, handed whole windows
-    so that it pads nothing); with gradients on, into a copy of the window; a recording :class:`DenseSSMCache` keeps
-    the window before and ``inputs`` for its ``crop`` (docs/design.md §5)."""
-    layer, window, inputs = cache.layers[layer_idx], conv_state(cache, layer_idx), inputs.detach()
+    ``layer_idx``, keeping the last ``conv_kernel_size`` (with gradients on, in a copy of the window); a recording
+    :class:`DenseSSMCache` keeps the window before and ``inputs`` for ``crop`` (docs/design.md §5)."""
+    layer, window, inputs = cache.layers[layer_idx], cache_state(cache, layer_idx, "conv"), inputs.detach()
     if window is not None and torch.is_grad_enabled():
         layer.conv_states[0] = window = window.clone()
     recording = isinstance(cache, DenseSSMCache) and cache.recording
@@ -221,17 +212,10 @@ def store_conv_inputs(cache: Cache, layer_idx: int, inputs: torch.Tensor, conv_k
     cache.update_conv_state(inputs, layer_idx, conv_kernel_size=conv_kernel_size)
 
 
-def recurrent_state(cache: Cache | None, layer_idx: int, slot: int = 0) -> torch.Tensor | None:
-    """The recurrent state in ``slot`` of block ``layer_idx``, or ``None`` (no cache, or before the first update)."""
+def cache_state(cache: Cache | None, layer_idx: int, kind: str = "recurrent", slot: int = 0) -> torch.Tensor | None:
+    """The ``kind`` state (``"recurrent"``, or ``"conv"``: the window ``(batch, channels, conv_kernel)``) in ``slot``
+    of block ``layer_idx``, or ``None`` (no cache, or before the first update)."""
     if cache is None:
         return None
     layer = cache.layers[layer_idx]
-    return layer.recurrent_states[slot] if layer.is_recurrent_states_initialized[slot] else None
-
-
-def conv_state(cache: Cache | None, layer_idx: int) -> torch.Tensor | None:
-    """The conv window ``(batch, channels, conv_kernel)`` of block ``layer_idx``, or ``None`` (as above)."""
-    if cache is None:
-        return None
-    layer = cache.layers[layer_idx]
-    return layer.conv_states[0] if layer.is_conv_states_initialized[0] else None
+    return getattr(layer, f"{kind}_states")[slot] if getattr(layer, f"is_{kind}_states_initialized")[slot] else None

@@ -1,6 +1,5 @@
-"""The cache's name under the installed transformers: ``cache`` from 5.24, ``past_key_values`` (``cache_params`` in
-Mamba) in 5.17-5.23; ``cache`` inside this package, the release's name at the boundary (docs/design.md §5, "The cache's
-name")."""
+"""The cache's name: ``cache`` inside this package, the installed release's at the boundary (``cache`` from 5.24,
+``past_key_values``, ``cache_params`` in Mamba, before; docs/design.md §5, "The cache's name")."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""The dense hidden connection of DenseSSM, whole: gate, selective transition, hidden fusion, init and the layer loop
-that hands each layer's pre-fusion features up to the next ``m`` layers (DenseSSM paper §3.3, Eq. 10-17, Tables 7-9;
-choices and how features travel: docs/design.md §2)."""
+"""The dense hidden connection, whole (DenseSSM paper §3.3, Eq. 10-17, Tables 7-9; docs/design.md §2): gate, selective
+transition, hidden fusion, init and the layer loop that hands pre-fusion features up to the next ``m`` layers."""
 
 from __future__ import annotations
 
@@ -28,18 +27,17 @@ def _dense_linear(in_features: int, out_features: int, role: str) -> nn.Linear:
 
 @torch.no_grad()
 def init_dense_linear(module: nn.Module, init, gate_std: float | None = None) -> bool:
-    """Initialize ``module`` in place (``init``: ``transformers.initialization``) if it is a ``Linear`` of the dense
-    connection, and return whether it was one: gates normal(0, ``gate_std``) when given, else Xavier-uniform with
-    gain 2^-2.5; projections the identity; the concat reduction ``[I, 0]`` (docs/design.md §2, "Init")."""
+    """Initialize ``module`` (``init``: ``transformers.initialization``) if it is a dense ``Linear``, and say so: gates
+    normal(0, ``gate_std``) if given, else Xavier-uniform (gain 2^-2.5); projections, reduction ``[I, 0]``."""
     role = getattr(module, "dense_init", None)
     if role is None:
         return False
-    if role == "gate" and gate_std is not None:
-        init.normal_(module.weight, mean=0.0, std=gate_std)
-    elif role == "gate":
-        init.xavier_uniform_(module.weight, gain=GATE_INIT_GAIN)
-    else:  # "identity" and "concat"
+    if role != "gate":  # "identity" and "concat"
         init.eye_(module.weight)
+    elif gate_std is not None:
+        init.normal_(module.weight, mean=0.0, std=gate_std)
+    else:
+        init.xavier_uniform_(module.weight, gain=GATE_INIT_GAIN)
     return True
 
 
@@ -68,9 +66,9 @@ class DenseGate(nn.Module):
 
 class DenseHiddenConnection(nn.Module):
     """Selective transition + hidden fusion (Eq. 10-17) of one feature in one layer with ``num_predecessors`` lower
-    layers; the other arguments: the config's dense knobs (docs/design.md §2). ``forward(x, feature, predecessors)``:
-    ``x`` ``(..., hidden_size)``, ``feature`` ``(..., feature_size)``, a list of tensors like ``feature``, nearest
-    first (``ValueError`` unless ``num_predecessors`` of them); returns the fused feature in ``feature``'s dtype."""
+    layers (the other arguments: the dense knobs). ``forward(x, feature, predecessors)``: ``x`` ``(..., hidden_size)``,
+    ``feature`` ``(..., feature_size)``, ``num_predecessors`` tensors like it, nearest first (else ``ValueError``) ->
+    the fused feature in ``feature``'s dtype."""
 
     def __init__(self, hidden_size: int, feature_size: int, num_predecessors: int, projection: str, selection: str,
                  shared_gate: bool, fusion: str, gate_hidden_size: int):
@@ -147,10 +145,9 @@ def split_dense_inputs(dense_inputs: tuple[torch.Tensor, ...], num_features: int
 def run_dense_layers(
     layers: nn.ModuleList, hidden_states: torch.Tensor, config, output_hidden_states: bool, **layer_kwargs
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
-    """Run the blocks from the embeddings ``hidden_states`` ``(batch, seq_len, hidden_size)``:
-    ``block(hidden_states, *dense_inputs, **layer_kwargs)`` returns ``(hidden_states, *features)``, ``dense_inputs``
-    its predecessors' features grouped by feature, nearest first. Returns the last block's output and, if
-    ``output_hidden_states``, every block's input (embeddings first)."""
+    """Run the blocks from the embeddings ``(batch, seq_len, hidden_size)``: ``block(hidden_states, *dense_inputs,
+    **layer_kwargs) -> (hidden_states, *features)``, ``dense_inputs`` grouped by feature, nearest first. Returns the
+    last block's output and, if ``output_hidden_states``, every block's input (embeddings first)."""
     m = config.dense_layers
     history: deque[tuple[torch.Tensor, ...]] = deque(maxlen=m)  # m = 0: keeps nothing
     all_hidden_states = () if output_hidden_states else None

@@ -1,6 +1,5 @@
-"""The checks of a DenseSSM model's inputs at ``forward`` entry (docs/errors.md): token ids or embeddings, the padding
-mask, packed documents, ``logits_to_keep``; values through :func:`~hf_densessm.ops.backend.require` (docs/design.md §6).
-"""
+"""The checks of a model's inputs at ``forward`` entry (docs/errors.md), values through
+:func:`~hf_densessm.ops.backend.require` (docs/design.md §6): token ids or embeddings, padding, packing, logits kept."""
 
 from __future__ import annotations
 
@@ -18,8 +17,7 @@ def check_inputs(input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | N
 
     Raises:
         ValueError: both or neither given; ``input_ids`` not ``(batch, seq_len)`` or ``inputs_embeds`` not
-            ``(batch, seq_len, hidden_size)``, with ``batch, seq_len >= 1``; an id outside ``[0, vocab_size)``
-            (:func:`~hf_densessm.ops.backend.require`).
+            ``(batch, seq_len, hidden_size)``, with ``batch, seq_len >= 1``; an id outside ``[0, vocab_size)``.
         TypeError: ``input_ids`` not an int64 / int32 tensor, ``inputs_embeds`` not a floating-point tensor.
     """
     if (input_ids is None) == (inputs_embeds is None):
@@ -50,9 +48,7 @@ def prepare_attention_mask(attention_mask: torch.Tensor | None, batch: int, seq_
     nothing is padded and that can be read without a host sync (not while tracing, nor ``decoding`` off the CPU).
 
     Raises:
-        TypeError: not a tensor.
-        ValueError: not 2-D, another batch, shorter than the input, or a value other than 0 and 1
-            (:func:`~hf_densessm.ops.backend.require`).
+        TypeError: not a tensor. ValueError: not 2-D, another batch, shorter than the input, values not 0 and 1.
     """
     if attention_mask is None:
         return None
@@ -83,7 +79,7 @@ def packed_document_starts(batch: int, seq_len: int, device: torch.device, keeps
         TypeError: a non-integer tensor.
         ValueError: a bad shape, lengths not rising strictly from 0 to ``seq_len``, a decreasing ``seq_idx``,
             ``position_ids`` that neither restart at 0 nor rise by 1, inputs that disagree, or several documents in a
-            row that ``keeps_cache`` (:func:`~hf_densessm.ops.backend.require` for the values).
+            row that ``keeps_cache``.
     """
     starts = {}
     if cu_seq_lens_q is not None:
@@ -141,8 +137,7 @@ def check_logits_to_keep(logits_to_keep, seq_len: int):
 
     Raises:
         TypeError: a ``bool``, a float, or a tensor that is not an integer tensor.
-        ValueError: a negative int, a tensor that is not 1-D, or an index outside ``[-seq_len, seq_len)``
-            (:func:`~hf_densessm.ops.backend.require`).
+        ValueError: a negative int, a tensor that is not 1-D, or an index outside ``[-seq_len, seq_len)``.
     """
     if isinstance(logits_to_keep, torch.Tensor):
         if logits_to_keep.dtype.is_floating_point or logits_to_keep.dtype == torch.bool:

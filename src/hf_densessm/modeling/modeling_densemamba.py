@@ -17,7 +17,7 @@ from transformers.models.mamba.modeling_mamba import MambaCausalLMOutput, MambaO
 from ..configuration.configuration_densemamba import DenseMambaConfig
 from ..ops.causal_conv1d import causal_conv1d
 from ..ops.selective_scan import selective_scan, selective_state_update
-from .cache import conv_state, record_states, recurrent_state, store_conv_inputs, store_recurrent_state
+from .cache import cache_state, record_states, store_conv_inputs, store_recurrent_state
 from .cache_names import with_old_name
 from .dense_connection import build_dense_connection, init_dense_linear, split_dense_inputs
 from .modeling_densessm import (
@@ -26,16 +26,15 @@ from .modeling_densessm import (
 
 
 def _state_after(u, dt, A, B, C, softplus, initial_state, n):
-    """The SSM state after the first ``n`` of a forward's tokens (``u``, ``B``, ``C`` token-major, ``dt`` channel-major,
-    as the mixer holds them), for a speculative ``crop`` (:func:`~.cache.record_states`)."""
+    """The SSM state after the first ``n`` of a forward's tokens (``dt`` channel-major, the rest token-major), for
+    ``crop`` (:func:`~.cache.record_states`)."""
     return selective_scan(u[:, :n].transpose(1, 2), dt[..., :n], A, B[:, :n].transpose(1, 2), C[:, :n].transpose(1, 2),
                           delta_softplus=softplus, initial_state=initial_state, return_last_state=True)[1]
 
 
 class DenseMambaMixer(nn.Module):
     """Sequence mixing of one DenseMamba block: transformers' ``MambaMixer`` (Mamba paper Alg. 2, Fig. 3) with the
-    dense connection (``dense_u``, ``dense_B`` or ``dense_h``; docs/design.md §4). ``D = intermediate_size``,
-    ``N = state_size``."""
+    dense connection (``dense_u``, ``dense_B`` or ``dense_h``; docs/design.md §4); ``D = intermediate_size``."""
 
     def __init__(self, config: DenseMambaConfig, layer_idx: int):
         super().__init__()
@@ -46,10 +45,8 @@ class DenseMambaMixer(nn.Module):
         self.ssm_state_size = config.state_size
         self.conv_kernel_size = config.conv_kernel
         self.time_step_rank = config.time_step_rank
-        self.conv1d = nn.Conv1d(
-            self.intermediate_size, self.intermediate_size, config.conv_kernel, groups=self.intermediate_size,
-            padding=config.conv_kernel - 1, bias=config.use_conv_bias,
-        )
+        D, k = self.intermediate_size, config.conv_kernel
+        self.conv1d = nn.Conv1d(D, D, k, groups=D, padding=k - 1, bias=config.use_conv_bias)
         self.in_proj = nn.Linear(self.hidden_size, self.intermediate_size * 2, bias=config.use_bias)
         self.x_proj = nn.Linear(self.intermediate_size, self.time_step_rank + self.ssm_state_size * 2, bias=False)
         self.dt_proj = nn.Linear(self.time_step_rank, self.intermediate_size, bias=True)
@@ -70,7 +67,7 @@ class DenseMambaMixer(nn.Module):
         if decode:
             n = len(dense_inputs) // 4
             C_t = C[:, 0, :, None].to(torch.promote_types(C.dtype, torch.float32))
-            return [torch.bmm(recurrent_state(cache, self.layer_idx - i).to(C_t.dtype), C_t).transpose(1, 2)
+            return [torch.bmm(cache_state(cache, self.layer_idx - i).to(C_t.dtype), C_t).transpose(1, 2)
                     for i in range(1, n + 1)]
         us, dts, Bs, As, *initial = split_dense_inputs(dense_inputs, 5 if continuing else 4)
         initial = initial[0] if initial else [None] * len(us)
@@ -83,10 +80,9 @@ class DenseMambaMixer(nn.Module):
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
         """``hidden_states`` ``(batch, seq_len, hidden_size)`` (normalized) -> ``(output, features)``: ``output`` of the
         same shape and the pre-fusion ``(u, B)`` (``"input"``) or ``(u, dt, B, A[, state before this call])``
-        (``"state"``). ``dense_inputs``: the predecessors' features grouped by feature, nearest first; ``cache``: a
-        ``Cache`` or ``None``; ``attention_mask`` ``(batch, seq_len)`` 0/1, ``reset`` ``(batch, seq_len)`` bool (True at
-        each packed document's first token), or ``None``. One token over a filled cache without gradients is a
-        decoding step (the state updated in place); every other call runs the scan (docs/design.md §5)."""
+        (``"state"``). ``dense_inputs``: the predecessors' features grouped by feature, nearest first; ``cache``,
+        ``attention_mask`` ``(batch, seq_len)`` 0/1 and ``reset`` ``(batch, seq_len)`` bool may be ``None``. One token
+        over a filled cache without gradients decodes in place; any other call scans (docs/design.md §5)."""
         batch, seq_len, _ = hidden_states.shape
         dtype = hidden_states.dtype
         keep = attention_mask[..., None].bool() if attention_mask is not None else None  # selects, never multiplies
@@ -99,31 +95,28 @@ class DenseMambaMixer(nn.Module):
         z = z.transpose(1, 2)  # (batch, D, seq_len) view, the scan's layout
 
         # 2. causal depthwise convolution, continuing from the cached window of the last `conv_kernel` inputs
-        window = conv_state(cache, self.layer_idx)
+        window = cache_state(cache, self.layer_idx, "conv")
         previous_window = window.clone() if window is not None and keep is not None else None
         u = causal_conv1d(x, self.conv1d.weight, self.conv1d.bias, window, reset=reset, activation="silu")
         if cache is not None:
             store_conv_inputs(cache, self.layer_idx, x.transpose(1, 2), self.conv_kernel_size)
             if previous_window is not None:  # rows given only padding keep their window
                 padded_rows = ~attention_mask.bool().any(dim=-1)
-                updated = conv_state(cache, self.layer_idx)
+                updated = cache_state(cache, self.layer_idx, "conv")
                 updated.copy_(torch.where(padded_rows[:, None, None], previous_window, updated))
         if keep is not None:
             u = torch.where(keep, u, 0)
 
         # 3. input-dependent dt, B, C from the un-fused u
-        time_step, B, C = torch.split(
-            self.x_proj(u), [self.time_step_rank, self.ssm_state_size, self.ssm_state_size], dim=-1
-        )
+        time_step, B, C = self.x_proj(u).split([self.time_step_rank, self.ssm_state_size, self.ssm_state_size], dim=-1)
         # a module call (bias included), so that adapters such as LoRA take effect
         dt = self.dt_proj(time_step).transpose(1, 2)  # (batch, D, seq_len), before the softplus
-        softplus = True
+        softplus = keep is None
         if keep is not None:  # dt = 0 at padding: exp(0 * A) = 1 and no input, the state is left as it was
             dt = torch.where(keep.transpose(1, 2), F.softplus(dt.to(acc)), 0)
-            softplus = False
 
         A = -torch.exp(self.A_log.to(acc))
-        state = recurrent_state(cache, self.layer_idx)
+        state = cache_state(cache, self.layer_idx)
         # with gradients on, the scan (differentiable everywhere, the cached state left as it was)
         decode = state is not None and seq_len == 1 and not torch.is_grad_enabled()
         fuse_states = self.dense_h is not None
@@ -184,7 +177,7 @@ class DenseMambaBlock(GradientCheckpointingLayer):
 
 
 class DenseMambaPreTrainedModel(DenseSSMPreTrainedModel):
-    """Weight init and names shared by the DenseMamba models (as ``transformers.MambaPreTrainedModel``'s)."""
+    """Weight init and names of the DenseMamba models (as ``transformers.MambaPreTrainedModel``'s)."""
 
     config_class = DenseMambaConfig
     config: DenseMambaConfig
@@ -236,9 +229,7 @@ class DenseMambaPreTrainedModel(DenseSSMPreTrainedModel):
 @dataclass
 class DenseMambaOutput(MambaOutput):
     """Output of :class:`DenseMambaModel`: transformers' ``MambaOutput`` (the cache field named by the release,
-    docs/design.md §5; ``last_hidden_state``, ``hidden_states`` as in :meth:`DenseSSMModel.forward
-    <hf_densessm.modeling.modeling_densessm.DenseSSMModel.forward>`), plus ``attentions``, always ``None``, which
-    transformers' generic heads read."""
+    docs/design.md §5), plus ``attentions``, always ``None``, which transformers' generic heads read."""
 
     attentions: tuple[torch.Tensor, ...] | None = None
 
@@ -246,16 +237,12 @@ class DenseMambaOutput(MambaOutput):
 @with_old_name
 @dataclass
 class DenseMambaCausalLMOutput(MambaCausalLMOutput):
-    """Output of :class:`DenseMambaForCausalLM`: transformers' ``MambaCausalLMOutput`` (cache field as in
-    :class:`DenseMambaOutput`; fields as in :meth:`DenseSSMForCausalLM.forward
-    <hf_densessm.modeling.modeling_densessm.DenseSSMForCausalLM.forward>`)."""
+    """Output of :class:`DenseMambaForCausalLM`: transformers' ``MambaCausalLMOutput`` (cache field as above)."""
 
 
 class DenseMambaModel(DenseSSMModel, DenseMambaPreTrainedModel):
-    """The DenseMamba backbone: embeddings, ``num_hidden_layers`` :class:`DenseMambaBlock` with the dense
-    connection, final RMSNorm (``embeddings``, ``layers``, ``norm_f`` as in ``transformers.MambaModel``); ``forward``:
-    :meth:`DenseSSMModel.forward <hf_densessm.modeling.modeling_densessm.DenseSSMModel.forward>`, returning a
-    :class:`DenseMambaOutput`."""
+    """The DenseMamba backbone (``embeddings``, ``layers``, ``norm_f`` as in ``transformers.MambaModel``); ``forward``:
+    :meth:`DenseSSMModel.forward <hf_densessm.modeling.modeling_densessm.DenseSSMModel.forward>` -> DenseMambaOutput."""
 
     output_class = DenseMambaOutput
     final_norm_name = "norm_f"

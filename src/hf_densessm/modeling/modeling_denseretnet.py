@@ -13,7 +13,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from ..configuration.configuration_denseretnet import DenseRetNetConfig
 from ..ops.packing import document_positions
 from ..ops.retention import chunk_retention, retention_state_update
-from .cache import record_states, recurrent_state, store_recurrent_state
+from .cache import cache_state, record_states, store_recurrent_state
 from .dense_connection import build_dense_connection, init_dense_linear, split_dense_inputs
 from .modeling_densessm import (
     DenseSSMForCausalLM, DenseSSMForSequenceClassification, DenseSSMModel, DenseSSMPreTrainedModel, DenseSSMRMSNorm,
@@ -36,10 +36,9 @@ def theta_shift(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
 
 
 def retention_row_sums(positions: torch.Tensor, num_heads: int, dtype: torch.dtype) -> torch.Tensor:
-    """``s_t = sum_{j<=t} gamma_h^(t-j) = (1 - gamma_h^(t+1)) / (1 - gamma_h)``, ``gamma_h = 1 - 2^(-5-h)``: the
-    published retention's per-row normalization (docs/design.md §3), ``(batch, seq_len, num_heads, 1)`` in ``dtype``
-    (computed in float64), in ``[1, 2^(5+h))``; ``positions``: ``(batch, seq_len)`` int64 ``t``, the real tokens
-    before in the document (-1 at padding: ``t = 0``)."""
+    """``s_t = sum_{j<=t} gamma_h^(t-j) = (1 - gamma_h^(t+1)) / (1 - gamma_h)``, ``gamma_h = 1 - 2^(-5-h)``, the
+    published per-row normalization (docs/design.md §3): ``(batch, seq_len, num_heads, 1)`` ``dtype`` (computed in
+    float64) from ``positions`` ``(batch, seq_len)`` int64 ``t`` (-1 at padding counts as 0)."""
     heads = torch.arange(num_heads, device=positions.device, dtype=torch.float64)
     log_gamma = torch.log1p(-torch.exp2(-5.0 - heads))  # log(gamma_h), (H,)
     count = positions.clamp(min=0).to(torch.float64)[..., None] + 1  # t + 1
@@ -47,10 +46,9 @@ def retention_row_sums(positions: torch.Tensor, num_heads: int, dtype: torch.dty
 
 
 def _state_after(q, k, v, initial_state, n):
-    """The retention state after the first ``n`` of a forward's tokens, for a speculative ``crop``
-    (:func:`~.cache.record_states`)."""
-    kept = (q[:, :n], k[:, :n], v[:, :n])
-    return chunk_retention(*kept, scale=1.0, initial_state=initial_state, output_final_state=True)[1]
+    """The retention state after the first ``n`` of a forward's tokens, for ``crop`` (:func:`~.cache.record_states`)."""
+    return chunk_retention(q[:, :n], k[:, :n], v[:, :n], scale=1.0, initial_state=initial_state,
+                           output_final_state=True)[1]
 
 
 class DenseRetNetRetention(nn.Module):
@@ -103,7 +101,7 @@ class DenseRetNetRetention(nn.Module):
 
         q, k = (theta_shift(t.view(batch, seq_len, self.num_heads, self.head_dim), *rotary[:2]) for t in (q, k))
         v = v.reshape(batch, seq_len, self.num_heads, -1)
-        state = recurrent_state(cache, self.layer_idx)
+        state = cache_state(cache, self.layer_idx)
         record_states(cache, self.layer_idx, state, _state_after, q, k, v)
 
         if state is not None and seq_len == 1 and not torch.is_grad_enabled():
@@ -167,9 +165,8 @@ class DenseRetNetPreTrainedModel(DenseSSMPreTrainedModel):
 
 
 class DenseRetNetModel(DenseSSMModel, DenseRetNetPreTrainedModel):
-    """The DenseRetNet backbone: ``embed_tokens``, ``layers`` (:class:`DenseRetNetBlock`), final RMSNorm ``norm``;
-    ``forward``: :meth:`DenseSSMModel.forward <hf_densessm.modeling.modeling_densessm.DenseSSMModel.forward>` (its
-    cache must be a ``DenseSSMCache``), returning a ``BaseModelOutputWithPast``."""
+    """The DenseRetNet backbone (``embed_tokens``, ``layers``, ``norm``); ``forward``: :meth:`DenseSSMModel.forward
+    <hf_densessm.modeling.modeling_densessm.DenseSSMModel.forward>` (cache: a ``DenseSSMCache``)."""
 
     def __init__(self, config: DenseRetNetConfig):
         super().__init__(config)
@@ -201,8 +198,7 @@ class DenseRetNetModel(DenseSSMModel, DenseRetNetPreTrainedModel):
 
 
 class DenseRetNetForCausalLM(DenseSSMForCausalLM, DenseRetNetPreTrainedModel):
-    """DenseRetNet with an (untied by default) language-modeling head ``lm_head``; ``forward`` returns a
-    ``CausalLMOutputWithPast``."""
+    """DenseRetNet with a language-modeling head ``lm_head`` (untied by default), as the published model."""
 
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
     backbone_class = DenseRetNetModel

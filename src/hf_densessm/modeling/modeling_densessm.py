@@ -1,6 +1,5 @@
-"""The model classes every DenseSSM family subclasses (docs/design.md §1, §5; docs/contributing.md, "Adding a
-family"): the pre-trained base, the backbone, the causal-LM head with its generation glue, the classification head;
-the RMSNorm of every block."""
+"""The classes every DenseSSM family subclasses (docs/design.md §1, §5; docs/contributing.md, "Adding a family"): the
+pre-trained base, the backbone, the causal-LM head with its generation glue, the classification head, the RMSNorm."""
 
 from __future__ import annotations
 
@@ -10,7 +9,7 @@ from transformers import CompileConfig, GenerationMixin, PreTrainedModel
 from transformers.generation import GenerationMode
 from transformers.modeling_layers import GenericForSequenceClassification
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
-from transformers.utils import logging
+from transformers.utils import can_return_tuple, logging
 
 from ..ops.dispatch import use_backend
 from .cache import DenseSSMCache, check_cache
@@ -26,12 +25,6 @@ except ImportError:
 
 
 logger = logging.get_logger(__name__)
-
-
-def _returned(output, return_dict: bool | None, config):
-    """``output`` (a ``ModelOutput``), or its ``to_tuple()`` when ``return_dict`` (default ``config.return_dict``)
-    is False."""
-    return output if (return_dict if return_dict is not None else config.return_dict) else output.to_tuple()
 
 
 class DenseSSMRMSNorm(nn.Module):
@@ -75,21 +68,15 @@ class DenseSSMPreTrainedModel(PreTrainedModel):
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
-        """transformers' ``from_pretrained`` (same arguments and return); raises ``MixedSaveError`` (an ``OSError``)
-        for a folder that mixes files of two saves."""
-        load = super().from_pretrained
-        path = pretrained_model_name_or_path
+        """transformers' ``from_pretrained``; ``MixedSaveError`` (an ``OSError``) for a folder mixing two saves."""
+        load, path = super().from_pretrained, pretrained_model_name_or_path
         return load_one_save(lambda: load(path, *args, **kwargs), path, kwargs)
 
-    def save_pretrained(self, save_directory, *args, **kwargs):
-        if hub is None:
-            return super().save_pretrained(save_directory, *args, **kwargs)
-        return hub.save_pretrained(self, save_directory, *args, **kwargs)
+    def save_pretrained(self, *args, **kwargs):
+        return super().save_pretrained(*args, **kwargs) if hub is None else hub.save_pretrained(self, *args, **kwargs)
 
-    def push_to_hub(self, repo_id, *args, **kwargs):
-        if hub is None:
-            return super().push_to_hub(repo_id, *args, **kwargs)
-        return hub.push_to_hub(self, repo_id, *args, **kwargs)
+    def push_to_hub(self, *args, **kwargs):
+        return super().push_to_hub(*args, **kwargs) if hub is None else hub.push_to_hub(self, *args, **kwargs)
 
 
 class DenseSSMModel(DenseSSMPreTrainedModel):
@@ -104,10 +91,11 @@ class DenseSSMModel(DenseSSMPreTrainedModel):
         return {}
 
     @takes_cache
+    @can_return_tuple
     def forward(
         self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
         inputs_embeds: torch.Tensor | None = None, cache=None, use_cache: bool | None = None,
-        output_hidden_states: bool | None = None, return_dict: bool | None = None, **kwargs,
+        output_hidden_states: bool | None = None, **kwargs,
     ):
         r"""
         Args:
@@ -160,9 +148,7 @@ class DenseSSMModel(DenseSSMPreTrainedModel):
         hidden_states = getattr(self, self.final_norm_name)(hidden_states)
         if output_hidden_states:
             all_hidden_states += (hidden_states,)
-        output = model_output(self.output_class, cache, last_hidden_state=hidden_states,
-                              hidden_states=all_hidden_states)
-        return _returned(output, return_dict, config)
+        return model_output(self.output_class, cache, last_hidden_state=hidden_states, hidden_states=all_hidden_states)
 
 
 class DenseSSMForCausalLM(DenseSSMPreTrainedModel, GenerationMixin):
@@ -180,11 +166,12 @@ class DenseSSMForCausalLM(DenseSSMPreTrainedModel, GenerationMixin):
         self.post_init()
 
     @takes_cache
+    @can_return_tuple
     def forward(
         self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
         inputs_embeds: torch.Tensor | None = None, cache=None, labels: torch.LongTensor | None = None,
-        use_cache: bool | None = None, output_hidden_states: bool | None = None, return_dict: bool | None = None,
-        logits_to_keep: int | torch.Tensor = 0, **kwargs,
+        use_cache: bool | None = None, output_hidden_states: bool | None = None, logits_to_keep: int | torch.Tensor = 0,
+        **kwargs,
     ):
         r"""
         Args:
@@ -208,9 +195,8 @@ class DenseSSMForCausalLM(DenseSSMPreTrainedModel, GenerationMixin):
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-        output = model_output(self.output_class, output_cache(outputs), loss=loss, logits=logits,
-                              hidden_states=outputs.hidden_states)
-        return _returned(output, return_dict, self.config)
+        return model_output(self.output_class, output_cache(outputs), loss=loss, logits=logits,
+                            hidden_states=outputs.hidden_states)
 
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:
@@ -282,8 +268,7 @@ class DenseSSMForCausalLM(DenseSSMPreTrainedModel, GenerationMixin):
 
 class DenseSSMForSequenceClassification(DenseSSMPreTrainedModel):
     """A family's backbone (:attr:`backbone_class`) with a bias-free ``score: hidden_size -> num_labels`` at the last
-    non-padding token: transformers' ``GenericForSequenceClassification.forward`` (docs/design.md §5), returning a
-    ``SequenceClassifierOutputWithPast`` with ``logits`` ``(batch, num_labels)``."""
+    non-padding token (transformers' ``GenericForSequenceClassification.forward``): ``(batch, num_labels)`` logits."""
 
     backbone_class: type = None
     forward = GenericForSequenceClassification.forward

@@ -1,6 +1,5 @@
-"""One whole save per load: every save of this package writes a new save id into ``config.json``, each weight file's
-header and the shard index, and ``from_pretrained`` of a local folder checks them before and after loading
-(docs/hub_and_conversion.md, "Saving survives a hard kill"). Shipped with the remote code."""
+"""One whole save per load (docs/hub_and_conversion.md, "Saving survives a hard kill"): ``from_pretrained`` of a local
+folder checks the save ids of ``config.json``, the weights and the index before and after loading. In remote code."""
 
 from __future__ import annotations
 
