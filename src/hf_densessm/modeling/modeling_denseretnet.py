@@ -12,7 +12,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 
 from ..configuration.configuration_denseretnet import DenseRetNetConfig
 from ..ops.packing import document_positions
-from ..ops.retention import chunk_retention, retention_state_update
+from ..ops.retention import chunk_retention, retention_log2_gamma, retention_state_update
 from .cache import cache_state, record_states, store_recurrent_state
 from .dense_connection import build_dense_connection, init_dense_linear, split_dense_inputs
 from .modeling_densessm import (
@@ -45,10 +45,15 @@ def retention_row_sums(positions: torch.Tensor, num_heads: int, dtype: torch.dty
     return (torch.expm1(count * log_gamma) / torch.expm1(log_gamma)).to(dtype)[..., None]
 
 
-def _state_after(q, k, v, initial_state, n):
-    """The retention state after the first ``n`` of a forward's tokens, for ``crop`` (:func:`~.cache.record_states`)."""
-    return chunk_retention(q[:, :n], k[:, :n], v[:, :n], scale=1.0, initial_state=initial_state,
-                           output_final_state=True)[1]
+def _state_after(k, v, initial_state, n):
+    """The retention state after the first ``n`` of a forward's tokens, for a speculative ``crop``
+    (:func:`~.cache.record_states`): Eq. 18 unrolled, ``gamma^n S_0 + sum_{j<n} gamma^(n-1-j) k_j^T v_j``, in the
+    state's dtype (one product, not the chunked form's outputs)."""
+    dtype = torch.promote_types(v.dtype, torch.float32)
+    log2_gamma = retention_log2_gamma(k.shape[2], k.device, dtype)  # (H,)
+    decay = torch.exp2(torch.arange(n - 1, -1, -1, device=k.device, dtype=dtype)[:, None] * log2_gamma)  # (n, H)
+    written = (k[:, :n].to(dtype) * decay[..., None]).permute(0, 2, 3, 1) @ v[:, :n].to(dtype).transpose(1, 2)
+    return written if initial_state is None else written + torch.exp2(log2_gamma * n)[:, None, None] * initial_state
 
 
 class DenseRetNetRetention(nn.Module):
@@ -102,7 +107,7 @@ class DenseRetNetRetention(nn.Module):
         q, k = (theta_shift(t.view(batch, seq_len, self.num_heads, self.head_dim), *rotary[:2]) for t in (q, k))
         v = v.reshape(batch, seq_len, self.num_heads, -1)
         state = cache_state(cache, self.layer_idx)
-        record_states(cache, self.layer_idx, state, _state_after, q, k, v)
+        record_states(cache, self.layer_idx, state, _state_after, k, v)
 
         if state is not None and seq_len == 1 and not torch.is_grad_enabled():
             # decode: S = gamma S + k^T v; o = q S (Eq. 18, 19), the state updated in place
