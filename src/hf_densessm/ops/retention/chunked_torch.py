@@ -57,7 +57,7 @@ def _states(k, v, state, masks):
     for c, update in enumerate(updates.unbind(2)):  # the only loop, over chunks: S_c = gamma^C S_{c-1} + U_c
         states.append(state)
         state = torch.addcmul(update, state, chunk_decay[:, :, c])
-    return torch.stack(states, dim=2), state, k_write
+    return (states[0][:, :, None] if len(states) == 1 else torch.stack(states, dim=2)), state, k_write
 
 
 def _block_forward(q, k, v, state, masks):
@@ -94,7 +94,8 @@ def _block_backward(q, k, v, state, masks, d_o, d_state):
 
 def _blocks(q, k, v, scale, initial_state, reset, chunk_size, d_o=None):
     """The full chunks as one block, then the remainder as one shorter chunk; returns the blocks, the initial state
-    (a copy, or zeros; a copy: the final state never aliases the initial one) and ``d_o``'s blocks (or None).
+    in the compute dtype (zeros for None; copied for length 0: the final state never aliases the initial one) and
+    ``d_o``'s blocks (or None).
 
     A block is ``(inputs, masks)``: ``q`` (scaled), ``k``, ``v`` ``(B, H, n, size, *)`` in the compute dtype, each
     copied once from its ``(B, L, H, *)`` input into a contiguous block (a batched product copies a strided operand
@@ -112,9 +113,10 @@ def _blocks(q, k, v, scale, initial_state, reset, chunk_size, d_o=None):
         q_b, k_b, v_b = (_block(x, start, stop, size, cdt) for x in (q, k, v))
         segments = None if documents is None else torch.cat(  # the document before each chunk, then its tokens'
             [documents[:, start:stop:size, None], documents[:, 1 + start : 1 + stop].unflatten(1, (-1, size))], -1)
-        blocks.append(((q_b * scale, k_b, v_b), _block_masks(log2_gamma, size, q_b.shape[2], segments, cdt)))
+        q_b = q_b if scale == 1 else q_b * scale
+        blocks.append(((q_b, k_b, v_b), _block_masks(log2_gamma, size, q_b.shape[2], segments, cdt)))
     state = (q.new_zeros(batch, heads, key_dim, v.shape[-1], dtype=cdt) if initial_state is None
-             else initial_state.to(cdt, copy=True))
+             else initial_state.to(cdt, copy=not spans))  # a copy where no chunk computes a new final state
     return blocks, state, None if d_o is None else [_block(d_o, *span, cdt) for span in spans]
 
 
