@@ -215,6 +215,28 @@ def test_opcheck_backward(mode, with_bias, backend, utils):
 
 
 @pytest.mark.parametrize("mode", ["plain", "window+packed"])
+def test_inductor_fuses_the_conv_with_its_silu_into_one_kernel_each_way(mode):
+    """Under torch.compile on the CPU, the PyTorch path (a traced entry: its shifted reads, taps, bias and SiLU) is one
+    generated kernel forward and one backward (two with a window and resets), with no library call (issue 35, item
+    3: the eager path keeps more passes, Inductor fuses them); counted in the code Inductor generates."""
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    x, weight, bias, window, reset = make_inputs((2, 37, 24, 4), mode, dtype=torch.float32)
+    leaves = [t for t in (x, weight, bias, window) if t is not None]
+    fn = torch.compile(lambda *args: causal_conv1d(*args, "silu"), fullgraph=True)
+    with torch._inductor.config.patch(force_disable_caches=True):
+        _, codes = run_and_get_code(lambda: torch.autograd.grad(fn(x, weight, bias, window, reset).sum(), leaves))
+    assert len(codes) == 2  # the forward graph and the backward graph
+    for code in codes:
+        kernels = set(re.findall(r"\bcpp_fused_\w+", code))
+        assert len(kernels) <= (1 if mode == "plain" else 2), kernels  # (packed: one more, over the reset mask)
+        assert not re.search(r"extern_kernels\.\w+\(", code)
+
+
+@pytest.mark.parametrize("mode", ["plain", "window+packed"])
 def test_compile_fullgraph_matches_eager(mode):
     """torch.compile(fullgraph=True) with Inductor on CPU tensors (the op decomposed into its out-of-place form):
     the output and every gradient as in eager, float32."""
