@@ -77,11 +77,6 @@ def load_kernel() -> bool:
     return hasattr(torch.ops.hf_densessm, "selective_scan_cpu_fwd") or _build(SOURCE)  # or loaded by another copy
 
 
-def _sha256(path: Path) -> str:
-    """The SHA-256 hex digest of the file ``path``."""
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
 def _build(source: Path) -> bool:
     """:func:`load_kernel`'s work: ``<cache>/<name>/<name>.so`` (:func:`extension_name`) loaded when its SHA-256
     matches the ``.sha256`` beside it, else built in a private folder and published by atomic renames."""
@@ -96,7 +91,8 @@ def _build(source: Path) -> bool:
         name = extension_name(source.read_text(), capability, torch.__version__, flags)
         folder = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()) / name
         library, digest = folder / f"{name}{cpp_extension.LIB_EXT}", folder / f"{name}.sha256"
-        if library.is_file() and digest.is_file() and digest.read_text(errors="replace").strip() == _sha256(library):
+        if library.is_file() and digest.is_file() and (digest.read_text(errors="replace").strip()
+                                                       == hashlib.sha256(library.read_bytes()).hexdigest()):
             torch.ops.load_library(str(library))
         else:
             logging.getLogger(__name__).warning(
@@ -108,7 +104,7 @@ def _build(source: Path) -> bool:
                 built = Path(cpp_extension.load(
                     name=name, sources=[str(source)], extra_cflags=flags, extra_ldflags=openmp_flags(),
                     build_directory=str(private), is_python_module=False))
-                (private / "sha256").write_text(_sha256(built))
+                (private / "sha256").write_text(hashlib.sha256(built.read_bytes()).hexdigest())
                 os.replace(private / "sha256", digest)
                 os.replace(built, library)
             finally:
