@@ -15,8 +15,8 @@ import torch
 
 from .dispatch import implementation
 
-__all__ = ["ARCHS", "GPUArch", "OpGroup", "compute_dtype", "device_arch", "in_own_precision", "inputs_compute_dtype",
-           "own_precision", "require", "token_major_like", "tracing"]
+__all__ = ["ARCHS", "GPUArch", "OpGroup", "compute_dtype", "device_arch", "flat_saved", "in_own_precision",
+           "inputs_compute_dtype", "own_precision", "require", "token_major_like", "tracing"]
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -34,6 +34,20 @@ def token_major_like(x: torch.Tensor) -> torch.Tensor:
     """A new tensor like ``x`` (batch, channels, length), a view of a (batch, length, channels) one: the layout of
     the model's tensors."""
     return x.new_empty(x.shape[0], x.shape[2], x.shape[1]).transpose(1, 2)
+
+
+def flat_saved(forward, backward, sizes) -> dict:
+    """The ``"forward"`` and ``"backward"`` of a scan entry from ``forward`` (no ``save_states``) returning ``(y,
+    last_state, saved)``, ``saved`` 4-D, and ``backward`` taking it: ``saved`` passed on flattened from dim 2 (a 4-D
+    output's channels-last test would guard the length to one chunk), unflattened to ``sizes(A)`` for ``backward``."""
+    def flat_forward(*args):
+        y, last, saved = forward(*args[:-1])
+        return y, last, saved.flatten(2)
+
+    def flat_backward(*args):
+        *args, saved = args
+        return backward(*args, saved.unflatten(2, sizes(args[4])))
+    return dict(forward=flat_forward, backward=flat_backward)
 
 
 def tracing(device: torch.device) -> bool:
@@ -126,9 +140,9 @@ def device_arch(device: torch.device) -> GPUArch:
 class OpGroup:
     """The ``torch.library`` ops of one op module, defined once per process whichever copies of the module run in it
     (the installed package's, saved folders' remote code; docs/design.md §8). Record each op with :meth:`custom_op` /
-    :meth:`triton_op` (the name without the namespace) and its autograd with :meth:`register_autograd`, call
-    :meth:`define` once, then call the ops as the group's attributes (``group.selective_scan``, a ``torch.ops``
-    packet).
+    :meth:`triton_op` (the name without the namespace; an untraced entry's with :meth:`opaque`) and its autograd with
+    :meth:`register_autograd`, call :meth:`define` once, then call the ops as the group's attributes
+    (``group.selective_scan``, a ``torch.ops`` packet).
     """
 
     def __init__(self, namespace: str = "hf_densessm"):

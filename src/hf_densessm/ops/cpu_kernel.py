@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from .backend import inputs_compute_dtype
+from .backend import flat_saved, inputs_compute_dtype
 from .dispatch import Implementation
 
 __all__ = [
@@ -183,18 +183,6 @@ def scan_bwd(dy, dlast, u, delta, A, B, C, D=None, z=None, delta_bias=None, delt
                  for i, (g, like) in enumerate(zip(grads, likes)))
 
 
-def _forward(*args):
-    """The entry's "forward": :func:`scan_fwd`, the checkpoints flattened to (batch, dim, n_chunks * state)."""
-    y, last, states = scan_fwd(*args[:-1])
-    return y, last, states.flatten(2)
-
-
-def _backward(*args):
-    """The entry's "backward": :func:`scan_bwd` from the flattened checkpoints."""
-    *args, saved = args
-    return scan_bwd(*args, saved.unflatten(2, (-1, args[4].shape[1])))
-
-
 def _saved(u, A, dtype):
     """The entry's "saved" (the fake of its checkpoints): a state every :data:`CHECKPOINT` tokens."""
     return u.new_empty(u.shape[0], u.shape[1], (u.shape[2] + CHECKPOINT - 1) // CHECKPOINT * A.shape[1], dtype=dtype)
@@ -230,4 +218,4 @@ CONV_STEP = Implementation("cpp", ("auto", "torch"), ("cpu",), _step_missing,
 #: The selective scan's ``"cpp"`` entry (``selective_scan/__init__.py``): CPU tensors, taken by ``"auto"`` and
 #: ``"torch"`` before the chunked PyTorch path.
 IMPLEMENTATION = Implementation("cpp", ("auto", "torch"), ("cpu",), missing,
-                                calls=dict(forward=_forward, backward=_backward, saved=_saved))
+                                calls=dict(saved=_saved, **flat_saved(scan_fwd, scan_bwd, lambda A: (-1, A.shape[1]))))

@@ -7,7 +7,7 @@ from typing import Optional
 
 import torch
 
-from ..backend import OpGroup, in_own_precision, inputs_compute_dtype, require, token_major_like
+from ..backend import OpGroup, flat_saved, in_own_precision, inputs_compute_dtype, require, token_major_like
 from ..dispatch import TABLES, Implementation, choose, implementation, triton_entry
 
 try:  # remote code ships no C++ build code (docs/hub_and_conversion.md): the table has no "cpp" entry there
@@ -74,16 +74,6 @@ def _triton(module: str, name: str):
     return call
 
 
-def _torch_forward(*args):
-    y, last, states = selective_scan_torch_fwd(*args[:-1])
-    return y, last, states.flatten(2)  # 3-D: a 4-D output's channels-last test would guard the length to one chunk
-
-
-def _torch_backward(*args):
-    *args, saved = args  # saved: (batch, n_chunks, state * dim), args[4]: A
-    return selective_scan_torch_bwd(*args, saved.unflatten(2, (args[4].shape[1], -1)))
-
-
 def _torch_saved(u, A, dtype):
     """The chunked path's chunk length follows the length (``default_chunk_size``): its chunk count is a size only
     the run knows (an unbacked size), so a graph over a dynamic length holds no guard on it."""
@@ -95,8 +85,8 @@ TABLES["selective_scan"] = [
     triton_entry(forward=_triton("chunk", "selective_scan_triton_fwd"),
                  backward=_triton("chunk", "selective_scan_triton_bwd")),
     *([cpu_kernel.IMPLEMENTATION] if cpu_kernel else []),
-    Implementation("torch", ("auto", "torch"), calls=dict(forward=_torch_forward, backward=_torch_backward,
-                                                          saved=_torch_saved)),
+    Implementation("torch", ("auto", "torch"), calls=dict(saved=_torch_saved, **flat_saved(
+        selective_scan_torch_fwd, selective_scan_torch_bwd, lambda A: (A.shape[1], -1)))),
 ]
 TABLES["selective_state_update"] = [
     triton_entry(step=_triton("fused_recurrent", "selective_state_update_triton")),
