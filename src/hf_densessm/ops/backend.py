@@ -7,13 +7,16 @@ per process (docs/design.md §8). Imports no ``triton``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 from dataclasses import dataclass, replace
 
 import torch
 
-__all__ = ["ARCHS", "GPUArch", "OpGroup", "compute_dtype", "device_arch", "in_own_precision", "inputs_compute_dtype",
-           "own_precision", "require", "tracing"]
+from .dispatch import implementation
+
+__all__ = ["ARCHS", "GPUArch", "OpGroup", "compute_dtype", "device_arch", "flat_saved", "in_own_precision",
+           "inputs_compute_dtype", "own_precision", "require", "token_major_like", "tracing"]
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -25,6 +28,26 @@ def inputs_compute_dtype(*tensors) -> torch.dtype:
     """The accumulation dtype of an op over several inputs (``None`` entries skipped): float64 when any input is
     float64, else float32."""
     return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+def token_major_like(x: torch.Tensor) -> torch.Tensor:
+    """A new tensor like ``x`` (batch, channels, length), a view of a (batch, length, channels) one: the layout of
+    the model's tensors."""
+    return x.new_empty(x.shape[0], x.shape[2], x.shape[1]).transpose(1, 2)
+
+
+def flat_saved(forward, backward, sizes) -> dict:
+    """The ``"forward"`` and ``"backward"`` of a scan entry from ``forward`` (no ``save_states``) returning ``(y,
+    last_state, saved)``, ``saved`` 4-D, and ``backward`` taking it: ``saved`` passed on flattened from dim 2 (a 4-D
+    output's channels-last test would guard the length to one chunk), unflattened to ``sizes(A)`` for ``backward``."""
+    def flat_forward(*args):
+        y, last, saved = forward(*args[:-1])
+        return y, last, saved.flatten(2)
+
+    def flat_backward(*args):
+        *args, saved = args
+        return backward(*args, saved.unflatten(2, sizes(args[4])))
+    return dict(forward=flat_forward, backward=flat_backward)
 
 
 def tracing(device: torch.device) -> bool:
@@ -117,30 +140,46 @@ def device_arch(device: torch.device) -> GPUArch:
 class OpGroup:
     """The ``torch.library`` ops of one op module, defined once per process whichever copies of the module run in it
     (the installed package's, saved folders' remote code; docs/design.md §8). Record each op with :meth:`custom_op` /
-    :meth:`triton_op` (the name without the namespace) and its autograd with :meth:`register_autograd`, call
-    :meth:`define` once, then call the ops as the group's attributes (``group.selective_scan``, a ``torch.ops``
-    packet).
+    :meth:`triton_op` (the name without the namespace; an untraced entry's with :meth:`opaque`) and its autograd with
+    :meth:`register_autograd`, call :meth:`define` once, then call the ops as the group's attributes
+    (``group.selective_scan``, a ``torch.ops`` packet).
     """
 
     def __init__(self, namespace: str = "hf_densessm"):
         self.namespace = namespace
         self._specs: dict[str, dict] = {}
 
-    def custom_op(self, name: str, fn=None, *, mutates_args=(), fake=None):
-        """Record ``fn`` as ``torch.library.custom_op`` ``name`` with the fake implementation ``fake``; returns
-        ``fn`` (a decorator without ``fn``)."""
+    def custom_op(self, name: str, fn=None, *, mutates_args=(), fake=None, make=torch.library.custom_op):
+        """Record ``fn`` as ``torch.library.custom_op`` ``name`` with the fake implementation ``fake`` (as ``make``,
+        e.g. ``torch.library.triton_op``, its own fake); returns ``fn`` (a decorator without ``fn``)."""
         if fn is None:
-            return lambda fn: self.custom_op(name, fn, mutates_args=mutates_args, fake=fake)
-        self._specs[name] = dict(make=torch.library.custom_op, fn=fn, mutates_args=tuple(mutates_args), fake=fake)
+            return lambda fn: self.custom_op(name, fn, mutates_args=mutates_args, fake=fake, make=make)
+        self._specs[name] = dict(make=make, fn=fn, mutates_args=tuple(mutates_args), fake=fake)
         return fn
 
     def triton_op(self, name: str, fn=None, *, mutates_args=()):
-        """Record ``fn`` as ``torch.library.triton_op`` ``name`` (its own fake); returns ``fn`` (a decorator without
-        ``fn``)."""
-        if fn is None:
-            return lambda fn: self.triton_op(name, fn, mutates_args=mutates_args)
-        self._specs[name] = dict(make=torch.library.triton_op, fn=fn, mutates_args=tuple(mutates_args), fake=None)
-        return fn
+        """Record ``fn`` as ``torch.library.triton_op`` ``name`` (:meth:`custom_op`)."""
+        return self.custom_op(name, fn, mutates_args=mutates_args, make=torch.library.triton_op)
+
+    def opaque(self, op: str, role: str, like, *, fake, after=None) -> None:
+        """Record the opaque ``torch.library.custom_op`` ``<op>_eager`` (``<op>_eager_<role>`` for a role other than
+        ``"forward"``) with ``like``'s schema and the fake ``fake``: ``role`` of the entry of ``op``'s table named by
+        its last argument (``impl``) on the others, in :func:`own_precision` of the first tensor's device, its outputs
+        through ``after(outputs, *arguments)`` (docs/kernels.md, "The ops")."""
+        def eager(*args):
+            with own_precision(next(a.device for a in args if isinstance(a, torch.Tensor))):
+                out = implementation(op, args[-1]).calls[role](*args[:-1])
+            return out if after is None else after(out, *args)
+        self.custom_op(f"{op}_eager" + ("" if role == "forward" else f"_{role}"), functools.wraps(like)(eager),
+                       fake=fake)
+
+    def run(self, op: str, role: str, *args):
+        """``role`` of the entry of ``op``'s table named by the last of ``args`` (``impl``) on the others: a traced
+        entry's function itself, another's inside its :meth:`opaque` op."""
+        entry = implementation(op, args[-1])
+        if entry.traced:
+            return entry.calls[role](*args[:-1])
+        return getattr(self, f"{op}_eager" + ("" if role == "forward" else f"_{role}"))(*args)
 
     def register_autograd(self, name: str, backward, *, setup_context) -> None:
         """Record the autograd formula of the recorded op ``name`` (``torch.library.register_autograd``'s)."""

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from .backend import inputs_compute_dtype
+from .backend import flat_saved, inputs_compute_dtype
 from .dispatch import Implementation
 
 __all__ = [
@@ -77,11 +77,6 @@ def load_kernel() -> bool:
     return hasattr(torch.ops.hf_densessm, "selective_scan_cpu_fwd") or _build(SOURCE)  # or loaded by another copy
 
 
-def _sha256(path: Path) -> str:
-    """The SHA-256 hex digest of the file ``path``."""
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
 def _build(source: Path) -> bool:
     """:func:`load_kernel`'s work: ``<cache>/<name>/<name>.so`` (:func:`extension_name`) loaded when its SHA-256
     matches the ``.sha256`` beside it, else built in a private folder and published by atomic renames."""
@@ -96,7 +91,8 @@ def _build(source: Path) -> bool:
         name = extension_name(source.read_text(), capability, torch.__version__, flags)
         folder = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()) / name
         library, digest = folder / f"{name}{cpp_extension.LIB_EXT}", folder / f"{name}.sha256"
-        if library.is_file() and digest.is_file() and digest.read_text(errors="replace").strip() == _sha256(library):
+        if library.is_file() and digest.is_file() and (digest.read_text(errors="replace").strip()
+                                                       == hashlib.sha256(library.read_bytes()).hexdigest()):
             torch.ops.load_library(str(library))
         else:
             logging.getLogger(__name__).warning(
@@ -108,7 +104,7 @@ def _build(source: Path) -> bool:
                 built = Path(cpp_extension.load(
                     name=name, sources=[str(source)], extra_cflags=flags, extra_ldflags=openmp_flags(),
                     build_directory=str(private), is_python_module=False))
-                (private / "sha256").write_text(_sha256(built))
+                (private / "sha256").write_text(hashlib.sha256(built.read_bytes()).hexdigest())
                 os.replace(private / "sha256", digest)
                 os.replace(built, library)
             finally:
@@ -187,18 +183,6 @@ def scan_bwd(dy, dlast, u, delta, A, B, C, D=None, z=None, delta_bias=None, delt
                  for i, (g, like) in enumerate(zip(grads, likes)))
 
 
-def _forward(*args):
-    """The entry's "forward": :func:`scan_fwd`, the checkpoints flattened to (batch, dim, n_chunks * state)."""
-    y, last, states = scan_fwd(*args[:-1])
-    return y, last, states.flatten(2)
-
-
-def _backward(*args):
-    """The entry's "backward": :func:`scan_bwd` from the flattened checkpoints."""
-    *args, saved = args
-    return scan_bwd(*args, saved.unflatten(2, (-1, args[4].shape[1])))
-
-
 def _saved(u, A, dtype):
     """The entry's "saved" (the fake of its checkpoints): a state every :data:`CHECKPOINT` tokens."""
     return u.new_empty(u.shape[0], u.shape[1], (u.shape[2] + CHECKPOINT - 1) // CHECKPOINT * A.shape[1], dtype=dtype)
@@ -234,4 +218,4 @@ CONV_STEP = Implementation("cpp", ("auto", "torch"), ("cpu",), _step_missing,
 #: The selective scan's ``"cpp"`` entry (``selective_scan/__init__.py``): CPU tensors, taken by ``"auto"`` and
 #: ``"torch"`` before the chunked PyTorch path.
 IMPLEMENTATION = Implementation("cpp", ("auto", "torch"), ("cpu",), missing,
-                                calls=dict(forward=_forward, backward=_backward, saved=_saved))
+                                calls=dict(saved=_saved, **flat_saved(scan_fwd, scan_bwd, lambda A: (-1, A.shape[1]))))

@@ -1,11 +1,12 @@
 """Which implementation of an op runs: one ordered table per op (:data:`TABLES`, filled by each op's module and by
-:func:`register`), the user's ``backend`` (:data:`BACKENDS`, :class:`use_backend`), and :func:`choose`, called once
+:func:`register`), the user's ``backend`` (:data:`BACKENDS`, :func:`use_backend`), and :func:`choose`, called once
 per call of a public op function; the op and its backward run the implementation named. docs/kernels.md, "The
 dispatch table"; docs/contributing.md, "Adding a kernel". Imports no ``triton``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass, field
 from typing import Callable
@@ -29,7 +30,8 @@ def check_backend(backend) -> None:
 _active_backend = "auto"  # what an op given no backend runs (use_backend); module state that Dynamo guards on
 
 
-class use_backend:
+@contextlib.contextmanager
+def use_backend(backend: str):
     """``with use_backend(backend):`` ops called without a ``backend`` inside the block run ``backend`` (one of
     :data:`BACKENDS`), as ``torch.nn.attention.sdpa_kernel`` chooses attention kernels (docs/kernels.md, "The
     dispatch table"). Nests; restored on exit; a compiled graph guards on it. Process-wide while the block runs.
@@ -37,22 +39,17 @@ class use_backend:
     Raises:
         ValueError: ``backend`` is not one of :data:`BACKENDS`.
     """
-
-    def __init__(self, backend: str):
-        check_backend(backend)
-        self.backend = backend
-
-    def __enter__(self):
-        global _active_backend
-        self.previous, _active_backend = _active_backend, self.backend
-
-    def __exit__(self, *exc):
-        global _active_backend
-        _active_backend = self.previous
+    global _active_backend
+    check_backend(backend)
+    previous, _active_backend = _active_backend, backend
+    try:
+        yield
+    finally:
+        _active_backend = previous
 
 
 def chosen_backend(backend: str | None) -> str:
-    """``backend`` checked (:func:`check_backend`), or for ``None`` the one of the innermost :class:`use_backend`
+    """``backend`` checked (:func:`check_backend`), or for ``None`` the one of the innermost :func:`use_backend`
     block (``"auto"`` outside any)."""
     if backend is None:
         return _active_backend

@@ -90,7 +90,7 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
             the window precedes the row's first document only.
         activation: ``None`` or ``"silu"``.
         backend: ``"auto"``, ``"triton"`` or ``"torch"`` (docs/kernels.md, "The dispatch table"); ``None``: the
-            active one (:class:`~..dispatch.use_backend`).
+            active one (:func:`~..dispatch.use_backend`).
 
     Returns:
         ``(batch, seq_len, channels)`` contiguous in ``x``'s dtype (computed in float32, float64 for float64 ``x``),

@@ -109,26 +109,18 @@ def causal_conv1d_backward_torch(grad_out, x, taps, bias=None, window=None, rese
             columns[k] = (gs * padded[:, k : k + length]).sum((0, 1))
         grad_x = grad_padded[:, kernel - 1 :]
         grad_context = grad_padded[:, : kernel - 1]
-    else:
-        grad_x, grad_context, columns = _backward_in_place(g, x, taps, window, masks, cdt)
+    else:  # in place: g_t flows to source t - s
+        xc, tc = x.to(cdt), taps.to(cdt).t().contiguous().t()  # each tap's column unit-strided
+        grad_context = None if window is None else g.new_zeros((x.shape[0], kernel - 1, x.shape[2]))
+        grad_x = torch.mul(g, tc[:, kernel - 1]).contiguous()  # tap K - 1 (shift 0)
+        columns = [g.new_zeros((x.shape[2],)) for _ in range(kernel - 1)] + [(g * xc).sum((0, 1))]
+        for k, s, tokens, read, source, i in _shifts(xc, window, length, kernel, cdt):
+            gs = g[:, tokens] if masks is None else g[:, tokens] * masks[s][:, tokens]
+            (grad_context if i else grad_x)[:, read].addcmul_(gs, tc[:, k])
+            columns[k] = columns[k] + (gs * source[:, read]).sum((0, 1))
     grad_taps = torch.stack(columns, dim=1).to(taps.dtype)
     grad_bias = g.sum((0, 1)).to(bias.dtype) if bias is not None else x.new_empty((0,))
     grad_window = x.new_empty((0,)) if window is None else (  # column 0 (zero) is never read
         torch.nn.functional.pad(grad_context, (0, 0, 1, 0)).transpose(1, 2).contiguous().to(window.dtype))
     return grad_x.contiguous().to(x.dtype), grad_taps, grad_bias, grad_window
 
-
-def _backward_in_place(g, x, taps, window, masks, cdt):
-    """Eager backward: ``grad_x``, the window's ``(batch, K - 1, channels)`` gradient (or ``None``), the taps'
-    columns."""
-    batch, length, channels = x.shape
-    kernel = int(taps.shape[1])
-    xc, tc = x.to(cdt), taps.to(cdt).t().contiguous().t()  # each tap's column unit-strided
-    grad_context = None if window is None else torch.zeros((batch, kernel - 1, channels), dtype=cdt, device=x.device)
-    grad_x = torch.mul(g, tc[:, kernel - 1]).contiguous()  # tap K - 1 (shift 0)
-    columns = [torch.zeros((channels,), dtype=cdt, device=x.device) for _ in range(kernel - 1)] + [(g * xc).sum((0, 1))]
-    for k, s, tokens, read, source, i in _shifts(xc, window, length, kernel, cdt):  # g_t flows to source t - s
-        gs = g[:, tokens] if masks is None else g[:, tokens] * masks[s][:, tokens]
-        (grad_context if i else grad_x)[:, read].addcmul_(gs, tc[:, k])
-        columns[k] = columns[k] + (gs * source[:, read]).sum((0, 1))
-    return grad_x, grad_context, columns

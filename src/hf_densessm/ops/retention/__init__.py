@@ -10,7 +10,7 @@ from typing import Optional
 
 import torch
 
-from ..backend import OpGroup, compute_dtype, in_own_precision, own_precision
+from ..backend import OpGroup, compute_dtype, in_own_precision
 from ..dispatch import TABLES, Implementation, choose, implementation, triton_entry
 from ..packing import check_reset
 from .chunked_torch import chunk_retention_torch, chunk_retention_torch_backward, retention_state_update_torch
@@ -99,22 +99,7 @@ TABLES["retention_state_update"] = [
 
 
 # ---------------------------------------------------------------------------------------------------- the ops
-# They run the entry named by ``impl``, an untraced one inside the opaque ops ``chunk_retention_eager`` (+
-# ``_backward``) (docs/kernels.md, "The ops").
-
-
-def _eager(q: Tensor, k: Tensor, v: Tensor, scale: float, initial_state: Optional[Tensor], reset: Optional[Tensor],
-           impl: str) -> tuple[Tensor, Tensor]:
-    with own_precision(q.device):
-        return implementation("chunk_retention", impl).calls["forward"](q, k, v, scale, initial_state, reset)
-
-
-def _eager_backward(d_o: Tensor, d_final_state: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, scale: float,
-                    initial_state: Optional[Tensor], reset: Optional[Tensor],
-                    impl: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    with own_precision(q.device):
-        return implementation("chunk_retention", impl).calls["backward"](d_o, d_final_state, q, k, v, scale,
-                                                                         initial_state, reset)
+# They run the entry named by ``impl`` (:meth:`~..backend.OpGroup.run`).
 
 
 def _eager_fake(q, k, v, scale, initial_state, reset, impl):
@@ -127,18 +112,13 @@ def _eager_backward_fake(d_o, d_final_state, q, k, v, scale, initial_state, rese
 
 
 _ops = OpGroup()
-_ops.custom_op("chunk_retention_eager", _eager, fake=_eager_fake)
-_ops.custom_op("chunk_retention_eager_backward", _eager_backward, fake=_eager_backward_fake)
 
 
 @_ops.triton_op("chunk_retention")
 def _chunk_retention_op(q: Tensor, k: Tensor, v: Tensor, scale: float, initial_state: Optional[Tensor],
                         reset: Optional[Tensor], impl: str) -> tuple[Tensor, Tensor]:
     """``(o, final_state)`` of :func:`chunk_retention` (arguments checked there) by the implementation ``impl``."""
-    entry = implementation("chunk_retention", impl)
-    if entry.traced:
-        return entry.calls["forward"](q, k, v, scale, initial_state, reset)
-    return _ops.chunk_retention_eager(q, k, v, scale, initial_state, reset, impl)
+    return _ops.run("chunk_retention", "forward", q, k, v, scale, initial_state, reset, impl)
 
 
 @_ops.triton_op("chunk_retention_backward")
@@ -147,10 +127,8 @@ def _chunk_retention_backward_op(d_o: Tensor, d_final_state: Optional[Tensor], q
                                  impl: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(dq, dk, dv, d_initial_state)`` of ``hf_densessm::chunk_retention`` by the implementation ``impl``
     (``d_final_state`` None: zero); ``d_initial_state`` in ``initial_state``'s dtype, else the state dtype."""
-    args = (d_o, d_final_state, q, k, v, scale, initial_state, reset)
-    entry = implementation("chunk_retention", impl)
-    dq, dk, dv, d_initial_state = (entry.calls["backward"](*args) if entry.traced
-                                   else _ops.chunk_retention_eager_backward(*args, impl))
+    dq, dk, dv, d_initial_state = _ops.run("chunk_retention", "backward", d_o, d_final_state, q, k, v, scale,
+                                           initial_state, reset, impl)
     return dq, dk, dv, d_initial_state.to(compute_dtype(v.dtype) if initial_state is None else initial_state.dtype)
 
 
@@ -169,6 +147,8 @@ def _chunk_retention_backward(ctx, d_o, d_final_state):
     return *grads[:3], None, (None if initial_state is None else grads[3]), None, None
 
 
+_ops.opaque("chunk_retention", "forward", _chunk_retention_op, fake=_eager_fake)
+_ops.opaque("chunk_retention", "backward", _chunk_retention_backward_op, fake=_eager_backward_fake)
 _ops.register_autograd("chunk_retention", _chunk_retention_backward, setup_context=_chunk_retention_setup)
 
 
@@ -199,7 +179,7 @@ def chunk_retention(q, k, v, scale=None, initial_state=None, output_final_state=
             float64 inputs), the state before token 0; gradients flow into it if it requires grad.
         output_final_state (bool): also return the state after the last token.
         backend (str, optional): ``"auto"``, ``"triton"`` or ``"torch"`` (docs/kernels.md, "The dispatch table");
-            ``None``: the active one (:class:`~..dispatch.use_backend`, ``"auto"`` by default).
+            ``None``: the active one (:func:`~..dispatch.use_backend`, ``"auto"`` by default).
         reset (Tensor, optional): ``(batch, length)`` bool, True at the first token of each packed document (the
             state before it is dropped; docs/kernels.md, "Packed sequences").
 

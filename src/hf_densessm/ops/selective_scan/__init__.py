@@ -7,7 +7,7 @@ from typing import Optional
 
 import torch
 
-from ..backend import OpGroup, in_own_precision, inputs_compute_dtype, own_precision, require
+from ..backend import OpGroup, flat_saved, in_own_precision, inputs_compute_dtype, require, token_major_like
 from ..dispatch import TABLES, Implementation, choose, implementation, triton_entry
 
 try:  # remote code ships no C++ build code (docs/hub_and_conversion.md): the table has no "cpp" entry there
@@ -74,16 +74,6 @@ def _triton(module: str, name: str):
     return call
 
 
-def _torch_forward(*args):
-    y, last, states = selective_scan_torch_fwd(*args[:-1])
-    return y, last, states.flatten(2)  # 3-D: a 4-D output's channels-last test would guard the length to one chunk
-
-
-def _torch_backward(*args):
-    *args, saved = args  # saved: (batch, n_chunks, state * dim), args[4]: A
-    return selective_scan_torch_bwd(*args, saved.unflatten(2, (args[4].shape[1], -1)))
-
-
 def _torch_saved(u, A, dtype):
     """The chunked path's chunk length follows the length (``default_chunk_size``): its chunk count is a size only
     the run knows (an unbacked size), so a graph over a dynamic length holds no guard on it."""
@@ -95,8 +85,8 @@ TABLES["selective_scan"] = [
     triton_entry(forward=_triton("chunk", "selective_scan_triton_fwd"),
                  backward=_triton("chunk", "selective_scan_triton_bwd")),
     *([cpu_kernel.IMPLEMENTATION] if cpu_kernel else []),
-    Implementation("torch", ("auto", "torch"), calls=dict(forward=_torch_forward, backward=_torch_backward,
-                                                          saved=_torch_saved)),
+    Implementation("torch", ("auto", "torch"), calls=dict(saved=_torch_saved, **flat_saved(
+        selective_scan_torch_fwd, selective_scan_torch_bwd, lambda A: (A.shape[1], -1)))),
 ]
 TABLES["selective_state_update"] = [
     triton_entry(step=_triton("fused_recurrent", "selective_state_update_triton")),
@@ -107,8 +97,7 @@ TABLES["selective_state_update"] = [
 
 
 # ------------------------------------------------------------------------------------------------------ the ops
-# The ops run the entry named by ``impl``, which the backward receives from the forward's context; an untraced entry
-# runs inside the opaque ops ``selective_scan_eager`` (+ ``_backward``) (docs/kernels.md, "The ops").
+# The ops run the entry named by ``impl`` (:meth:`~..backend.OpGroup.run`), the backward the forward's.
 
 
 _Grads = tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]  # the backward ops' outputs
@@ -121,53 +110,26 @@ def _token_major(x: Tensor) -> Tensor:
     return x.transpose(1, 2).contiguous().transpose(1, 2)
 
 
-def _token_major_like(x: Tensor) -> Tensor:
-    return x.new_empty(x.shape[0], x.shape[2], x.shape[1]).transpose(1, 2)
-
-
-def _eager(u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Opt, z: Opt, delta_bias: Opt,
-           delta_softplus: bool, initial_state: Opt, reset: Opt, save_states: bool, impl: str) -> _Outs:
-    with own_precision(u.device):
-        y, last, saved = implementation("selective_scan", impl).calls["forward"](
-            u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, reset, save_states)
-    return _token_major(y), last, saved
-
-
-def _eager_backward(dy: Opt, dlast: Opt, u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Opt, z: Opt,
-                    delta_bias: Opt, delta_softplus: bool, initial_state: Opt, reset: Opt, saved: Tensor,
-                    impl: str) -> _Grads:
-    with own_precision(u.device):
-        grads = implementation("selective_scan", impl).calls["backward"](
-            dy, dlast, u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, reset, saved)
-    return tuple(_token_major(g) if i in _TOKEN_MAJOR_GRADS and g is not None else _or_empty(g, u).contiguous()
-                 for i, g in enumerate(grads))
-
-
 def _eager_fake(u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, reset, save_states, impl):
     cdt = inputs_compute_dtype(u, delta, A, B, C, D, z, delta_bias, initial_state)
     saved = implementation("selective_scan", impl).calls["saved"](u, A, cdt)
-    return _token_major_like(u), u.new_empty(u.shape[0], u.shape[1], A.shape[1], dtype=cdt), saved
+    return token_major_like(u), u.new_empty(u.shape[0], u.shape[1], A.shape[1], dtype=cdt), saved
 
 
 def _eager_backward_fake(dy, dlast, u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, reset,
                          saved, impl):
-    grads = [u.new_empty(0) if t is None else _token_major_like(t) if i in _TOKEN_MAJOR_GRADS else
+    grads = [u.new_empty(0) if t is None else token_major_like(t) if i in _TOKEN_MAJOR_GRADS else
              u.new_empty(t.shape, dtype=t.dtype) for i, t in enumerate((u, delta, A, B, C, D, z, delta_bias))]
     dtype = inputs_compute_dtype(u, delta, A, B, C, D, z, delta_bias) if initial_state is None else initial_state.dtype
     return (*grads, u.new_empty(u.shape[0], u.shape[1], A.shape[1], dtype=dtype))
-
-
-_ops.custom_op("selective_scan_eager", _eager, fake=_eager_fake)
-_ops.custom_op("selective_scan_eager_backward", _eager_backward, fake=_eager_backward_fake)
 
 
 @_ops.triton_op("selective_scan")
 def _selective_scan_op(u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Opt, z: Opt, delta_bias: Opt,
                        delta_softplus: bool, initial_state: Opt, reset: Opt, save_states: bool, impl: str) -> _Outs:
     """``hf_densessm::selective_scan``: the table's "forward" of ``impl``; arguments as :func:`selective_scan`."""
-    entry = implementation("selective_scan", impl)
-    args = (u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, reset, save_states)
-    return entry.calls["forward"](*args) if entry.traced else _ops.selective_scan_eager(*args, impl)
+    return _ops.run("selective_scan", "forward", u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state,
+                    reset, save_states, impl)
 
 
 @_ops.triton_op("selective_scan_backward")
@@ -176,11 +138,19 @@ def _selective_scan_backward_op(dy: Opt, dlast: Opt, u: Tensor, delta: Tensor, A
                                 saved: Tensor, impl: str) -> _Grads:
     """``hf_densessm::selective_scan_backward``: the table's "backward" of ``impl``, the gradient of an absent
     ``D``, ``z`` or ``delta_bias`` an empty tensor."""
-    entry = implementation("selective_scan", impl)
-    args = (dy, dlast, u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, reset, saved)
-    if entry.traced:
-        return tuple(_or_empty(g, u) for g in entry.calls["backward"](*args))
-    return _ops.selective_scan_eager_backward(*args, impl)
+    return tuple(_or_empty(g, u) for g in _ops.run("selective_scan", "backward", dy, dlast, u, delta, A, B, C, D, z,
+                                                    delta_bias, delta_softplus, initial_state, reset, saved, impl))
+
+
+def _eager_grads(grads, dy, dlast, u, *args):
+    """The opaque backward's gradients: token-major or contiguous, an absent one empty."""
+    return tuple(_token_major(g) if i in _TOKEN_MAJOR_GRADS and g is not None else _or_empty(g, u).contiguous()
+                 for i, g in enumerate(grads))
+
+
+_ops.opaque("selective_scan", "forward", _selective_scan_op, fake=_eager_fake,
+            after=lambda out, *args: (_token_major(out[0]), *out[1:]))
+_ops.opaque("selective_scan", "backward", _selective_scan_backward_op, fake=_eager_backward_fake, after=_eager_grads)
 
 
 def _scan_setup_context(ctx, inputs, output):
@@ -233,7 +203,7 @@ def selective_scan(u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, D:
         initial_state: (batch, dim, state) state before the first token (e.g. a cache).
         return_last_state: also return the state after the last token.
         backend: ``"auto"`` | ``"triton"`` | ``"torch"`` (docs/kernels.md, "The dispatch table"); ``None``: the
-            active one (:class:`~..dispatch.use_backend`, ``"auto"`` by default).
+            active one (:func:`~..dispatch.use_backend`, ``"auto"`` by default).
         reset: (batch, length) bool, True at the first token of each packed document: ``h_{t-1}`` is taken as 0
             there (the initial state too at ``t = 0``), so no state crosses a document boundary (:mod:`..packing`).
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..backend import GPUArch, device_arch, inputs_compute_dtype
+from ..backend import GPUArch, device_arch, inputs_compute_dtype, token_major_like
 from ..triton_utils import launch, softplus, tl, triton  # raises ImportError without triton
 
 __all__ = [
@@ -428,18 +428,6 @@ def _strides3(t):
     return (t.stride(0), t.stride(1), t.stride(2)) if t is not None else (0, 0, 0)
 
 
-def _config(config, u, nstate) -> SelectiveScanConfig:
-    """``config`` (default :func:`selective_scan_config`) checked: powers of 2, ``d_steps >= 1``."""
-    config = config or selective_scan_config(device_arch(u.device), u.dtype, nstate)
-    for name in ("chunk", "fwd_block_d", "bwd_block_d", "carry_block", "carry_chunks"):
-        value = getattr(config, name)
-        if value < 1 or value & (value - 1):
-            raise ValueError(f"config.{name} must be a power of 2, got {value}")
-    if config.fwd_d_steps < 1 or config.bwd_d_steps < 1:
-        raise ValueError(f"config.fwd_d_steps and bwd_d_steps must be >= 1, got {config}")
-    return config
-
-
 def _grid(batch, dim, n_chunks, block_d, d_steps):
     """The per-chunk kernels' grid: (channel blocks, chunks, batch)."""
     return (triton.cdiv(dim, block_d * d_steps), n_chunks, batch)
@@ -455,11 +443,6 @@ def _tiles(config, dim, backward):
                 EVEN_D=dim % (block_d * d_steps) == 0, num_warps=warps)
 
 
-def _token_major(like):
-    """A new tensor like ``like`` (batch, dim, length), a view of a (batch, length, dim) one: the model's layout."""
-    return like.new_empty(like.shape[0], like.shape[2], like.shape[1]).transpose(1, 2)
-
-
 def _vectors(x, dtype):
     """``B`` or ``C`` as a (batch, state, length) view of a token-major tensor in the accumulation ``dtype`` (a copy
     unless ``x`` is one already): the kernels read each token's states as one vector."""
@@ -473,7 +456,13 @@ def _setup(u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, r
     ``reset``, ``B``, ``C`` as the kernels index them, the per-chunk grid and constants but ``HAS_Z``, ``HAS_D``."""
     batch, dim, length = u.shape
     nstate = A.shape[1]
-    config = _config(config, u, nstate)
+    config = config or selective_scan_config(device_arch(u.device), u.dtype, nstate)
+    for name in ("chunk", "fwd_block_d", "bwd_block_d", "carry_block", "carry_chunks"):
+        value = getattr(config, name)
+        if value < 1 or value & (value - 1):
+            raise ValueError(f"config.{name} must be a power of 2, got {value}")
+    if config.fwd_d_steps < 1 or config.bwd_d_steps < 1:
+        raise ValueError(f"config.fwd_d_steps and bwd_d_steps must be >= 1, got {config}")
     n_chunks = triton.cdiv(length, config.chunk)
     if n_chunks > MAX_CHUNKS:
         raise ValueError(f"length {length} needs {n_chunks} chunks of {config.chunk} tokens, over {MAX_CHUNKS}: "
@@ -533,7 +522,7 @@ def selective_scan_triton_fwd(u, delta, A, B, C, D=None, z=None, delta_bias=None
         u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, reset, config, backward=False)
     states, last_state, _ = _carry(_selective_scan_chunk_state_kernel, u, delta, A, Bv, None, delta_bias, reset_k,
                                    initial_state, kw, grid, flags, config)
-    y = _token_major(u)
+    y = token_major_like(u)
     launch(_selective_scan_chunk_output_kernel)[grid](
         u, delta, A, Bv, Cv, D, z, delta_bias, reset_k, states, y,
         *_strides3(u), *_strides3(delta), A.stride(0), A.stride(1), *_strides3(Bv), *_strides3(Cv), *_strides3(z),
@@ -569,7 +558,7 @@ def selective_scan_triton_bwd(dy, dlast, u, delta, A, B, C, D=None, z=None, delt
     dy = torch.zeros(batch, dim, length, **kw) if dy is None else dy
     lam, dh0, dtsum = _carry(_selective_scan_chunk_adjoint_kernel, dy, delta, A, Cv, z, bias_k, reset_k, dlast, kw,
                              grid, flags, config)
-    du, ddelta, dz = (None if t is None else _token_major(t) for t in (u, delta, z))
+    du, ddelta, dz = (None if t is None else token_major_like(t) for t in (u, delta, z))
     dB, dC = torch.zeros(batch, length, nstate, **kw), torch.zeros(batch, length, nstate, **kw)
     dA = torch.empty(batch, n_chunks, dim, nstate, **kw)
     dD, dbias = torch.empty(batch, n_chunks, dim, **kw), torch.empty(batch, n_chunks, dim, **kw)
