@@ -106,8 +106,8 @@ def _error(folder: Path, ids: dict, running: bool) -> MixedSaveError:
 
 def load_one_save(load, path, kwargs: dict):
     """``load()`` (transformers' ``from_pretrained(path, **kwargs)``); for a local folder, its files (:func:`save_ids`)
-    and the ``config`` passed in must name one save (:func:`one_save`) before and after, a load that saw the folder
-    change runs again, and a running save is waited for (:data:`WAIT_S`). The loaded config's save id is dropped.
+    and the ``config`` passed in must name one save before and after, a load that saw the folder change runs again,
+    and a running save is waited for (:data:`WAIT_S`). The loaded config's save id is dropped.
 
     Raises:
         MixedSaveError: (an ``OSError``) the files belong to different saves (the message lists which file belongs to
@@ -125,21 +125,15 @@ def load_one_save(load, path, kwargs: dict):
     return model
 
 
-def one_save(ids: dict, folder: Path) -> bool:
-    """Whether the save ids ``ids`` (:func:`save_ids`) name one save; a file without an id counts only while a save
-    of this package runs in ``folder`` or was cut off there (its staging or backup folder is there)."""
-    found = set(ids.values())
-    if None in found and len(found) > 1 and not any(entry.name.startswith(OWN_PREFIX) for entry in folder.iterdir()):
-        found.discard(None)
-    return len(found) == 1
-
-
 def _checked_load(load, folder: Path, variant: str | None, passed: dict):
     """:func:`load_one_save` of a local folder; ``passed``: ``{PASSED: the config's save id}`` or ``{}``."""
     deadline = time.monotonic() + WAIT_S
     while True:
         before = {**save_ids(folder, variant), **passed}
-        if one_save(before, folder):
+        found = set(before.values())  # a file without an id counts only while a save runs or was cut off here
+        if None in found and len(found) > 1 and not any(e.name.startswith(OWN_PREFIX) for e in folder.iterdir()):
+            found.discard(None)
+        if len(found) == 1:
             try:
                 model = load()
             except Exception:
