@@ -40,26 +40,22 @@ class DenseMambaMixer(nn.Module):
         super().__init__()
         self.config = config
         self.layer_idx = layer_idx
-        self.hidden_size = config.hidden_size
         self.intermediate_size = config.intermediate_size
         self.ssm_state_size = config.state_size
         self.conv_kernel_size = config.conv_kernel
         self.time_step_rank = config.time_step_rank
         D, k = self.intermediate_size, config.conv_kernel
         self.conv1d = nn.Conv1d(D, D, k, groups=D, padding=k - 1, bias=config.use_conv_bias)
-        self.in_proj = nn.Linear(self.hidden_size, self.intermediate_size * 2, bias=config.use_bias)
+        self.in_proj = nn.Linear(config.hidden_size, self.intermediate_size * 2, bias=config.use_bias)
         self.x_proj = nn.Linear(self.intermediate_size, self.time_step_rank + self.ssm_state_size * 2, bias=False)
         self.dt_proj = nn.Linear(self.time_step_rank, self.intermediate_size, bias=True)
         self.A_log = nn.Parameter(torch.empty(self.intermediate_size, self.ssm_state_size))
         self.D = nn.Parameter(torch.empty(self.intermediate_size))
-        self.out_proj = nn.Linear(self.intermediate_size, self.hidden_size, bias=config.use_bias)
-        if config.dense_target == "state":  # Eq. 14: per-channel gates on the lower states' readouts
-            self.dense_h = build_dense_connection(config, layer_idx, self.intermediate_size)
-            self.dense_u = self.dense_B = None
-        else:  # docs/design.md §4: the scan inputs u and B
-            self.dense_u = build_dense_connection(config, layer_idx, self.intermediate_size)
-            self.dense_B = build_dense_connection(config, layer_idx, self.ssm_state_size)
-            self.dense_h = None
+        self.out_proj = nn.Linear(self.intermediate_size, config.hidden_size, bias=config.use_bias)
+        on_states = config.dense_target == "state"  # Eq. 14: gates on the lower states' readouts; else u and B (§4)
+        self.dense_u = None if on_states else build_dense_connection(config, layer_idx, self.intermediate_size)
+        self.dense_B = None if on_states else build_dense_connection(config, layer_idx, self.ssm_state_size)
+        self.dense_h = build_dense_connection(config, layer_idx, self.intermediate_size) if on_states else None
 
     def _read_lower_states(self, dense_inputs, C, cache, decode: bool, continuing: bool, reset=None):
         """``C^l_t . h^{l-i}_t`` per predecessor ``i`` (nearest first), ``(batch, seq_len, D)`` each: from the cached

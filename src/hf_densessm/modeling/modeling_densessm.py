@@ -215,11 +215,9 @@ class DenseSSMForCausalLM(DenseSSMPreTrainedModel, GenerationMixin):
             for name in CACHE_FIELDS:
                 model_kwargs.pop(name, None)
             model_kwargs["past_key_values"] = cache
-        if not isinstance(cache, DenseSSMCache):
-            return
-        if generation_config.is_assistant:
+        if isinstance(cache, DenseSSMCache) and generation_config.is_assistant:
             cache.activate_past_recording()
-        else:
+        elif isinstance(cache, DenseSSMCache):
             cache.stop_recording()
 
     def compile_decode_step(self, enable: bool = True):
@@ -227,11 +225,9 @@ class DenseSSMForCausalLM(DenseSSMPreTrainedModel, GenerationMixin):
         CompileConfig(fullgraph=True)``; ``enable=False``: ``None``); returns the model. ``TypeError``: not a bool."""
         if not isinstance(enable, bool):
             raise TypeError(f"`enable` must be a bool, got {enable!r} ({type(enable).__name__}).")
-        compile_config = None
-        if enable:
-            compile_config = CompileConfig(fullgraph=True)
-            compile_config._compile_all_devices = True  # transformers' switch for devices other than CUDA
-        self.generation_config.compile_config = compile_config
+        self.generation_config.compile_config = CompileConfig(fullgraph=True) if enable else None
+        if enable:  # transformers' switch for devices other than CUDA
+            self.generation_config.compile_config._compile_all_devices = True
         return self
 
     @takes_cache
