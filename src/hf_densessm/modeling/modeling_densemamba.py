@@ -79,8 +79,7 @@ class DenseMambaMixer(nn.Module):
         (``"state"``). ``dense_inputs``: the predecessors' features grouped by feature, nearest first; ``cache``,
         ``attention_mask`` ``(batch, seq_len)`` 0/1 and ``reset`` ``(batch, seq_len)`` bool may be ``None``. One token
         over a filled cache without gradients decodes in place; any other call scans (docs/design.md §5)."""
-        batch, seq_len, _ = hidden_states.shape
-        dtype = hidden_states.dtype
+        seq_len = hidden_states.shape[1]
         keep = attention_mask[..., None].bool() if attention_mask is not None else None  # selects, never multiplies
         acc = torch.promote_types(self.A_log.dtype, torch.float32)  # the scan's float32 (float64 in float64 models)
 
@@ -148,7 +147,7 @@ class DenseMambaMixer(nn.Module):
             readouts = self._read_lower_states(dense_inputs, C, cache, decode, state is not None, reset)
             y = self.dense_h(hidden_states, y.transpose(1, 2), readouts).transpose(1, 2)  # Eq. 14
             y = (y + self.D.to(acc)[:, None] * u.transpose(1, 2)) * F.silu(z.to(y.dtype))
-        return self.out_proj(y.transpose(1, 2).to(dtype)), features
+        return self.out_proj(y.transpose(1, 2).to(hidden_states.dtype)), features
 
 
 class DenseMambaBlock(GradientCheckpointingLayer):

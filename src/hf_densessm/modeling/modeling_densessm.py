@@ -192,9 +192,8 @@ class DenseSSMForCausalLM(DenseSSMPreTrainedModel, GenerationMixin):
         kept = check_logits_to_keep(logits_to_keep, outputs.last_hidden_state.shape[1])
         logits = self.lm_head(outputs.last_hidden_state[:, kept, :].to(self.lm_head.weight.dtype))
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-        loss = None
-        if labels is not None:
-            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        loss = None if labels is None else self.loss_function(logits=logits, labels=labels,
+                                                              vocab_size=self.config.vocab_size, **kwargs)
         return model_output(self.output_class, output_cache(outputs), loss=loss, logits=logits,
                             hidden_states=outputs.hidden_states)
 
