@@ -5,16 +5,15 @@ from __future__ import annotations
 from .configuration_densessm import PAPER_OPTIMIZER, DenseSSMConfig, check_bool, check_positive_float, check_size
 
 _SHARED = dict(v_factor=2.0, dense_layers=2)  # every preset's
+_PAPER = dict(dropout=0.1, **_SHARED)  # Table 3's
 # Table 3 of the DenseSSM paper (vocabulary 32000), plus small sizes for examples, tests and CPU benchmarks.
 DENSERETNET_PRESETS = {
     "denseretnet-tiny": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=2, query_key_dim=128, **_SHARED),
     "denseretnet-30m": dict(hidden_size=384, num_hidden_layers=6, num_attention_heads=2, query_key_dim=192, **_SHARED),
-    "denseretnet-350m": dict(
-        hidden_size=1536, num_hidden_layers=16, num_attention_heads=2, query_key_dim=768, dropout=0.1, **_SHARED
-    ),
-    "denseretnet-1.3b": dict(
-        hidden_size=2560, num_hidden_layers=25, num_attention_heads=4, query_key_dim=1280, dropout=0.1, **_SHARED
-    ),
+    "denseretnet-350m": dict(hidden_size=1536, num_hidden_layers=16, num_attention_heads=2, query_key_dim=768,
+                             **_PAPER),
+    "denseretnet-1.3b": dict(hidden_size=2560, num_hidden_layers=25, num_attention_heads=4, query_key_dim=1280,
+                             **_PAPER),
 }
 
 #: The paper's training settings (§4.2, Table 3), for :func:`hf_densessm.paper_training_arguments`.

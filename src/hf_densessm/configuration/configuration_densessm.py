@@ -187,8 +187,7 @@ class DenseSSMConfig(PretrainedConfig):
     def set_dense_knobs(self, kwargs: dict) -> None:
         """Pop this family's knobs from ``kwargs``, check and set them; other ``dense_*`` keywords: ``ValueError``."""
         names = [knob.name for knob in self.knobs()]
-        foreign = [name for name in kwargs if name.startswith("dense_") and name not in names]
-        if foreign:
+        if foreign := [name for name in kwargs if name.startswith("dense_") and name not in names]:
             raise ValueError(f"{', '.join(f'`{name}`' for name in foreign)} is not a {self.model_type} knob (only "
                              f"{', '.join(names)}); leave it out.")
         for knob in self.knobs():
@@ -207,8 +206,7 @@ class DenseSSMConfig(PretrainedConfig):
         """transformers' ``from_dict``; ``ValueError`` for a dict (with ``kwargs``) lacking a dense knob
         (docs/design.md §6). A ``kernel_backend`` in ``config_dict`` is dropped; one in ``kwargs`` applies."""
         config_dict = {key: value for key, value in config_dict.items() if key != "kernel_backend"}
-        missing = [knob.name for knob in cls.knobs() if knob.name not in {**config_dict, **kwargs}]
-        if missing:
+        if missing := [knob.name for knob in cls.knobs() if knob.name not in {**config_dict, **kwargs}]:
             raise ValueError(f"This {cls.model_type} config lacks the dense knob(s) {', '.join(missing)}; their "
                              "defaults would change the function the saved weights compute. Add them to config.json "
                              "with the values the model was built with, or pass them to `from_pretrained` (e.g. "

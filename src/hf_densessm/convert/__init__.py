@@ -150,8 +150,7 @@ def densemamba_from_mamba(src, **dense_kwargs) -> DenseMambaForCausalLM:
             missing, unexpected or misshapen names (all listed); ``dense_selection="none"`` with ``"add"`` fusion.
         OSError: a Hub repository cannot be downloaded (transformers' error).
     """
-    unknown = sorted(set(dense_kwargs) - set(DENSE_ARGUMENTS))
-    if unknown:
+    if unknown := sorted(set(dense_kwargs) - set(DENSE_ARGUMENTS)):
         raise TypeError(f"densemamba_from_mamba() takes only the dense knobs {DENSE_ARGUMENTS}; got {unknown}.")
     if isinstance(src, nn.Module) and hasattr(src, "config"):
         config, source = src.config.to_dict(), f"the given {type(src).__name__}"
@@ -227,11 +226,9 @@ def denseretnet_from_official(src: str | os.PathLike) -> DenseRetNetForCausalLM:
     model, info = DenseRetNetForCausalLM.from_pretrained(src, config=config, key_mapping=OFFICIAL_KEY_MAPPING,
                                                          **_LOAD_KWARGS)
     vars(model).pop("_weight_conversions", None)  # else save_pretrained would write the authors' names back
-    optional = set(OFFICIAL_REL_POS)
-    for i, layer in enumerate(model.model.layers):
-        if layer.self_attn.dense_k is None:
-            optional |= {f"model.layers.{i}.self_attn.{part}.weight" for part in OFFICIAL_DENSE_ONLY}
-    _check_loading_info(info, source, official_denseretnet_name, optional)
+    optional = {f"model.layers.{i}.self_attn.{part}.weight" for i, block in enumerate(model.model.layers)
+                if block.self_attn.dense_k is None for part in OFFICIAL_DENSE_ONLY}
+    _check_loading_info(info, source, official_denseretnet_name, optional | set(OFFICIAL_REL_POS))
     # the saved rotary angles and log-decays must be the published definition (docs/design.md §3)
     heads = config.num_attention_heads
     angle = rotary_angles(config.query_key_dim // heads, config.rope_theta).double().repeat_interleave(2)

@@ -60,10 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError, TypeError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
-    print(
-        f"wrote {args.out}: {type(model).__name__}, {model.num_parameters() / 1e6:.2f}M parameters, "
-        f"{model.config.num_hidden_layers} layers, dense_layers={model.config.dense_layers}, {args.dtype}"
-    )
+    print(f"wrote {args.out}: {type(model).__name__}, {model.num_parameters() / 1e6:.2f}M parameters, "
+          f"{model.config.num_hidden_layers} layers, dense_layers={model.config.dense_layers}, {args.dtype}")
     return 0
 
 

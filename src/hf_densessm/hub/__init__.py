@@ -154,19 +154,15 @@ def file_head(path: str | os.PathLike, size: int) -> str:
         return file.read(size)
 
 
-def is_generated_card(path: str | os.PathLike) -> bool:
-    """Whether ``path`` is a model card this package wrote (it holds :data:`CARD_MARKER`), not one a person wrote."""
-    return CARD_MARKER in file_head(path, 4096)
-
-
 def replaced_by_save(path: Path, variant: str | None = None) -> bool:
     """Whether a folder's entry is owned by a save of this package (a new save that does not rewrite it deletes it):
-    weights of the same ``variant`` and their index, generated code (:func:`is_bundled_code`) or card."""
+    weights of the same ``variant`` and their index, generated code (:func:`is_bundled_code`) or card (holding
+    :data:`CARD_MARKER`; not one a person wrote)."""
     v = re.escape(f".{variant}") if variant else ""
     weights = rf"model{v}(-\d{{5}}-of-\d{{5}})?\.safetensors|model\.safetensors\.index{v}\.json"
     if re.fullmatch(weights, path.name):
         return path.is_file() and not path.is_symlink()
-    return is_bundled_code(path) or (path.name == "README.md" and is_generated_card(path))
+    return is_bundled_code(path) or (path.name == "README.md" and CARD_MARKER in file_head(path, 4096))
 
 
 def save_pretrained(
@@ -191,7 +187,7 @@ def save_pretrained(
         PreTrainedModel.save_pretrained(model, staging, state_dict=state_dict, **kwargs)
         write_bundle(model, staging)
         old_card = Path(save_directory) / "README.md"
-        if not old_card.exists() or is_generated_card(old_card):
+        if not old_card.exists() or replaced_by_save(old_card):
             write_model_card(model, staging)
     if push_to_hub:
         repo_id = hub_kwargs.pop("repo_id", Path(save_directory).resolve().name)
@@ -214,8 +210,7 @@ def push_to_hub(
     if revision is not None and not revision.startswith("refs/pr"):
         api.create_branch(repo_id=repo_id, branch=revision, exist_ok=True)
     has_card = api.file_exists(repo_id, "README.md", revision=revision)
-    tags = [tags] if isinstance(tags, str) else list(tags or [])
-    tags += [tag for tag in (getattr(model, "model_tags", None) or []) if tag not in tags]
+    tags = [*([tags] if isinstance(tags, str) else tags or []), *(getattr(model, "model_tags", None) or [])]
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "repo"
         model.save_pretrained(folder, max_shard_size=max_shard_size)

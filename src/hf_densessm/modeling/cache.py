@@ -154,21 +154,18 @@ def check_cache(cache, config, batch: int) -> None:
         raise ValueError(f"`cache` has {len(cache.layers)} layers but the model has {layers}; {hint}.")
     if not all(isinstance(layer, LinearAttentionCacheLayerMixin) for layer in cache.layers):
         raise TypeError(f"`cache` must hold linear-attention (recurrent state) layers; {hint}.")
-    slots = config.cache_slots
+    slots, built_for = config.cache_slots, cache.model_type if isinstance(cache, DenseSSMCache) else None
     needed = max(slots["conv"] + slots["recurrent"]) + 1
-    if any(layer.number_of_states != needed for layer in cache.layers):
-        raise ValueError(f"`cache` was built for another model family ({cache.layers[0].number_of_states} state slots "
-                         f"per layer, a {family} model needs {needed}); {hint}.")
-    built_for = cache.model_type if isinstance(cache, DenseSSMCache) else None
+    foreign = [f"layer {i} holds {kind} state slot {slot}, which a {family} model never fills"
+               for i, layer in enumerate(cache.layers) for kind in ("conv", "recurrent")
+               for slot, filled in getattr(layer, f"is_{kind}_states_initialized").items()
+               if filled and slot not in slots[kind]]
     if built_for is not None and built_for != family:
-        raise ValueError(f"`cache` was built for another model family (a {built_for} model, not {family}); {hint}.")
-    for layer_idx, layer in enumerate(cache.layers):
-        for kind in ("conv", "recurrent"):
-            filled = getattr(layer, f"is_{kind}_states_initialized").items()
-            stray = [slot for slot, is_filled in filled if is_filled and slot not in slots[kind]]
-            if stray:
-                raise ValueError(f"`cache` was built for another model family (layer {layer_idx} holds {kind} state "
-                                 f"slot {stray[0]}, which a {family} model never fills); {hint}.")
+        foreign.insert(0, f"a {built_for} model, not {family}")
+    if any(layer.number_of_states != needed for layer in cache.layers):
+        foreign.insert(0, f"{cache.layers[0].number_of_states} state slots per layer, a {family} model needs {needed}")
+    if foreign:
+        raise ValueError(f"`cache` was built for another model family ({foreign[0]}); {hint}.")
     if config.cache_counts_row_tokens and not isinstance(cache, DenseSSMCache):
         raise TypeError(f"`cache` must be a `DenseSSMCache` for a {family} model (it counts the real tokens of each "
                         f"row, which place the rotary angles), got {type(cache).__name__}; {hint}.")

@@ -83,10 +83,8 @@ class DenseHiddenConnection(nn.Module):
             self.gates = nn.ModuleList(
                 DenseGate(hidden_size, feature_size, gate_hidden_size, selection) for _ in range(num_predecessors)
             )
-        self.projections = None
-        if projection == "linear":
-            self.projections = nn.ModuleList(_dense_linear(feature_size, feature_size, "identity")
-                                             for _ in range(num_predecessors))
+        self.projections = nn.ModuleList(_dense_linear(feature_size, feature_size, "identity")
+                                         for _ in range(num_predecessors)) if projection == "linear" else None
         if fusion == "concat":
             self.reduce = _dense_linear((num_predecessors + 1) * feature_size, feature_size, "concat")
 

@@ -8,9 +8,6 @@ import torch.nn.functional as F
 
 from ..ops.backend import require, tracing
 
-_ID_DTYPES = (torch.int64, torch.int32)
-
-
 def check_inputs(input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None, hidden_size: int, vocab_size: int,
                  decoding: bool = False) -> None:
     """Check the model's token inputs (``decoding``: a one-token step over a cache, whose id check makes no host sync).
@@ -23,7 +20,7 @@ def check_inputs(input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | N
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError("You must specify exactly one of `input_ids` or `inputs_embeds`.")
     if input_ids is not None:
-        if not isinstance(input_ids, torch.Tensor) or input_ids.dtype not in _ID_DTYPES:
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dtype not in (torch.int64, torch.int32):
             got = input_ids.dtype if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
             raise TypeError(f"`input_ids` must be an int64 or int32 tensor, got {got}.")
         if input_ids.dim() != 2 or 0 in input_ids.shape:

@@ -40,26 +40,22 @@ class DenseMambaMixer(nn.Module):
         super().__init__()
         self.config = config
         self.layer_idx = layer_idx
-        self.hidden_size = config.hidden_size
         self.intermediate_size = config.intermediate_size
         self.ssm_state_size = config.state_size
         self.conv_kernel_size = config.conv_kernel
         self.time_step_rank = config.time_step_rank
         D, k = self.intermediate_size, config.conv_kernel
         self.conv1d = nn.Conv1d(D, D, k, groups=D, padding=k - 1, bias=config.use_conv_bias)
-        self.in_proj = nn.Linear(self.hidden_size, self.intermediate_size * 2, bias=config.use_bias)
+        self.in_proj = nn.Linear(config.hidden_size, self.intermediate_size * 2, bias=config.use_bias)
         self.x_proj = nn.Linear(self.intermediate_size, self.time_step_rank + self.ssm_state_size * 2, bias=False)
         self.dt_proj = nn.Linear(self.time_step_rank, self.intermediate_size, bias=True)
         self.A_log = nn.Parameter(torch.empty(self.intermediate_size, self.ssm_state_size))
         self.D = nn.Parameter(torch.empty(self.intermediate_size))
-        self.out_proj = nn.Linear(self.intermediate_size, self.hidden_size, bias=config.use_bias)
-        if config.dense_target == "state":  # Eq. 14: per-channel gates on the lower states' readouts
-            self.dense_h = build_dense_connection(config, layer_idx, self.intermediate_size)
-            self.dense_u = self.dense_B = None
-        else:  # docs/design.md §4: the scan inputs u and B
-            self.dense_u = build_dense_connection(config, layer_idx, self.intermediate_size)
-            self.dense_B = build_dense_connection(config, layer_idx, self.ssm_state_size)
-            self.dense_h = None
+        self.out_proj = nn.Linear(self.intermediate_size, config.hidden_size, bias=config.use_bias)
+        on_states = config.dense_target == "state"  # Eq. 14: gates on the lower states' readouts; else u and B (§4)
+        self.dense_u = None if on_states else build_dense_connection(config, layer_idx, self.intermediate_size)
+        self.dense_B = None if on_states else build_dense_connection(config, layer_idx, self.ssm_state_size)
+        self.dense_h = build_dense_connection(config, layer_idx, self.intermediate_size) if on_states else None
 
     def _read_lower_states(self, dense_inputs, C, cache, decode: bool, continuing: bool, reset=None):
         """``C^l_t . h^{l-i}_t`` per predecessor ``i`` (nearest first), ``(batch, seq_len, D)`` each: from the cached
@@ -83,8 +79,7 @@ class DenseMambaMixer(nn.Module):
         (``"state"``). ``dense_inputs``: the predecessors' features grouped by feature, nearest first; ``cache``,
         ``attention_mask`` ``(batch, seq_len)`` 0/1 and ``reset`` ``(batch, seq_len)`` bool may be ``None``. One token
         over a filled cache without gradients decodes in place; any other call scans (docs/design.md §5)."""
-        batch, seq_len, _ = hidden_states.shape
-        dtype = hidden_states.dtype
+        seq_len = hidden_states.shape[1]
         keep = attention_mask[..., None].bool() if attention_mask is not None else None  # selects, never multiplies
         acc = torch.promote_types(self.A_log.dtype, torch.float32)  # the scan's float32 (float64 in float64 models)
 
@@ -152,7 +147,7 @@ class DenseMambaMixer(nn.Module):
             readouts = self._read_lower_states(dense_inputs, C, cache, decode, state is not None, reset)
             y = self.dense_h(hidden_states, y.transpose(1, 2), readouts).transpose(1, 2)  # Eq. 14
             y = (y + self.D.to(acc)[:, None] * u.transpose(1, 2)) * F.silu(z.to(y.dtype))
-        return self.out_proj(y.transpose(1, 2).to(dtype)), features
+        return self.out_proj(y.transpose(1, 2).to(hidden_states.dtype)), features
 
 
 class DenseMambaBlock(GradientCheckpointingLayer):

@@ -63,7 +63,6 @@ class DenseRetNetRetention(nn.Module):
 
     def __init__(self, config: DenseRetNetConfig, layer_idx: int):
         super().__init__()
-        self.config = config
         self.layer_idx = layer_idx
         self.num_heads = config.num_attention_heads
         self.key_dim = config.query_key_dim

@@ -192,9 +192,8 @@ class DenseSSMForCausalLM(DenseSSMPreTrainedModel, GenerationMixin):
         kept = check_logits_to_keep(logits_to_keep, outputs.last_hidden_state.shape[1])
         logits = self.lm_head(outputs.last_hidden_state[:, kept, :].to(self.lm_head.weight.dtype))
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-        loss = None
-        if labels is not None:
-            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        loss = None if labels is None else self.loss_function(logits=logits, labels=labels,
+                                                              vocab_size=self.config.vocab_size, **kwargs)
         return model_output(self.output_class, output_cache(outputs), loss=loss, logits=logits,
                             hidden_states=outputs.hidden_states)
 
@@ -215,11 +214,9 @@ class DenseSSMForCausalLM(DenseSSMPreTrainedModel, GenerationMixin):
             for name in CACHE_FIELDS:
                 model_kwargs.pop(name, None)
             model_kwargs["past_key_values"] = cache
-        if not isinstance(cache, DenseSSMCache):
-            return
-        if generation_config.is_assistant:
+        if isinstance(cache, DenseSSMCache) and generation_config.is_assistant:
             cache.activate_past_recording()
-        else:
+        elif isinstance(cache, DenseSSMCache):
             cache.stop_recording()
 
     def compile_decode_step(self, enable: bool = True):
@@ -227,11 +224,9 @@ class DenseSSMForCausalLM(DenseSSMPreTrainedModel, GenerationMixin):
         CompileConfig(fullgraph=True)``; ``enable=False``: ``None``); returns the model. ``TypeError``: not a bool."""
         if not isinstance(enable, bool):
             raise TypeError(f"`enable` must be a bool, got {enable!r} ({type(enable).__name__}).")
-        compile_config = None
-        if enable:
-            compile_config = CompileConfig(fullgraph=True)
-            compile_config._compile_all_devices = True  # transformers' switch for devices other than CUDA
-        self.generation_config.compile_config = compile_config
+        self.generation_config.compile_config = CompileConfig(fullgraph=True) if enable else None
+        if enable:  # transformers' switch for devices other than CUDA
+            self.generation_config.compile_config._compile_all_devices = True
         return self
 
     @takes_cache

@@ -3,6 +3,7 @@ folder checks the save ids of ``config.json``, the weights and the index before 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -49,10 +50,8 @@ def save_ids(folder: Path, variant: str | None = None) -> dict[str, str | None]:
         names.append(f"model{v}.safetensors")
     elif (folder / f"model.safetensors.index{v}.json").is_file():
         names.append(f"model.safetensors.index{v}.json")
-        try:
+        with contextlib.suppress(OSError, ValueError, LookupError, TypeError, AttributeError):
             names += sorted(set(json.loads((folder / names[-1]).read_bytes())["weight_map"].values()))
-        except (OSError, ValueError, LookupError, TypeError, AttributeError):
-            pass
     return {name: file_save_id(folder / name) for name in names}
 
 
@@ -83,10 +82,8 @@ def _error(folder: Path, ids: dict, running: bool) -> MixedSaveError:
     files = {name: save_id for name, save_id in ids.items() if name != PASSED}
     if ids.get(PASSED) == ids.get("config.json"):
         ids = files
-    saves: dict = {}
-    for name, save_id in ids.items():
-        saves.setdefault(save_id, []).append(name)
-    found = "; ".join(f"{f'save {i}' if i else 'no save id'}: {', '.join(names)}" for i, names in saves.items())
+    found = "; ".join(f"{f'save {i}' if i else 'no save id'}: {', '.join(n for n, s in ids.items() if s == i)}"
+                      for i in dict.fromkeys(ids.values()))
     if running:
         return MixedSaveError(f"{folder} did not hold one whole save for {WAIT_S:.0f} s while saves ran in it "
                               f"({found}). Load it again when no save is running.")
@@ -96,18 +93,16 @@ def _error(folder: Path, ids: dict, running: bool) -> MixedSaveError:
                               f"saved again meanwhile), or set the config's `{SAVE_ID}` to None to load these weights "
                               "with it.")
     backups = sorted(str(p) for p in folder.glob(BACKUP_PREFIX + "*") if p.is_dir())
-    how = (
-        f"The previous whole save is kept in {' or '.join(backups)}: load it from there and save it again into the "
-        "folder, or save the new model again." if backups else "Save the model again into the folder."
-    )
+    how = (f"The previous whole save is kept in {' or '.join(backups)}: load it from there and save it again into the "
+           "folder, or save the new model again." if backups else "Save the model again into the folder.")
     return MixedSaveError(f"{folder} holds files of different saves, so it would load as neither ({found}): a save "
                           f"into it was interrupted, or files were copied in from another save. {how}")
 
 
 def load_one_save(load, path, kwargs: dict):
     """``load()`` (transformers' ``from_pretrained(path, **kwargs)``); for a local folder, its files (:func:`save_ids`)
-    and the ``config`` passed in must name one save (:func:`one_save`) before and after, a load that saw the folder
-    change runs again, and a running save is waited for (:data:`WAIT_S`). The loaded config's save id is dropped.
+    and the ``config`` passed in must name one save before and after, a load that saw the folder change runs again,
+    and a running save is waited for (:data:`WAIT_S`). The loaded config's save id is dropped.
 
     Raises:
         MixedSaveError: (an ``OSError``) the files belong to different saves (the message lists which file belongs to
@@ -125,21 +120,15 @@ def load_one_save(load, path, kwargs: dict):
     return model
 
 
-def one_save(ids: dict, folder: Path) -> bool:
-    """Whether the save ids ``ids`` (:func:`save_ids`) name one save; a file without an id counts only while a save
-    of this package runs in ``folder`` or was cut off there (its staging or backup folder is there)."""
-    found = set(ids.values())
-    if None in found and len(found) > 1 and not any(entry.name.startswith(OWN_PREFIX) for entry in folder.iterdir()):
-        found.discard(None)
-    return len(found) == 1
-
-
 def _checked_load(load, folder: Path, variant: str | None, passed: dict):
     """:func:`load_one_save` of a local folder; ``passed``: ``{PASSED: the config's save id}`` or ``{}``."""
     deadline = time.monotonic() + WAIT_S
     while True:
         before = {**save_ids(folder, variant), **passed}
-        if one_save(before, folder):
+        found = set(before.values())  # a file without an id counts only while a save runs or was cut off here
+        if None in found and len(found) > 1 and not any(e.name.startswith(OWN_PREFIX) for e in folder.iterdir()):
+            found.discard(None)
+        if len(found) == 1:
             try:
                 model = load()
             except Exception:
