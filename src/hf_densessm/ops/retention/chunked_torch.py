@@ -73,12 +73,11 @@ def _block_forward(q, k, v, state, masks):
     return o + (q * q_decay) @ previous, state
 
 
-def _block_backward(q, k, v, state, masks, d_o, d_state):
-    """Gradients of :func:`_block_forward` (the formulas of docs/kernels.md, "Chunkwise retention"), the states
-    recomputed from ``state`` (before the first chunk): ``dq`` (of the scaled ``q``), ``dk``, ``dv`` and the gradient
-    of ``state``."""
+def _block_backward(q, k, v, previous, k_write, masks, d_o, d_state):
+    """Gradients of :func:`_block_forward` (the formulas of docs/kernels.md, "Chunkwise retention") given the states
+    before each chunk and ``k * k_decay`` (:func:`_states`): ``dq`` (of the scaled ``q``), ``dk``, ``dv`` and the
+    gradient of the state before the first chunk."""
     intra, q_decay, k_decay, chunk_decay = masks
-    previous, _, k_write = _states(k, v, state, masks)
     read_grads = (q * q_decay).transpose(-1, -2) @ d_o  # (B, H, n, K, V): what o adds to dH_prev of each chunk
     d_after = []
     for c in range(q.shape[2] - 1, -1, -1):  # backward in time, over chunks
@@ -161,13 +160,12 @@ def chunk_retention_torch_backward(d_o, d_final_state, q, k, v, scale, initial_s
     blocks, state, d_o_blocks = _blocks(q, k, v, scale, initial_state, reset, chunk_size, d_o)
     d_state = torch.zeros_like(state) if d_final_state is None else d_final_state.to(state.dtype, copy=True)
     kept = []
-    for inputs, masks in blocks:  # the state before each block
-        kept.append(state)
-        if len(kept) < len(blocks):
-            state = _states(inputs[1], inputs[2], state, masks)[1]
+    for inputs, masks in blocks:  # the states, recomputed once
+        previous, state, k_write = _states(inputs[1], inputs[2], state, masks)
+        kept.append((previous, k_write))
     grads = []
-    for (inputs, masks), state, d_o_block in reversed(list(zip(blocks, kept, d_o_blocks))):  # backward in time
-        dq, dk, dv, d_state = _block_backward(*inputs, state, masks, d_o_block, d_state)
+    for (inputs, masks), states, d_o_block in reversed(list(zip(blocks, kept, d_o_blocks))):  # backward in time
+        dq, dk, dv, d_state = _block_backward(*inputs, *states, masks, d_o_block, d_state)
         grads.append((dq, dk, dv))
     dq, dk, dv = (_token_major([g[i] for g in grads[::-1]], x) for i, x in enumerate((q, k, v)))
     dq.mul_(scale)
