@@ -221,11 +221,12 @@ print("REPORT" + json.dumps(dict(changed=changed, logits=logits, copies=copies))
 """
 
 
-def test_one_set_of_ops_serves_the_package_and_every_loaded_folder(tmp_path):
+def test_copies_of_the_same_op_code_share_one_set_of_ops(tmp_path):
     """In one process: a DenseMamba folder loaded as remote code, then the package imported and its model run, a
     DenseRetNet folder, a second DenseMamba folder, and one whose causal_conv1d_backward op has another schema (a
-    modified copy). No op is registered twice; every copy of an op module uses the same ops, but the modified copy's
-    causal_conv1d group, which has its own; every model gives its eager logits and trains."""
+    modified copy). No op is registered twice; the folders' copies of an op module (the same code) use one set of
+    ops, the package (other code: its own imports, the C++ entries) its own, the modified copy's causal_conv1d group
+    its own; every model gives its eager logits and trains."""
     expected, job = {}, {}
     models = {"densemamba": micro_model("densemamba"), "package": micro_model("densemamba"),
               "denseretnet": micro_model("denseretnet"), "second": micro_model("densemamba", seed=1),
@@ -240,8 +241,7 @@ def test_one_set_of_ops_serves_the_package_and_every_loaded_folder(tmp_path):
     _add_argument_to_op(tmp_path / "modified" / "ops_causal_conv1d.py", "causal_conv1d_backward")
     torch.save(expected, tmp_path / "expected.pt")
     job["expected"] = str(tmp_path / "expected.pt")
-    # the C++ kernel on (where it builds): the package's scan chooses it, which the first copy's ops (the remote
-    # code's, which has no C++ entry) run as their PyTorch path (dispatch.implementation)
+    # the C++ kernel on (where it builds): the package's scan chooses it and runs it in its own ops
     env = {**os.environ, "HF_MODULES_CACHE": str(tmp_path / "modules"), "TRANSFORMERS_VERBOSITY": "error"}
     env.pop("HF_DENSESSM_CPU_KERNEL", None)
     result = subprocess.run([sys.executable, "-c", MIXED_SCRIPT, json.dumps(job)], cwd=tmp_path, env=env,
@@ -255,10 +255,15 @@ def test_one_set_of_ops_serves_the_package_and_every_loaded_folder(tmp_path):
         names = {module: ops for module, ops in copies.items() if module.endswith(f"ops_{op_module}")
                  or module == f"hf_densessm.ops.{op_module}"}
         assert len(names) == (2 if op_module == "retention" else 4), sorted(names)  # the package's, the folders'
-        plain = {op: f"hf_densessm::{op}" for op in names[f"hf_densessm.ops.{op_module}"]}
+        suffixes = {}  # each copy's ops are one group: "hf_densessm::<op>_<suffix>", one suffix
         for module, ops in names.items():
-            if op_module == "causal_conv1d" and module.startswith("transformers_modules.modified."):
-                suffix = ops["causal_conv1d"].rpartition("_")[2]
-                assert ops == {op: f"{name}_{suffix}" for op, name in plain.items()}, ops
-            else:
-                assert ops == plain, (module, ops)
+            suffixes[module] = next(iter(ops.values())).rpartition("_")[2]
+            assert ops == {op: f"hf_densessm::{op}_{suffixes[module]}" for op in ops}, ops
+        package = suffixes.pop(f"hf_densessm.ops.{op_module}")  # its own: its code differs from remote code's
+        modified = {s for m, s in suffixes.items() if m.startswith("transformers_modules.modified.")}
+        folders = {s for m, s in suffixes.items() if not m.startswith("transformers_modules.modified.")}
+        assert len(folders) == 1 and package not in folders | modified, suffixes  # same code: one set of ops
+        if op_module == "causal_conv1d":  # another schema: its own ops
+            assert len(modified) == 1 and modified.isdisjoint(folders), suffixes
+        else:
+            assert modified <= folders, suffixes

@@ -20,6 +20,7 @@ from hf_densessm.ops.backend import ARCHS
 for _module in ("chunk", "fused_recurrent"):
     importlib.import_module(f"hf_densessm.ops.selective_scan.{_module}").device_arch = lambda device: ARCHS["sm_90"]
 
+from hf_densessm.ops.selective_scan import _ops as scan_ops  # noqa: E402
 from hf_densessm.ops.selective_scan import selective_state_update  # noqa: E402
 
 
@@ -53,12 +54,12 @@ def main():
         reset = torch.zeros(b, length, dtype=torch.bool, device="cuda")
         fwd = [t(b, d, length), t(b, d, length), t(d, n), t(b, n, length), t(b, n, length), t(d), t(b, d, length),
                t(d), True, t(b, d, n), reset]
-        kernels = traced_kernels(lambda *a: torch.ops.hf_densessm.selective_scan(*a, True, "triton"), *fwd)
+        kernels = traced_kernels(lambda *a: scan_ops.selective_scan(*a, True, "triton"), *fwd)
         print("kernels selective_scan", *kernels)
         chunk = importlib.import_module("hf_densessm.ops.selective_scan.chunk").selective_scan_config(
             ARCHS["sm_90"], torch.float32, n).chunk
         chunk_states = t(b, -(-length // chunk), d, n)  # ceil(length / chunk) chunks
-        kernels = traced_kernels(lambda *a: torch.ops.hf_densessm.selective_scan_backward(*a, "triton"),
+        kernels = traced_kernels(lambda *a: scan_ops.selective_scan_backward(*a, "triton"),
                                  t(b, d, length), t(b, d, n), *fwd, chunk_states)
         print("kernels selective_scan_backward", *kernels)
         kernels = traced_kernels(lambda s, x, dt, A, B, C: selective_state_update(s, x, dt, A, B, C, backend="triton"),

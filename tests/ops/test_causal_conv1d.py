@@ -16,6 +16,7 @@ import torch._inductor.config
 import torch.nn.functional as F
 
 from hf_densessm.ops.dispatch import triton_available
+from hf_densessm.ops.causal_conv1d import _ops as conv_ops
 from hf_densessm.ops.causal_conv1d import causal_conv1d
 from hf_densessm.ops.causal_conv1d.naive import causal_conv1d_naive
 
@@ -200,7 +201,7 @@ OPCHECK = [("torch", None)] + ([("triton", ("test_schema", "test_autograd_regist
 @pytest.mark.parametrize("mode,with_bias", [("plain", False), ("window+packed", True)])
 def test_opcheck_forward(mode, with_bias, backend, utils):
     x, taps, bias, window, reset = _op_args(mode, with_bias)
-    torch.library.opcheck(torch.ops.hf_densessm.causal_conv1d.default, (x, taps, bias, window, reset, True, backend),
+    torch.library.opcheck(conv_ops.causal_conv1d.default, (x, taps, bias, window, reset, True, backend),
                           **({} if utils is None else dict(test_utils=utils)))
 
 
@@ -210,7 +211,7 @@ def test_opcheck_backward(mode, with_bias, backend, utils):
     x, taps, bias, window, reset = _op_args(mode, with_bias)
     grad = torch.randn(x.shape)
     detached = [None if t is None else t.detach() for t in (x, taps, bias, window)]
-    torch.library.opcheck(torch.ops.hf_densessm.causal_conv1d_backward.default,
+    torch.library.opcheck(conv_ops.causal_conv1d_backward.default,
                           (grad, *detached, reset, True, backend), **({} if utils is None else dict(test_utils=utils)))
 
 
@@ -376,13 +377,14 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 sys.path.insert(0, sys.argv[1])
 from scan_trace_worker import traced_kernels
+from hf_densessm.ops.causal_conv1d import _ops as conv_ops
 from hf_densessm.ops.causal_conv1d import causal_conv1d
 
 with FakeTensorMode():
     x, w, b, win = (torch.randn(*s, device="cuda") for s in ((2, 40, 64), (64, 1, 4), (64,), (2, 64, 4)))
     reset = torch.zeros(2, 40, dtype=torch.bool, device="cuda")
     print("kernels", *traced_kernels(lambda *a: causal_conv1d(*a, "silu", "triton"), x, w, b, win, reset))
-    print("kernels", *traced_kernels(lambda *a: torch.ops.hf_densessm.causal_conv1d_backward(*a, True, "triton"),
+    print("kernels", *traced_kernels(lambda *a: conv_ops.causal_conv1d_backward(*a, True, "triton"),
                                      x, x, w.reshape(64, 4), b, win, reset))
 """
 

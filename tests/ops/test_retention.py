@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from hf_densessm.ops import dispatch
+from hf_densessm.ops.retention import _ops as retention_ops
 from hf_densessm.ops.retention import chunk_retention, retention_gamma, retention_state_update
 from hf_densessm.ops.retention.chunked_torch import (
     chunk_retention_torch,
@@ -667,19 +668,19 @@ def test_opcheck_chunk_retention(traceable_interpreter, backend, initial_state, 
     on the forward and the backward op."""
     q, k, v, s0, reset = _op_args(backend, initial_state=initial_state, packed=packed)
     leaves = [x.requires_grad_() for x in (q, k, v)] + [None if s0 is None else s0.requires_grad_()]
-    torch.library.opcheck(torch.ops.hf_densessm.chunk_retention, (*leaves[:3], 0.6, leaves[3], reset, backend))
+    torch.library.opcheck(retention_ops.chunk_retention, (*leaves[:3], 0.6, leaves[3], reset, backend))
     d_o, d_final = torch.randn_like(v), torch.randn(2, 2, 8, 16, dtype=s0.dtype if initial_state else v.dtype)
     for d_final_state in (d_final, None):
         args = (d_o, d_final_state, *(x.detach() for x in (q, k, v)), 0.6, None if s0 is None else s0.detach(),
                 reset, backend)
-        torch.library.opcheck(torch.ops.hf_densessm.chunk_retention_backward, args)
+        torch.library.opcheck(retention_ops.chunk_retention_backward, args)
 
 
 @pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_triton)])
 def test_opcheck_retention_state_update(traceable_interpreter, backend):
     dtype = KERNEL_DTYPE if backend == "triton" else torch.float32
     q, k, v, s0 = _inputs(2, 1, 3, 8, 12, dtype=dtype, initial_state=True)
-    torch.library.opcheck(torch.ops.hf_densessm.retention_state_update, (s0, q[:, 0], k[:, 0], v[:, 0], 0.6, backend))
+    torch.library.opcheck(retention_ops.retention_state_update, (s0, q[:, 0], k[:, 0], v[:, 0], 0.6, backend))
 
 
 def _training_fn(backend, initial_state, output_final_state=True):

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from hf_densessm.ops.selective_scan import _ops as scan_ops
 from hf_densessm.ops.selective_scan import selective_scan, selective_state_update
 from hf_densessm.ops.selective_scan.chunked_torch import selective_scan_torch_bwd, selective_scan_torch_fwd
 from hf_densessm.ops.selective_scan.naive import selective_scan_naive
@@ -402,7 +403,7 @@ def _op_args(kw, save_states, backend):
 @needs_triton
 def test_triton_scan_no_grad_stores_no_chunk_states():
     kw = make_inputs(1, 8, 4, 20)
-    y, last, states = torch.ops.hf_densessm.selective_scan(*_op_args(kw, False, "triton"))
+    y, last, states = scan_ops.selective_scan(*_op_args(kw, False, "triton"))
     assert states.shape == (1, 0, 8, 4)
     y0, last0, _ = selective_scan_torch_fwd(**kw)
     assert_close(y, y0, 1e-10)
@@ -420,7 +421,7 @@ def test_op_backward_without_saved_states_recomputes_them(backend):
     kw["reset"][0, 5] = kw["reset"][1, 17] = True
 
     def raw(return_last_state=True, **k):
-        return torch.ops.hf_densessm.selective_scan(*_op_args(k, False, backend))[:2]
+        return scan_ops.selective_scan(*_op_args(k, False, backend))[:2]
 
     y, last, grads = grads_of(raw, kw)
     y0, last0, grads0 = grads_of(seq_fn, kw)
@@ -622,7 +623,7 @@ def _opcheck_inputs(backend, seed=0):
     reset[0, 2] = True
     fwd = (r(b, d, L), r(b, d, L), A, r(b, n, L), r(b, n, L), r(d), r(b, d, L), r(d), True, r(b, d, n), reset, True,
            backend)
-    y, last, states = torch.ops.hf_densessm.selective_scan(*fwd)
+    y, last, states = scan_ops.selective_scan(*fwd)
     plain = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in fwd[:11])
     bwd = (torch.randn(y.shape, generator=g), torch.randn(last.shape, generator=g)) + plain + (states.detach(), backend)
     step = (r(b, d, n, grad=False), r(b, d, grad=False), r(b, d, grad=False), -torch.rand(d, n, generator=g),
@@ -641,9 +642,9 @@ def test_opcheck_torch_backend(impl):
         pytest.skip(f"the C++ kernel {cpu_kernel.missing(torch.device('cpu'), state_size=3)}")
     fwd, bwd, step = _opcheck_inputs(impl)
     step = step[:-1] + ("torch",)
-    torch.library.opcheck(torch.ops.hf_densessm.selective_scan.default, fwd)
-    torch.library.opcheck(torch.ops.hf_densessm.selective_scan_backward.default, bwd)
-    torch.library.opcheck(torch.ops.hf_densessm.selective_state_update.default, step)
+    torch.library.opcheck(scan_ops.selective_scan.default, fwd)
+    torch.library.opcheck(scan_ops.selective_scan_backward.default, bwd)
+    torch.library.opcheck(scan_ops.selective_state_update.default, step)
 
 
 @needs_triton
@@ -655,9 +656,9 @@ def test_opcheck_triton_backend_interpreter():
     the Triton branch instead."""
     utils = ("test_schema", "test_autograd_registration")
     fwd, bwd, step = _opcheck_inputs("triton")
-    torch.library.opcheck(torch.ops.hf_densessm.selective_scan.default, fwd, test_utils=utils)
-    torch.library.opcheck(torch.ops.hf_densessm.selective_scan_backward.default, bwd, test_utils=utils)
-    torch.library.opcheck(torch.ops.hf_densessm.selective_state_update.default, step, test_utils=utils)
+    torch.library.opcheck(scan_ops.selective_scan.default, fwd, test_utils=utils)
+    torch.library.opcheck(scan_ops.selective_scan_backward.default, bwd, test_utils=utils)
+    torch.library.opcheck(scan_ops.selective_state_update.default, step, test_utils=utils)
 
 
 @needs_triton

@@ -13,6 +13,7 @@ import torch
 
 from hf_densessm.ops import cpu_kernel
 from hf_densessm.ops.dispatch import choose
+from hf_densessm.ops.selective_scan import _ops as scan_ops
 from hf_densessm.ops.selective_scan import selective_scan
 from hf_densessm.ops.selective_scan.chunked_torch import selective_scan_torch_fwd
 from hf_densessm.ops.selective_scan.naive import selective_scan_naive
@@ -354,12 +355,12 @@ def test_env_var_disables_kernel(kernel, monkeypatch):
     cpu = torch.device("cpu")
     monkeypatch.setenv("HF_DENSESSM_CPU_KERNEL", "0")
     assert choose("selective_scan", cpu, "torch", state_size=5) == "torch"
-    y_t, _, states_t = torch.ops.hf_densessm.selective_scan(*args, "torch")
+    y_t, _, states_t = scan_ops.selective_scan(*args, "torch")
     assert states_t.shape == selective_scan_torch_fwd(*args[:-1])[2].flatten(2).shape  # handed out 3-D
     y0, last0, grads0 = grads_of(public, kw)
     monkeypatch.setenv("HF_DENSESSM_CPU_KERNEL", "1")
     assert choose("selective_scan", cpu, "torch", state_size=5) == "cpp"
-    y_k, _, states_k = torch.ops.hf_densessm.selective_scan(*args, "cpp")
+    y_k, _, states_k = scan_ops.selective_scan(*args, "cpp")
     assert states_k.shape == (2, 6, 3 * 5)  # (batch, dim, n_chunks * state): handed out 3-D
     y1, last1, grads1 = grads_of(public, kw)
     assert_close(y_k, y_t, 1e-12)

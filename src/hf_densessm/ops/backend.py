@@ -9,13 +9,16 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import sys
 from dataclasses import dataclass, replace
+from pathlib import Path
+from types import ModuleType
 
 import torch
 
 from .dispatch import implementation
 
-__all__ = ["ARCHS", "GPUArch", "OpGroup", "compute_dtype", "device_arch", "flat_saved", "in_own_precision",
+__all__ = ["ARCHS", "GPUArch", "OpGroup", "code_digest", "compute_dtype", "device_arch", "flat_saved", "in_own_precision",
            "inputs_compute_dtype", "own_precision", "require", "token_major_like", "tracing"]
 
 
@@ -186,26 +189,24 @@ class OpGroup:
         self._specs[name]["autograd"] = (backward, setup_context)
 
     def define(self) -> None:
-        """Register the recorded ops under ``<namespace>::<name>`` when none of those names is registered; when all
-        are, with this copy's schemas, use them; otherwise (another version's group) do the same under
-        ``<name>_<hash>``, ``<hash>`` 8 hex digits of the SHA-256 of the names and schemas. Set the ops as attributes.
+        """Register the recorded ops as ``<namespace>::<name>_<digest>`` unless a copy of the same code did (its ops
+        then serve this copy), and set them as attributes. ``<digest>``: 8 hex digits of the SHA-256 of the ops'
+        schemas and of the source files of this copy's modules that define the ops and their fakes, and of those
+        modules' own modules they refer to (:func:`code_digest`). ``torch.compile``'s caches key a graph on the op
+        names it calls, not on the ops' fakes: another version's ops never share a name, so a graph compiled against
+        another version's fakes is never served (docs/design.md §8).
 
         Raises:
-            RuntimeError: some but not all of the hashed names are registered (a failed earlier definition).
+            RuntimeError: some but not all of the names are registered (a failed earlier definition).
         """
         schemas = {name: torch.library.infer_schema(spec["fn"], mutates_args=spec["mutates_args"])
                    for name, spec in self._specs.items()}
-        digest = hashlib.sha256(repr(sorted(schemas.items())).encode()).hexdigest()[:8]
+        code = code_digest([f for spec in self._specs.values() for f in (spec["fn"], spec["fake"]) if f is not None])
+        suffix = "_" + hashlib.sha256((repr(sorted(schemas.items())) + code).encode()).hexdigest()[:8]
         namespace = getattr(torch.ops, self.namespace)
-        for suffix in ("", f"_{digest}"):
-            found = [str(getattr(namespace, name + suffix).default._schema) for name in schemas
-                     if hasattr(namespace, name + suffix)]
-            wanted = [str(torch._C.parse_schema(f"{self.namespace}::{name}{suffix}{schema}"))
-                      for name, schema in schemas.items()]
-            if found == wanted or not found:
-                break
-        else:
-            raise RuntimeError(f"{self.namespace}: the ops {list(schemas)} are partly registered as *_{digest}")
+        found = [name for name in schemas if hasattr(namespace, name + suffix)]
+        if found and len(found) < len(schemas):
+            raise RuntimeError(f"{self.namespace}: the ops {list(schemas)} are partly registered as *{suffix}")
         for name, spec in self._specs.items():
             if not found:
                 op = spec["make"](f"{self.namespace}::{name}{suffix}", spec["fn"], mutates_args=spec["mutates_args"])
@@ -214,3 +215,23 @@ class OpGroup:
                 if "autograd" in spec:
                     op.register_autograd(spec["autograd"][0], setup_context=spec["autograd"][1])
             setattr(self, name, getattr(namespace, name + suffix))
+
+
+def code_digest(functions) -> str:
+    """The SHA-256 (hex) of the source files of the modules defining ``functions`` and, recursively, of every module
+    of the same top-level package (the installed package, or one folder's remote code) that one of them holds at top
+    level, or holds a function or class of: the code whose change can change what the ops compute or their fakes.
+    Independent of the order modules were imported in."""
+    top = functions[0].__module__.partition(".")[0]
+    todo, seen = [sys.modules[f.__module__] for f in functions], {}
+    while todo:
+        module = todo.pop()
+        if module.__name__ in seen or not getattr(module, "__file__", None):
+            continue
+        seen[module.__name__] = hashlib.sha256(Path(module.__file__).read_bytes()).hexdigest()
+        for value in vars(module).values():
+            owner = value if isinstance(value, ModuleType) else getattr(value, "__module__", None)
+            owner = sys.modules.get(owner) if isinstance(owner, str) else owner
+            if isinstance(owner, ModuleType) and owner.__name__.partition(".")[0] == top:
+                todo.append(owner)
+    return hashlib.sha256("".join(sorted(seen.values())).encode()).hexdigest()
