@@ -55,12 +55,9 @@ OFFICIAL_REL_POS = ("model.retnet_rel_pos.angle", "model.retnet_rel_pos.decay")
 
 def read_config(src: str | os.PathLike) -> dict:
     """The ``config.json`` (a dict) of the checkpoint ``src``: a local folder, which must hold one of
-    :data:`WEIGHT_FILES`, or a Hub repository id (a ``Path`` is always a folder).
-
-    Raises:
-        FileNotFoundError: ``src`` does not exist, has no ``config.json`` or no weights.
-        ValueError: ``config.json`` is not a JSON object. OSError: a Hub repository cannot be read (transformers').
-    """
+    :data:`WEIGHT_FILES`, or a Hub repository id (a ``Path`` is always a folder). ``FileNotFoundError``: ``src`` does
+    not exist, has no ``config.json`` or no weights; ``ValueError``: ``config.json`` is not a JSON object; ``OSError``:
+    a Hub repository cannot be read (transformers')."""
     if not os.path.isdir(src):
         if not isinstance(src, Path) and not os.path.exists(src):
             with contextlib.suppress(HFValidationError):
@@ -180,12 +177,9 @@ def densemamba_from_mamba(src, **dense_kwargs) -> DenseMambaForCausalLM:
 
 def official_denseretnet_config(config: dict, source: str = "the checkpoint") -> DenseRetNetConfig:
     """The :class:`~hf_densessm.DenseRetNetConfig` of an authors' DenseRetNet ``config.json`` dict (the key mapping:
-    docs/hub_and_conversion.md); ``source`` names the file in errors.
-
-    Raises:
-        ValueError: ``model_type`` neither "llama" nor absent; required keys missing (all listed);
-            ``dense_block_layers < 1``; ``hidden_size < 32``; a value DenseRetNetConfig refuses.
-    """
+    docs/hub_and_conversion.md); ``source`` names the file in errors. ``ValueError``: ``model_type`` neither "llama"
+    nor absent; required keys missing (all listed); ``dense_block_layers < 1``; ``hidden_size < 32``; a value
+    DenseRetNetConfig refuses."""
     _check_model_type(config, ("llama", None), source, "'llama' with the DenseRetNet keys (the authors' published "
                       "config.json)")
     if missing := ", ".join(key for key in OFFICIAL_DENSERETNET_KEYS if key not in config):

@@ -172,11 +172,8 @@ def save_pretrained(
     """``model.save_pretrained``: transformers' (same arguments) plus the remote code, ``auto_map`` and the model card
     (not over a ``README.md`` a person wrote), kill-safely (:func:`~.saving.staged_save`); transformers' alone for
     ``is_main_process=False``, ``distributed_checkpoint=True``, PEFT adapters and models loaded as remote code.
-
-    Raises:
-        NotADirectoryError: ``save_directory`` is a file.
-        BundleError: no remote code was generated for the model's type (nothing is written).
-    """
+    ``NotADirectoryError``: ``save_directory`` is a file; ``BundleError``: no remote code was generated for the model's
+    type (nothing is written)."""
     if (model.is_remote_code() or not is_main_process or kwargs.get("distributed_checkpoint", False)
             or getattr(model, "_hf_peft_config_loaded", False)):
         return PreTrainedModel.save_pretrained(model, save_directory, is_main_process=is_main_process,

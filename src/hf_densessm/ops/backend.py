@@ -18,8 +18,8 @@ import torch
 
 from .dispatch import implementation
 
-__all__ = ["ARCHS", "GPUArch", "OpGroup", "code_digest", "compute_dtype", "device_arch", "flat_saved", "in_own_precision",
-           "inputs_compute_dtype", "own_precision", "require", "token_major_like", "tracing"]
+__all__ = ["ARCHS", "GPUArch", "OpGroup", "code_digest", "compute_dtype", "device_arch", "flat_saved",
+           "in_own_precision", "inputs_compute_dtype", "own_precision", "require", "token_major_like", "tracing"]
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -28,8 +28,7 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def inputs_compute_dtype(*tensors) -> torch.dtype:
-    """The accumulation dtype of an op over several inputs (``None`` entries skipped): float64 when any input is
-    float64, else float32."""
+    """The accumulation dtype of an op over several inputs (``None`` skipped): :func:`compute_dtype` of any float64."""
     return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
@@ -62,12 +61,8 @@ def tracing(device: torch.device) -> bool:
 def require(condition: torch.Tensor, message: str, host_read: bool = True) -> None:
     """Refuse an input by a test of its values, alike in eager and compiled runs (docs/design.md §6): a host read of
     the 0-dim bool ``condition`` when not :func:`tracing` (on an accelerator only if ``host_read``), else
-    ``torch._assert_async(condition, message)``, which a compiled graph keeps (a device-side assert on an accelerator).
-
-    Raises:
-        ValueError: ``condition`` is False (eager).
-        RuntimeError: ``condition`` is False (traced, or an accelerator without ``host_read``).
-    """
+    ``torch._assert_async(condition, message)``, which a compiled graph keeps (a device-side assert on an accelerator):
+    a False ``condition`` raises ``ValueError`` (eager) or ``RuntimeError`` (traced, or without ``host_read``)."""
     if not tracing(condition.device) and (host_read or condition.device.type == "cpu"):
         if not bool(condition):
             raise ValueError(message)
@@ -190,11 +185,8 @@ class OpGroup:
 
     def define(self) -> None:
         """Register the recorded ops as ``<namespace>::<name>_<digest>`` unless a copy of the same code did (its ops
-        then serve this copy), and set them as attributes. ``<digest>``: 8 hex digits of the SHA-256 of the ops'
-        schemas and of the source files of this copy's modules that define the ops and their fakes, and of those
-        modules' own modules they refer to (:func:`code_digest`). ``torch.compile``'s caches key a graph on the op
-        names it calls, not on the ops' fakes: another version's ops never share a name, so a graph compiled against
-        another version's fakes is never served (docs/design.md §8).
+        then serve this copy), and set them as attributes; ``<digest>``: 8 hex digits of the SHA-256 of the ops'
+        schemas and :func:`code_digest` (why: docs/design.md §8).
 
         Raises:
             RuntimeError: some but not all of the names are registered (a failed earlier definition).
@@ -218,10 +210,9 @@ class OpGroup:
 
 
 def code_digest(functions) -> str:
-    """The SHA-256 (hex) of the source files of the modules defining ``functions`` and, recursively, of every module
-    of the same top-level package (the installed package, or one folder's remote code) that one of them holds at top
-    level, or holds a function or class of: the code whose change can change what the ops compute or their fakes.
-    Independent of the order modules were imported in."""
+    """The SHA-256 (hex) of the source files of the modules defining ``functions`` and, recursively, of the modules of
+    the same top-level package (the installed package, or one folder's remote code) that one of them holds or holds a
+    function or class of, at top level: the code of what the ops compute and their fakes (any import order)."""
     top = functions[0].__module__.partition(".")[0]
     todo, seen = [sys.modules[f.__module__] for f in functions], {}
     while todo:

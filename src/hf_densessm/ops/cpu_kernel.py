@@ -147,12 +147,8 @@ def scan_fwd(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=
     """Forward selective scan through the C++ kernel (Mamba paper Alg. 2, eq. 2a, 2b, 4): arguments (CPU tensors,
     any float dtypes and strides) and ``(y, last_state, chunk_states)`` as ``selective_scan_torch_fwd``, but ``y``
     token-major in memory and ``chunk_states`` (batch, dim, ceil(length / CHECKPOINT), state), contiguous, in the
-    compute dtype (float64 if any input is, else float32). Layouts: docs/kernels.md.
-
-    Raises:
-        RuntimeError: from the kernel's ``TORCH_CHECK`` on a bad shape, a non-CPU tensor, a state size beyond its
-            limit; or when the kernel is not loaded (call :func:`load_kernel` first).
-    """
+    compute dtype (float64 if any input is, else float32). Layouts: docs/kernels.md. ``RuntimeError``: the kernel's
+    ``TORCH_CHECK`` (a bad shape, a non-CPU tensor, a state size over its limit), or no kernel (:func:`load_kernel`)."""
     cdt = inputs_compute_dtype(u, delta, A, B, C, D, z, delta_bias, initial_state)
     y, last, states = torch.ops.hf_densessm.selective_scan_cpu_fwd(
         *(_cast(t, cdt) for t in (u, delta, A, B, C, D, z, delta_bias)), bool(delta_softplus),
@@ -163,12 +159,8 @@ def scan_fwd(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=
 def scan_bwd(dy, dlast, u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
              initial_state=None, reset=None, chunk_states=None):
     """Backward of :func:`scan_fwd` through the C++ kernel from its ``chunk_states``: arguments and gradients as
-    ``selective_scan_torch_bwd``, but ``du``, ``ddelta``, ``dz``, ``dB``, ``dC`` token-major in memory.
-
-    Raises:
-        ValueError: ``chunk_states`` is not the forward kernel's ``(batch, dim, n_chunks, state)`` (e.g. the
-            chunked PyTorch path's states).
-    """
+    ``selective_scan_torch_bwd``, but ``du``, ``ddelta``, ``dz``, ``dB``, ``dC`` token-major in memory. ``ValueError``:
+    ``chunk_states`` is not the forward kernel's ``(batch, dim, n_chunks, state)`` (e.g. the chunked PyTorch path's)."""
     cdt = inputs_compute_dtype(u, delta, A, B, C, D, z, delta_bias, initial_state)
     want = (*u.shape[:2], (u.shape[2] + CHECKPOINT - 1) // CHECKPOINT, A.shape[1])
     if chunk_states is None or tuple(chunk_states.shape) != want:

@@ -21,10 +21,11 @@ __all__ = ["BACKENDS", "Implementation", "TABLES", "check_backend", "choose", "c
 BACKENDS = ("auto", "triton", "torch")
 
 
-def check_backend(backend) -> None:
-    """Raise ``ValueError`` unless ``backend`` is one of :data:`BACKENDS`."""
+def check_backend(backend) -> str:
+    """``backend`` if one of :data:`BACKENDS`, else ``ValueError``."""
     if not isinstance(backend, str) or backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got backend={backend!r}")
+    return backend
 
 
 _active_backend = "auto"  # what an op given no backend runs (use_backend); module state that Dynamo guards on
@@ -33,15 +34,10 @@ _active_backend = "auto"  # what an op given no backend runs (use_backend); modu
 @contextlib.contextmanager
 def use_backend(backend: str):
     """``with use_backend(backend):`` ops called without a ``backend`` inside the block run ``backend`` (one of
-    :data:`BACKENDS`), as ``torch.nn.attention.sdpa_kernel`` chooses attention kernels (docs/kernels.md, "The
-    dispatch table"). Nests; restored on exit; a compiled graph guards on it. Process-wide while the block runs.
-
-    Raises:
-        ValueError: ``backend`` is not one of :data:`BACKENDS`.
-    """
+    :data:`BACKENDS`, else ``ValueError``), as ``torch.nn.attention.sdpa_kernel`` chooses attention kernels
+    (docs/kernels.md, "The dispatch table"). Nests; restored on exit; a compiled graph guards on it. Process-wide."""
     global _active_backend
-    check_backend(backend)
-    previous, _active_backend = _active_backend, backend
+    previous, _active_backend = _active_backend, check_backend(backend)
     try:
         yield
     finally:
@@ -51,10 +47,7 @@ def use_backend(backend: str):
 def chosen_backend(backend: str | None) -> str:
     """``backend`` checked (:func:`check_backend`), or for ``None`` the one of the innermost :func:`use_backend`
     block (``"auto"`` outside any)."""
-    if backend is None:
-        return _active_backend
-    check_backend(backend)
-    return backend
+    return _active_backend if backend is None else check_backend(backend)
 
 
 def triton_available() -> bool:
@@ -93,21 +86,12 @@ def triton_missing(device: torch.device, **facts) -> str | None:
 
 @dataclass(frozen=True)
 class Implementation:
-    """One implementation of an op, an entry of its table in :data:`TABLES`.
-
-    Attributes:
-        name: unique in the table (``"triton"``, ``"cpp"``, ``"torch"``, a peer's); the op and its backward get it.
-        backends: the :data:`BACKENDS` values that may choose it.
-        auto_devices: the device types ``backend="auto"`` takes it on (empty: every type).
-        missing: ``missing(device, **facts)``: ``None`` when it runs a call on ``device`` with these facts (the op's
-            sizes and options, e.g. ``state_size``), else why not, in words. Traced by Dynamo: what it reads besides
-            its arguments goes through a function marked ``torch.compiler.assume_constant_result``.
-        traced: whether ``torch.compile`` traces its functions into the graph; if False, the op runs them inside an
-            opaque ``torch.library.custom_op``.
-        calls: its functions by role (``"forward"``, ``"backward"``, ``"step"``, ``"saved"``; ``"direct"``: a
-            registered operator the public function calls itself, without the op's Python layer), each contract
-            documented by the op's module.
-    """
+    """One implementation of an op, an entry of its table in :data:`TABLES` (docs/kernels.md, "The dispatch table"):
+    ``name`` (unique in the table), the :data:`BACKENDS` that may choose it, the device types ``"auto"`` takes it on
+    (``auto_devices``; empty: every type), ``missing(device, **facts)`` (``None`` when it runs the call, else why not;
+    traced by Dynamo, so what it reads besides its arguments goes through ``torch.compiler.assume_constant_result``),
+    whether ``torch.compile`` traces its functions (else they run in an opaque op) and its functions by role
+    (``calls``; contracts in the op's module)."""
 
     name: str
     backends: tuple[str, ...]
@@ -129,12 +113,8 @@ TABLES: dict[str, list[Implementation]] = {}
 
 def register(op: str, entry: Implementation, before: str | None = None) -> None:
     """Add ``entry`` to ``op``'s table before the entry named ``before``, by default before the last one (the PyTorch
-    path stays last); an entry of the same name is replaced in place.
-
-    Raises:
-        ValueError: unknown ``op`` (not in :data:`TABLES`), a backend not in :data:`BACKENDS`, or no entry
-            ``before`` in the table.
-    """
+    path stays last); an entry of the same name is replaced in place. ``ValueError``: an ``op`` not in :data:`TABLES`,
+    a backend not in :data:`BACKENDS`, or no entry ``before`` in the table."""
     if op not in TABLES:
         raise ValueError(f"op must be one of {sorted(TABLES)}, got {op!r}")
     for backend in entry.backends:
@@ -153,31 +133,23 @@ def register(op: str, entry: Implementation, before: str | None = None) -> None:
 def implementation(op: str, name: str) -> Implementation:
     """The entry ``name`` of ``op``'s table; for a name this copy of the package lacks (another copy chose it, in a
     process running several: docs/kernels.md, "The dispatch table"), the table's last entry (the PyTorch path).
-
-    Raises:
-        KeyError: no such op.
-    """
+    ``KeyError`` for an unknown ``op``."""
     table = TABLES[op]
     return next((entry for entry in table if entry.name == name), table[-1])
 
 
 def choose(op: str, device: torch.device, backend: str | None = None, **facts) -> str:
     """The name of the first entry of ``op``'s table that ``backend`` (``None``: :func:`chosen_backend`'s) selects
-    on ``device`` and whose :attr:`~Implementation.missing` finds nothing missing for ``facts``.
-
-    Raises:
-        ValueError: ``backend`` is not one of :data:`BACKENDS`.
-        RuntimeError: no entry runs it; the message gives each candidate's reason (e.g. ``backend="triton"`` without
-            the triton package, or on CPU tensors without ``TRITON_INTERPRET=1``).
-    """
+    on ``device`` and whose :attr:`~Implementation.missing` finds nothing missing for ``facts``. ``ValueError``: a
+    ``backend`` not in :data:`BACKENDS`; ``RuntimeError``: no entry runs it, with each candidate's reason (e.g.
+    ``backend="triton"`` without the triton package, or on CPU tensors without ``TRITON_INTERPRET=1``)."""
     backend = chosen_backend(backend)
     reasons = []
     for entry in TABLES[op]:
         if backend not in entry.backends or (backend == "auto" and entry.auto_devices
                                              and device.type not in entry.auto_devices):
             continue
-        why = entry.missing(device, **facts)
-        if why is None:
+        if (why := entry.missing(device, **facts)) is None:
             return entry.name
         reasons.append(f"{entry.name} {why}")
     raise RuntimeError(f"{op}: backend={backend!r} has no implementation for {device.type} tensors "

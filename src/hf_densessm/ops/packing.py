@@ -12,14 +12,9 @@ __all__ = ["check_reset", "document_positions"]
 
 
 def check_reset(reset, batch: int, length: int, device: torch.device) -> torch.Tensor | None:
-    """Return ``reset`` as a ``(batch, length)`` bool tensor (or ``None``).
-
-    Raises:
-        TypeError: ``reset`` is not a bool or integer tensor.
-        ValueError: its shape is not ``(batch, length)``, it lies on another device, or an integer ``reset`` holds
-            values other than 0 and 1 (:func:`~.backend.require`: a ``RuntimeError`` in a compiled graph and without a
-            host read on an accelerator). Messages name ``reset``.
-    """
+    """Return ``reset`` as a ``(batch, length)`` bool tensor (or ``None``). ``TypeError``: not a bool or integer
+    tensor; ``ValueError``: another shape, another device, or an integer ``reset`` holding values other than 0 and 1
+    (:func:`~.backend.require`: a ``RuntimeError`` when traced or on an accelerator). Messages name ``reset``."""
     if reset is None:
         return None
     if not isinstance(reset, torch.Tensor) or reset.dtype.is_floating_point or reset.is_complex():

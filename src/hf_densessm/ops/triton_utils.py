@@ -17,11 +17,8 @@ __all__ = ["acc", "launch", "silu", "softplus", "tl", "triton"]
 
 def launch(kernel):
     """``torch.library.wrap_triton(kernel)``, to be indexed with the grid and called (traced by ``torch.compile``);
-    ``kernel`` itself under the interpreter, whose functions ``wrap_triton`` refuses.
-
-    Raises:
-        RuntimeError: ``wrap_triton``'s, for a kernel that is not a Triton kernel outside the interpreter.
-    """
+    ``kernel`` itself under the interpreter, whose functions ``wrap_triton`` refuses (outside it, a ``RuntimeError``
+    from ``wrap_triton`` for a kernel that is not a Triton kernel)."""
     try:
         return torch.library.wrap_triton(kernel)
     except RuntimeError:
