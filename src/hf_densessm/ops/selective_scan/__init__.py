@@ -25,9 +25,10 @@ Opt = Optional[Tensor]
 _ops = OpGroup()
 
 
-def _check_tensors(sizes: dict, device: torch.device, *specs) -> None:
+def _check_tensors(sizes: dict, *specs) -> None:
     """Type, shape, dtype and device of each ``(name, tensor, dims[, optional])`` of ``specs``: ``dims`` the dimension
-    names, each of the size ``sizes`` gives it (any size if none); ``tensor`` may be ``None`` if ``optional``."""
+    names, each of the size ``sizes`` gives it, else of any size, which ``sizes`` then records (its ``"device"`` too,
+    the first tensor's); ``tensor`` may be ``None`` if ``optional``."""
     for name, t, dims, *optional in specs:
         if t is None:
             if optional:
@@ -38,11 +39,14 @@ def _check_tensors(sizes: dict, device: torch.device, *specs) -> None:
         names = dims.split()
         if t.dim() != len(names) or any(sizes.get(n, got) != got for n, got in zip(names, t.shape)):
             want = ", ".join(f"{n}={sizes[n]}" if n in sizes else n for n in names)
-            raise ValueError(f"{name} must have shape ({', '.join(names)}) with {want}, got shape {tuple(t.shape)}")
+            want = f"with {want}" if any(n in sizes for n in names) else f"({len(names)} dims)"
+            raise ValueError(f"{name} must have shape ({', '.join(names)}) {want}, got shape {tuple(t.shape)}")
         if t.dtype not in _FLOAT_DTYPES:
             raise TypeError(f"{name} must have dtype in {[str(d) for d in _FLOAT_DTYPES]}, got {t.dtype}")
-        if t.device != device:
-            raise ValueError(f"{name} is on {t.device} but u/x is on {device}: all tensors must be on one device")
+        if t.device != sizes.setdefault("device", t.device):
+            raise ValueError(f"{name} is on {t.device} but u/x is on {sizes['device']}: all tensors must be on one "
+                             "device")
+        sizes.update(zip(names, t.shape))
 
 
 def _or_empty(grad: Opt, like: Tensor) -> Tensor:
@@ -116,8 +120,7 @@ def _eager_fake(u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_sta
     return token_major_like(u), u.new_empty(u.shape[0], u.shape[1], A.shape[1], dtype=cdt), saved
 
 
-def _eager_backward_fake(dy, dlast, u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, reset,
-                         saved, impl):
+def _eager_backward_fake(dy, dlast, u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, *_):
     grads = [u.new_empty(0) if t is None else token_major_like(t) if i in _TOKEN_MAJOR_GRADS else
              u.new_empty(t.shape, dtype=t.dtype) for i, t in enumerate((u, delta, A, B, C, D, z, delta_bias))]
     dtype = inputs_compute_dtype(u, delta, A, B, C, D, z, delta_bias) if initial_state is None else initial_state.dtype
@@ -136,8 +139,7 @@ def _selective_scan_op(u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor
 def _selective_scan_backward_op(dy: Opt, dlast: Opt, u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor,
                                 D: Opt, z: Opt, delta_bias: Opt, delta_softplus: bool, initial_state: Opt, reset: Opt,
                                 saved: Tensor, impl: str) -> _Grads:
-    """``hf_densessm::selective_scan_backward``: the table's "backward" of ``impl``, the gradient of an absent
-    ``D``, ``z`` or ``delta_bias`` an empty tensor."""
+    """``hf_densessm::selective_scan_backward``: the table's "backward" of ``impl`` (an absent input's grad empty)."""
     return tuple(_or_empty(g, u) for g in _ops.run("selective_scan", "backward", dy, dlast, u, delta, A, B, C, D, z,
                                                     delta_bias, delta_softplus, initial_state, reset, saved, impl))
 
@@ -166,9 +168,7 @@ def _scan_backward(ctx, dy, dlast, _dsaved):
     if not ctx.save_states:  # the forward op ran with save_states=False (it may have saved nothing)
         saved = _ops.selective_scan(*args, True, ctx.impl)[2]
     grads = _ops.selective_scan_backward(dy, dlast, *args, saved, ctx.impl)
-    inputs = (u, delta, A, B, C, D, z, delta_bias, initial_state)
-    grads = [g if t is not None and ctx.needs_input_grad[i] else None
-             for g, t, i in zip(grads, inputs, (0, 1, 2, 3, 4, 5, 6, 7, 9))]
+    grads = [g if ctx.needs_input_grad[i] else None for g, i in zip(grads, (0, 1, 2, 3, 4, 5, 6, 7, 9))]
     return *grads[:8], None, grads[8], None, None, None
 
 
@@ -200,8 +200,7 @@ def selective_scan(u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, D:
         delta: (batch, dim, length) time step, before ``delta_bias`` and softplus. A: (dim, state), entries <= 0.
         B, C: (batch, state, length) input-dependent projections. D: (dim,) skip weight, optional.
         z: (batch, dim, length) gate, optional. delta_bias: (dim,) optional. delta_softplus: apply softplus.
-        initial_state: (batch, dim, state) state before the first token (e.g. a cache).
-        return_last_state: also return the state after the last token.
+        initial_state: (batch, dim, state) state before the first token. return_last_state: also return the last state.
         backend: ``"auto"`` | ``"triton"`` | ``"torch"`` (docs/kernels.md, "The dispatch table"); ``None``: the
             active one (:func:`~..dispatch.use_backend`, ``"auto"`` by default).
         reset: (batch, length) bool, True at the first token of each packed document: ``h_{t-1}`` is taken as 0
@@ -218,25 +217,19 @@ def selective_scan(u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, D:
         TypeError: a non-tensor argument or an unsupported dtype.
         RuntimeError: ``backend="triton"`` without triton, or on CPU tensors without ``TRITON_INTERPRET=1``.
     """
-    if not isinstance(u, torch.Tensor):
-        raise TypeError(f"u must be a torch.Tensor, got {type(u).__name__}")
-    if u.dim() != 3:
-        raise ValueError(f"u must have shape (batch, dim, length) (3 dims), got shape {tuple(u.shape)}")
-    batch, dim, length = u.shape
-    if length == 0:
+    seq, sizes = "batch dim length", {}
+    _check_tensors(sizes, ("u", u, seq))
+    if sizes["length"] == 0:
         raise ValueError("u must have length >= 1 (shape (batch, dim, length)), got length 0")
-    dev, seq, sizes = u.device, "batch dim length", dict(batch=batch, dim=dim, length=length)
-    _check_tensors(sizes, dev, ("u", u, seq), ("delta", delta, seq), ("A", A, "dim state"))
-    n = sizes["state"] = A.shape[1]
-    _check_tensors(sizes, dev, ("B", B, "batch state length"), ("C", C, "batch state length"), ("D", D, "dim", True),
-                   ("z", z, seq, True), ("delta_bias", delta_bias, "dim", True),
-                   ("initial_state", initial_state, "batch dim state", True))
-    reset = check_reset(reset, batch, length, dev)
+    _check_tensors(sizes, ("delta", delta, seq), ("A", A, "dim state"), ("B", B, "batch state length"),
+                   ("C", C, "batch state length"), ("D", D, "dim", True), ("z", z, seq, True),
+                   ("delta_bias", delta_bias, "dim", True), ("initial_state", initial_state, "batch dim state", True))
+    reset = check_reset(reset, sizes["batch"], sizes["length"], u.device)
     require((A <= 0).all(), "A must have entries <= 0 (continuous-time decay, e.g. A = -exp(A_log)); got a positive "
             "entry", host_read=False)  # no host sync
     tensors = (u, delta, A, B, C, D, z, delta_bias, initial_state)
     save_states = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
-    impl = choose("selective_scan", dev, backend, state_size=n)
+    impl = choose("selective_scan", u.device, backend, state_size=sizes["state"])
     y, last_state, _ = _ops.selective_scan(u, delta, A, B, C, D, z, delta_bias, bool(delta_softplus), initial_state,
                                            reset, save_states, impl)
     return (y, last_state) if return_last_state else y
@@ -267,21 +260,16 @@ def selective_state_update(state: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: T
             :func:`selective_scan` with ``initial_state`` instead); ``backend="triton"`` without triton, or on CPU
             tensors without ``TRITON_INTERPRET=1``.
     """
-    if not isinstance(state, torch.Tensor):
-        raise TypeError(f"state must be a torch.Tensor, got {type(state).__name__}")
-    if state.dim() != 3:
-        raise ValueError(f"state must have shape (batch, dim, state) (3 dims), got shape {tuple(state.shape)}")
-    batch, dim, n = state.shape
-    _check_tensors(dict(batch=batch, dim=dim, state=n), state.device, ("state", state, "batch dim state"),
-                   ("x", x, "batch dim"), ("dt", dt, "batch dim"), ("A", A, "dim state"), ("B", B, "batch state"),
-                   ("C", C, "batch state"), ("D", D, "dim", True), ("z", z, "batch dim", True),
-                   ("dt_bias", dt_bias, "dim", True))
+    sizes = {}
+    _check_tensors(sizes, ("state", state, "batch dim state"), ("x", x, "batch dim"), ("dt", dt, "batch dim"),
+                   ("A", A, "dim state"), ("B", B, "batch state"), ("C", C, "batch state"), ("D", D, "dim", True),
+                   ("z", z, "batch dim", True), ("dt_bias", dt_bias, "dim", True))
     tensors = (state, x, dt, A, B, C, D, z, dt_bias)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
         raise RuntimeError("selective_state_update is a decoding step without gradients: call it under torch.no_grad() "
                            "(or torch.inference_mode()), or run the whole sequence through selective_scan(..., "
                            "initial_state=state, return_last_state=True), which is differentiable")
-    impl = choose("selective_state_update", state.device, backend, state_size=n,
+    impl = choose("selective_state_update", state.device, backend, state_size=sizes["state"],
                   step=state.is_contiguous() and state.dtype in (torch.float32, torch.float64))
     direct = implementation("selective_state_update", impl).calls.get("direct")  # an operator dispatched in C++
     args = (state, x, dt, A, B, C, D, z, dt_bias, bool(dt_softplus))

@@ -12,9 +12,7 @@ import torch
 from ..backend import GPUArch, device_arch, inputs_compute_dtype, token_major_like
 from ..triton_utils import launch, softplus, tl, triton  # raises ImportError without triton
 
-__all__ = [
-    "SelectiveScanConfig", "selective_scan_config", "selective_scan_triton_bwd", "selective_scan_triton_fwd",
-]
+__all__ = ["SelectiveScanConfig", "selective_scan_config", "selective_scan_triton_bwd", "selective_scan_triton_fwd"]
 
 #: The most chunks a launch takes: they are the grid's second axis (CUDA allows 65535 there).
 MAX_CHUNKS = 65535
@@ -446,9 +444,8 @@ def _tiles(config, dim, backward):
 def _vectors(x, dtype):
     """``B`` or ``C`` as a (batch, state, length) view of a token-major tensor in the accumulation ``dtype`` (a copy
     unless ``x`` is one already): the kernels read each token's states as one vector."""
-    if x.dtype == dtype and x.stride(1) == 1:
-        return x
-    return x.transpose(1, 2).to(dtype, memory_format=torch.contiguous_format).transpose(1, 2)
+    return x if x.dtype == dtype and x.stride(1) == 1 else x.transpose(1, 2).to(
+        dtype, memory_format=torch.contiguous_format).transpose(1, 2)
 
 
 def _setup(u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, reset, config, backward):
@@ -503,19 +500,13 @@ def _carry(kernel, x, delta, A, V, z, bias, reset, x0, kw, grid, flags, config):
 
 def selective_scan_triton_fwd(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
                               initial_state=None, reset=None, save_states=True, config=None):
-    """The Triton body of ``hf_densessm::selective_scan``, no checks: :func:`_selective_scan_chunk_state_kernel`,
-    :func:`_selective_scan_carry_kernel`, :func:`_selective_scan_chunk_output_kernel`. Arguments as
-    :func:`hf_densessm.ops.selective_scan` (``reset`` bool or None; any strides, token-major views read coalesced),
-    plus ``save_states`` (return the states entering the chunks, which the backward starts from) and ``config`` (a
-    :class:`SelectiveScanConfig`, default :func:`selective_scan_config`; the backward must get the same ``chunk``).
-
-    Returns:
-        ``(y, last_state, chunk_states)``: ``y`` (batch, dim, length) in ``u``'s dtype, a view of a token-major
-        tensor; ``last_state`` (batch, dim, state) and ``chunk_states`` (batch, n_chunks, dim, state), contiguous, in
-        float32 (float64 for float64 inputs); ``n_chunks = ceil(length / config.chunk)``, 0 without ``save_states``.
-
-    Raises:
-        ValueError: a power-of-2 field of ``config`` is not one, a ``d_steps`` < 1, over :data:`MAX_CHUNKS` chunks.
+    """The Triton body of ``hf_densessm::selective_scan`` (three kernels, docs/kernels.md), no checks: arguments as
+    :func:`hf_densessm.ops.selective_scan` (``reset`` bool or None; any strides), plus ``save_states`` (return the
+    states entering the chunks) and ``config`` (default :func:`selective_scan_config`; the backward takes the same).
+    Returns ``(y, last_state, chunk_states)``: ``y`` (batch, dim, length) in ``u``'s dtype, token-major;
+    ``last_state`` (batch, dim, state) and ``chunk_states`` (batch, ceil(length / config.chunk) or 0 without
+    ``save_states``, dim, state), contiguous, in float32 (float64 for float64 inputs). Raises ValueError: a
+    power-of-2 field of ``config`` is not one, a ``d_steps`` < 1, over :data:`MAX_CHUNKS` chunks.
     """
     batch, dim, length = u.shape
     config, kw, D, delta_bias, reset_k, Bv, Cv, grid, flags = _setup(
@@ -532,23 +523,15 @@ def selective_scan_triton_fwd(u, delta, A, B, C, D=None, z=None, delta_bias=None
 
 def selective_scan_triton_bwd(dy, dlast, u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
                               initial_state=None, reset=None, chunk_states=None, config=None):
-    """The Triton body of ``hf_densessm::selective_scan_backward``, recomputing from the chunk entry states:
-    :func:`_selective_scan_chunk_adjoint_kernel`, :func:`_selective_scan_carry_kernel`,
-    :func:`_selective_scan_chunk_bwd_kernel`. ``dy`` (batch, dim, length) and ``dlast`` (batch, dim, state): the
-    gradients of ``y`` and ``last_state`` (None: zero); the other arguments the forward pass's, ``chunk_states``
-    (batch, n_chunks, dim, state) what it returned.
-
-    Returns:
-        ``(du, ddelta, dA, dB, dC, dD, dz, ddelta_bias, dinitial_state)``, each in its input's dtype (None for an
-        absent ``D``, ``z``, ``delta_bias``; float32 (float64) for an absent ``initial_state``); ``du``, ``ddelta``,
-        ``dz``, ``dB``, ``dC`` views of token-major tensors, ``dB``, ``dC`` by atomic adds (last bits vary).
-
-    Raises:
-        ValueError: as :func:`selective_scan_triton_fwd`, or ``chunk_states`` does not hold ``ceil(length /
-        config.chunk)`` chunks (e.g. a forward pass without ``save_states``).
+    """The Triton body of ``hf_densessm::selective_scan_backward`` (three kernels, docs/kernels.md), recomputing
+    from ``chunk_states``: ``dy`` (batch, dim, length) and ``dlast`` (batch, dim, state), the gradients of ``y`` and
+    ``last_state`` (None: zero); the other arguments and ``chunk_states`` those of :func:`selective_scan_triton_fwd`.
+    Returns ``(du, ddelta, dA, dB, dC, dD, dz, ddelta_bias, dinitial_state)``, each in its input's dtype (None for
+    an absent ``D``, ``z``, ``delta_bias``; float32 (float64) for an absent ``initial_state``); ``du``, ``ddelta``,
+    ``dz``, ``dB``, ``dC`` token-major, ``dB``, ``dC`` by atomic adds (last bits vary). Raises ValueError: as
+    :func:`selective_scan_triton_fwd`, or ``chunk_states`` does not hold its chunks (e.g. without ``save_states``).
     """
     batch, dim, length = u.shape
-    nstate = A.shape[1]
     config, kw, D_k, bias_k, reset_k, Bv, Cv, grid, flags = _setup(
         u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, reset, config, backward=True)
     n_chunks = grid[1]
@@ -559,8 +542,8 @@ def selective_scan_triton_bwd(dy, dlast, u, delta, A, B, C, D=None, z=None, delt
     lam, dh0, dtsum = _carry(_selective_scan_chunk_adjoint_kernel, dy, delta, A, Cv, z, bias_k, reset_k, dlast, kw,
                              grid, flags, config)
     du, ddelta, dz = (None if t is None else token_major_like(t) for t in (u, delta, z))
-    dB, dC = torch.zeros(batch, length, nstate, **kw), torch.zeros(batch, length, nstate, **kw)
-    dA = torch.empty(batch, n_chunks, dim, nstate, **kw)
+    dB, dC = torch.zeros(batch, length, A.shape[1], **kw), torch.zeros(batch, length, A.shape[1], **kw)
+    dA = torch.empty(batch, n_chunks, dim, A.shape[1], **kw)
     dD, dbias = torch.empty(batch, n_chunks, dim, **kw), torch.empty(batch, n_chunks, dim, **kw)
     launch(_selective_scan_chunk_bwd_kernel)[grid](
         u, delta, A, Bv, Cv, D_k, z, bias_k, reset_k, dy, chunk_states.to(kw["dtype"]).contiguous(), lam, dtsum,

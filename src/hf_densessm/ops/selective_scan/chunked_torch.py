@@ -9,10 +9,7 @@ import torch.nn.functional as F
 
 from ..backend import compute_dtype, inputs_compute_dtype
 
-__all__ = [
-    "default_chunk_size", "selective_scan_torch_bwd", "selective_scan_torch_fwd",
-    "selective_state_update_torch",
-]
+__all__ = ["default_chunk_size", "selective_scan_torch_bwd", "selective_scan_torch_fwd", "selective_state_update_torch"]
 
 # Upper bound on the elements of the recomputed-state buffer of the backward pass (64 MiB in float32).
 _BWD_BLOCK_ELEMENTS = 1 << 24
@@ -31,11 +28,6 @@ def _prepare(u, delta, A, B, C, D, z, delta_bias, initial_state, reset, chunk_si
     dt = delta.to(cdt) if delta_bias is None else delta.to(cdt) + delta_bias.to(cdt)[:, None]
     keep = None if reset is None else (~reset.bool())[:, None, :].to(cdt)
     return cdt, dt, max(1, min(int(chunk_size or default_chunk_size(u.shape[-1])), u.shape[-1])), keep
-
-
-def _empty_chunks(chunk_size: int, bc: int, k: int, **kw) -> torch.Tensor:
-    """Uninitialized ``(chunk_size, bc, k)`` view of a token-major ``(bc, chunk_size, k)`` buffer."""
-    return torch.empty(bc, chunk_size, k, **kw).transpose(0, 1)
 
 
 def _to_chunks(x: torch.Tensor, chunk_size: int, n_chunks: int, dtype: torch.dtype) -> torch.Tensor:
@@ -65,9 +57,8 @@ def _from_chunks(x: torch.Tensor, batch: int, length: int) -> torch.Tensor:
 def _chunked_inputs(u, dt, A, B, C, keep, T, nc):
     """``dt, dt * u`` (T, bc, dim) and ``B, C`` (T, bc, state) as :func:`_to_chunks` views, ``A^T`` (state, dim) and
     ``keep`` as (T, bc, 1) chunks (padding keeps; None without ``keep``), all in ``dt``'s dtype."""
-    cdt = dt.dtype
-    return (*(_to_chunks(x, T, nc, cdt) for x in (dt, dt * u, B, C)), A.t().to(cdt).contiguous(),
-            None if keep is None else 1 - _to_chunks(1 - keep, T, nc, cdt))
+    return (*(_to_chunks(x, T, nc, dt.dtype) for x in (dt, dt * u, B, C)), A.t().to(dt.dtype).contiguous(),
+            None if keep is None else 1 - _to_chunks(1 - keep, T, nc, dt.dtype))
 
 
 def _decay(dt_c, At, keep_c, t, out):
@@ -86,20 +77,18 @@ def _chunk_decay(dt_c, At, keep_c, batch, nc):
     return decay.view(batch, nc, *decay.shape[1:])
 
 
-def _scan_fwd(u, dt, A, B, C, D, z, initial_state, chunk_size, keep=None):
+def _scan_fwd(u, dt, A, B, C, D, z, initial_state, T, keep=None):
     """:func:`selective_scan_torch_fwd` from ``dt`` discretized and ``keep`` (batch, 1, length), 0 where a document
-    starts, or None; ``(y, last_state, entry)`` in the compute dtype."""
+    starts, or None, ``T`` the chunk length; ``(y, last_state, entry)`` in the compute dtype."""
     batch, dim, length = u.shape
-    n, T = A.shape[1], chunk_size
-    nc = -(-length // T)
+    n, nc = A.shape[1], -(-length // T)
     bc = batch * nc
     kw = dict(dtype=dt.dtype, device=u.device)
     dt_c, dtu_c, B_c, C_c, At, keep_c = _chunked_inputs(u, dt, A, B, C, keep, T, nc)
     decay = torch.empty(bc, n, dim, **kw)  # exp(dt_t A), reused every step
     h = torch.zeros(bc, n, dim, **kw)
 
-    # Entry state of every chunk, (batch, nc, n, dim).
-    entry = torch.empty(batch, nc, n, dim, **kw)
+    entry = torch.empty(batch, nc, n, dim, **kw)  # the state entering every chunk
     entry[:, 0] = 0 if initial_state is None else initial_state.transpose(1, 2)
     if nc > 1:
         # 1. local recurrence from zero: each chunk's end state
@@ -114,8 +103,7 @@ def _scan_fwd(u, dt, A, B, C, D, z, initial_state, chunk_size, keep=None):
 
     # 3. the recurrence again from the true entry states, contracting with C on the way
     h.copy_(entry.view(bc, n, dim))
-    y_c = _empty_chunks(T, bc, dim, **kw)
-    y_t = torch.empty(bc, 1, dim, **kw)
+    y_c, y_t = torch.empty(bc, T, dim, **kw).transpose(0, 1), torch.empty(bc, 1, dim, **kw)  # y_c token-major
     for t in range(T):
         _decay(dt_c, At, keep_c, t, decay)
         h.mul_(decay).addcmul_(B_c[t][:, :, None], dtu_c[t][:, None, :])
@@ -129,12 +117,12 @@ def _scan_fwd(u, dt, A, B, C, D, z, initial_state, chunk_size, keep=None):
     return y, last_state, entry
 
 
-def _scan_bwd(u, dt, A, B, C, D, z, entry, gout, glast, chunk_size, keep=None):
+def _scan_bwd(u, dt, A, B, C, D, z, entry, gout, glast, T, keep=None):
     """Gradients of :func:`_scan_fwd` for one block of channels from ``gout`` and ``glast`` (None: zero): ``du, ddt,
     dA, dB, dC, dD, dz, dinitial`` in the compute dtype, ``dD``, ``dz`` None without ``D``, ``z``."""
     cdt = dt.dtype
     batch, dim, length = u.shape
-    n, T, nc = A.shape[1], chunk_size, entry.shape[1]
+    n, nc = A.shape[1], entry.shape[1]
     bc = batch * nc
     kw = dict(dtype=cdt, device=u.device)
     dt_c, dtu_c, B_c, C_c, At, keep_c = _chunked_inputs(u, dt, A, B, C, keep, T, nc)
@@ -163,8 +151,7 @@ def _scan_bwd(u, dt, A, B, C, D, z, entry, gout, glast, chunk_size, keep=None):
         dz = _from_chunks(gy_c * y_c * sig * (1 + z_c * (1 - sig)), batch, length)
         gy_c.mul_(z_c).mul_(sig)
     dD = None if D is None else (gy_c * u_c).sum((0, 1))
-    # dC_t = sum_d gy_t h_t
-    dC_c = torch.matmul(H, gy_c[..., None])[..., 0]  # (T, bc, n)
+    dC_c = torch.matmul(H, gy_c[..., None])[..., 0]  # (T, bc, n): dC_t = sum_d gy_t h_t
 
     # 2. local adjoint recurrence (zero at every chunk end): adjoint of each chunk's entry state
     g = torch.zeros(bc, n, dim, **kw)
@@ -182,12 +169,9 @@ def _scan_bwd(u, dt, A, B, C, D, z, entry, gout, glast, chunk_size, keep=None):
 
     # 4. adjoint recurrence with the true adjoints; read off the gradients
     g.copy_(end_adjoint.view(bc, n, dim))  # = exp(dt_{t+1} A) g_{t+1} for the last position of each chunk
-    W = _empty_chunks(T, bc, dim, **kw)  # sum_n B_{t,n} g_{t,n}
-    dB_c = _empty_chunks(T, bc, n, **kw)
-    ddt_c = _empty_chunks(T, bc, dim, **kw)
-    W_t = torch.empty(bc, 1, dim, **kw)
-    dB_t = torch.empty(bc, n, 1, **kw)
-    tmp = torch.empty(bc, n, dim, **kw)
+    # token-major (T, bc, k) buffers; W = sum_n B_{t,n} g_{t,n}
+    W, dB_c, ddt_c = (torch.empty(bc, T, k, **kw).transpose(0, 1) for k in (dim, n, dim))
+    W_t, dB_t, tmp = torch.empty(bc, 1, dim, **kw), torch.empty(bc, n, 1, **kw), torch.empty(bc, n, dim, **kw)
     for t in reversed(range(T)):
         g.addcmul_(C_c[t][:, :, None], gy_c[t][:, None, :])  # g_t = dL/dh_t
         W[t].copy_(torch.bmm(B_c[t][:, None, :], g, out=W_t)[:, 0])
@@ -212,13 +196,10 @@ def selective_scan_torch_fwd(u, delta, A, B, C, D=None, z=None, delta_bias=None,
                              initial_state=None, reset=None, chunk_size=None):
     """The PyTorch body of ``hf_densessm::selective_scan``, no checks: arguments as
     :func:`hf_densessm.ops.selective_scan` (any float dtypes; ``reset`` bool or None), plus ``chunk_size``, tokens
-    per chunk (default :func:`default_chunk_size`; the backward takes the same).
-
-    Returns:
-        ``(y, last_state, entry)``: ``y`` (batch, dim, length) in ``u``'s dtype; ``last_state`` (batch, dim, state)
-        and ``entry``, the state entering each chunk, (batch, n_chunks, state, dim), in the compute dtype (float32,
-        float64 when an input is float64). No autograd graph (the backward is :func:`selective_scan_torch_bwd`).
-    """
+    per chunk (default :func:`default_chunk_size`; the backward takes the same). Returns ``(y, last_state, entry)``:
+    ``y`` (batch, dim, length) in ``u``'s dtype; ``last_state`` (batch, dim, state) and ``entry``, the state entering
+    each chunk, (batch, n_chunks, state, dim), in the compute dtype (float32, float64 when an input is float64). No
+    autograd graph (the backward is :func:`selective_scan_torch_bwd`)."""
     _, dt, T, keep = _prepare(u, delta, A, B, C, D, z, delta_bias, initial_state, reset, chunk_size)
     y, last_state, entry = _scan_fwd(u, F.softplus(dt) if delta_softplus else dt, A, B, C, D, z, initial_state, T, keep)
     return y.to(u.dtype), last_state, entry
@@ -228,37 +209,29 @@ def selective_scan_torch_bwd(dy, dlast, u, delta, A, B, C, D=None, z=None, delta
                              initial_state=None, reset=None, entry=None, chunk_size=None):
     """The PyTorch body of ``hf_densessm::selective_scan_backward`` (docs/kernels.md) from ``dy`` (batch, dim,
     length) and ``dlast`` (batch, dim, state) (None: zero), the forward pass's arguments and the ``entry`` it returned.
-
-    Returns:
-        ``(du, ddelta, dA, dB, dC, dD, dz, ddelta_bias, dinitial_state)``, each in its input's dtype (None for an
-        absent ``D``, ``z``, ``delta_bias``; the compute dtype for an absent ``initial_state``).
-
-    Raises:
-        ValueError: ``entry`` does not have the forward pass's number of chunks for this ``chunk_size``.
-    """
+    Returns ``(du, ddelta, dA, dB, dC, dD, dz, ddelta_bias, dinitial_state)``, each in its input's dtype (None for an
+    absent ``D``, ``z``, ``delta_bias``; the compute dtype for an absent ``initial_state``). Raises ValueError:
+    ``entry`` does not have the forward pass's number of chunks for this ``chunk_size``."""
     cdt, dt_raw, T, keep = _prepare(u, delta, A, B, C, D, z, delta_bias, initial_state, reset, chunk_size)
     batch, dim, length = u.shape
-    n = A.shape[1]
-    if entry is None or entry.shape[1] != -(-length // T):
-        raise ValueError(f"entry must hold the {-(-length // T)} chunk states of the forward pass with chunk_size={T}, "
+    nc = -(-length // T)
+    if entry is None or entry.shape[1] != nc:
+        raise ValueError(f"entry must hold the {nc} chunk states of the forward pass with chunk_size={T}, "
                          f"got {None if entry is None else tuple(entry.shape)}")
     dt = F.softplus(dt_raw) if delta_softplus else dt_raw
     entry = entry.to(cdt)
-    block = max(1, min(dim, _BWD_BLOCK_ELEMENTS // max(1, batch * entry.shape[1] * T * n)))
-    parts = []
-    for s in (slice(d0, d0 + block) for d0 in range(0, dim, block)):
-        parts.append(_scan_bwd(u[:, s], dt[:, s], A[s], B, C, None if D is None else D[s], None if z is None else
-                               z[:, s], entry[..., s], None if dy is None else dy[:, s],
-                               None if dlast is None else dlast[:, s], T, keep))
+    block = max(1, min(dim, _BWD_BLOCK_ELEMENTS // max(1, batch * nc * T * A.shape[1])))
+    parts = [_scan_bwd(u[:, s], dt[:, s], A[s], B, C, None if D is None else D[s], None if z is None else z[:, s],
+                       entry[..., s], None if dy is None else dy[:, s], None if dlast is None else dlast[:, s], T, keep)
+             for s in (slice(d0, d0 + block) for d0 in range(0, dim, block))]
     # per block: du, ddt (dim 1), dA (0), dB, dC (summed), dD (0), dz (1), dinitial (1)
     du, ddt, dA, dB, dC, dD, dz, dinitial = (
         None if p[0] is None else sum(p) if i in (3, 4) else torch.cat(p, 0 if i in (2, 5) else 1)
         for i, p in enumerate(zip(*parts)))
     ddelta = ddt.mul_(torch.sigmoid(dt_raw)) if delta_softplus else ddt  # d softplus(x)/dx = sigmoid(x)
     dbias = None if delta_bias is None else ddelta.sum((0, 2))
-    likes = (u, delta, A, B, C, D, z, delta_bias, initial_state)
-    return tuple(g if g is None or like is None else g.to(like.dtype)
-                 for g, like in zip((du, ddelta, dA, dB, dC, dD, dz, dbias, dinitial), likes))
+    return tuple(g if g is None or like is None else g.to(like.dtype) for g, like in zip(
+        (du, ddelta, dA, dB, dC, dD, dz, dbias, dinitial), (u, delta, A, B, C, D, z, delta_bias, initial_state)))
 
 
 def selective_state_update_torch(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False):
@@ -268,9 +241,8 @@ def selective_state_update_torch(state, x, dt, A, B, C, D=None, z=None, dt_bias=
     dt = dt.to(cdt) if dt_bias is None else dt.to(cdt) + dt_bias
     if dt_softplus:
         dt = F.softplus(dt)
-    h = state if state.dtype == cdt else state.to(cdt)
-    h.mul_(torch.exp(dt[..., None] * A))  # in place: a float32 (float64) state is updated without a copy
-    h.addcmul_((dt * x)[..., None], B[:, None, :])
+    h = state if state.dtype == cdt else state.to(cdt)  # a float32 (float64) state is updated in place, no copy
+    h.mul_(torch.exp(dt[..., None] * A)).addcmul_((dt * x)[..., None], B[:, None, :])
     if h is not state:
         state.copy_(h)
     y = torch.bmm(h, C.to(cdt)[..., None])[..., 0]

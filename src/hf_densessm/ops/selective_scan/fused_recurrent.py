@@ -26,8 +26,7 @@ def _selective_state_update_kernel(
     HAS_Z: tl.constexpr, HAS_D: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
     USE_FP64: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    pid_b = tl.program_id(0)
-    pid_d = tl.program_id(1)
+    pid_b, pid_d = tl.program_id(0), tl.program_id(1)
     offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
     offs_n = tl.arange(0, BLOCK_N)
     mask_d = offs_d < dim
@@ -65,8 +64,7 @@ def selective_state_update_triton(state, x, dt, A, B, C, D=None, z=None, dt_bias
     batch, dim, nstate = state.shape
     block_d, num_warps = config or selective_state_update_config(device_arch(state.device), nstate)
     block_d = min(block_d, triton.next_power_of_2(dim))
-    # the kernel indexes the (dim,) vectors as contiguous
-    D, dt_bias = (None if t is None else t.contiguous() for t in (D, dt_bias))
+    D, dt_bias = (None if t is None else t.contiguous() for t in (D, dt_bias))  # indexed as contiguous
     y = torch.empty(batch, dim, dtype=x.dtype, device=x.device)
     launch(_selective_state_update_kernel)[(batch, triton.cdiv(dim, block_d))](
         state, x, dt, A, B, C, D, z, dt_bias, y, *state.stride(), *x.stride(), *dt.stride(), *A.stride(), *B.stride(),

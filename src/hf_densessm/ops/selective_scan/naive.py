@@ -19,8 +19,7 @@ def selective_scan_naive(u, delta, A, B, C, D=None, z=None, delta_bias=None, del
     """
     u, delta, A, B, C = (t.double() for t in (u, delta, A, B, C))
     dt = delta + (delta_bias.double()[:, None] if delta_bias is not None else 0.0)
-    if delta_softplus:
-        dt = F.softplus(dt)
+    dt = F.softplus(dt) if delta_softplus else dt
     batch, dim, length = u.shape
     h = u.new_zeros(batch, dim, A.shape[1]) if initial_state is None else initial_state.double()
     ys = []
