@@ -6,6 +6,7 @@ its table (:data:`~..dispatch.TABLES`: ``chunk.py``'s Triton kernels, ``torch_pa
 from typing import Optional
 
 import torch
+from torch import Tensor
 
 from ..backend import OpGroup, in_own_precision
 from ..dispatch import TABLES, Implementation, choose, implementation, triton_entry
@@ -23,11 +24,6 @@ _ACTIVATIONS = (None, "silu")
 _ops = OpGroup()
 
 
-# The entries' functions (docs/kernels.md, "The dispatch table"): "forward"(x, taps, bias, window, reset, silu) -> out
-# and "backward"(grad_out, x, taps, bias, window, reset, silu) -> the gradients of x, taps, bias, window; "direct"
-# (optional, a decoding step's entry): "forward" as a registered operator the public function calls itself.
-
-
 def _triton(name):
     """``chunk.py``'s function ``name``, imported when called (``chunk.py`` needs triton)."""
     def call(*args):
@@ -36,6 +32,9 @@ def _triton(name):
     return call
 
 
+# The entries' functions (docs/kernels.md, "The dispatch table"): "forward"(x, taps, bias, window, reset, silu) -> out
+# and "backward"(grad_out, x, taps, bias, window, reset, silu) -> the gradients of x, taps, bias, window; "direct"
+# (optional, a decoding step's entry): "forward" as a registered operator the public function calls itself.
 TABLES["causal_conv1d"] = [
     triton_entry(forward=_triton("causal_conv1d_triton_fwd"), backward=_triton("causal_conv1d_triton_bwd")),
     *([cpu_kernel.CONV_STEP] if cpu_kernel else []),
@@ -45,17 +44,16 @@ TABLES["causal_conv1d"] = [
 
 
 @_ops.triton_op("causal_conv1d")
-def _causal_conv1d_op(x: torch.Tensor, taps: torch.Tensor, bias: Optional[torch.Tensor], window: Optional[torch.Tensor],
-                      reset: Optional[torch.Tensor], silu: bool, impl: str) -> torch.Tensor:
+def _causal_conv1d_op(x: Tensor, taps: Tensor, bias: Optional[Tensor], window: Optional[Tensor],
+                      reset: Optional[Tensor], silu: bool, impl: str) -> Tensor:
     """The implementation ``impl``'s forward, no checks (``taps``: ``(channels, kernel)``)."""
     return implementation("causal_conv1d", impl).calls["forward"](x, taps, bias, window, reset, silu)
 
 
 @_ops.triton_op("causal_conv1d_backward")
-def _causal_conv1d_backward_op(
-    grad_out: torch.Tensor, x: torch.Tensor, taps: torch.Tensor, bias: Optional[torch.Tensor],
-    window: Optional[torch.Tensor], reset: Optional[torch.Tensor], silu: bool, impl: str,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _causal_conv1d_backward_op(grad_out: Tensor, x: Tensor, taps: Tensor, bias: Optional[Tensor],
+                               window: Optional[Tensor], reset: Optional[Tensor], silu: bool,
+                               impl: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The gradients of ``x``, ``taps``, ``bias``, ``window`` by the implementation ``impl``."""
     return implementation("causal_conv1d", impl).calls["backward"](grad_out, x, taps, bias, window, reset, silu)
 
@@ -75,9 +73,8 @@ _ops.register_autograd("causal_conv1d", _backward, setup_context=_setup_context)
 _ops.define()
 
 
-def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  window: torch.Tensor | None = None, reset: torch.Tensor | None = None, activation: str | None = None,
-                  backend: str | None = None) -> torch.Tensor:
+def causal_conv1d(x: Tensor, weight: Tensor, bias: Tensor | None = None, window: Tensor | None = None,
+                  reset: Tensor | None = None, activation: str | None = None, backend: str | None = None) -> Tensor:
     """``act(bias + sum_k weight[:, k] * x_{t - (kernel - 1) + k})``: ``nn.Conv1d(groups=channels)`` with ``kernel - 1``
     zeros (or a cached window) on the left, over tokens.
 

@@ -1,7 +1,5 @@
-"""Fused Triton causal depthwise convolution, forward and backward (Mamba paper §3.4): the Triton bodies of
-``hf_densessm::causal_conv1d`` / ``_backward``, one launch each through ``torch.library.wrap_triton``, token-major,
-accumulating in float32 (float64 for float64 inputs). How the kernels work, tiles and their cost: docs/kernels.md,
-"Causal convolution".
+"""Fused Triton causal depthwise convolution (Mamba paper §3.4), token-major, one launch each way: the kernels of
+``hf_densessm::causal_conv1d`` / ``_backward``. How they work, tiles, cost: docs/kernels.md, "Causal convolution".
 """
 
 from __future__ import annotations
@@ -26,10 +24,7 @@ def _push(xs, new, N: tl.constexpr):
     """``(new, xs[0], ..., xs[N - 2])``: the newest ``N`` values after ``new``, newest first."""
     out = ()
     for s in tl.static_range(N):
-        if s == 0:
-            out = out + (new,)
-        else:
-            out = out + (xs[s - 1],)
+        out = out + ((new,) if s == 0 else (xs[s - 1],))
     return out
 
 
@@ -46,9 +41,7 @@ def _zeros(like, N: tl.constexpr):
 def _fma(acc, a, b, pos, s: tl.constexpr, HAS_RESET: tl.constexpr):
     """``acc + a b`` where tap distance ``s`` stays in the token's document (``pos >= s``), else ``acc``."""
     out = acc + a * b
-    if HAS_RESET:
-        out = tl.where(pos >= s, out, acc)
-    return out
+    return tl.where(pos >= s, out, acc) if HAS_RESET else out
 
 
 @triton.jit
@@ -64,8 +57,7 @@ def _token(x_ptrs, reset_ptr, r_off, s_x_l, s_r_l, i, inside, pos, mask_c, K: tl
 
 @triton.jit
 def _sigmoid(x):
-    """``1 / (1 + 2^(-x log2(e)))``, in float32 by ``div.approx`` (exact limits, 2 ulp): SiLU in 5 instructions
-    instead of the 12 of ``x * tl.sigmoid(x)``."""
+    """``1 / (1 + 2^(-x log2(e)))``, in float32 by ``div.approx`` (exact limits, 2 ulp; docs/kernels.md)."""
     if x.dtype == tl.float32:
         return tl.fdiv(1.0, 1.0 + tl.exp2(x * -LOG2E), approx=True)
     return 1.0 / (1.0 + tl.exp(-x))
@@ -89,8 +81,7 @@ def _setup(x_ptr, w_ptr, bias_ptr, win_ptr, reset_ptr, s_x_b, s_x_l, s_x_c, s_w_
     before the block (before token 0: the window's newest inputs, or zeros, and no document start)."""
     pid_b = tl.program_id(0) // tl.cdiv(length, BLOCK_T)
     t0 = (tl.program_id(0) - pid_b * tl.cdiv(length, BLOCK_T)) * BLOCK_T
-    pid_c = tl.program_id(1)
-    offs_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     mask_c = offs_c < channels
     ws = ()
     for k in tl.static_range(K):
@@ -157,9 +148,7 @@ def _backward_token(block, i, walk, K: tl.constexpr, SILU: tl.constexpr, HAS_RES
     for s in tl.static_range(1, K):
         new = new + (_fma(accs[s - 1], ws[K - 1 - s], g, pos, s, HAS_RESET),)
         d = d + (_fma(dws[s], g, xs[s - 1], pos, s, HAS_RESET),)
-    done = ws[K - 1] * g
-    if K > 1:
-        done = new[K - 2]
+    done = new[K - 2] if K > 1 else ws[K - 1] * g
     if SUMS:
         dws, dbias = d, dbias + g
     return (_push(xs, xt, K - 1), pos, _push(new, ws[K - 1] * g, K - 1), dws, dbias), done
@@ -234,11 +223,10 @@ def causal_conv1d_triton_fwd(x, taps, bias=None, window=None, reset=None, silu=F
     """The Triton body of ``hf_densessm::causal_conv1d``, no checks (:func:`_causal_conv1d_fwd_kernel`): arguments
     and result as :func:`~.torch_path.causal_conv1d_torch` (``x`` any strides: channel stride 1 reads 16-byte
     vectors), plus ``block_t``, tokens per program, a power of 2."""
-    batch, length, channels = x.shape
-    out = torch.empty((batch, length, channels), dtype=x.dtype, device=x.device)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if out.numel():
         grid, args, strides, flags = _launch_args(x, taps, bias, window, reset, block_t, 16 // x.element_size(), 8)
-        launch(_causal_conv1d_fwd_kernel)[grid](*args, out, *strides, length, channels, SILU=silu, **flags)
+        launch(_causal_conv1d_fwd_kernel)[grid](*args, out, *strides, *x.shape[1:], SILU=silu, **flags)
     return out
 
 

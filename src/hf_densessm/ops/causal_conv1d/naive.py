@@ -9,19 +9,10 @@ __all__ = ["causal_conv1d_naive"]
 
 
 def causal_conv1d_naive(x, weight, bias=None, window=None, reset=None, activation=None):
-    """Causal depthwise convolution token by token in float64::
-
-        pre_t = bias + sum_{k=0}^{K-1} weight[:, k] * x_{t - (K - 1) + k}
-        out_t = silu(pre_t) if activation == "silu" else pre_t
-
-    where ``x_p`` for ``p < 0`` is the cached ``window[:, :, K + p]`` (its newest ``K - 1`` columns; zeros without a
-    window), and with ``reset`` a tap reads ``x_p`` only when ``p`` lies in ``t``'s packed document (a reset at any
-    token after ``p`` up to ``t`` cuts it off).
-
-    Arguments (any float dtype) as :func:`hf_densessm.ops.causal_conv1d`, ``reset`` bool; no checks (a test
-    reference). Returns ``(batch, seq_len, channels)`` float64, differentiable in ``x``, ``weight``, ``bias`` and
-    ``window``.
-    """
+    """:func:`hf_densessm.ops.causal_conv1d` token by token in float64, no checks (a test reference): ``x_p``,
+    ``p < 0``, is ``window[:, :, K + p]`` (zeros without a window); with ``reset`` (bool) a tap reads ``x_p`` only
+    when no token after ``p`` up to ``t`` starts a document. Arguments (any float dtype) as there; returns ``(batch,
+    seq_len, channels)`` float64, differentiable in ``x``, ``weight``, ``bias`` and ``window``."""
     x = x.double()
     taps = weight.double().reshape(weight.shape[0], weight.shape[-1])
     batch, length, channels = x.shape

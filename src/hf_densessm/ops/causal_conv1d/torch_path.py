@@ -58,10 +58,9 @@ def _pre_activation(x, taps, bias, window, reset, cdt) -> torch.Tensor:
 
 
 def _shifts(x, window, length, kernel, cdt):
-    """The eager forms' shifted reads: per tap ``k < K - 1`` (shift ``s = K - 1 - k``), for ``x`` ``(batch, seq_len,
-    channels)`` then the window's newest ``K - 1`` inputs (if any) as ``(batch, K - 1, channels)`` in ``cdt``, the
-    slices ``tokens`` (``t``) and ``read`` (``t - s``) of the tokens reading that source: ``(k, s, tokens, read,
-    source, index of the source)``."""
+    """The eager forms' shifted reads, ``(k, s, tokens, read, source, index of the source)`` per tap ``k < K - 1``
+    (shift ``s = K - 1 - k``) and source (``x``, then the window's newest ``K - 1`` inputs, if any, as ``(batch,
+    K - 1, channels)`` in ``cdt``): ``tokens`` (``t``) and ``read`` (``t - s``) slice the tokens reading it."""
     sources = [(x, 0)] + ([] if window is None else [(window[:, :, 1:].to(cdt).transpose(1, 2), 1 - kernel)])
     for k in range(kernel - 1):
         s = kernel - 1 - k
@@ -107,8 +106,7 @@ def causal_conv1d_backward_torch(grad_out, x, taps, bias=None, window=None, rese
             gs = g if masks is None else g * masks[kernel - 1 - k]
             grad_padded = grad_padded + torch.nn.functional.pad(gs * rows[k], (0, 0, k, kernel - 1 - k))
             columns[k] = (gs * padded[:, k : k + length]).sum((0, 1))
-        grad_x = grad_padded[:, kernel - 1 :]
-        grad_context = grad_padded[:, : kernel - 1]
+        grad_context, grad_x = grad_padded.split([kernel - 1, length], dim=1)
     else:  # in place: g_t flows to source t - s
         xc, tc = x.to(cdt), taps.to(cdt).t().contiguous().t()  # each tap's column unit-strided
         grad_context = None if window is None else g.new_zeros((x.shape[0], kernel - 1, x.shape[2]))
@@ -123,4 +121,3 @@ def causal_conv1d_backward_torch(grad_out, x, taps, bias=None, window=None, rese
     grad_window = x.new_empty((0,)) if window is None else (  # column 0 (zero) is never read
         torch.nn.functional.pad(grad_context, (0, 0, 1, 0)).transpose(1, 2).contiguous().to(window.dtype))
     return grad_x.contiguous().to(x.dtype), grad_taps, grad_bias, grad_window
-

@@ -1,7 +1,6 @@
-"""Multi-scale retention (DenseSSM paper Eq. 18, 19, 24; RetNet): :func:`chunk_retention` and
-:func:`retention_state_update`, their argument checks, the ops' tables (:data:`~..dispatch.TABLES`) and the
-``torch.library`` ops ``hf_densessm::chunk_retention`` (+ ``_backward``) and ``::retention_state_update`` that run the
-entry chosen. Forms, dispatch and compile behaviour: docs/kernels.md.
+"""Multi-scale retention (DenseSSM paper Eq. 18, 19, 24): :func:`chunk_retention`, :func:`retention_state_update`,
+their checks and tables (:data:`~..dispatch.TABLES`) and the ops ``hf_densessm::chunk_retention`` (+ ``_backward``) and
+``::retention_state_update`` that run the entry chosen. Forms, dispatch and compile behaviour: docs/kernels.md.
 """
 
 import math
@@ -19,6 +18,7 @@ from .naive import retention_gamma, retention_log2_gamma
 __all__ = ["chunk_retention", "retention_gamma", "retention_log2_gamma", "retention_state_update"]
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 Tensor = torch.Tensor
+_ops = OpGroup()
 
 
 def _check(q, k, v, layout, scale, state_name, state):
@@ -65,15 +65,6 @@ def _check(q, k, v, layout, scale, state_name, state):
     return scale
 
 
-# ---------------------------------------------------------------------------------------------- the tables
-# The entries' functions (docs/kernels.md, "The dispatch table"), arguments as the ops below take them:
-#   "forward"(q, k, v, scale, initial_state, reset) -> (o, final_state), o in v's dtype (where not traced:
-#       contiguous), final_state in the compute dtype;
-#   "backward"(d_o, d_final_state, q, k, v, scale, initial_state, reset) -> (dq, dk, dv, d_initial_state) (where not
-#       traced: dq, dk, dv contiguous);
-#   "step"(state, q, k, v, scale) -> o, state updated in place (retention_state_update's entries).
-
-
 def _triton(module: str, name: str):
     """The function ``name`` of ``chunk.py`` or ``fused_recurrent.py`` (``module``), imported when called (both need
     triton)."""
@@ -84,6 +75,13 @@ def _triton(module: str, name: str):
     return call
 
 
+# ---------------------------------------------------------------------------------------------- the tables
+# The entries' functions (docs/kernels.md, "The dispatch table"), arguments as the ops below take them:
+#   "forward"(q, k, v, scale, initial_state, reset) -> (o, final_state), o in v's dtype (where not traced:
+#       contiguous), final_state in the compute dtype;
+#   "backward"(d_o, d_final_state, q, k, v, scale, initial_state, reset) -> (dq, dk, dv, d_initial_state) (where not
+#       traced: dq, dk, dv contiguous);
+#   "step"(state, q, k, v, scale) -> o, state updated in place (retention_state_update's entries).
 TABLES["chunk_retention"] = [
     triton_entry(forward=_triton("chunk", "chunk_retention_fwd_triton"),
                  backward=_triton("chunk", "chunk_retention_bwd_triton")),
@@ -109,9 +107,6 @@ def _eager_fake(q, k, v, scale, initial_state, reset, impl):
 
 def _eager_backward_fake(d_o, d_final_state, q, k, v, scale, initial_state, reset, impl):
     return q.new_empty(q.shape), k.new_empty(k.shape), *_eager_fake(q, k, v, scale, initial_state, reset, impl)
-
-
-_ops = OpGroup()
 
 
 @_ops.triton_op("chunk_retention")

@@ -1,8 +1,6 @@
-"""Chunkwise multi-scale retention in Triton (DenseSSM paper Eq. 18, 19, 24; RetNet chunkwise form), states then
-outputs: the forward and backward kernels of ``hf_densessm::chunk_retention`` / ``_backward`` (``backend="triton"``),
-launched through ``torch.library.wrap_triton``. One kernel walks the chunks and stores the state entering each; the
-outputs and gradients come from kernels parallel over chunks (flash-linear-attention's ``common/chunk_h.py`` /
-``chunk_o.py`` design). Formulas, kernels, packed documents: docs/kernels.md, "How the kernels work".
+"""Chunkwise multi-scale retention in Triton (DenseSSM paper Eq. 18, 19, 24; RetNet chunkwise form; the design of
+flash-linear-attention's ``chunk_h.py`` / ``chunk_o.py``): the kernels of ``hf_densessm::chunk_retention`` /
+``_backward`` (``backend="triton"``). Formulas, kernels, packed documents: docs/kernels.md, "How the kernels work".
 """
 
 from dataclasses import dataclass, replace
@@ -36,9 +34,8 @@ class StateTiles:
 
 @dataclass(frozen=True)
 class ChunkRetentionConfig:
-    """``block_t`` tokens per chunk (one for every kernel: the stored states are per chunk; a power of 2, at least
-    16) and the tiles of the five kernels: ``h`` (state walk), ``o`` (output), ``dh`` (backward walk), ``dqk``,
-    ``dv``."""
+    """``block_t`` tokens per chunk (one for every kernel; a power of 2, at least 16) and the tiles of the kernels
+    ``h`` (state walk), ``o`` (output), ``dh`` (backward walk), ``dqk``, ``dv``."""
 
     block_t: int
     h: StateTiles
@@ -54,8 +51,7 @@ def chunk_retention_config(arch: GPUArch, dtype: torch.dtype, key_dim: int, valu
     spills (docs/kernels.md, "Tile, warp and stage choices")."""
     if dtype in (torch.float16, torch.bfloat16):  # tensor-core products, 64-token chunks
         stages = 2 if arch.shared_per_block >= 96 * 1024 else 1  # 2 stages: <= 48 KB (sm_8x), 65 KB (sm_90)
-        # the tile of the axis an output kernel keeps (o, dv: value; dqk: key), 64 or 128: the one with fewer
-        # multiply-adds, the (64, 64) scores being recomputed per tile; dqk on sm_90: 150 registers at 128, 117 at 64
+        # wide(d): the 64 or 128 tile of the axis an output kernel keeps with fewer multiply-adds (docs/kernels.md)
         wide = lambda dim: min((128, 64), key=lambda b: triton.cdiv(dim, b) * (64 + 2 * b))  # noqa: E731
         tile_v = wide(value_dim) if value_dim > 64 else 64
         walk, out = StateTiles(64, 64, 4, stages), StateTiles(64, tile_v, tile_v // 16, stages)  # 4 or 8 warps
@@ -110,8 +106,7 @@ def _chunk_decays(log2_gamma, docs, i_b, start, L, HAS_RESET: tl.constexpr, TRAN
 
 @triton.jit
 def _head(i_bh, log2_gamma_ptr, scale, L, H: tl.constexpr, BT: tl.constexpr, ACC: tl.constexpr):
-    """Row (int64) and head of program ``i_bh``, the number of chunks, the head's ``log2(gamma)``, ``scale`` in
-    ``ACC`` (fp32 from Triton's launcher, fp64 from Inductor's: cast to one dtype)."""
+    """Row (int64) and head of program ``i_bh``, the number of chunks, the head's ``log2(gamma)``, ``scale`` in ACC."""
     i_b, i_h = (i_bh // H).to(tl.int64), i_bh % H
     return i_b, i_h, tl.cdiv(L, BT), tl.load(log2_gamma_ptr + i_h), tl.full((), scale, ACC)
 
@@ -142,9 +137,7 @@ def _walk(a, b, states, first, last, docs, log2_gamma_ptr, scale, L, H: tl.const
     if HAS_FIRST:
         state += tl.load(first + state_offs, mask=mask_kv, other=0.0).to(ACC)
     for i in range(0, NT):
-        i_t = i
-        if REVERSE:
-            i_t = NT - 1 - i
+        i_t = NT - 1 - i if REVERSE else i
         start = i_t * BT
         tl.store(states_base + i_t * K * V + tile_offs, state.to(states.dtype.element_ty), mask=mask_kv)
         t = start + offs_t
@@ -154,10 +147,7 @@ def _walk(a, b, states, first, last, docs, log2_gamma_ptr, scale, L, H: tl.const
         b_blk = tl.load(b_base + t[:, None] * (H * V) + offs_v[None, :], mask=mask_t[:, None] & mask_v[None, :],
                         other=0.0)
         _, q_decay, k_decay, state_decay = _chunk_decays(log2_gamma, docs, i_b, start, L, HAS_RESET, False, BT, ACC)
-        if REVERSE:  # dH <- gamma^n dH + sum_i gamma^(i+1) q~_i^T dO_i
-            a_blk = (a_blk * (scale * q_decay)[:, None]).to(b_blk.dtype)
-        else:  # S <- gamma^n S + sum_j gamma^(n-1-j) k_j^T v_j
-            a_blk = (a_blk * k_decay[:, None]).to(b_blk.dtype)
+        a_blk = (a_blk * (scale * q_decay if REVERSE else k_decay)[:, None]).to(b_blk.dtype)
         state = state * state_decay + _dot(tl.trans(a_blk), b_blk, ACC, PRECISION)
     if STORE_LAST:
         tl.store(last + state_offs, state.to(last.dtype.element_ty), mask=mask_kv)
@@ -170,8 +160,7 @@ def _retention_chunk_h_kernel(
     HAS_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr,
     HAS_RESET: tl.constexpr,
 ):
-    """Grid (value tiles, key tiles, batch * heads), forward in time: ``h[b, h, c] = S_c`` (the state entering
-    chunk ``c``) for every chunk, and the final state."""
+    """Grid (value tiles, key tiles, batch * heads): ``h[b, h, c] = S_c`` of every chunk, and the final state."""
     _walk(k, v, h, initial_state, final_state, docs, log2_gamma_ptr, 1.0, L, H, K, V, BT, BK, BV, HAS_INITIAL_STATE,
           STORE_FINAL_STATE, False, ACC, PRECISION, HAS_RESET)
 
@@ -184,7 +173,7 @@ def _value_tile(a, b, c, states, out, docs, log2_gamma_ptr, scale, L, H: tl.cons
     ``REVERSE``, of ``_retention_chunk_dv_kernel`` (``a, b, c = k, q, dO``, ``states = dh``): ``out = ((a b^T) *
     D~) c + d (a S_c)``, ``D~`` the decays ``D`` (their transpose if ``REVERSE``) times ``scale``, ``d`` the decay of
     the read of the carried state (``scale gamma^(i+1)``; ``REVERSE``: ``gamma^(n-1-j)``); the key axis summed
-    inside the program. A non-finite ``v`` passes by a running sum over the chunk (as chunked_torch.py)."""
+    inside the program."""
     i_v, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h, NT, log2_gamma, scale = _head(i_bh, log2_gamma_ptr, scale, L, H, BT, ACC)
     start = i_t * BT
@@ -227,8 +216,7 @@ def _retention_chunk_o_kernel(
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     ACC: tl.constexpr, PRECISION: tl.constexpr, HAS_RESET: tl.constexpr,
 ):
-    """Grid (value tiles, chunks, batch * heads): ``o = ((q~ k^T) * D) v + gamma^(i+1) q~ S_c`` of one chunk and
-    value tile."""
+    """Grid (value tiles, chunks, batch * heads): ``o`` of one chunk and value tile."""
     _value_tile(q, k, v, h, o, docs, log2_gamma_ptr, scale, L, H, K, V, BT, BK, BV, ACC, PRECISION, HAS_RESET, False)
 
 
@@ -238,8 +226,7 @@ def _retention_chunk_dh_kernel(
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     HAS_D_FINAL_STATE: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr, HAS_RESET: tl.constexpr,
 ):
-    """Grid (value tiles, key tiles, batch * heads), backward in time: ``dh[b, h, c] = dH_c`` (the gradient of the
-    state leaving chunk ``c``) for every chunk, and the gradient of the initial state."""
+    """Grid (value tiles, key tiles, batch * heads): ``dh[b, h, c] = dH_c`` of every chunk, and ``d initial_state``."""
     _walk(q, do, dh, d_final_state, d_initial_state, docs, log2_gamma_ptr, scale, L, H, K, V, BT, BK, BV,
           HAS_D_FINAL_STATE, True, True, ACC, PRECISION, HAS_RESET)
 
@@ -250,9 +237,8 @@ def _retention_chunk_dqk_kernel(
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     ACC: tl.constexpr, PRECISION: tl.constexpr, HAS_RESET: tl.constexpr,
 ):
-    """Grid (key tiles, chunks, batch * heads): ``dq = scale (((dO v^T) * D) k + gamma^(i+1) dO S_c^T)`` and
-    ``dk = ((dO v^T) * D)^T q~ + gamma^(n-1-j) v dH_c^T`` of one chunk and key tile, the value axis summed inside
-    the program."""
+    """Grid (key tiles, chunks, batch * heads): ``dq`` (of ``q``, not ``q~``) and ``dk`` of one chunk and key tile,
+    the value axis summed inside the program."""
     i_k, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h, NT, log2_gamma, scale = _head(i_bh, log2_gamma_ptr, scale, L, H, BT, ACC)
     start = i_t * BT
@@ -299,8 +285,7 @@ def _retention_chunk_dv_kernel(
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     ACC: tl.constexpr, PRECISION: tl.constexpr, HAS_RESET: tl.constexpr,
 ):
-    """Grid (value tiles, chunks, batch * heads): ``dv = ((q~ k^T) * D)^T dO + gamma^(n-1-j) k dH_c`` of one chunk
-    and value tile."""
+    """Grid (value tiles, chunks, batch * heads): ``dv`` of one chunk and value tile."""
     _value_tile(k, q, do, dh, dv, docs, log2_gamma_ptr, scale, L, H, K, V, BT, BK, BV, ACC, PRECISION, HAS_RESET, True)
 
 
@@ -321,11 +306,9 @@ def _prepare(q, k, v, initial_state, final_state, reset, config):
     ``log2(gamma)``, and the constexprs every kernel takes besides the sizes."""
     batch, length, heads, key_dim = q.shape
     value_dim = v.shape[-1]
-    if config is None:
-        config = chunk_retention_config(device_arch(q.device), q.dtype, key_dim, value_dim)
+    config = config or chunk_retention_config(device_arch(q.device), q.dtype, key_dim, value_dim)
     acc_torch, acc_tl = (torch.float64, tl.float64) if v.dtype == torch.float64 else (torch.float32, tl.float32)
-    docs = None if reset is None else torch.nn.functional.pad(
-        torch.cumsum(reset.to(torch.int32), dim=1, dtype=torch.int32), (1, 0))
+    docs = None if reset is None else torch.nn.functional.pad(reset.cumsum(1, dtype=torch.int32), (1, 0))
     precision = "ieee" if v.dtype in (torch.float32, torch.float64) else "tf32"  # tl.dot exact for float32/64
     meta = dict(H=heads, ACC=acc_tl, PRECISION=precision, HAS_RESET=reset is not None)
     log2_gamma = retention_log2_gamma(heads, q.device, acc_torch)
@@ -342,8 +325,7 @@ def _prepare(q, k, v, initial_state, final_state, reset, config):
 def chunk_retention_fwd_triton(q, k, v, scale, initial_state=None, reset=None, config=None):
     """The Triton branch of ``hf_densessm::chunk_retention``, no checks: arguments and ``(o, final_state)`` as
     :func:`hf_densessm.ops.retention.chunk_retention` (``scale`` a float), plus ``config`` (default
-    :func:`chunk_retention_config` for ``q``'s device). The per-chunk states, ``batch * heads * ceil(length /
-    block_t) * key_dim * value_dim`` values in the inputs' dtype, live until the outputs are written."""
+    :func:`chunk_retention_config` for ``q``'s device). Memory: docs/kernels.md."""
     batch, length, heads, key_dim = q.shape
     value_dim = v.shape[-1]
     final_state = q.new_empty(batch, heads, key_dim, value_dim, dtype=compute_dtype(v.dtype))
@@ -357,10 +339,9 @@ def chunk_retention_fwd_triton(q, k, v, scale, initial_state=None, reset=None, c
 
 
 def chunk_retention_bwd_triton(d_o, d_final_state, q, k, v, scale, initial_state=None, reset=None, config=None):
-    """The Triton branch of ``hf_densessm::chunk_retention_backward``: given ``d_o`` and ``d_final_state`` (None:
-    zero) and the forward's arguments, ``dq, dk, dv`` in the dtypes of q, k, v and the gradient of the initial state
-    (of a zero one without it) in the state dtype. The per-chunk states are recomputed, then their gradients
-    (docs/kernels.md): together they take twice the forward's memory."""
+    """The Triton branch of ``hf_densessm::chunk_retention_backward``: arguments and returns as
+    :func:`~.chunked_torch.chunk_retention_torch_backward` (``config`` as :func:`chunk_retention_fwd_triton`'s); the
+    per-chunk states are recomputed (docs/kernels.md)."""
     batch, length, heads, key_dim = q.shape
     value_dim = v.shape[-1]
     h, config, q, k, v, docs, log2_gamma, meta = _prepare(q, k, v, initial_state, None, reset, config)

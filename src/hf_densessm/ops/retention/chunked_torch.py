@@ -64,9 +64,7 @@ def _block_forward(q, k, v, state, masks):
     """Retention over ``n`` chunks of ``C``: ``q`` (scaled), ``k`` ``(B, H, n, C, K)``, ``v`` ``(B, H, n, C, V)``,
     ``state`` ``(B, H, K, V)``; returns ``o`` and the state after the last chunk."""
     intra, q_decay = masks[:2]
-    # intra-chunk ((q k^T) * D) v, all chunks at once. A product with v would carry a later token's NaN or inf into
-    # earlier rows (0 * inf): the finite part goes through the product, the rest reaches token j's row and later ones
-    # through a running sum, so a non-finite v stays non-finite where the recurrence would carry it
+    # ((q k^T) * D) v of all chunks: v's finite part by the product, the rest by a running sum (docs/kernels.md)
     finite_v = torch.nan_to_num(v, nan=0.0, posinf=0.0, neginf=0.0)
     o = _causal(q @ k.transpose(-1, -2), intra) @ finite_v + (v - finite_v).cumsum(-2)
     previous, state, _ = _states(k, v, state, masks)
@@ -92,16 +90,13 @@ def _block_backward(q, k, v, previous, k_write, masks, d_o, d_state):
 
 
 def _blocks(q, k, v, scale, initial_state, reset, chunk_size, d_o=None):
-    """The full chunks as one block, then the remainder as one shorter chunk; returns the blocks, the initial state
-    in the compute dtype (zeros for None; copied for length 0: the final state never aliases the initial one) and
-    ``d_o``'s blocks (or None).
-
-    A block is ``(inputs, masks)``: ``q`` (scaled), ``k``, ``v`` ``(B, H, n, size, *)`` in the compute dtype, each
-    copied once from its ``(B, L, H, *)`` input into a contiguous block (a batched product copies a strided operand
-    at every use), and the masks of :func:`_block_masks` over each token's document (``reset``: None, or ``(B, L)``).
-    """
+    """The full chunks of ``chunk_size`` (None: :func:`default_chunk_size`) as one block, then the remainder as one
+    shorter chunk; returns the blocks, the initial state in the compute dtype (zeros for None; copied for length 0:
+    the final state never aliases the initial one) and ``d_o``'s blocks (or None). A block is ``(inputs, masks)``:
+    ``q`` (scaled), ``k``, ``v`` as :func:`_block` makes them, and the masks of :func:`_block_masks`."""
     batch, length, heads, key_dim = q.shape
     cdt = compute_dtype(v.dtype)
+    chunk_size = default_chunk_size(key_dim, v.shape[-1]) if chunk_size is None else chunk_size
     full = (length // chunk_size) * chunk_size
     spans = [(start, stop, size) for start, stop, size in ((0, full, chunk_size), (full, length, length - full))
              if stop > start]
@@ -120,8 +115,8 @@ def _blocks(q, k, v, scale, initial_state, reset, chunk_size, d_o=None):
 
 
 def _block(x, start, stop, size, dtype):
-    """Tokens ``start:stop`` of ``x`` ``(B, L, H, D)`` as a contiguous ``(B, H, n, size, D)`` tensor in ``dtype``, one
-    copy (``to`` keeps a same-dtype transposed view as it is)."""
+    """Tokens ``start:stop`` of ``x`` ``(B, L, H, D)`` as a contiguous ``(B, H, n, size, D)`` tensor in ``dtype``,
+    copied once (``to`` keeps a same-dtype transposed view): a batched product copies a strided operand per use."""
     x = x[:, start:stop].transpose(1, 2)
     return x.to(dtype, memory_format=torch.contiguous_format).contiguous().unflatten(2, (-1, size))
 
@@ -139,9 +134,7 @@ def chunk_retention_torch(q, k, v, scale=None, initial_state=None, output_final_
     """The forward pass of ``hf_densessm::chunk_retention`` with ``backend="torch"``, no checks: arguments and
     returns as :func:`hf_densessm.ops.retention.chunk_retention`, plus ``chunk_size`` (default
     :func:`default_chunk_size`). A Python loop over chunks only; autograd works through it too."""
-    key_dim, value_dim = q.shape[-1], v.shape[-1]
-    scale = key_dim**-0.5 if scale is None else scale
-    chunk_size = default_chunk_size(key_dim, value_dim) if chunk_size is None else chunk_size
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
     blocks, state, _ = _blocks(q, k, v, scale, initial_state, reset, chunk_size)
     outputs = []
     for inputs, masks in blocks:
@@ -155,8 +148,6 @@ def chunk_retention_torch_backward(d_o, d_final_state, q, k, v, scale, initial_s
     """Gradients of :func:`chunk_retention_torch` (states recomputed per chunk, then backward in time), given
     ``d_o`` and ``d_final_state`` (None: zero): ``dq, dk, dv`` in the dtypes of q, k, v and the gradient of the
     initial state (of a zero one without ``initial_state``) in the compute dtype."""
-    key_dim, value_dim = q.shape[-1], v.shape[-1]
-    chunk_size = default_chunk_size(key_dim, value_dim) if chunk_size is None else chunk_size
     blocks, state, d_o_blocks = _blocks(q, k, v, scale, initial_state, reset, chunk_size, d_o)
     d_state = torch.zeros_like(state) if d_final_state is None else d_final_state.to(state.dtype, copy=True)
     kept = []

@@ -12,8 +12,7 @@ __all__ = ["retention_state_update_config", "retention_state_update_triton"]
 
 
 def retention_state_update_config(arch: GPUArch, key_dim: int, value_dim: int) -> StateTiles:
-    """The tiles of the decode step (its ``num_stages`` unused): 64 x 64 on 4 warps for every ``arch``, shrunk to a
-    smaller head's ``key_dim`` / ``value_dim`` (docs/kernels.md, "Tile, warp and stage choices")."""
+    """The decode step's tiles (``num_stages`` unused): 64 x 64 on 4 warps for every ``arch``, fit to the head."""
     return StateTiles(64, 64, 4).fit(key_dim, value_dim)
 
 
