@@ -1,6 +1,5 @@
-"""DenseSSM models: the classes every family builds on and the RMSNorm (``modeling_densessm.py``), one file per
-family, the dense connection (``dense_connection.py``), the cache (``cache.py``, ``cache_names.py``), input checks
-(``inputs.py``)."""
+"""DenseSSM models: the classes every family builds on (``modeling_densessm.py``), one file per family, the dense
+connection, the cache, the input and save checks (which module holds what: docs/design.md §1)."""
 
 from . import modeling_densemamba, modeling_denseretnet
 from .modeling_densemamba import *  # noqa: F403 (its __all__: the DenseMamba model classes)

@@ -143,10 +143,8 @@ def check_cache(cache, config, batch: int) -> None:
     only ``config.cache_slots`` filled, with ``config.cache_shapes``. ``TypeError``: not a ``Cache``, not
     linear-attention layers, or not a :class:`DenseSSMCache` where the family counts each row's tokens; ``ValueError``:
     another layer count, family, batch size or width."""
-    hint = (
-        "leave `cache` unset (the model builds one), pass the cache a previous call returned, or build an empty one "
-        "with `hf_densessm.modeling.cache.DenseSSMCache(config=model.config)`"
-    )
+    hint = ("leave `cache` unset (the model builds one), pass the cache a previous call returned, or build an empty "
+            "one with `hf_densessm.modeling.cache.DenseSSMCache(config=model.config)`")
     family = config.model_type
     if not isinstance(cache, Cache):
         raise TypeError(f"`cache` must be a transformers `Cache`, got {type(cache).__name__}; {hint}.")

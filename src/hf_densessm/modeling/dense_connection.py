@@ -9,8 +9,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-GATE_INIT_GAIN = 2**-2.5  # Xavier-uniform gain of DenseMamba's gates (docs/design.md §4)
-
 
 def dense_predecessor_count(layer_idx: int, dense_layers: int, dense_every: int) -> int:
     """Number of preceding layers whose features layer ``layer_idx`` fuses: ``min(l, m)`` when ``l > 0`` is a multiple
@@ -37,7 +35,7 @@ def init_dense_linear(module: nn.Module, init, gate_std: float | None = None) ->
     elif gate_std is not None:
         init.normal_(module.weight, mean=0.0, std=gate_std)
     else:
-        init.xavier_uniform_(module.weight, gain=GATE_INIT_GAIN)
+        init.xavier_uniform_(module.weight, gain=2**-2.5)  # DenseMamba's gates (docs/design.md §4)
     return True
 
 
@@ -80,9 +78,8 @@ class DenseHiddenConnection(nn.Module):
         if selection != "none" and shared_gate:
             self.gate = DenseGate(hidden_size, feature_size, gate_hidden_size, selection)
         elif selection != "none":
-            self.gates = nn.ModuleList(
-                DenseGate(hidden_size, feature_size, gate_hidden_size, selection) for _ in range(num_predecessors)
-            )
+            self.gates = nn.ModuleList(DenseGate(hidden_size, feature_size, gate_hidden_size, selection)
+                                       for _ in range(num_predecessors))
         self.projections = nn.ModuleList(_dense_linear(feature_size, feature_size, "identity")
                                          for _ in range(num_predecessors)) if projection == "linear" else None
         if fusion == "concat":
@@ -140,9 +137,8 @@ def split_dense_inputs(dense_inputs: tuple[torch.Tensor, ...], num_features: int
     return [list(dense_inputs[i * n : (i + 1) * n]) for i in range(num_features)]
 
 
-def run_dense_layers(
-    layers: nn.ModuleList, hidden_states: torch.Tensor, config, output_hidden_states: bool, **layer_kwargs
-) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
+def run_dense_layers(layers: nn.ModuleList, hidden_states: torch.Tensor, config, output_hidden_states: bool,
+                     **layer_kwargs) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
     """Run the blocks from the embeddings ``(batch, seq_len, hidden_size)``: ``block(hidden_states, *dense_inputs,
     **layer_kwargs) -> (hidden_states, *features)``, ``dense_inputs`` grouped by feature, nearest first. Returns the
     last block's output and, if ``output_hidden_states``, every block's input (embeddings first)."""

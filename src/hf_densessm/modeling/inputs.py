@@ -8,15 +8,13 @@ import torch.nn.functional as F
 
 from ..ops.backend import require, tracing
 
+
 def check_inputs(input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None, hidden_size: int, vocab_size: int,
                  decoding: bool = False) -> None:
     """Check the model's token inputs (``decoding``: a one-token step over a cache, whose id check makes no host sync).
-
-    Raises:
-        ValueError: both or neither given; ``input_ids`` not ``(batch, seq_len)`` or ``inputs_embeds`` not
-            ``(batch, seq_len, hidden_size)``, with ``batch, seq_len >= 1``; an id outside ``[0, vocab_size)``.
-        TypeError: ``input_ids`` not an int64 / int32 tensor, ``inputs_embeds`` not a floating-point tensor.
-    """
+    ``ValueError``: both or neither given; ``input_ids`` not ``(batch, seq_len)`` or ``inputs_embeds`` not ``(batch,
+    seq_len, hidden_size)``, with ``batch, seq_len >= 1``; an id outside ``[0, vocab_size)``. ``TypeError``:
+    ``input_ids`` not an int64 / int32 tensor, ``inputs_embeds`` not a floating-point tensor."""
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError("You must specify exactly one of `input_ids` or `inputs_embeds`.")
     if input_ids is not None:
@@ -43,10 +41,7 @@ def prepare_attention_mask(attention_mask: torch.Tensor | None, batch: int, seq_
                            decoding: bool = False) -> torch.Tensor | None:
     """The last ``seq_len`` columns of ``attention_mask`` (``(batch, past + seq_len)``, 0 for padding); ``None`` when
     nothing is padded and that can be read without a host sync (not while tracing, nor ``decoding`` off the CPU).
-
-    Raises:
-        TypeError: not a tensor. ValueError: not 2-D, another batch, shorter than the input, values not 0 and 1.
-    """
+    ``TypeError``: not a tensor; ``ValueError``: not 2-D, another batch, shorter than the input, values not 0 and 1."""
     if attention_mask is None:
         return None
     if not isinstance(attention_mask, torch.Tensor):
@@ -59,9 +54,8 @@ def prepare_attention_mask(attention_mask: torch.Tensor | None, batch: int, seq_
         require(((attention_mask == 0) | (attention_mask == 1)).all(),
                 "`attention_mask` must hold only 0 (padding) and 1 (token).", host_read=not decoding)
     device = attention_mask.device
-    if tracing(device) or (decoding and device.type != "cpu") or not bool(attention_mask.all()):
-        return attention_mask
-    return None
+    kept = tracing(device) or (decoding and device.type != "cpu") or not bool(attention_mask.all())
+    return attention_mask if kept else None
 
 
 def packed_document_starts(batch: int, seq_len: int, device: torch.device, keeps_cache: bool = False,
@@ -71,13 +65,9 @@ def packed_document_starts(batch: int, seq_len: int, device: torch.device, keeps
     for one document per row (while tracing: none given), from transformers' padding-free inputs (integer tensors):
     ``cu_seq_lens_q`` ``(num_docs + 1,)`` (batch 1), ``seq_idx`` ``(batch, seq_len)``, ``position_ids``
     ``(batch, seq_len)`` or ``(seq_len,)``. A call that ``keeps_cache`` must hold one document per row.
-
-    Raises:
-        TypeError: a non-integer tensor.
-        ValueError: a bad shape, lengths not rising strictly from 0 to ``seq_len``, a decreasing ``seq_idx``,
-            ``position_ids`` that neither restart at 0 nor rise by 1, inputs that disagree, or several documents in a
-            row that ``keeps_cache``.
-    """
+    ``TypeError``: a non-integer tensor; ``ValueError``: a bad shape, lengths not rising strictly from 0 to ``seq_len``,
+    a decreasing ``seq_idx``, ``position_ids`` that neither restart at 0 nor rise by 1, inputs that disagree, or
+    several documents in a row that ``keeps_cache``."""
     starts = {}
     if cu_seq_lens_q is not None:
         cu = _integer_tensor("cu_seq_lens_q", cu_seq_lens_q).to(device)
@@ -131,11 +121,8 @@ def _integer_tensor(name: str, value) -> torch.Tensor:
 
 def check_logits_to_keep(logits_to_keep, seq_len: int):
     """The index of the kept positions: an ``int >= 0`` keeps the last that many (0: all), a 1-D integer tensor those.
-
-    Raises:
-        TypeError: a ``bool``, a float, or a tensor that is not an integer tensor.
-        ValueError: a negative int, a tensor that is not 1-D, or an index outside ``[-seq_len, seq_len)``.
-    """
+    ``TypeError``: a ``bool``, a float, or a non-integer tensor; ``ValueError``: a negative int, a tensor that is not
+    1-D, or an index outside ``[-seq_len, seq_len)``."""
     if isinstance(logits_to_keep, torch.Tensor):
         if logits_to_keep.dtype.is_floating_point or logits_to_keep.dtype == torch.bool:
             raise TypeError(f"`logits_to_keep` as a tensor must hold integer positions, got {logits_to_keep.dtype}.")

@@ -1,6 +1,5 @@
-"""DenseMamba: Mamba (Gu & Dao 2023) with DenseSSM's dense hidden connection (He et al. 2024, §3.3, §4.2), on the scan
-inputs ``u`` and ``B`` (``dense_target="input"``) or on the states read out with each layer's ``C`` (``"state"``, Eq.
-14): docs/design.md §4."""
+"""DenseMamba: Mamba (Gu & Dao 2023) with DenseSSM's dense hidden connection (He et al. 2024, §3.3, §4.2) on the scan
+inputs ``u``, ``B`` or on the states read out with each layer's ``C`` (``dense_target``, Eq. 14): docs/design.md §4."""
 
 from __future__ import annotations
 
@@ -96,9 +95,8 @@ class DenseMambaMixer(nn.Module):
         if cache is not None:
             store_conv_inputs(cache, self.layer_idx, x.transpose(1, 2), self.conv_kernel_size)
             if previous_window is not None:  # rows given only padding keep their window
-                padded_rows = ~attention_mask.bool().any(dim=-1)
                 updated = cache_state(cache, self.layer_idx, "conv")
-                updated.copy_(torch.where(padded_rows[:, None, None], previous_window, updated))
+                updated.copy_(torch.where(attention_mask.bool().any(dim=-1)[:, None, None], updated, previous_window))
         if keep is not None:
             u = torch.where(keep, u, 0)
 
@@ -129,13 +127,11 @@ class DenseMambaMixer(nn.Module):
                 B = self.dense_B(hidden_states, B, dense_B)
 
         # 5. selective scan (Mamba Alg. 2) from the cached state; with state fusion, D and SiLU(z) after the fusion
-        D = None if fuse_states else self.D.to(acc)
-        z_scan = None if fuse_states else z
+        D, z_scan = (None, None) if fuse_states else (self.D.to(acc), z)
         record_states(cache, self.layer_idx, state, _state_after, u, dt, A, B, C, softplus)
         if decode:
-            z_t = None if z_scan is None else z_scan[..., 0]
-            y = selective_state_update(state, u[:, 0], dt[..., 0], A, B[:, 0], C[:, 0], D, z=z_t, dt_softplus=softplus)
-            y = y.unsqueeze(-1)
+            y = selective_state_update(state, u[:, 0], dt[..., 0], A, B[:, 0], C[:, 0], D,
+                                       z=None if fuse_states else z[..., 0], dt_softplus=softplus)[..., None]
         else:
             y = selective_scan(u.transpose(1, 2), dt, A, B.transpose(1, 2), C.transpose(1, 2), D=D, z=z_scan,
                                delta_softplus=softplus, initial_state=state, return_last_state=cache is not None,
@@ -152,12 +148,10 @@ class DenseMambaMixer(nn.Module):
 
 class DenseMambaBlock(GradientCheckpointingLayer):
     """Pre-norm residual block ``x + mixer(RMSNorm(x))`` (as ``transformers.MambaBlock``; the residual in float32
-    with ``config.residual_in_fp32``). ``forward(hidden_states, *dense_inputs, cache, attention_mask, reset)``
-    returns the flat ``(hidden_states, *features)`` (:func:`~.dense_connection.run_dense_layers`)."""
+    with ``config.residual_in_fp32``); ``forward``: a block of :func:`~.dense_connection.run_dense_layers`."""
 
     def __init__(self, config: DenseMambaConfig, layer_idx: int):
         super().__init__()
-        self.layer_idx = layer_idx
         self.residual_in_fp32 = config.residual_in_fp32
         self.norm = DenseSSMRMSNorm(config.hidden_size, eps=config.layer_norm_epsilon)
         self.mixer = DenseMambaMixer(config, layer_idx=layer_idx)

@@ -1,6 +1,5 @@
 """DenseRetNet: RetNet-GAU with DenseSSM's dense KV connection (He et al. 2024, §3.3 "Extension to RetNet", Eq. 18-24,
-§4.2); the block's equations, the published retention normalization folded into the group norm, padding and init:
-docs/design.md §3."""
+§4.2); the equations, the published retention normalization, padding and init: docs/design.md §3."""
 
 from __future__ import annotations
 
@@ -36,9 +35,8 @@ def theta_shift(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
 
 
 def retention_row_sums(positions: torch.Tensor, num_heads: int, dtype: torch.dtype) -> torch.Tensor:
-    """``s_t = sum_{j<=t} gamma_h^(t-j) = (1 - gamma_h^(t+1)) / (1 - gamma_h)``, ``gamma_h = 1 - 2^(-5-h)``, the
-    published per-row normalization (docs/design.md §3): ``(batch, seq_len, num_heads, 1)`` ``dtype`` (computed in
-    float64) from ``positions`` ``(batch, seq_len)`` int64 ``t`` (-1 at padding counts as 0)."""
+    """The published per-row normalization ``s_t`` of head ``h`` (docs/design.md §3), ``(batch, seq_len, num_heads,
+    1)`` ``dtype`` (computed in float64), from ``positions`` ``(batch, seq_len)`` int64 ``t`` (-1 at padding: 0)."""
     heads = torch.arange(num_heads, device=positions.device, dtype=torch.float64)
     log_gamma = torch.log1p(-torch.exp2(-5.0 - heads))  # log(gamma_h), (H,)
     count = positions.clamp(min=0).to(torch.float64)[..., None] + 1  # t + 1
@@ -46,9 +44,8 @@ def retention_row_sums(positions: torch.Tensor, num_heads: int, dtype: torch.dty
 
 
 def _state_after(k, v, initial_state, n):
-    """The retention state after the first ``n`` of a forward's tokens, for a speculative ``crop``
-    (:func:`~.cache.record_states`): Eq. 18 unrolled, ``gamma^n S_0 + sum_{j<n} gamma^(n-1-j) k_j^T v_j``, in the
-    state's dtype (one product, not the chunked form's outputs)."""
+    """The retention state after a forward's first ``n`` tokens, for ``crop`` (:func:`~.cache.record_states`): Eq. 18
+    unrolled, ``gamma^n S_0 + sum_{j<n} gamma^(n-1-j) k_j^T v_j``, one product (no outputs) in the state's dtype."""
     dtype = torch.promote_types(v.dtype, torch.float32)
     log2_gamma = retention_log2_gamma(k.shape[2], k.device, dtype)  # (H,)
     decay = torch.exp2(torch.arange(n - 1, -1, -1, device=k.device, dtype=dtype)[:, None] * log2_gamma)  # (n, H)

@@ -57,11 +57,7 @@ def save_ids(folder: Path, variant: str | None = None) -> dict[str, str | None]:
 
 def save_running(folder: Path) -> bool:
     """Whether a save runs in ``folder``: it holds the lock of its staging folder."""
-    try:
-        staging = [entry for entry in folder.iterdir() if entry.name.startswith(STAGING_PREFIX)]
-    except OSError:
-        return False
-    for entry in staging:
+    for entry in folder.glob(STAGING_PREFIX + "*"):
         try:
             fd = os.open(entry / LOCK_NAME, os.O_RDONLY)
         except OSError:
@@ -102,12 +98,9 @@ def _error(folder: Path, ids: dict, running: bool) -> MixedSaveError:
 def load_one_save(load, path, kwargs: dict):
     """``load()`` (transformers' ``from_pretrained(path, **kwargs)``); for a local folder, its files (:func:`save_ids`)
     and the ``config`` passed in must name one save before and after, a load that saw the folder change runs again,
-    and a running save is waited for (:data:`WAIT_S`). The loaded config's save id is dropped.
-
-    Raises:
-        MixedSaveError: (an ``OSError``) the files belong to different saves (the message lists which file belongs to
-            which save, and how to recover), or saves kept changing the folder for :data:`WAIT_S` seconds.
-    """
+    and a running save is waited for (:data:`WAIT_S`). The loaded config's save id is dropped. ``MixedSaveError`` (an
+    ``OSError``): the files belong to different saves (the message lists which file belongs to which save, and how to
+    recover), or saves kept changing the folder for :data:`WAIT_S` seconds."""
     folder = Path(path, kwargs.get("subfolder") or "") if isinstance(path, (str, os.PathLike)) else None
     if folder is None or not (folder / "config.json").is_file() or kwargs.get("use_safetensors") is False:
         model = load()
@@ -126,7 +119,7 @@ def _checked_load(load, folder: Path, variant: str | None, passed: dict):
     while True:
         before = {**save_ids(folder, variant), **passed}
         found = set(before.values())  # a file without an id counts only while a save runs or was cut off here
-        if None in found and len(found) > 1 and not any(e.name.startswith(OWN_PREFIX) for e in folder.iterdir()):
+        if None in found and len(found) > 1 and not any(folder.glob(OWN_PREFIX + "*")):
             found.discard(None)
         if len(found) == 1:
             try:
