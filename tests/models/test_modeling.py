@@ -97,6 +97,11 @@ def test_bad_inputs_raise_at_entry(family):
         model(ids, cache="not a cache", use_cache=True)
     with pytest.raises(ValueError, match="logits_to_keep"):
         model(ids, logits_to_keep=-1)
+    cache = model(ids, use_cache=True).cache  # over a cache, the same errors (not an AttributeError on `.shape`)
+    with pytest.raises(ValueError, match="exactly one"):
+        model(cache=cache)
+    with pytest.raises(TypeError, match="input_ids"):
+        model([[1]], cache=cache)
 
 
 DENSE_SETTINGS = [

@@ -10,8 +10,8 @@ from ..ops.backend import require, tracing
 
 
 def check_inputs(input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None, hidden_size: int, vocab_size: int,
-                 decoding: bool = False) -> None:
-    """Check the model's token inputs (``decoding``: a one-token step over a cache, whose id check makes no host sync).
+                 cached: bool = False) -> None:
+    """Check the model's token inputs (``cached``: over a cache; a one-token step's id check makes no host sync).
     ``ValueError``: both or neither given; ``input_ids`` not ``(batch, seq_len)`` or ``inputs_embeds`` not ``(batch,
     seq_len, hidden_size)``, with ``batch, seq_len >= 1``; an id outside ``[0, vocab_size)``. ``TypeError``:
     ``input_ids`` not an int64 / int32 tensor, ``inputs_embeds`` not a floating-point tensor."""
@@ -27,7 +27,7 @@ def check_inputs(input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | N
         require(
             ((input_ids >= 0) & (input_ids < vocab_size)).all(),
             f"`input_ids` must hold token ids in [0, vocab_size) = [0, {vocab_size}): was the text tokenized with this "
-            "model's tokenizer?", host_read=not decoding,
+            "model's tokenizer?", host_read=not (cached and input_ids.shape[1] == 1),
         )
     elif not isinstance(inputs_embeds, torch.Tensor) or not inputs_embeds.dtype.is_floating_point:
         got = inputs_embeds.dtype if isinstance(inputs_embeds, torch.Tensor) else type(inputs_embeds).__name__

@@ -113,10 +113,10 @@ class DenseSSMModel(DenseSSMPreTrainedModel):
         """
         config = self.config
         output_hidden_states = config.output_hidden_states if output_hidden_states is None else output_hidden_states
-        decoding = cache is not None and (input_ids if input_ids is not None else inputs_embeds).shape[1] == 1
-        check_inputs(input_ids, inputs_embeds, config.hidden_size, config.vocab_size, decoding=decoding)
+        check_inputs(input_ids, inputs_embeds, config.hidden_size, config.vocab_size, cached=cache is not None)
         embeds = self.get_input_embeddings()(input_ids) if inputs_embeds is None else inputs_embeds.to(self.dtype)
         batch, seq_len = embeds.shape[:2]
+        decoding = cache is not None and seq_len == 1
         reset = packed_document_starts(batch, seq_len, embeds.device, cache is not None or bool(use_cache), **kwargs)
         if use_cache is None:
             use_cache = config.use_cache and not self.training and reset is None
