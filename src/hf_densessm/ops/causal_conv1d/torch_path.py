@@ -26,10 +26,8 @@ def _masks(reset: torch.Tensor | None, kernel: int, cdt: torch.dtype) -> dict | 
 def _padded(x, taps, window, kernel, cdt) -> tuple[torch.Tensor, torch.Tensor]:
     """The compiled form's operands: ``(batch, K - 1 + seq_len, channels)``, the window's newest ``K - 1`` inputs (or
     zeros) then ``x``, and a ``(K, channels)`` copy of ``taps`` materialized via ``as_strided`` (docs/kernels.md)."""
-    if window is None:
-        padded = torch.nn.functional.pad(x.to(cdt), (0, 0, kernel - 1, 0))
-    else:
-        padded = torch.cat([window[:, :, 1:].to(cdt).transpose(1, 2), x.to(cdt)], dim=1)
+    padded = (torch.nn.functional.pad(x.to(cdt), (0, 0, kernel - 1, 0)) if window is None
+              else torch.cat([window[:, :, 1:].to(cdt).transpose(1, 2), x.to(cdt)], dim=1))
     rows = taps.to(cdt).t().contiguous()
     return padded, rows.as_strided(rows.shape, rows.stride())
 
@@ -74,8 +72,7 @@ def causal_conv1d_torch(x, taps, bias=None, window=None, reset=None, silu=False)
     """The forward pass of :func:`hf_densessm.ops.causal_conv1d`, no checks: ``taps`` ``(channels, K)``, ``reset``
     bool or ``None``, ``silu`` a bool, the rest as there. Returns ``(batch, seq_len, channels)`` contiguous in ``x``'s
     dtype, computed in float32 (float64 for float64 ``x``)."""
-    cdt = compute_dtype(x.dtype)
-    pre = _pre_activation(x, taps, bias, window, reset, cdt)
+    pre = _pre_activation(x, taps, bias, window, reset, compute_dtype(x.dtype))
     if silu:
         torch.nn.functional.silu(pre, inplace=True)
     return pre.to(x.dtype)
