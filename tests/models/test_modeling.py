@@ -97,7 +97,7 @@ def test_bad_inputs_raise_at_entry(family):
         model(ids, cache="not a cache", use_cache=True)
     with pytest.raises(ValueError, match="logits_to_keep"):
         model(ids, logits_to_keep=-1)
-    cache = model(ids, use_cache=True).cache  # over a cache, the same errors (not an AttributeError on `.shape`)
+    cache = output_cache(model(ids, use_cache=True))  # over a cache, the same errors (no AttributeError on `.shape`)
     with pytest.raises(ValueError, match="exactly one"):
         model(cache=cache)
     with pytest.raises(TypeError, match="input_ids"):
