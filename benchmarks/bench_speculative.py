@@ -12,8 +12,8 @@ tokens per forward of the target model, the acceptance rate (accepted / drafted 
 copy the file. The assistant is the checkpoint's first ``--assistant-layers`` blocks with its embeddings, final norm
 and head (a layer-skipping draft: no second model is trained here).
 
-It also times the rollback against its alternative, on the prompt's cache: a verification forward of
-``--lookup-tokens + 1`` tokens, ``crop`` taking half of them back (the recorded layers' own recurrence re-run over
+It also times the rollback against its alternative, on the prompt's cache: a verification forward of the largest
+``--lookup-tokens`` + 1 tokens, ``crop`` taking half of them back (the recorded layers' own recurrence re-run over
 the kept tokens), and the second forward of the kept tokens that snapshot-and-recompute would run instead.
 
 Run from the repository root, after ``python examples/pretrain.py`` (its default output folder)::
@@ -51,7 +51,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--prompt-tokens", type=int, default=512, help="tokens of the file given in the prompt")
     parser.add_argument("--restart-tokens", type=int, default=16, help="its first tokens, given again")
     parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--lookup-tokens", type=int, default=10, help="prompt_lookup_num_tokens")
+    parser.add_argument("--lookup-tokens", type=int, nargs="+", default=[5, 10],
+                        help="prompt_lookup_num_tokens: one row per value")
     parser.add_argument("--assistant-layers", type=int, default=None, help="default: half the blocks")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
@@ -136,7 +137,7 @@ def main(argv=None) -> dict:
     base = dict(do_sample=False, max_new_tokens=args.new_tokens, eos_token_id=None, pad_token_id=tokenizer.pad_token_id)
     methods = {
         "plain greedy": base,
-        f"prompt lookup ({args.lookup_tokens})": dict(base, prompt_lookup_num_tokens=args.lookup_tokens),
+        **{f"prompt lookup ({k})": dict(base, prompt_lookup_num_tokens=k) for k in args.lookup_tokens},
         f"assisted ({layers}-block draft)": dict(base, assistant_model=assistant),
     }
     stats = {name: draft_statistics(model, prompt, kwargs) for name, kwargs in methods.items()}
@@ -165,8 +166,9 @@ def main(argv=None) -> dict:
         acceptance = f"{row['acceptance']:.0%} of {s['drafted']}" if s["drafted"] else "-"
         print(f"| {name} | {row['tokens_per_s']:.1f} | {row['speedup']:.2f}x | {'yes' if row['same_tokens'] else 'NO'} "
               f"| {row['tokens_per_forward']:.2f} | {acceptance} | {row['copied']:.0%} |")
-    costs = rollback_costs(model, prompt, args.lookup_tokens, args.repeats)
-    print(f"\nrollback of {(args.lookup_tokens + 1) // 2} of {args.lookup_tokens + 1} verified tokens: verification "
+    lookup = max(args.lookup_tokens)
+    costs = rollback_costs(model, prompt, lookup, args.repeats)
+    print(f"\nrollback of {(lookup + 1) // 2} of {lookup + 1} verified tokens: verification "
           f"forward {costs['verify'] * 1e3:.1f} ms, crop (recurrence re-run) {costs['crop'] * 1e3:.1f} ms, "
           f"recomputing the kept tokens instead {costs['recompute'] * 1e3:.1f} ms")
     return results

@@ -23,6 +23,8 @@ def test_bench_speculative_runs(tmp_path, capsys):
     tokenizer.save_pretrained(tmp_path)
     results = bench_speculative.main([
         "--model-dir", str(tmp_path), "--prompt-tokens", "48", "--new-tokens", "8", "--repeats", "1", "--warmup", "0",
+        "--lookup-tokens", "2", "5",
     ])
-    assert len(results) == 3 and all(row["same_tokens"] for row in results.values())
-    assert "| plain greedy |" in capsys.readouterr().out
+    assert len(results) == 4 and all(row["same_tokens"] for row in results.values())
+    out = capsys.readouterr().out
+    assert "| plain greedy |" in out and "| prompt lookup (2) |" in out and "| prompt lookup (5) |" in out
