@@ -17,6 +17,7 @@ from hf_densessm.ops.retention import chunk_retention, retention_gamma, retentio
 from hf_densessm.ops.retention.chunked_torch import (
     chunk_retention_torch,
     chunk_retention_torch_backward,
+    retention_state_after,
     retention_state_update_torch,
 )
 from hf_densessm.ops.retention.naive import chunk_retention_naive, retention_log2_gamma
@@ -114,6 +115,20 @@ def test_parallel_matches_eq24_sum():
             weight = gamma ** (t - s) * (q[0, t] * k[0, s]).sum(-1)  # (H,)
             expected[0, t] += 3**-0.5 * weight[:, None] * v[0, s]
     torch.testing.assert_close(chunk_retention_naive(q, k, v), expected, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("n", [1, 4, 7])
+@pytest.mark.parametrize("initial_state", [False, True])
+def test_state_after_the_first_tokens_is_eq18_unrolled(n, initial_state):
+    """``crop``'s state after the first ``n`` tokens against Eq. 18 as a loop, S_t = gamma S_{t-1} + k_t^T v_t."""
+    _, k, v, s0 = _inputs(2, 7, 3, 4, 5, initial_state=initial_state)
+    gamma = retention_gamma(3, dtype=torch.float64).to(k.device)[:, None, None]
+    expected = torch.zeros(2, 3, 4, 5, dtype=torch.float64, device=k.device) if s0 is None else s0.clone()
+    for t in range(n):
+        expected = gamma * expected + k[:, t, :, :, None] * v[:, t, :, None, :]
+    state = retention_state_after(k, v, s0, n)
+    assert state.dtype == torch.float64 and state.shape == (2, 3, 4, 5)
+    torch.testing.assert_close(state, expected, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("length", [1, 5, 70])

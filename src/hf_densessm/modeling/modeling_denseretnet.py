@@ -11,7 +11,8 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 
 from ..configuration.configuration_denseretnet import DenseRetNetConfig
 from ..ops.packing import document_positions
-from ..ops.retention import chunk_retention, retention_log2_gamma, retention_state_update
+from ..ops.retention import chunk_retention, retention_state_update
+from ..ops.retention.chunked_torch import retention_state_after
 from .cache import cache_state, record_states, store_recurrent_state
 from .dense_connection import build_dense_connection, init_dense_linear, split_dense_inputs
 from .modeling_densessm import (
@@ -41,16 +42,6 @@ def retention_row_sums(positions: torch.Tensor, num_heads: int, dtype: torch.dty
     log_gamma = torch.log1p(-torch.exp2(-5.0 - heads))  # log(gamma_h), (H,)
     count = positions.clamp(min=0).to(torch.float64)[..., None] + 1  # t + 1
     return (torch.expm1(count * log_gamma) / torch.expm1(log_gamma)).to(dtype)[..., None]
-
-
-def _state_after(k, v, initial_state, n):
-    """The retention state after a forward's first ``n`` tokens, for ``crop`` (:func:`~.cache.record_states`): Eq. 18
-    unrolled, ``gamma^n S_0 + sum_{j<n} gamma^(n-1-j) k_j^T v_j``, one product (no outputs) in the state's dtype."""
-    dtype = torch.promote_types(v.dtype, torch.float32)
-    log2_gamma = retention_log2_gamma(k.shape[2], k.device, dtype)  # (H,)
-    decay = torch.exp2(torch.arange(n - 1, -1, -1, device=k.device, dtype=dtype)[:, None] * log2_gamma)  # (n, H)
-    written = (k[:, :n].to(dtype) * decay[..., None]).permute(0, 2, 3, 1) @ v[:, :n].to(dtype).transpose(1, 2)
-    return written if initial_state is None else written + torch.exp2(log2_gamma * n)[:, None, None] * initial_state
 
 
 class DenseRetNetRetention(nn.Module):
@@ -103,7 +94,7 @@ class DenseRetNetRetention(nn.Module):
         q, k = (theta_shift(t.view(batch, seq_len, self.num_heads, self.head_dim), *rotary[:2]) for t in (q, k))
         v = v.reshape(batch, seq_len, self.num_heads, -1)
         state = cache_state(cache, self.layer_idx)
-        record_states(cache, self.layer_idx, state, _state_after, k, v)
+        record_states(cache, self.layer_idx, state, retention_state_after, k, v)
 
         if state is not None and seq_len == 1 and not torch.is_grad_enabled():
             # decode: S = gamma S + k^T v; o = q S (Eq. 18, 19), the state updated in place

@@ -9,9 +9,8 @@ import torch.nn.functional as F
 from ..backend import compute_dtype
 from .naive import retention_log2_gamma
 
-__all__ = [
-    "chunk_retention_torch", "chunk_retention_torch_backward", "default_chunk_size", "retention_state_update_torch",
-]
+__all__ = ["chunk_retention_torch", "chunk_retention_torch_backward", "default_chunk_size", "retention_state_after",
+           "retention_state_update_torch"]
 
 
 def default_chunk_size(key_dim, value_dim):
@@ -58,6 +57,16 @@ def _states(k, v, state, masks):
         states.append(state)
         state = torch.addcmul(update, state, chunk_decay[:, :, c])
     return (states[0][:, :, None] if len(states) == 1 else torch.stack(states, dim=2)), state, k_write
+
+
+def retention_state_after(k, v, initial_state, n):
+    """The state ``(B, H, K, V)`` after the first ``n >= 1`` tokens of ``k`` ``(B, L, H, K)``, ``v`` ``(B, L, H, V)``
+    from ``initial_state`` ``(B, H, K, V)`` (None: zeros), in the compute dtype, with no outputs (what ``crop`` writes
+    back, docs/design.md §5): Eq. 18 unrolled, ``gamma^n S_0 + sum_{j<n} gamma^(n-1-j) k_j^T v_j``, as one chunk."""
+    dtype = compute_dtype(v.dtype)
+    k, v = (_block(x, 0, n, n, dtype) for x in (k, v))
+    state = k.new_zeros(*k.shape[:2], k.shape[-1], v.shape[-1]) if initial_state is None else initial_state.to(dtype)
+    return _states(k, v, state, _block_masks(retention_log2_gamma(k.shape[1], k.device, dtype), n, 1, None, dtype))[1]
 
 
 def _block_forward(q, k, v, state, masks):
