@@ -22,13 +22,13 @@ def _block_masks(log2_gamma, C, n, segments, dtype):
     """``(intra, q_decay, k_decay, chunk_decay)`` of ``n`` chunks of ``C`` tokens: ``gamma^(i-j)`` (``j <= i``),
     ``gamma^(i+1)``, ``gamma^(C-1-j)``, ``gamma^C``, masked to documents by ``segments`` ``(B, n, C + 1)`` (the
     document of the token before each chunk, then of its tokens) or None (docs/kernels.md, "Packed sequences")."""
-    lg = log2_gamma[:, None]  # (H, 1)
-    i = torch.arange(C, device=log2_gamma.device, dtype=dtype)
-    distance = i[:, None] - i[None, :]
-    intra = torch.exp2(lg[:, :, None] * distance.clamp(min=0)) * (distance >= 0)  # (H, C, C): gamma^(i-j)
-    q_decay = torch.exp2(lg * (i + 1))[:, None, :, None]  # (H, 1, C, 1)
-    k_decay = torch.exp2(lg * (C - 1 - i))[:, None, :, None]  # (H, 1, C, 1)
-    chunk_decay = torch.exp2(log2_gamma * C)[None, :, None, None, None]  # (1, H, 1, 1, 1)
+    i = torch.arange(C + 1, device=log2_gamma.device, dtype=dtype)
+    powers = torch.exp2(log2_gamma[:, None] * i)  # (H, C + 1): gamma^0 .. gamma^C
+    distance = i[:C, None] - i[None, :C]  # gamma^(i-j) for j > i is finite (at most gamma_0^-255) and zeroed
+    intra = torch.exp2(log2_gamma[:, None, None] * distance).tril()  # (H, C, C): gamma^(i-j)
+    q_decay = powers[:, None, 1:, None]  # (H, 1, C, 1)
+    k_decay = powers[:, None, :C, None].flip(2)  # (H, 1, C, 1)
+    chunk_decay = powers[None, :, C, None, None, None]  # (1, H, 1, 1, 1)
     if segments is None:
         return intra[:, None], q_decay, k_decay, chunk_decay.expand(-1, -1, n, -1, -1)
     before, seg = segments[:, :, :1], segments[:, :, 1:]  # (B, n, 1), (B, n, C)
