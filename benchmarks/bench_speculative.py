@@ -20,6 +20,10 @@ Run from the repository root, after ``python examples/pretrain.py`` (its default
 
     python benchmarks/bench_speculative.py
     python benchmarks/bench_speculative.py --model-dir outputs/densemamba-tiny --new-tokens 128 --repeats 3
+
+``--device cuda`` runs it on a GPU (``benchmarks/gpu_suite.py``'s ``speculative`` section): there ``generate()``
+compiles plain greedy's decoding step by default (CUDA graphs), so a row ``plain greedy, disable_compile`` adds the
+eager one; speculative forwards run eagerly (a recording cache is not compileable, docs/design.md §5).
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda: adds plain greedy with disable_compile=True")
     return parser.parse_args(argv)
 
 
@@ -64,7 +69,7 @@ def layer_skipping_assistant(model, layers: int):
     """The first ``layers`` blocks of ``model`` with its embeddings, final norm and head (weights shared)."""
     config = copy.deepcopy(model.config)
     config.num_hidden_layers = layers
-    assistant = type(model)(config).to(model.dtype).eval()
+    assistant = type(model)(config).to(model.device, model.dtype).eval()
     assistant.load_state_dict(model.state_dict(), strict=False)  # the blocks beyond `layers` are left out
     assistant.generation_config.num_assistant_tokens_schedule = "heuristic"
     return assistant
@@ -83,14 +88,19 @@ class TargetForwards:
 
 
 def draft_statistics(model, prompt, kwargs) -> dict:
-    """Forwards of the target, drafted and accepted tokens of one run of ``generate(prompt, **kwargs)``."""
-    counter = TargetForwards(model)
+    """Forwards of the target, drafted and accepted tokens of one run of ``generate(prompt, **kwargs)``. A plain
+    run (no drafts) is not hooked, as its decoding step may be compiled: one forward per new token."""
+    drafts = "prompt_lookup_num_tokens" in kwargs or "assistant_model" in kwargs
+    counter = TargetForwards(model) if drafts else None
     try:
         with torch.inference_mode():
             out = model.generate(prompt, **kwargs)
     finally:
-        counter.handle.remove()
+        if counter is not None:
+            counter.handle.remove()
     new = out.shape[1] - prompt.shape[1]
+    if counter is None:
+        return {"forwards": new, "drafted": 0, "accepted": 0, "tokens": out}
     forwards = len(counter.fed)
     drafted = counter.fed[0] - prompt.shape[1] + sum(fed - 1 for fed in counter.fed[1:])
     accepted = new - forwards
@@ -103,21 +113,38 @@ def rollback_costs(model, prompt, draft: int, repeats: int) -> dict:
     ids = prompt[:, -(draft + 1) :]
     kept = (draft + 1) - (draft + 1) // 2
     times = {"verify": [], "crop": [], "recompute": []}
+    clock = _clock(prompt.device)
     with torch.inference_mode():
         for _ in range(repeats + 1):
             cache = DenseSSMCache(config=model.config)
             model(prompt[:, : -(draft + 1)], cache=cache, use_cache=True, logits_to_keep=1)
             cache.activate_past_recording()
-            start = time.perf_counter()
+            start = clock()
             model(ids, cache=cache, use_cache=True)
-            middle = time.perf_counter()
+            middle = clock()
             cache.crop(-((draft + 1) // 2))
-            end = time.perf_counter()
+            end = clock()
             model(ids[:, :kept], cache=DenseSSMCache(config=model.config), use_cache=True)
-            recomputed = time.perf_counter() - end
+            recomputed = clock() - end
             for name, seconds in (("verify", middle - start), ("crop", end - middle), ("recompute", recomputed)):
                 times[name].append(seconds)
     return {name: statistics.median(values[1:]) for name, values in times.items()}
+
+
+def _synchronized(device, fn):
+    """``fn()``, then a CUDA synchronize on a GPU (so that a timer stops after the device's work)."""
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _clock(device):
+    """``time.perf_counter`` after the device's queued work (a CUDA synchronize first)."""
+    def clock():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter()
+    return clock
 
 
 def main(argv=None) -> dict:
@@ -129,27 +156,30 @@ def main(argv=None) -> dict:
         print(f"note: stdlib/{args.file} was in examples/pretrain.py's training text (not held out)")
     text = (stdlib_root() / args.file).read_text(encoding="utf-8")
     tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
-    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32).eval()
-    file_ids = tokenizer(text, return_tensors="pt").input_ids
+    device = torch.device(args.device)
+    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32).to(device).eval()
+    file_ids = tokenizer(text, return_tensors="pt").input_ids.to(device)
     prompt = torch.cat([file_ids[:, : args.prompt_tokens], file_ids[:, : args.restart_tokens]], dim=1)
     layers = args.assistant_layers or max(1, model.config.num_hidden_layers // 2)
     assistant = layer_skipping_assistant(model, layers)
     base = dict(do_sample=False, max_new_tokens=args.new_tokens, eos_token_id=None, pad_token_id=tokenizer.pad_token_id)
     methods = {
         "plain greedy": base,
+        **({"plain greedy, disable_compile": dict(base, disable_compile=True)} if device.type == "cuda" else {}),
         **{f"prompt lookup ({k})": dict(base, prompt_lookup_num_tokens=k) for k in args.lookup_tokens},
         f"assisted ({layers}-block draft)": dict(base, assistant_model=assistant),
     }
     stats = {name: draft_statistics(model, prompt, kwargs) for name, kwargs in methods.items()}
     with torch.inference_mode():
         times = interleaved_times(
-            {name: partial(model.generate, prompt, **kwargs) for name, kwargs in methods.items()},
+            {name: partial(_synchronized, device, partial(model.generate, prompt, **kwargs))
+             for name, kwargs in methods.items()},
             args.warmup, args.repeats,
         )
     plain = stats["plain greedy"]["tokens"]
     truth = file_ids[0, args.restart_tokens : args.restart_tokens + args.new_tokens]
     print(f"# {args.model_dir} ({model.config.model_type}, {model.num_parameters() / 1e6:.1f}M parameters), "
-          f"stdlib/{args.file}: prompt {prompt.shape[1]} tokens, {args.new_tokens} new, batch 1, float32")
+          f"stdlib/{args.file}: prompt {prompt.shape[1]} tokens, {args.new_tokens} new, batch 1, float32, {device}")
     print(f"# {environment()}")
     print("| method | tokens/s | speed-up | same tokens | tokens per target forward | acceptance | copies the file |")
     print("|---|---|---|---|---|---|---|")

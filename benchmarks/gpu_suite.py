@@ -30,6 +30,15 @@ Sections (each runs on its own: an error is recorded in its row and the suite go
    ``torch.profiler`` over the same calls: kernel launches per token (``cudaLaunchKernel`` / ``cuLaunchKernel``,
    ``cudaGraphLaunch``, and their sum), GPU kernels, host syncs and copies per token.
 
+7. ``speculative``: ``benchmarks/bench_speculative.py --device cuda`` (issue 37): plain greedy ``generate()`` (its
+   decoding step compiled with CUDA graphs, as ``generate()`` does by default, and with ``disable_compile=True``)
+   against prompt lookup (5 and 10 drafted tokens) and assisted decoding, in float32 at batch 1 on the same held-out
+   standard-library file: tokens per second, speed-ups, same tokens as plain greedy (a check), tokens per forward,
+   acceptance. It needs a trained model (``--speculative-model``, default ``outputs/denseretnet-600``: the main
+   job's ``python examples/pretrain.py --model denseretnet --max-steps 600 --output-dir outputs/denseretnet-600``,
+   carried to the GPU machine); without one the section records ``skipped``. A dry run trains nothing: a micro
+   model with a small tokenizer, its figures meaningless.
+
 Every row fails on its own: an error (e.g. a model that cannot be compiled yet) is recorded in its row as
 ``error`` and the suite goes on.
 
@@ -115,9 +124,10 @@ class Suite:
     """Runs the sections and collects one record per figure: ``section, case, method, metric, value`` (+ ``ok``
     for checks, ``note``); writes them as JSON and as one markdown table."""
 
-    def __init__(self, device: torch.device, dry: bool):
+    def __init__(self, device: torch.device, dry: bool, speculative_model: Path | None = None):
         self.device = device
         self.dry = dry
+        self.speculative_model = speculative_model
         self.sizes = SIZES["dry" if dry else "gpu"]
         self.records: list[dict] = []
         self.failed = False
@@ -542,6 +552,30 @@ class Suite:
         counts["copies"] = count(("cudaMemcpyAsync", "cudaMemcpy"))
         return counts
 
+    def speculative(self):
+        """Speculative decoding through ``generate()`` (:mod:`bench_speculative` on this device); see the module
+        docstring, item 7."""
+        import tempfile
+
+        import bench_speculative
+
+        with tempfile.TemporaryDirectory() as tmp:
+            model_dir = _micro_speculative_model(Path(tmp)) if self.dry else self.speculative_model
+            if not (model_dir / "config.json").is_file():
+                self.add("speculative", "-", "-", "skipped", f"no trained model in {model_dir} (--speculative-model)")
+                return
+            sizes = (["--prompt-tokens", "48", "--new-tokens", "8", "--repeats", "1", "--warmup", "0"] if self.dry
+                     else ["--repeats", "5"])
+            results = bench_speculative.main(["--model-dir", str(model_dir), "--device", self.device.type, *sizes])
+        case = f"{'micro DenseRetNet (dry)' if self.dry else model_dir.name} batch 1 fp32"
+        for method, row in results.items():
+            self.add("speculative", case, method, "same_tokens", str(row["same_tokens"]), ok=row["same_tokens"],
+                     note="(greedy: plain greedy's tokens)")
+            for metric, unit in (("tokens_per_s", "tokens/s"), ("speedup", "x"), ("tokens_per_forward", ""),
+                                 ("acceptance", "")):
+                if row[metric] is not None:
+                    self.add("speculative", case, method, metric, float(row[metric]), unit)
+
     # ----------------------------------------------------------------------------------------- output
 
     def write(self, out_dir: Path):
@@ -598,6 +632,22 @@ def _optional(loader):
         return None, None
 
 
+def _micro_speculative_model(folder: Path) -> Path:
+    """A micro DenseRetNet with a small byte-level BPE tokenizer saved in ``folder`` (the dry run's stand-in for a
+    trained model); returns ``folder``."""
+    sys.path.insert(0, str(HERE.parent / "examples"))
+    import corpus
+    from hf_densessm import DenseRetNetConfig, DenseRetNetForCausalLM
+
+    tokenizer = corpus.train_tokenizer([(corpus.stdlib_root() / "textwrap.py").read_text()], 300)
+    torch.manual_seed(0)
+    config = DenseRetNetConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=4,
+                               num_attention_heads=2, query_key_dim=16)
+    DenseRetNetForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
 def _small_configs(dry, **overrides):
     """DenseMamba and DenseRetNet with the dense connection on, small enough to compare two backends quickly."""
     from hf_densessm import DenseMambaConfig, DenseRetNetConfig
@@ -629,7 +679,9 @@ def main(argv=None) -> int:
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU: checks the plumbing only")
     parser.add_argument("--sections", nargs="+", default=None,
                         help="run only these sections (environment always runs): kernel-correctness model-parity "
-                             "kernels training decode")
+                             "kernels training decode speculative")
+    parser.add_argument("--speculative-model", type=Path, default=HERE.parent / "outputs" / "denseretnet-600",
+                        help="a trained model folder for the speculative section")
     args = parser.parse_args(argv)
     import hf_densessm  # noqa: F401  (registers the models with transformers' Auto classes)
 
@@ -641,13 +693,14 @@ def main(argv=None) -> int:
         parser.error("no CUDA device: run on a machine with an NVIDIA GPU, or pass --dry-run")
     else:
         device = torch.device("cuda")
-    suite = Suite(device, args.dry_run)
+    suite = Suite(device, args.dry_run, args.speculative_model)
     sys.path.insert(0, str(HERE))
     from bench_cpu import set_recompile_limit  # the same limits as the CPU benchmark
 
     set_recompile_limit(RECOMPILE_LIMIT)
     sections = {"kernel-correctness": suite.kernel_correctness, "model-parity": suite.model_parity,
-                "kernels": suite.kernels, "training": suite.training, "decode": suite.decode}
+                "kernels": suite.kernels, "training": suite.training, "decode": suite.decode,
+                "speculative": suite.speculative}
     unknown = set(args.sections or ()) - set(sections)
     if unknown:
         parser.error(f"unknown sections {sorted(unknown)}; choose from {sorted(sections)}")

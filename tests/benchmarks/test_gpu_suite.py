@@ -3,6 +3,7 @@
 GPU machine is known to work before a GPU is at hand. Its numbers mean nothing and are not checked."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 
 SUITE = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_suite.py"
-SECTIONS = ("environment", "kernel-correctness", "model-parity", "kernels", "training", "decode")
+SECTIONS = ("environment", "kernel-correctness", "model-parity", "kernels", "training", "decode", "speculative")
 
 
 def test_dry_run_covers_every_section(tmp_path):
@@ -45,8 +46,28 @@ def test_dry_run_covers_every_section(tmp_path):
     # generate() took transformers' compile path (opted in on the CPU) for both families at every context
     compiled = [r for r in records if r["section"] == "decode" and r["metric"] == "compiled_path"]
     assert len(compiled) == 4 and all(r["value"] == "True" for r in compiled), compiled
+    # speculative decoding: plain greedy, prompt lookup (5, 10), assisted; each gives plain greedy's tokens
+    speculative = {r["method"] for r in records if r["section"] == "speculative" and r["metric"] == "same_tokens"}
+    assert speculative == {"plain greedy", "prompt lookup (5)", "prompt lookup (10)", "assisted (2-block draft)"}
+    assert ("speculative", "prompt lookup (5)", "speedup") in metrics
     table = (tmp_path / "gpu_suite.md").read_text().splitlines()
     assert table[0].startswith("| section |") and len(table) == len(records) + 2
+
+
+def test_gpu_session_dry_run(tmp_path):
+    """``benchmarks/gpu_session.sh --dry``: the lent GPU's prepared calls (both parts) run end to end on the CPU and
+    leave each part's JSON, table and log under ``$OUT``, with every check passed."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable}
+    result = subprocess.run(["bash", str(SUITE.parent / "gpu_session.sh"), "--dry"], cwd=SUITE.parents[1], env=env,
+                            capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    sections = set()
+    for part in ("part1-checks", "part1-kernels", "part2"):
+        report = json.loads((tmp_path / part / "gpu_suite.json").read_text())
+        assert not report["failed"] and (tmp_path / part / "log.txt").is_file()
+        sections |= {r["section"] for r in report["records"]}
+    assert sections == set(SECTIONS)
 
 
 SWEEP = SUITE.parent / "sweep_triton_tiles.py"
