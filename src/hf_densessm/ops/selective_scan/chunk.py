@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from ..backend import GPUArch, device_arch, inputs_compute_dtype, token_major_like
-from ..triton_utils import launch, softplus, tl, triton  # raises ImportError without triton
+from ..triton_utils import launch, sigmoid, softplus, tl, triton  # raises ImportError without triton
 
 __all__ = ["SelectiveScanConfig", "selective_scan_config", "selective_scan_triton_bwd", "selective_scan_triton_fwd"]
 
@@ -70,6 +70,15 @@ def _store_rows(ptr, tile, offs_d, mask_d, offs_n, NSTATE: tl.constexpr):
 
 
 @triton.jit
+def _sum_rows(x, acc, NSTATE: tl.constexpr):
+    """``acc + sum_n x[n, :]`` over the ``NSTATE`` rows of a :func:`_rows` tile, added in order: one add (a
+    multiply-add where ``x`` is a product) per row, against ``tl.sum``'s tree of products and adds."""
+    for n in tl.static_range(NSTATE):
+        acc += tl.sum(tl.where(tl.arange(0, x.shape[0])[:, None] == n, x, -0.0), axis=0)
+    return acc
+
+
+@triton.jit
 def _channels(tile, BLOCK_D: tl.constexpr, CPT: tl.constexpr):
     """The channels of channel block ``tile``: column ``j`` holds channel ``CPT (j % T) + j // T``, ``T = BLOCK_D /
     CPT``, so that a thread's ``CPT`` columns (``i, i + T, ...``) are adjacent channels (docs/kernels.md)."""
@@ -98,7 +107,7 @@ def _program(length, n_chunks, CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, NSTAT
 @triton.jit
 def _selective_scan_chunk_state_kernel(
     x_ptr, delta_ptr, A_ptr, V_ptr, z_ptr, bias_ptr, reset_ptr,
-    out_ptr, dtsum_ptr, flag_ptr,
+    out_ptr, dtsum_ptr,
     s_x_b, s_x_d, s_x_l, s_dt_b, s_dt_d, s_dt_l, s_A_d, s_A_n, s_V_b, s_V_n, s_V_l, s_z_b, s_z_d, s_z_l,
     dim, length, n_chunks,
     CHUNK: tl.constexpr, NSTATE: tl.constexpr, REVERSE: tl.constexpr, HAS_Z: tl.constexpr,
@@ -108,7 +117,8 @@ def _selective_scan_chunk_state_kernel(
     """Phase 1 of either pass, grid (channel blocks, chunks, batch): a chunk walked from zero, forward (``x = u``,
     ``V = B``) ``h <- a_t h + dt_t u_t B_t`` to its end state, or ``REVERSE`` (``x = dy``, ``V = C``) ``m <- a_t (m
     + C_t dy_t silu(z_t))`` to the adjoint leaving its start, into ``out`` ``(batch, n_chunks, dim, state)``;
-    ``dtsum``: ``sum dt`` ``(batch, n_chunks, dim)``; ``flag``: a document starts in it ``(batch, n_chunks)``."""
+    ``dtsum``: ``sum dt`` ``(batch, n_chunks, dim)``; ``reset``: ``(batch, length)``, -inf where a document starts,
+    else 0."""
     pid_d, pid_b, start, end, row, offs_n, mask_n = _program(length, n_chunks, CHUNK, BLOCK_N, NSTATE)
     v_base = V_ptr + pid_b * s_V_b + offs_n * s_V_n
     for j in range(D_STEPS):
@@ -122,7 +132,6 @@ def _selective_scan_chunk_state_kernel(
             z_base = z_ptr + pid_b * s_z_b + offs_d * s_z_d
         state = A2 * 0.0
         dtsum = bias * 0.0
-        docs = 0
         for i in range(0, end - start):
             t = end - 1 - i if REVERSE else start + i
             dt = tl.load(dt_base + t * s_dt_l, mask=mask_d, other=0.0).to(ACC) + bias
@@ -132,28 +141,24 @@ def _selective_scan_chunk_state_kernel(
             vt = tl.load(v_base + t * s_V_l, mask=mask_n, other=0.0).to(ACC)
             shift = 0.0
             if HAS_RESET:  # a document starts: a_t = exp2(dt A2 - inf) = 0, the state before it is dropped
-                r = tl.load(reset_ptr + pid_b * length + t)
-                docs += r.to(tl.int32)
-                shift = tl.where(r != 0, -float("inf"), 0.0)
+                shift = tl.load(reset_ptr + pid_b * length + t)
             a = tl.exp2(dt[None, :] * A2 + shift)
             if REVERSE:
                 if HAS_Z:
                     z = tl.load(z_base + t * s_z_l, mask=mask_d, other=0.0).to(ACC)
-                    s = s * z * (1.0 / (1.0 + tl.exp2(z * -LOG2E)))
+                    s = s * z * sigmoid(z)
                 state = a * (state + vt[:, None] * s[None, :])
             else:
                 state = a * state + vt[:, None] * (s * dt)[None, :]
             dtsum += dt
         _store_rows(out_ptr + row * dim * NSTATE, state, offs_d, mask_d, offs_n, NSTATE)
         tl.store(dtsum_ptr + row * dim + offs_d, dtsum, mask=mask_d)
-        if HAS_RESET:
-            tl.store(flag_ptr + row, (docs > 0).to(tl.int8), mask=pid_d + j == 0)
 
 
 @triton.jit
 def _selective_scan_chunk_adjoint_kernel(
     x_ptr, delta_ptr, A_ptr, V_ptr, z_ptr, bias_ptr, reset_ptr,
-    out_ptr, dtsum_ptr, flag_ptr,
+    out_ptr, dtsum_ptr,
     s_x_b, s_x_d, s_x_l, s_dt_b, s_dt_d, s_dt_l, s_A_d, s_A_n, s_V_b, s_V_n, s_V_l, s_z_b, s_z_d, s_z_l,
     dim, length, n_chunks,
     CHUNK: tl.constexpr, NSTATE: tl.constexpr, REVERSE: tl.constexpr, HAS_Z: tl.constexpr,
@@ -162,7 +167,7 @@ def _selective_scan_chunk_adjoint_kernel(
 ):
     """Backward phase 1: :func:`_selective_scan_chunk_state_kernel` in reverse (``x = dy``, ``V = C``)."""
     _selective_scan_chunk_state_kernel(
-        x_ptr, delta_ptr, A_ptr, V_ptr, z_ptr, bias_ptr, reset_ptr, out_ptr, dtsum_ptr, flag_ptr, s_x_b, s_x_d, s_x_l,
+        x_ptr, delta_ptr, A_ptr, V_ptr, z_ptr, bias_ptr, reset_ptr, out_ptr, dtsum_ptr, s_x_b, s_x_d, s_x_l,
         s_dt_b, s_dt_d, s_dt_l, s_A_d, s_A_n, s_V_b, s_V_n, s_V_l, s_z_b, s_z_d, s_z_l, dim, length, n_chunks, CHUNK,
         NSTATE, REVERSE, HAS_Z, HAS_BIAS, SOFTPLUS, HAS_RESET, ACC, BLOCK_D, D_STEPS, BLOCK_N, CPT, EVEN_D)
 
@@ -181,8 +186,9 @@ def _selective_scan_carry_kernel(
     ACC: tl.constexpr, BLOCK: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     """Phase 2, grid (batch, blocks of ``dim * state``): ``x <- P_c x + vals_c`` over the chunks from ``x0``, in order
-    or ``REVERSE``, ``P_c = exp(A dtsum_c)`` (0 where ``flag_c``), ``BLOCK_C`` chunks at a time: ``out``, ``final``
-    as :func:`_carry` returns them; ``vals``: ``(batch, n_chunks, dim, state)``; ``x0``: ``(batch, dim, state)``."""
+    or ``REVERSE``, ``P_c = exp(A dtsum_c + flag_c)`` (``flag_c`` -inf where a document starts, else 0), ``BLOCK_C``
+    chunks at a time: ``out``, ``final`` as :func:`_carry` returns them; ``vals``: ``(batch, n_chunks, dim, state)``;
+    ``x0``: ``(batch, dim, state)``."""
     pid_b = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     size = dim * NSTATE
@@ -201,11 +207,10 @@ def _selective_scan_carry_kernel(
         mask2 = mask_c[:, None] & mask[None, :]
         at = (pid_b * n_chunks + offs_c)[:, None]
         v = tl.load(vals_ptr + at * size + offs[None, :], mask=mask2, other=0.0).to(ACC)
-        p = tl.exp2(A2[None, :] * tl.load(dtsum_ptr + at * dim + d[None, :], mask=mask2, other=0.0).to(ACC))
+        p = A2[None, :] * tl.load(dtsum_ptr + at * dim + d[None, :], mask=mask2, other=0.0).to(ACC)
         if HAS_RESET:
-            f = tl.load(flag_ptr + pid_b * n_chunks + offs_c, mask=mask_c, other=0)
-            p = tl.where(f[:, None] != 0, 0.0, p)
-        p = tl.where(mask2, p, 1.0)
+            p += tl.load(flag_ptr + pid_b * n_chunks + offs_c, mask=mask_c, other=0.0)[:, None]
+        p = tl.where(mask2, tl.exp2(p), 1.0)
         p_cum, v_cum = tl.associative_scan((p, v), axis=0, combine_fn=_combine, reverse=REVERSE)
         after = p_cum * x[None, :] + v_cum  # x after chunk c (in the walk's order)
         if REVERSE:
@@ -258,12 +263,12 @@ def _selective_scan_chunk_output_kernel(
             ct = tl.load(c_base + t * s_C_l, mask=mask_n, other=0.0).to(ACC)
             shift = 0.0
             if HAS_RESET:  # a document starts: a_t = 0, the state before it is dropped
-                shift = tl.where(tl.load(reset_ptr + pid_b * length + t) != 0, -float("inf"), 0.0)
+                shift = tl.load(reset_ptr + pid_b * length + t)
             h = tl.exp2(dt[None, :] * A2 + shift) * h + bt[:, None] * (dt * u)[None, :]
-            y = tl.sum(h * ct[:, None], axis=0) + Dv * u
+            y = _sum_rows(h * ct[:, None], Dv * u, NSTATE)
             if HAS_Z:
                 z = tl.load(z_base + t * s_z_l, mask=mask_d, other=0.0).to(ACC)
-                y = y * z * (1.0 / (1.0 + tl.exp2(z * -LOG2E)))
+                y = y * z * sigmoid(z)
             tl.store(y_base + t * s_y_l, y.to(y_ptr.dtype.element_ty), mask=mask_d)
 
 
@@ -351,14 +356,14 @@ def _selective_scan_chunk_bwd_kernel(
             gy = tl.load(dy_base + t * s_dy_l, mask=mask_d, other=0.0).to(ACC)
             if HAS_Z:
                 z = tl.load(z_base + t * s_z_l, mask=mask_d, other=0.0).to(ACC)
-                gy = gy * z * (1.0 / (1.0 + tl.exp2(z * -LOG2E)))
+                gy = gy * z * sigmoid(z)
             bt = tl.load(b_base + t * s_B_l, mask=mask_n, other=0.0).to(ACC)
             ct = tl.load(c_base + t * s_C_l, mask=mask_n, other=0.0).to(ACC)
             g = ct[:, None] * gy[None, :] + gn
             gb = g * bt[:, None]
-            sum_gb = tl.sum(gb, axis=0)
+            sum_gb = _sum_rows(gb, -0.0, NSTATE)
             dtu = dt * u
-            q_suf += dtu * tl.sum(gb * A2, axis=0)
+            q_suf += dtu * _sum_rows(gb * A2, -0.0, NSTATE)
             dA -= gb * (d_rem * dtu)[None, :]
             _add_over_channels(dB_ptr + dbc_base + t * NSTATE, g * dtu[None, :], offs_n, NSTATE, BLOCK_N, BLOCK_D,
                                CPT)
@@ -369,7 +374,7 @@ def _selective_scan_chunk_bwd_kernel(
             d_rem -= dt
             shift = 0.0
             if HAS_RESET:
-                shift = tl.where(tl.load(reset_ptr + pid_b * length + t) != 0, -float("inf"), 0.0)
+                shift = tl.load(reset_ptr + pid_b * length + t)
             gn = tl.exp2(dt[None, :] * A2 + shift) * g
         h = _rows(states_ptr + row * dim * NSTATE, offs_d, mask_d, NSTATE, 1, offs_n, NSTATE, BLOCK_N, ACC)
         # sum_n A_n X_n at the chunk's first position, X = dL/d(dt A) = g a h_{t-1}; then X_t = X_{t-1} - p + q
@@ -387,13 +392,13 @@ def _selective_scan_chunk_bwd_kernel(
             gy = dy
             if HAS_Z:
                 z = tl.load(z_base + t * s_z_l, mask=mask_d, other=0.0).to(ACC)
-                sig = (1.0 / (1.0 + tl.exp2(z * -LOG2E)))
+                sig = sigmoid(z)
                 gy = dy * z * sig
             bt = tl.load(b_base + t * s_B_l, mask=mask_n, other=0.0).to(ACC)
             ct = tl.load(c_base + t * s_C_l, mask=mask_n, other=0.0).to(ACC)
             shift = 0.0
             if HAS_RESET:
-                shift = tl.where(tl.load(reset_ptr + pid_b * length + t) != 0, -float("inf"), 0.0)
+                shift = tl.load(reset_ptr + pid_b * length + t)
             h = tl.exp2(dt[None, :] * A2 + shift) * h + bt[:, None] * (dt * u)[None, :]
             ch = ct[:, None] * h
             d_pre += dt
@@ -401,14 +406,14 @@ def _selective_scan_chunk_bwd_kernel(
             _add_over_channels(dC_ptr + dbc_base + t * NSTATE, h * gy[None, :], offs_n, NSTATE, BLOCK_N, BLOCK_D,
                                CPT)
             ddt = tl.load(w_base + t * dim, mask=mask_d, other=0.0) + base - LN2 * p_pre
-            p_pre += gy * tl.sum(ch * A2, axis=0)
+            p_pre += gy * _sum_rows(ch * A2, -0.0, NSTATE)
             if SOFTPLUS:
-                ddt = ddt * (1.0 / (1.0 + tl.exp2(raw * -LOG2E)))
+                ddt = ddt * sigmoid(raw)
             tl.store(ddelta_ptr + pid_b * s_dd_b + offs_d * s_dd_d + t * s_dd_l, ddt.to(ddelta_ptr.dtype.element_ty),
                      mask=mask_d)
             dbias += ddt
             if HAS_Z:
-                y = tl.sum(ch, axis=0) + Dv * u
+                y = _sum_rows(ch, Dv * u, NSTATE)
                 tl.store(dz_ptr + pid_b * s_dz_b + offs_d * s_dz_d + t * s_dz_l,
                          (dy * y * sig * (1.0 + z * (1.0 - sig))).to(dz_ptr.dtype.element_ty), mask=mask_d)
         lam = _rows(lam_ptr + row * dim * NSTATE, offs_d, mask_d, NSTATE, 1, offs_n, NSTATE, BLOCK_N, ACC)
@@ -467,7 +472,7 @@ def _setup(u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, r
     use_fp64 = inputs_compute_dtype(u, delta, A, B, C, D, z, delta_bias, initial_state) == torch.float64
     kw = dict(dtype=torch.float64 if use_fp64 else torch.float32, device=u.device)
     D, delta_bias = (None if t is None else t.contiguous() for t in (D, delta_bias))  # indexed as contiguous
-    reset = None if reset is None else reset.to(dtype=torch.int8).contiguous()
+    reset = None if reset is None else torch.where(reset.bool(), -float("inf"), 0.0)  # exp2(... + reset): 0
     tiles = _tiles(config, dim, backward)
     flags = dict(CHUNK=config.chunk, NSTATE=nstate, HAS_BIAS=delta_bias is not None, SOFTPLUS=bool(delta_softplus),
                  HAS_RESET=reset is not None, ACC=tl.float64 if use_fp64 else tl.float32,
@@ -483,9 +488,10 @@ def _carry(kernel, x, delta, A, V, z, bias, reset, x0, kw, grid, flags, config):
     batch, dim, length = x.shape
     n_chunks, nstate, reverse = grid[1], A.shape[1], kernel is _selective_scan_chunk_adjoint_kernel
     vals, dtsum = torch.empty(batch, n_chunks, dim, nstate, **kw), torch.empty(batch, n_chunks, dim, **kw)
-    flag = torch.empty(batch, n_chunks, dtype=torch.int8, device=x.device) if reset is not None else None
+    flag = None if reset is None else torch.nn.functional.pad(reset, (0, n_chunks * flags["CHUNK"] - length)).view(
+        batch, n_chunks, -1).amin(-1)  # -inf where a document starts in the chunk
     launch(kernel)[grid](
-        x, delta, A, V, z, bias, reset, vals, dtsum, flag,
+        x, delta, A, V, z, bias, reset, vals, dtsum,
         *_strides3(x), *_strides3(delta), A.stride(0), A.stride(1), *_strides3(V), *_strides3(z),
         dim, length, n_chunks, REVERSE=reverse, HAS_Z=z is not None, **flags)
     out, final = torch.empty_like(vals), torch.empty(batch, dim, nstate, **kw)
