@@ -12,7 +12,7 @@ import torch
 
 from .dispatch import interpreting
 
-__all__ = ["acc", "launch", "sigmoid", "silu", "softplus", "tl", "triton"]
+__all__ = ["acc", "launch", "sigmoid", "softplus", "tl", "triton"]
 
 
 def launch(kernel):
@@ -54,11 +54,6 @@ def softplus(x):
 
 @triton.jit
 def sigmoid(x):
-    """``1 / (1 + exp(-x))`` elementwise, in float32 by an approximate division (2 ulp, no range check)."""
+    """``1 / (1 + exp(-x))`` elementwise, in float32 by an approximate division (2 ulp, no range check); the gate
+    ``y * silu(z) = y z sigmoid(z)`` of the Mamba block (Mamba paper Fig. 3)."""
     return tl.math.fdiv(1.0, 1.0 + tl.exp2(x * -1.4426950408889634), approx=x.dtype == tl.float32)
-
-
-@triton.jit
-def silu(x):
-    """``x * sigmoid(x)`` elementwise: the output gate ``y * silu(z)`` of the Mamba block (Mamba paper Fig. 3)."""
-    return x * sigmoid(x)

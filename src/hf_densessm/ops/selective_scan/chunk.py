@@ -23,9 +23,10 @@ LN2 = tl.constexpr(0.6931471805599453)
 @dataclass(frozen=True)
 class SelectiveScanConfig:
     """Launch choices of the scan (docs/kernels.md): ``chunk`` tokens per program (the backward pass must use the
-    forward pass's); channels per program (``block_d``), channel blocks per program and warps of the forward
-    (``fwd_*``) and backward (``bwd_*``) kernels; the carry kernel's ``(channel, state)`` entries per program, warps
-    and chunks held at once; pipelining stages. ``chunk``, ``*_block_d``, ``carry_*`` but warps: powers of 2."""
+    forward pass's); channels per program (``block_d``), channel blocks per program and warps of the walks (``fwd_*``:
+    both passes' phase 1, the forward's output) and of the backward kernel (``bwd_*``); the carry kernel's ``(channel,
+    state)`` entries per program, warps and chunks held at once; pipelining stages. ``chunk``, ``*_block_d``,
+    ``carry_*`` but warps: powers of 2."""
 
     chunk: int = 32
     fwd_block_d: int = 64
@@ -42,14 +43,17 @@ class SelectiveScanConfig:
 
 def selective_scan_config(arch: GPUArch, dtype: torch.dtype, nstate: int) -> SelectiveScanConfig:
     """The :class:`SelectiveScanConfig` of ``nstate`` states, the same for every ``arch`` and ``dtype`` (``u``'s):
-    two channels per thread in the forward kernels up to 16 states, else one (docs/kernels.md, "Tile, warp...")."""
+    up to 16 states, two channels per thread in the walks and 16-warp backward programs (at most 128 registers a
+    thread), else one channel and one warp (docs/kernels.md, "Tile, warp...")."""
     del arch, dtype
-    return SelectiveScanConfig(fwd_block_d=64 if nstate <= 16 else 32)
+    small = nstate <= 16
+    return SelectiveScanConfig(fwd_block_d=64 if small else 32, bwd_block_d=512 if small else 32,
+                               bwd_warps=16 if small else 1)
 
 
 # ------------------------------------------------------------------------------------------------ device code
 # A program's states: a (BLOCK_N, BLOCK_D) tile built only from vectors, so that a thread holds whole columns; the
-# token loops call no helper but softplus and _add_over_channels (docs/kernels.md, "Selective scan").
+# token loops call no helper but softplus, sigmoid, _sum_rows, _add_over_channels (docs/kernels.md, "Selective scan").
 
 
 @triton.jit
@@ -135,13 +139,11 @@ def _selective_scan_chunk_state_kernel(
         for i in range(0, end - start):
             t = end - 1 - i if REVERSE else start + i
             dt = tl.load(dt_base + t * s_dt_l, mask=mask_d, other=0.0).to(ACC) + bias
-            if SOFTPLUS:
-                dt = softplus(dt)
+            dt = softplus(dt) if SOFTPLUS else dt
             s = tl.load(x_base + t * s_x_l, mask=mask_d, other=0.0).to(ACC)
             vt = tl.load(v_base + t * s_V_l, mask=mask_n, other=0.0).to(ACC)
-            shift = 0.0
-            if HAS_RESET:  # a document starts: a_t = exp2(dt A2 - inf) = 0, the state before it is dropped
-                shift = tl.load(reset_ptr + pid_b * length + t)
+            # -inf where a document starts: a_t = exp2(dt A2 - inf) = 0, the state before it is dropped
+            shift = tl.load(reset_ptr + pid_b * length + t) if HAS_RESET else 0.0
             a = tl.exp2(dt[None, :] * A2 + shift)
             if REVERSE:
                 if HAS_Z:
@@ -231,7 +233,7 @@ def _selective_scan_chunk_output_kernel(
     u_ptr, delta_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, bias_ptr, reset_ptr, states_ptr,
     y_ptr,
     s_u_b, s_u_d, s_u_l, s_dt_b, s_dt_d, s_dt_l, s_A_d, s_A_n, s_B_b, s_B_n, s_B_l, s_C_b, s_C_n, s_C_l,
-    s_z_b, s_z_d, s_z_l, s_y_b, s_y_d, s_y_l,
+    s_z_b, s_z_d, s_z_l,
     dim, length, n_chunks,
     CHUNK: tl.constexpr, NSTATE: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr,
     SOFTPLUS: tl.constexpr, HAS_RESET: tl.constexpr, ACC: tl.constexpr,
@@ -251,58 +253,57 @@ def _selective_scan_chunk_output_kernel(
         h = _rows(states_ptr + row * dim * NSTATE, offs_d, mask_d, NSTATE, 1, offs_n, NSTATE, BLOCK_N, ACC)
         u_base = u_ptr + pid_b * s_u_b + offs_d * s_u_d
         dt_base = delta_ptr + pid_b * s_dt_b + offs_d * s_dt_d
-        y_base = y_ptr + pid_b * s_y_b + offs_d * s_y_d
+        y_base = y_ptr + pid_b.to(tl.int64) * length * dim + offs_d  # token-major, contiguous
         if HAS_Z:
             z_base = z_ptr + pid_b * s_z_b + offs_d * s_z_d
         for t in range(start, end):
             dt = tl.load(dt_base + t * s_dt_l, mask=mask_d, other=0.0).to(ACC) + bias
-            if SOFTPLUS:
-                dt = softplus(dt)
+            dt = softplus(dt) if SOFTPLUS else dt
             u = tl.load(u_base + t * s_u_l, mask=mask_d, other=0.0).to(ACC)
             bt = tl.load(b_base + t * s_B_l, mask=mask_n, other=0.0).to(ACC)
             ct = tl.load(c_base + t * s_C_l, mask=mask_n, other=0.0).to(ACC)
-            shift = 0.0
-            if HAS_RESET:  # a document starts: a_t = 0, the state before it is dropped
-                shift = tl.load(reset_ptr + pid_b * length + t)
+            shift = tl.load(reset_ptr + pid_b * length + t) if HAS_RESET else 0.0  # a_t = 0 where a document starts
             h = tl.exp2(dt[None, :] * A2 + shift) * h + bt[:, None] * (dt * u)[None, :]
             y = _sum_rows(h * ct[:, None], Dv * u, NSTATE)
             if HAS_Z:
                 z = tl.load(z_base + t * s_z_l, mask=mask_d, other=0.0).to(ACC)
                 y = y * z * sigmoid(z)
-            tl.store(y_base + t * s_y_l, y.to(y_ptr.dtype.element_ty), mask=mask_d)
+            tl.store(y_base + t * dim, y.to(y_ptr.dtype.element_ty), mask=mask_d)
 
 
 @triton.jit
-def _sum_over_channels(x, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Row sums of a (BLOCK_N, BLOCK_D) tile by a reduce-scatter over its columns (docs/kernels.md): ``(s, rows,
-    own)``, (max(1, BLOCK_N / BLOCK_D), BLOCK_D) tiles, ``s[k, j]`` the sum of row ``rows[k, j]``, ``own`` one column
-    per row. Constexpr arithmetic stays inline (a name assigned one would make it a tensor)."""
-    cols = tl.arange(0, BLOCK_D)
-    base = cols * 0
-    own = cols >= 0
+def _sum_over_channels(x, BLOCK_N: tl.constexpr, W: tl.constexpr, L: tl.constexpr):
+    """Row sums of a (BLOCK_N, W * L) tile over each of its ``W`` groups of ``L`` columns, by a reduce-scatter
+    (docs/kernels.md): ``(s, rows, own)``, (max(1, BLOCK_N / L), W, L) tiles, ``s[k, w, j]`` the sum of row ``rows[k,
+    w, j]`` of group ``w``, ``own`` one ``j`` per row. Constexpr arithmetic stays inline (a name assigned one would
+    make it a tensor)."""
+    x = tl.reshape(x, (BLOCK_N, W, L))
+    cols = tl.arange(0, L)[None, None, :]
+    base = tl.zeros((1, W, L), tl.int32)
+    own = base >= 0
     for lvl in tl.static_range(16):
-        if (BLOCK_D >> (lvl + 1)) >= 1:
-            upper = (cols & (BLOCK_D >> (lvl + 1))) != 0
-            partner = tl.broadcast_to((cols ^ (BLOCK_D >> (lvl + 1)))[None, :],
-                                      (max(BLOCK_N >> (lvl + 1), 1), BLOCK_D))
+        if (L >> (lvl + 1)) >= 1:
+            upper = (cols & (L >> (lvl + 1))) != 0
+            partner = tl.broadcast_to(cols ^ (L >> (lvl + 1)), (max(BLOCK_N >> (lvl + 1), 1), W, L))
             if (BLOCK_N >> lvl) >= 2:  # keep the upper or lower half of the rows, add the partner's
-                lo, hi = tl.split(tl.permute(tl.reshape(x, (2, BLOCK_N >> (lvl + 1), BLOCK_D)), (1, 2, 0)))
-                x = tl.where(upper[None, :], hi, lo) + tl.gather(tl.where(upper[None, :], lo, hi), partner, axis=1)
+                lo, hi = tl.split(tl.permute(tl.reshape(x, (2, BLOCK_N >> (lvl + 1), W, L)), (1, 2, 3, 0)))
+                x = tl.where(upper, hi, lo) + tl.gather(tl.where(upper, lo, hi), partner, axis=2)
                 base += tl.where(upper, BLOCK_N >> (lvl + 1), 0)
             else:  # one row left: add the partner's, both keep the sum
-                x = x + tl.gather(x, partner, axis=1)
+                x = x + tl.gather(x, partner, axis=2)
                 own = own & (upper == 0)
-    rows = base[None, :] + tl.arange(0, max(BLOCK_N // BLOCK_D, 1))[:, None]
-    return x, rows, own[None, :] & (rows >= 0)
+    rows = base + tl.arange(0, max(BLOCK_N // L, 1))[:, None, None]
+    return x, rows, own & (rows >= 0)
 
 
 @triton.jit
 def _add_over_channels(ptr, x, offs_n, NSTATE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                        CPT: tl.constexpr):
-    """``ptr[n] += sum_j x[n, j]`` (float atomic adds, relaxed): by :func:`_sum_over_channels` when the channel
-    block is one warp (its shuffles stay in the warp), else ``tl.sum``."""
-    if BLOCK_D == 32 * CPT:
-        sums, rows, own = _sum_over_channels(x, BLOCK_N, BLOCK_D)
+    """``ptr[n] += sum_j x[n, j]`` (float atomic adds, relaxed): by :func:`_sum_over_channels` over each warp's
+    columns (its shuffles stay in the warp; one atomic add per warp) when a thread holds one channel or the block
+    is one warp, else ``tl.sum``."""
+    if CPT == 1 or BLOCK_D == 32 * CPT:
+        sums, rows, own = _sum_over_channels(x, BLOCK_N, BLOCK_D // min(BLOCK_D, 32 * CPT), min(BLOCK_D, 32 * CPT))
         tl.atomic_add(ptr + rows, sums, mask=own & (rows < NSTATE), sem="relaxed")
     else:
         tl.atomic_add(ptr + offs_n, tl.sum(x, axis=1), mask=offs_n < NSTATE, sem="relaxed")
@@ -314,8 +315,7 @@ def _selective_scan_chunk_bwd_kernel(
     dtsum_ptr, w_ptr,
     du_ptr, ddelta_ptr, dz_ptr, dB_ptr, dC_ptr, dA_ptr, dD_ptr, dbias_ptr,
     s_u_b, s_u_d, s_u_l, s_dt_b, s_dt_d, s_dt_l, s_A_d, s_A_n, s_B_b, s_B_n, s_B_l, s_C_b, s_C_n, s_C_l,
-    s_z_b, s_z_d, s_z_l, s_dy_b, s_dy_d, s_dy_l, s_du_b, s_du_d, s_du_l, s_dd_b, s_dd_d, s_dd_l,
-    s_dz_b, s_dz_d, s_dz_l,
+    s_z_b, s_z_d, s_z_l, s_dy_b, s_dy_d, s_dy_l,
     dim, length, n_chunks,
     CHUNK: tl.constexpr, NSTATE: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr,
     SOFTPLUS: tl.constexpr, HAS_RESET: tl.constexpr, ACC: tl.constexpr,
@@ -338,7 +338,7 @@ def _selective_scan_chunk_bwd_kernel(
         u_base = u_ptr + pid_b * s_u_b + offs_d * s_u_d
         dt_base = delta_ptr + pid_b * s_dt_b + offs_d * s_dt_d
         dy_base = dy_ptr + pid_b * s_dy_b + offs_d * s_dy_d
-        w_base = w_ptr + pid_b * length * dim + offs_d
+        o_base = pid_b.to(tl.int64) * length * dim + offs_d  # w, du, d delta, dz: token-major, contiguous
         if HAS_Z:
             z_base = z_ptr + pid_b * s_z_b + offs_d * s_z_d
         # reverse walk: g_t = C_t gy_t + a_{t+1} g_{t+1} from lam; gn = a_t g_t flows on to t - 1
@@ -350,8 +350,7 @@ def _selective_scan_chunk_bwd_kernel(
         for i in range(0, end - start):
             t = end - 1 - i
             dt = tl.load(dt_base + t * s_dt_l, mask=mask_d, other=0.0).to(ACC) + bias
-            if SOFTPLUS:
-                dt = softplus(dt)
+            dt = softplus(dt) if SOFTPLUS else dt
             u = tl.load(u_base + t * s_u_l, mask=mask_d, other=0.0).to(ACC)
             gy = tl.load(dy_base + t * s_dy_l, mask=mask_d, other=0.0).to(ACC)
             if HAS_Z:
@@ -367,14 +366,11 @@ def _selective_scan_chunk_bwd_kernel(
             dA -= gb * (d_rem * dtu)[None, :]
             _add_over_channels(dB_ptr + dbc_base + t * NSTATE, g * dtu[None, :], offs_n, NSTATE, BLOCK_N, BLOCK_D,
                                CPT)
-            tl.store(du_ptr + pid_b * s_du_b + offs_d * s_du_d + t * s_du_l,
-                     (dt * sum_gb + Dv * gy).to(du_ptr.dtype.element_ty), mask=mask_d)
-            tl.store(w_base + t * dim, sum_gb * u - LN2 * q_suf, mask=mask_d)
+            tl.store(du_ptr + o_base + t * dim, (dt * sum_gb + Dv * gy).to(du_ptr.dtype.element_ty), mask=mask_d)
+            tl.store(w_ptr + o_base + t * dim, sum_gb * u - LN2 * q_suf, mask=mask_d)
             dDv += gy * u
             d_rem -= dt
-            shift = 0.0
-            if HAS_RESET:
-                shift = tl.load(reset_ptr + pid_b * length + t)
+            shift = tl.load(reset_ptr + pid_b * length + t) if HAS_RESET else 0.0
             gn = tl.exp2(dt[None, :] * A2 + shift) * g
         h = _rows(states_ptr + row * dim * NSTATE, offs_d, mask_d, NSTATE, 1, offs_n, NSTATE, BLOCK_N, ACC)
         # sum_n A_n X_n at the chunk's first position, X = dL/d(dt A) = g a h_{t-1}; then X_t = X_{t-1} - p + q
@@ -385,8 +381,7 @@ def _selective_scan_chunk_bwd_kernel(
         for t in range(start, end):
             dt = tl.load(dt_base + t * s_dt_l, mask=mask_d, other=0.0).to(ACC) + bias
             raw = dt
-            if SOFTPLUS:
-                dt = softplus(dt)
+            dt = softplus(raw) if SOFTPLUS else raw
             u = tl.load(u_base + t * s_u_l, mask=mask_d, other=0.0).to(ACC)
             dy = tl.load(dy_base + t * s_dy_l, mask=mask_d, other=0.0).to(ACC)
             gy = dy
@@ -396,25 +391,21 @@ def _selective_scan_chunk_bwd_kernel(
                 gy = dy * z * sig
             bt = tl.load(b_base + t * s_B_l, mask=mask_n, other=0.0).to(ACC)
             ct = tl.load(c_base + t * s_C_l, mask=mask_n, other=0.0).to(ACC)
-            shift = 0.0
-            if HAS_RESET:
-                shift = tl.load(reset_ptr + pid_b * length + t)
+            shift = tl.load(reset_ptr + pid_b * length + t) if HAS_RESET else 0.0
             h = tl.exp2(dt[None, :] * A2 + shift) * h + bt[:, None] * (dt * u)[None, :]
             ch = ct[:, None] * h
             d_pre += dt
             dA += ch * (d_pre * gy)[None, :]
             _add_over_channels(dC_ptr + dbc_base + t * NSTATE, h * gy[None, :], offs_n, NSTATE, BLOCK_N, BLOCK_D,
                                CPT)
-            ddt = tl.load(w_base + t * dim, mask=mask_d, other=0.0) + base - LN2 * p_pre
+            ddt = tl.load(w_ptr + o_base + t * dim, mask=mask_d, other=0.0) + base - LN2 * p_pre
             p_pre += gy * _sum_rows(ch * A2, -0.0, NSTATE)
-            if SOFTPLUS:
-                ddt = ddt * sigmoid(raw)
-            tl.store(ddelta_ptr + pid_b * s_dd_b + offs_d * s_dd_d + t * s_dd_l, ddt.to(ddelta_ptr.dtype.element_ty),
-                     mask=mask_d)
+            ddt = ddt * sigmoid(raw) if SOFTPLUS else ddt
+            tl.store(ddelta_ptr + o_base + t * dim, ddt.to(ddelta_ptr.dtype.element_ty), mask=mask_d)
             dbias += ddt
             if HAS_Z:
                 y = _sum_rows(ch, Dv * u, NSTATE)
-                tl.store(dz_ptr + pid_b * s_dz_b + offs_d * s_dz_d + t * s_dz_l,
+                tl.store(dz_ptr + o_base + t * dim,
                          (dy * y * sig * (1.0 + z * (1.0 - sig))).to(dz_ptr.dtype.element_ty), mask=mask_d)
         lam = _rows(lam_ptr + row * dim * NSTATE, offs_d, mask_d, NSTATE, 1, offs_n, NSTATE, BLOCK_N, ACC)
         dA += lam * h * d_total[None, :]
@@ -453,9 +444,9 @@ def _vectors(x, dtype):
         dtype, memory_format=torch.contiguous_format).transpose(1, 2)
 
 
-def _setup(u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, reset, config, backward):
+def _setup(u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, reset, config):
     """Both passes' launch inputs: the checked config, ``kw`` (accumulation dtype, device), ``D``, ``delta_bias``,
-    ``reset``, ``B``, ``C`` as the kernels index them, the per-chunk grid and constants but ``HAS_Z``, ``HAS_D``."""
+    ``reset``, ``B``, ``C`` as the kernels index them, the walks' grid and constants but ``HAS_Z``, ``HAS_D``."""
     batch, dim, length = u.shape
     nstate = A.shape[1]
     config = config or selective_scan_config(device_arch(u.device), u.dtype, nstate)
@@ -473,7 +464,7 @@ def _setup(u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, r
     kw = dict(dtype=torch.float64 if use_fp64 else torch.float32, device=u.device)
     D, delta_bias = (None if t is None else t.contiguous() for t in (D, delta_bias))  # indexed as contiguous
     reset = None if reset is None else torch.where(reset.bool(), -float("inf"), 0.0)  # exp2(... + reset): 0
-    tiles = _tiles(config, dim, backward)
+    tiles = _tiles(config, dim, backward=False)
     flags = dict(CHUNK=config.chunk, NSTATE=nstate, HAS_BIAS=delta_bias is not None, SOFTPLUS=bool(delta_softplus),
                  HAS_RESET=reset is not None, ACC=tl.float64 if use_fp64 else tl.float32,
                  BLOCK_N=triton.next_power_of_2(nstate), num_stages=config.num_stages, **tiles)
@@ -516,14 +507,14 @@ def selective_scan_triton_fwd(u, delta, A, B, C, D=None, z=None, delta_bias=None
     """
     batch, dim, length = u.shape
     config, kw, D, delta_bias, reset_k, Bv, Cv, grid, flags = _setup(
-        u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, reset, config, backward=False)
+        u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, reset, config)
     states, last_state, _ = _carry(_selective_scan_chunk_state_kernel, u, delta, A, Bv, None, delta_bias, reset_k,
                                    initial_state, kw, grid, flags, config)
     y = token_major_like(u)
     launch(_selective_scan_chunk_output_kernel)[grid](
         u, delta, A, Bv, Cv, D, z, delta_bias, reset_k, states, y,
         *_strides3(u), *_strides3(delta), A.stride(0), A.stride(1), *_strides3(Bv), *_strides3(Cv), *_strides3(z),
-        *_strides3(y), dim, length, grid[1], HAS_D=D is not None, HAS_Z=z is not None, **flags)
+        dim, length, grid[1], HAS_D=D is not None, HAS_Z=z is not None, **flags)
     return y, last_state, states if save_states else torch.empty(batch, 0, dim, A.shape[1], **kw)
 
 
@@ -539,7 +530,7 @@ def selective_scan_triton_bwd(dy, dlast, u, delta, A, B, C, D=None, z=None, delt
     """
     batch, dim, length = u.shape
     config, kw, D_k, bias_k, reset_k, Bv, Cv, grid, flags = _setup(
-        u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, reset, config, backward=True)
+        u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, reset, config)
     n_chunks = grid[1]
     if chunk_states is None or chunk_states.shape[1] != n_chunks:
         raise ValueError(f"chunk_states must hold the {n_chunks} chunk states of a forward pass with save_states=True "
@@ -551,12 +542,12 @@ def selective_scan_triton_bwd(dy, dlast, u, delta, A, B, C, D=None, z=None, delt
     dB, dC = torch.zeros(batch, length, A.shape[1], **kw), torch.zeros(batch, length, A.shape[1], **kw)
     dA = torch.empty(batch, n_chunks, dim, A.shape[1], **kw)
     dD, dbias = torch.empty(batch, n_chunks, dim, **kw), torch.empty(batch, n_chunks, dim, **kw)
-    launch(_selective_scan_chunk_bwd_kernel)[grid](
+    tiles = _tiles(config, dim, backward=True)
+    launch(_selective_scan_chunk_bwd_kernel)[_grid(batch, dim, n_chunks, tiles["BLOCK_D"], tiles["D_STEPS"])](
         u, delta, A, Bv, Cv, D_k, z, bias_k, reset_k, dy, chunk_states.to(kw["dtype"]).contiguous(), lam, dtsum,
         torch.empty(batch, length, dim, **kw), du, ddelta, dz, dB, dC, dA, dD, dbias,
         *_strides3(u), *_strides3(delta), A.stride(0), A.stride(1), *_strides3(Bv), *_strides3(Cv), *_strides3(z),
-        *_strides3(dy), *_strides3(du), *_strides3(ddelta), *_strides3(dz),
-        dim, length, n_chunks, HAS_D=D is not None, HAS_Z=z is not None, **flags)
+        *_strides3(dy), dim, length, n_chunks, HAS_D=D is not None, HAS_Z=z is not None, **dict(flags, **tiles))
     return (du, ddelta, dA.sum((0, 1)).to(A.dtype), dB.to(B.dtype).transpose(1, 2), dC.to(C.dtype).transpose(1, 2),
             None if D is None else dD.sum((0, 1)).to(D.dtype), dz,
             None if delta_bias is None else dbias.sum((0, 1)).to(delta_bias.dtype),
