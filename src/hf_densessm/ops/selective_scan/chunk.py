@@ -32,9 +32,9 @@ class SelectiveScanConfig:
     fwd_block_d: int = 64
     fwd_d_steps: int = 1
     fwd_warps: int = 1
-    bwd_block_d: int = 32
+    bwd_block_d: int = 512
     bwd_d_steps: int = 1
-    bwd_warps: int = 1
+    bwd_warps: int = 16
     carry_block: int = 512
     carry_warps: int = 4
     carry_chunks: int = 16
@@ -46,9 +46,7 @@ def selective_scan_config(arch: GPUArch, dtype: torch.dtype, nstate: int) -> Sel
     up to 16 states, two channels per thread in the walks and 16-warp backward programs (at most 128 registers a
     thread), else one channel and one warp (docs/kernels.md, "Tile, warp...")."""
     del arch, dtype
-    small = nstate <= 16
-    return SelectiveScanConfig(fwd_block_d=64 if small else 32, bwd_block_d=512 if small else 32,
-                               bwd_warps=16 if small else 1)
+    return SelectiveScanConfig() if nstate <= 16 else SelectiveScanConfig(fwd_block_d=32, bwd_block_d=32, bwd_warps=1)
 
 
 # ------------------------------------------------------------------------------------------------ device code
