@@ -115,7 +115,7 @@ def _scan_walk(a, c, warps, ctx, kind):
     kernel has two), ``CPT`` channels x ``NSTATE`` states per thread per token. Bytes, per kernel: the (channel,
     token) tensors in the input dtype (u, delta, z, y, dy, du, ddelta, dz) and the float32 scratch of d delta's
     partial sums (bwd); the float32 (state, token) vectors B, C, read by every channel block, and dB, dC added by
-    every channel block (bwd); the float32 per-chunk buffers (end states, adjoints, entry states, sums of dt,
+    every warp of a channel block (bwd: each warp's sums are atomic adds of their own); the float32 per-chunk buffers (end states, adjoints, entry states, sums of dt,
     dA / dD / d delta_bias partial sums)."""
     batch, dim, length, n, s = _scan_sizes(a)
     f = 8 if "fp64" in str(c["ACC"]) else 4
@@ -123,13 +123,14 @@ def _scan_walk(a, c, warps, ctx, kind):
     per_channel = dict(state=2 * s, adjoint=(2 + c["HAS_Z"]) * s, output=(3 + c["HAS_Z"]) * s,
                        bwd=(6 + 2 * c["HAS_Z"] + 2 + c["HAS_Z"]) * s + 2 * f)[kind]
     least_channel = per_channel - (3 + c["HAS_Z"]) * s if kind == "bwd" else per_channel
-    vectors, distinct = dict(state=(1, 1), adjoint=(1, 1), output=(2, 2), bwd=(6, 4))[kind]  # bwd: B, C twice; dB, dC
+    reads, adds, distinct = dict(state=(1, 0, 1), adjoint=(1, 0, 1), output=(2, 0, 2), bwd=(4, 2, 4))[kind]
+    groups = blocks * c["D_STEPS"] * (c["BLOCK_D"] // min(c["BLOCK_D"], 32 * c["CPT"]))  # bwd: B, C twice; dB, dC
     chunk_values, least_chunk = dict(state=(n + 1, n + 1), adjoint=(n + 1, n + 1), output=(n, n),
                                      bwd=(4 * n + 3, 3 * n + 3))[kind]
     tokens, chunks = batch * dim * length, batch * dim * math.ceil(length / c["CHUNK"])
     rows = batch * length * n * f
     return dict(elements=c["CPT"] * c["NSTATE"], loops=2 if kind == "bwd" else 1, total=tokens * n,
-                moved=tokens * per_channel + blocks * vectors * rows + chunks * chunk_values * f,
+                moved=tokens * per_channel + (blocks * reads + groups * adds) * rows + chunks * chunk_values * f,
                 least=tokens * least_channel + distinct * rows + chunks * least_chunk * f)
 
 

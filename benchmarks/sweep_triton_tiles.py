@@ -129,10 +129,10 @@ def _scan_candidates(dry):
         return [SelectiveScanConfig(), SelectiveScanConfig(chunk=32, fwd_block_d=4, bwd_block_d=4, fwd_warps=2,
                                                            bwd_warps=2)]
     # the thread-per-channel kernels: chunk length, warps per program, one or two channels per thread forward (the
-    # backward's one-warp programs sum dB, dC by warp shuffles, wider ones by tl.sum)
+    # backward, one channel per thread, sums dB, dC by each warp's shuffles; 16 warps cap it at 128 registers)
     return [SelectiveScanConfig(chunk=chunk, fwd_block_d=32 * warps * per_thread, fwd_warps=warps,
                                 bwd_block_d=32 * warps, bwd_warps=warps)
-            for chunk, per_thread, warps in itertools.product((16, 32, 64, 128), (1, 2), (1, 2, 4))]
+            for chunk, per_thread, warps in itertools.product((16, 32, 64, 128), (1, 2), (1, 2, 4, 16))]
 
 
 def sweep_scan(device, dtype, dry, record):

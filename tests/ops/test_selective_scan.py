@@ -294,19 +294,20 @@ def test_triton_scan_bad_config_and_chunk_states():
 
 
 @needs_triton
-def test_triton_scan_grid_has_several_programs_per_sm_on_h100():
-    """With the sm_90 choice at state 16, batch 1 x 2048 channels x 2048 tokens: several programs per SM of an
-    H100 (132 SMs) in every per-chunk kernel."""
+def test_triton_scan_grid_has_several_warps_per_sm_on_h100():
+    """With the sm_90 choice at state 16, batch 1 x 2048 channels x 2048 tokens: in every per-chunk kernel, a
+    program for every SM of an H100 (132 SMs) and several warps per SM (the backward's programs have 16 warps)."""
     from hf_densessm.ops.backend import ARCHS
     from hf_densessm.ops.selective_scan.chunk import _grid, selective_scan_config
 
     config = selective_scan_config(ARCHS["sm_90"], torch.bfloat16, 16)
     n_chunks = 2048 // config.chunk
-    for block_d, d_steps in ((config.fwd_block_d, config.fwd_d_steps), (config.bwd_block_d, config.bwd_d_steps)):
+    for block_d, d_steps, warps in ((config.fwd_block_d, config.fwd_d_steps, config.fwd_warps),
+                                    (config.bwd_block_d, config.bwd_d_steps, config.bwd_warps)):
         programs = 1
         for size in _grid(1, 2048, n_chunks, block_d, d_steps):
             programs *= size
-        assert programs >= 8 * 132, programs
+        assert programs >= 132 and programs * warps >= 8 * 132, (programs, warps)
 
 
 @needs_triton
@@ -319,6 +320,19 @@ def test_triton_scan_two_channels_per_thread_masked_block():
     assert _tiles(config, 40, backward=False)["CPT"] == _tiles(config, 40, backward=True)["CPT"] == 2
     kw = make_inputs(1, 40, 3, 37, seed=5)
     kw["reset"] = _reset(1, 37, [(0, 16, 21)])
+    _check_triton_against_naive(kw, config, 1e-10)
+
+
+@needs_triton
+def test_triton_scan_backward_several_warps_per_program_masked_block():
+    """A 128-channel backward block on four warps (one channel per thread: each warp's own reduce-scatter of the
+    dB, dC channel sums) over 72 channels (a masked block), against the float64 token loop, resets."""
+    from hf_densessm.ops.selective_scan.chunk import _tiles
+
+    config = _small_config(bwd_block_d=128, bwd_d_steps=1, bwd_warps=4)
+    assert _tiles(config, 72, backward=True)["CPT"] == 1 and _tiles(config, 72, backward=True)["num_warps"] == 4
+    kw = make_inputs(1, 72, 3, 37, seed=6)
+    kw["reset"] = _reset(1, 37, [(0, 5, 30)])
     _check_triton_against_naive(kw, config, 1e-10)
 
 

@@ -1,5 +1,5 @@
-"""Triton device functions shared by the kernels of every op (``acc``, ``softplus``, ``silu``), :func:`launch`, and
-``triton`` / ``tl`` for the kernel files, whose import thus raises ``ImportError`` without triton (docs/kernels.md).
+"""Triton device functions shared by the kernels of every op (``__all__``), :func:`launch`, and ``triton`` / ``tl``
+for the kernel files, whose import thus raises ``ImportError`` without triton (docs/kernels.md).
 """
 
 try:  # triton: needed only when a kernel of this file runs
@@ -12,7 +12,7 @@ import torch
 
 from .dispatch import interpreting
 
-__all__ = ["acc", "launch", "silu", "softplus", "tl", "triton"]
+__all__ = ["acc", "launch", "sigmoid", "softplus", "tl", "triton"]
 
 
 def launch(kernel):
@@ -53,6 +53,7 @@ def softplus(x):
 
 
 @triton.jit
-def silu(x):
-    """``x * sigmoid(x)`` elementwise: the output gate ``y * silu(z)`` of the Mamba block (Mamba paper Fig. 3)."""
-    return x * tl.sigmoid(x)
+def sigmoid(x):
+    """``1 / (1 + exp(-x))`` elementwise, in float32 by an approximate division (2 ulp, no range check); the gate
+    ``y * silu(z) = y z sigmoid(z)`` of the Mamba block (Mamba paper Fig. 3)."""
+    return tl.math.fdiv(1.0, 1.0 + tl.exp2(x * -1.4426950408889634), approx=x.dtype == tl.float32)

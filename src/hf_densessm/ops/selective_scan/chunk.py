@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from ..backend import GPUArch, device_arch, inputs_compute_dtype, token_major_like
-from ..triton_utils import launch, softplus, tl, triton  # raises ImportError without triton
+from ..triton_utils import launch, sigmoid, softplus, tl, triton  # raises ImportError without triton
 
 __all__ = ["SelectiveScanConfig", "selective_scan_config", "selective_scan_triton_bwd", "selective_scan_triton_fwd"]
 
@@ -23,17 +23,18 @@ LN2 = tl.constexpr(0.6931471805599453)
 @dataclass(frozen=True)
 class SelectiveScanConfig:
     """Launch choices of the scan (docs/kernels.md): ``chunk`` tokens per program (the backward pass must use the
-    forward pass's); channels per program (``block_d``), channel blocks per program and warps of the forward
-    (``fwd_*``) and backward (``bwd_*``) kernels; the carry kernel's ``(channel, state)`` entries per program, warps
-    and chunks held at once; pipelining stages. ``chunk``, ``*_block_d``, ``carry_*`` but warps: powers of 2."""
+    forward pass's); channels per program (``block_d``), channel blocks per program and warps of the walks (``fwd_*``:
+    both passes' phase 1, the forward's output) and of the backward kernel (``bwd_*``); the carry kernel's ``(channel,
+    state)`` entries per program, warps and chunks held at once; pipelining stages. ``chunk``, ``*_block_d``,
+    ``carry_*`` but warps: powers of 2."""
 
     chunk: int = 32
     fwd_block_d: int = 64
     fwd_d_steps: int = 1
     fwd_warps: int = 1
-    bwd_block_d: int = 32
+    bwd_block_d: int = 512
     bwd_d_steps: int = 1
-    bwd_warps: int = 1
+    bwd_warps: int = 16
     carry_block: int = 512
     carry_warps: int = 4
     carry_chunks: int = 16
@@ -42,14 +43,15 @@ class SelectiveScanConfig:
 
 def selective_scan_config(arch: GPUArch, dtype: torch.dtype, nstate: int) -> SelectiveScanConfig:
     """The :class:`SelectiveScanConfig` of ``nstate`` states, the same for every ``arch`` and ``dtype`` (``u``'s):
-    two channels per thread in the forward kernels up to 16 states, else one (docs/kernels.md, "Tile, warp...")."""
+    up to 16 states, two channels per thread in the walks and 16-warp backward programs (at most 128 registers a
+    thread), else one channel and one warp (docs/kernels.md, "Tile, warp...")."""
     del arch, dtype
-    return SelectiveScanConfig(fwd_block_d=64 if nstate <= 16 else 32)
+    return SelectiveScanConfig() if nstate <= 16 else SelectiveScanConfig(fwd_block_d=32, bwd_block_d=32, bwd_warps=1)
 
 
 # ------------------------------------------------------------------------------------------------ device code
 # A program's states: a (BLOCK_N, BLOCK_D) tile built only from vectors, so that a thread holds whole columns; the
-# token loops call no helper but softplus and _add_over_channels (docs/kernels.md, "Selective scan").
+# token loops call no helper but softplus, sigmoid, _sum_rows, _add_over_channels (docs/kernels.md, "Selective scan").
 
 
 @triton.jit
@@ -67,6 +69,15 @@ def _store_rows(ptr, tile, offs_d, mask_d, offs_n, NSTATE: tl.constexpr):
     """Store a tile of :func:`_rows` into ``(dim, NSTATE)`` rows, one store per state."""
     for n in tl.static_range(NSTATE):
         tl.store(ptr + offs_d * NSTATE + n, tl.sum(tl.where(offs_n[:, None] == n, tile, -0.0), axis=0), mask=mask_d)
+
+
+@triton.jit
+def _sum_rows(x, acc, NSTATE: tl.constexpr):
+    """``acc + sum_n x[n, :]`` over the ``NSTATE`` rows of a :func:`_rows` tile, added in order: one add (a
+    multiply-add where ``x`` is a product) per row, against ``tl.sum``'s tree of products and adds."""
+    for n in tl.static_range(NSTATE):
+        acc += tl.sum(tl.where(tl.arange(0, x.shape[0])[:, None] == n, x, -0.0), axis=0)
+    return acc
 
 
 @triton.jit
@@ -98,7 +109,7 @@ def _program(length, n_chunks, CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, NSTAT
 @triton.jit
 def _selective_scan_chunk_state_kernel(
     x_ptr, delta_ptr, A_ptr, V_ptr, z_ptr, bias_ptr, reset_ptr,
-    out_ptr, dtsum_ptr, flag_ptr,
+    out_ptr, dtsum_ptr,
     s_x_b, s_x_d, s_x_l, s_dt_b, s_dt_d, s_dt_l, s_A_d, s_A_n, s_V_b, s_V_n, s_V_l, s_z_b, s_z_d, s_z_l,
     dim, length, n_chunks,
     CHUNK: tl.constexpr, NSTATE: tl.constexpr, REVERSE: tl.constexpr, HAS_Z: tl.constexpr,
@@ -108,7 +119,8 @@ def _selective_scan_chunk_state_kernel(
     """Phase 1 of either pass, grid (channel blocks, chunks, batch): a chunk walked from zero, forward (``x = u``,
     ``V = B``) ``h <- a_t h + dt_t u_t B_t`` to its end state, or ``REVERSE`` (``x = dy``, ``V = C``) ``m <- a_t (m
     + C_t dy_t silu(z_t))`` to the adjoint leaving its start, into ``out`` ``(batch, n_chunks, dim, state)``;
-    ``dtsum``: ``sum dt`` ``(batch, n_chunks, dim)``; ``flag``: a document starts in it ``(batch, n_chunks)``."""
+    ``dtsum``: ``sum dt`` ``(batch, n_chunks, dim)``; ``reset``: ``(batch, length)``, -inf where a document starts,
+    else 0."""
     pid_d, pid_b, start, end, row, offs_n, mask_n = _program(length, n_chunks, CHUNK, BLOCK_N, NSTATE)
     v_base = V_ptr + pid_b * s_V_b + offs_n * s_V_n
     for j in range(D_STEPS):
@@ -122,38 +134,31 @@ def _selective_scan_chunk_state_kernel(
             z_base = z_ptr + pid_b * s_z_b + offs_d * s_z_d
         state = A2 * 0.0
         dtsum = bias * 0.0
-        docs = 0
         for i in range(0, end - start):
             t = end - 1 - i if REVERSE else start + i
             dt = tl.load(dt_base + t * s_dt_l, mask=mask_d, other=0.0).to(ACC) + bias
-            if SOFTPLUS:
-                dt = softplus(dt)
+            dt = softplus(dt) if SOFTPLUS else dt
             s = tl.load(x_base + t * s_x_l, mask=mask_d, other=0.0).to(ACC)
             vt = tl.load(v_base + t * s_V_l, mask=mask_n, other=0.0).to(ACC)
-            shift = 0.0
-            if HAS_RESET:  # a document starts: a_t = exp2(dt A2 - inf) = 0, the state before it is dropped
-                r = tl.load(reset_ptr + pid_b * length + t)
-                docs += r.to(tl.int32)
-                shift = tl.where(r != 0, -float("inf"), 0.0)
+            # -inf where a document starts: a_t = exp2(dt A2 - inf) = 0, the state before it is dropped
+            shift = tl.load(reset_ptr + pid_b * length + t) if HAS_RESET else 0.0
             a = tl.exp2(dt[None, :] * A2 + shift)
             if REVERSE:
                 if HAS_Z:
                     z = tl.load(z_base + t * s_z_l, mask=mask_d, other=0.0).to(ACC)
-                    s = s * z * (1.0 / (1.0 + tl.exp2(z * -LOG2E)))
+                    s = s * z * sigmoid(z)
                 state = a * (state + vt[:, None] * s[None, :])
             else:
                 state = a * state + vt[:, None] * (s * dt)[None, :]
             dtsum += dt
         _store_rows(out_ptr + row * dim * NSTATE, state, offs_d, mask_d, offs_n, NSTATE)
         tl.store(dtsum_ptr + row * dim + offs_d, dtsum, mask=mask_d)
-        if HAS_RESET:
-            tl.store(flag_ptr + row, (docs > 0).to(tl.int8), mask=pid_d + j == 0)
 
 
 @triton.jit
 def _selective_scan_chunk_adjoint_kernel(
     x_ptr, delta_ptr, A_ptr, V_ptr, z_ptr, bias_ptr, reset_ptr,
-    out_ptr, dtsum_ptr, flag_ptr,
+    out_ptr, dtsum_ptr,
     s_x_b, s_x_d, s_x_l, s_dt_b, s_dt_d, s_dt_l, s_A_d, s_A_n, s_V_b, s_V_n, s_V_l, s_z_b, s_z_d, s_z_l,
     dim, length, n_chunks,
     CHUNK: tl.constexpr, NSTATE: tl.constexpr, REVERSE: tl.constexpr, HAS_Z: tl.constexpr,
@@ -162,7 +167,7 @@ def _selective_scan_chunk_adjoint_kernel(
 ):
     """Backward phase 1: :func:`_selective_scan_chunk_state_kernel` in reverse (``x = dy``, ``V = C``)."""
     _selective_scan_chunk_state_kernel(
-        x_ptr, delta_ptr, A_ptr, V_ptr, z_ptr, bias_ptr, reset_ptr, out_ptr, dtsum_ptr, flag_ptr, s_x_b, s_x_d, s_x_l,
+        x_ptr, delta_ptr, A_ptr, V_ptr, z_ptr, bias_ptr, reset_ptr, out_ptr, dtsum_ptr, s_x_b, s_x_d, s_x_l,
         s_dt_b, s_dt_d, s_dt_l, s_A_d, s_A_n, s_V_b, s_V_n, s_V_l, s_z_b, s_z_d, s_z_l, dim, length, n_chunks, CHUNK,
         NSTATE, REVERSE, HAS_Z, HAS_BIAS, SOFTPLUS, HAS_RESET, ACC, BLOCK_D, D_STEPS, BLOCK_N, CPT, EVEN_D)
 
@@ -181,8 +186,9 @@ def _selective_scan_carry_kernel(
     ACC: tl.constexpr, BLOCK: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     """Phase 2, grid (batch, blocks of ``dim * state``): ``x <- P_c x + vals_c`` over the chunks from ``x0``, in order
-    or ``REVERSE``, ``P_c = exp(A dtsum_c)`` (0 where ``flag_c``), ``BLOCK_C`` chunks at a time: ``out``, ``final``
-    as :func:`_carry` returns them; ``vals``: ``(batch, n_chunks, dim, state)``; ``x0``: ``(batch, dim, state)``."""
+    or ``REVERSE``, ``P_c = exp(A dtsum_c + flag_c)`` (``flag_c`` -inf where a document starts, else 0), ``BLOCK_C``
+    chunks at a time: ``out``, ``final`` as :func:`_carry` returns them; ``vals``: ``(batch, n_chunks, dim, state)``;
+    ``x0``: ``(batch, dim, state)``."""
     pid_b = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     size = dim * NSTATE
@@ -201,11 +207,10 @@ def _selective_scan_carry_kernel(
         mask2 = mask_c[:, None] & mask[None, :]
         at = (pid_b * n_chunks + offs_c)[:, None]
         v = tl.load(vals_ptr + at * size + offs[None, :], mask=mask2, other=0.0).to(ACC)
-        p = tl.exp2(A2[None, :] * tl.load(dtsum_ptr + at * dim + d[None, :], mask=mask2, other=0.0).to(ACC))
+        p = A2[None, :] * tl.load(dtsum_ptr + at * dim + d[None, :], mask=mask2, other=0.0).to(ACC)
         if HAS_RESET:
-            f = tl.load(flag_ptr + pid_b * n_chunks + offs_c, mask=mask_c, other=0)
-            p = tl.where(f[:, None] != 0, 0.0, p)
-        p = tl.where(mask2, p, 1.0)
+            p += tl.load(flag_ptr + pid_b * n_chunks + offs_c, mask=mask_c, other=0.0)[:, None]
+        p = tl.where(mask2, tl.exp2(p), 1.0)
         p_cum, v_cum = tl.associative_scan((p, v), axis=0, combine_fn=_combine, reverse=REVERSE)
         after = p_cum * x[None, :] + v_cum  # x after chunk c (in the walk's order)
         if REVERSE:
@@ -226,7 +231,7 @@ def _selective_scan_chunk_output_kernel(
     u_ptr, delta_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, bias_ptr, reset_ptr, states_ptr,
     y_ptr,
     s_u_b, s_u_d, s_u_l, s_dt_b, s_dt_d, s_dt_l, s_A_d, s_A_n, s_B_b, s_B_n, s_B_l, s_C_b, s_C_n, s_C_l,
-    s_z_b, s_z_d, s_z_l, s_y_b, s_y_d, s_y_l,
+    s_z_b, s_z_d, s_z_l,
     dim, length, n_chunks,
     CHUNK: tl.constexpr, NSTATE: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr,
     SOFTPLUS: tl.constexpr, HAS_RESET: tl.constexpr, ACC: tl.constexpr,
@@ -246,58 +251,57 @@ def _selective_scan_chunk_output_kernel(
         h = _rows(states_ptr + row * dim * NSTATE, offs_d, mask_d, NSTATE, 1, offs_n, NSTATE, BLOCK_N, ACC)
         u_base = u_ptr + pid_b * s_u_b + offs_d * s_u_d
         dt_base = delta_ptr + pid_b * s_dt_b + offs_d * s_dt_d
-        y_base = y_ptr + pid_b * s_y_b + offs_d * s_y_d
+        y_base = y_ptr + pid_b.to(tl.int64) * length * dim + offs_d  # token-major, contiguous
         if HAS_Z:
             z_base = z_ptr + pid_b * s_z_b + offs_d * s_z_d
         for t in range(start, end):
             dt = tl.load(dt_base + t * s_dt_l, mask=mask_d, other=0.0).to(ACC) + bias
-            if SOFTPLUS:
-                dt = softplus(dt)
+            dt = softplus(dt) if SOFTPLUS else dt
             u = tl.load(u_base + t * s_u_l, mask=mask_d, other=0.0).to(ACC)
             bt = tl.load(b_base + t * s_B_l, mask=mask_n, other=0.0).to(ACC)
             ct = tl.load(c_base + t * s_C_l, mask=mask_n, other=0.0).to(ACC)
-            shift = 0.0
-            if HAS_RESET:  # a document starts: a_t = 0, the state before it is dropped
-                shift = tl.where(tl.load(reset_ptr + pid_b * length + t) != 0, -float("inf"), 0.0)
+            shift = tl.load(reset_ptr + pid_b * length + t) if HAS_RESET else 0.0  # a_t = 0 where a document starts
             h = tl.exp2(dt[None, :] * A2 + shift) * h + bt[:, None] * (dt * u)[None, :]
-            y = tl.sum(h * ct[:, None], axis=0) + Dv * u
+            y = _sum_rows(h * ct[:, None], Dv * u, NSTATE)
             if HAS_Z:
                 z = tl.load(z_base + t * s_z_l, mask=mask_d, other=0.0).to(ACC)
-                y = y * z * (1.0 / (1.0 + tl.exp2(z * -LOG2E)))
-            tl.store(y_base + t * s_y_l, y.to(y_ptr.dtype.element_ty), mask=mask_d)
+                y = y * z * sigmoid(z)
+            tl.store(y_base + t * dim, y.to(y_ptr.dtype.element_ty), mask=mask_d)
 
 
 @triton.jit
-def _sum_over_channels(x, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Row sums of a (BLOCK_N, BLOCK_D) tile by a reduce-scatter over its columns (docs/kernels.md): ``(s, rows,
-    own)``, (max(1, BLOCK_N / BLOCK_D), BLOCK_D) tiles, ``s[k, j]`` the sum of row ``rows[k, j]``, ``own`` one column
-    per row. Constexpr arithmetic stays inline (a name assigned one would make it a tensor)."""
-    cols = tl.arange(0, BLOCK_D)
-    base = cols * 0
-    own = cols >= 0
+def _sum_over_channels(x, BLOCK_N: tl.constexpr, W: tl.constexpr, L: tl.constexpr):
+    """Row sums of a (BLOCK_N, W * L) tile over each of its ``W`` groups of ``L`` columns, by a reduce-scatter
+    (docs/kernels.md): ``(s, rows, own)``, (max(1, BLOCK_N / L), W, L) tiles, ``s[k, w, j]`` the sum of row ``rows[k,
+    w, j]`` of group ``w``, ``own`` one ``j`` per row. Constexpr arithmetic stays inline (a name assigned one would
+    make it a tensor)."""
+    x = tl.reshape(x, (BLOCK_N, W, L))
+    cols = tl.arange(0, L)[None, None, :]
+    base = tl.zeros((1, W, L), tl.int32)
+    own = base >= 0
     for lvl in tl.static_range(16):
-        if (BLOCK_D >> (lvl + 1)) >= 1:
-            upper = (cols & (BLOCK_D >> (lvl + 1))) != 0
-            partner = tl.broadcast_to((cols ^ (BLOCK_D >> (lvl + 1)))[None, :],
-                                      (max(BLOCK_N >> (lvl + 1), 1), BLOCK_D))
+        if (L >> (lvl + 1)) >= 1:
+            upper = (cols & (L >> (lvl + 1))) != 0
+            partner = tl.broadcast_to(cols ^ (L >> (lvl + 1)), (max(BLOCK_N >> (lvl + 1), 1), W, L))
             if (BLOCK_N >> lvl) >= 2:  # keep the upper or lower half of the rows, add the partner's
-                lo, hi = tl.split(tl.permute(tl.reshape(x, (2, BLOCK_N >> (lvl + 1), BLOCK_D)), (1, 2, 0)))
-                x = tl.where(upper[None, :], hi, lo) + tl.gather(tl.where(upper[None, :], lo, hi), partner, axis=1)
+                lo, hi = tl.split(tl.permute(tl.reshape(x, (2, BLOCK_N >> (lvl + 1), W, L)), (1, 2, 3, 0)))
+                x = tl.where(upper, hi, lo) + tl.gather(tl.where(upper, lo, hi), partner, axis=2)
                 base += tl.where(upper, BLOCK_N >> (lvl + 1), 0)
             else:  # one row left: add the partner's, both keep the sum
-                x = x + tl.gather(x, partner, axis=1)
+                x = x + tl.gather(x, partner, axis=2)
                 own = own & (upper == 0)
-    rows = base[None, :] + tl.arange(0, max(BLOCK_N // BLOCK_D, 1))[:, None]
-    return x, rows, own[None, :] & (rows >= 0)
+    rows = base + tl.arange(0, max(BLOCK_N // L, 1))[:, None, None]
+    return x, rows, own & (rows >= 0)
 
 
 @triton.jit
 def _add_over_channels(ptr, x, offs_n, NSTATE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                        CPT: tl.constexpr):
-    """``ptr[n] += sum_j x[n, j]`` (float atomic adds, relaxed): by :func:`_sum_over_channels` when the channel
-    block is one warp (its shuffles stay in the warp), else ``tl.sum``."""
-    if BLOCK_D == 32 * CPT:
-        sums, rows, own = _sum_over_channels(x, BLOCK_N, BLOCK_D)
+    """``ptr[n] += sum_j x[n, j]`` (float atomic adds, relaxed): by :func:`_sum_over_channels` over each warp's
+    columns (its shuffles stay in the warp; one atomic add per warp) when a thread holds one channel or the block
+    is one warp, else ``tl.sum``."""
+    if CPT == 1 or BLOCK_D == 32 * CPT:
+        sums, rows, own = _sum_over_channels(x, BLOCK_N, BLOCK_D // min(BLOCK_D, 32 * CPT), min(BLOCK_D, 32 * CPT))
         tl.atomic_add(ptr + rows, sums, mask=own & (rows < NSTATE), sem="relaxed")
     else:
         tl.atomic_add(ptr + offs_n, tl.sum(x, axis=1), mask=offs_n < NSTATE, sem="relaxed")
@@ -309,8 +313,7 @@ def _selective_scan_chunk_bwd_kernel(
     dtsum_ptr, w_ptr,
     du_ptr, ddelta_ptr, dz_ptr, dB_ptr, dC_ptr, dA_ptr, dD_ptr, dbias_ptr,
     s_u_b, s_u_d, s_u_l, s_dt_b, s_dt_d, s_dt_l, s_A_d, s_A_n, s_B_b, s_B_n, s_B_l, s_C_b, s_C_n, s_C_l,
-    s_z_b, s_z_d, s_z_l, s_dy_b, s_dy_d, s_dy_l, s_du_b, s_du_d, s_du_l, s_dd_b, s_dd_d, s_dd_l,
-    s_dz_b, s_dz_d, s_dz_l,
+    s_z_b, s_z_d, s_z_l, s_dy_b, s_dy_d, s_dy_l,
     dim, length, n_chunks,
     CHUNK: tl.constexpr, NSTATE: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr,
     SOFTPLUS: tl.constexpr, HAS_RESET: tl.constexpr, ACC: tl.constexpr,
@@ -333,7 +336,7 @@ def _selective_scan_chunk_bwd_kernel(
         u_base = u_ptr + pid_b * s_u_b + offs_d * s_u_d
         dt_base = delta_ptr + pid_b * s_dt_b + offs_d * s_dt_d
         dy_base = dy_ptr + pid_b * s_dy_b + offs_d * s_dy_d
-        w_base = w_ptr + pid_b * length * dim + offs_d
+        o_base = pid_b.to(tl.int64) * length * dim + offs_d  # w, du, d delta, dz: token-major, contiguous
         if HAS_Z:
             z_base = z_ptr + pid_b * s_z_b + offs_d * s_z_d
         # reverse walk: g_t = C_t gy_t + a_{t+1} g_{t+1} from lam; gn = a_t g_t flows on to t - 1
@@ -345,31 +348,27 @@ def _selective_scan_chunk_bwd_kernel(
         for i in range(0, end - start):
             t = end - 1 - i
             dt = tl.load(dt_base + t * s_dt_l, mask=mask_d, other=0.0).to(ACC) + bias
-            if SOFTPLUS:
-                dt = softplus(dt)
+            dt = softplus(dt) if SOFTPLUS else dt
             u = tl.load(u_base + t * s_u_l, mask=mask_d, other=0.0).to(ACC)
             gy = tl.load(dy_base + t * s_dy_l, mask=mask_d, other=0.0).to(ACC)
             if HAS_Z:
                 z = tl.load(z_base + t * s_z_l, mask=mask_d, other=0.0).to(ACC)
-                gy = gy * z * (1.0 / (1.0 + tl.exp2(z * -LOG2E)))
+                gy = gy * z * sigmoid(z)
             bt = tl.load(b_base + t * s_B_l, mask=mask_n, other=0.0).to(ACC)
             ct = tl.load(c_base + t * s_C_l, mask=mask_n, other=0.0).to(ACC)
             g = ct[:, None] * gy[None, :] + gn
             gb = g * bt[:, None]
-            sum_gb = tl.sum(gb, axis=0)
+            sum_gb = _sum_rows(gb, -0.0, NSTATE)
             dtu = dt * u
-            q_suf += dtu * tl.sum(gb * A2, axis=0)
+            q_suf += dtu * _sum_rows(gb * A2, -0.0, NSTATE)
             dA -= gb * (d_rem * dtu)[None, :]
             _add_over_channels(dB_ptr + dbc_base + t * NSTATE, g * dtu[None, :], offs_n, NSTATE, BLOCK_N, BLOCK_D,
                                CPT)
-            tl.store(du_ptr + pid_b * s_du_b + offs_d * s_du_d + t * s_du_l,
-                     (dt * sum_gb + Dv * gy).to(du_ptr.dtype.element_ty), mask=mask_d)
-            tl.store(w_base + t * dim, sum_gb * u - LN2 * q_suf, mask=mask_d)
+            tl.store(du_ptr + o_base + t * dim, (dt * sum_gb + Dv * gy).to(du_ptr.dtype.element_ty), mask=mask_d)
+            tl.store(w_ptr + o_base + t * dim, sum_gb * u - LN2 * q_suf, mask=mask_d)
             dDv += gy * u
             d_rem -= dt
-            shift = 0.0
-            if HAS_RESET:
-                shift = tl.where(tl.load(reset_ptr + pid_b * length + t) != 0, -float("inf"), 0.0)
+            shift = tl.load(reset_ptr + pid_b * length + t) if HAS_RESET else 0.0
             gn = tl.exp2(dt[None, :] * A2 + shift) * g
         h = _rows(states_ptr + row * dim * NSTATE, offs_d, mask_d, NSTATE, 1, offs_n, NSTATE, BLOCK_N, ACC)
         # sum_n A_n X_n at the chunk's first position, X = dL/d(dt A) = g a h_{t-1}; then X_t = X_{t-1} - p + q
@@ -380,36 +379,31 @@ def _selective_scan_chunk_bwd_kernel(
         for t in range(start, end):
             dt = tl.load(dt_base + t * s_dt_l, mask=mask_d, other=0.0).to(ACC) + bias
             raw = dt
-            if SOFTPLUS:
-                dt = softplus(dt)
+            dt = softplus(raw) if SOFTPLUS else raw
             u = tl.load(u_base + t * s_u_l, mask=mask_d, other=0.0).to(ACC)
             dy = tl.load(dy_base + t * s_dy_l, mask=mask_d, other=0.0).to(ACC)
             gy = dy
             if HAS_Z:
                 z = tl.load(z_base + t * s_z_l, mask=mask_d, other=0.0).to(ACC)
-                sig = (1.0 / (1.0 + tl.exp2(z * -LOG2E)))
+                sig = sigmoid(z)
                 gy = dy * z * sig
             bt = tl.load(b_base + t * s_B_l, mask=mask_n, other=0.0).to(ACC)
             ct = tl.load(c_base + t * s_C_l, mask=mask_n, other=0.0).to(ACC)
-            shift = 0.0
-            if HAS_RESET:
-                shift = tl.where(tl.load(reset_ptr + pid_b * length + t) != 0, -float("inf"), 0.0)
+            shift = tl.load(reset_ptr + pid_b * length + t) if HAS_RESET else 0.0
             h = tl.exp2(dt[None, :] * A2 + shift) * h + bt[:, None] * (dt * u)[None, :]
             ch = ct[:, None] * h
             d_pre += dt
             dA += ch * (d_pre * gy)[None, :]
             _add_over_channels(dC_ptr + dbc_base + t * NSTATE, h * gy[None, :], offs_n, NSTATE, BLOCK_N, BLOCK_D,
                                CPT)
-            ddt = tl.load(w_base + t * dim, mask=mask_d, other=0.0) + base - LN2 * p_pre
-            p_pre += gy * tl.sum(ch * A2, axis=0)
-            if SOFTPLUS:
-                ddt = ddt * (1.0 / (1.0 + tl.exp2(raw * -LOG2E)))
-            tl.store(ddelta_ptr + pid_b * s_dd_b + offs_d * s_dd_d + t * s_dd_l, ddt.to(ddelta_ptr.dtype.element_ty),
-                     mask=mask_d)
+            ddt = tl.load(w_ptr + o_base + t * dim, mask=mask_d, other=0.0) + base - LN2 * p_pre
+            p_pre += gy * _sum_rows(ch * A2, -0.0, NSTATE)
+            ddt = ddt * sigmoid(raw) if SOFTPLUS else ddt
+            tl.store(ddelta_ptr + o_base + t * dim, ddt.to(ddelta_ptr.dtype.element_ty), mask=mask_d)
             dbias += ddt
             if HAS_Z:
-                y = tl.sum(ch, axis=0) + Dv * u
-                tl.store(dz_ptr + pid_b * s_dz_b + offs_d * s_dz_d + t * s_dz_l,
+                y = _sum_rows(ch, Dv * u, NSTATE)
+                tl.store(dz_ptr + o_base + t * dim,
                          (dy * y * sig * (1.0 + z * (1.0 - sig))).to(dz_ptr.dtype.element_ty), mask=mask_d)
         lam = _rows(lam_ptr + row * dim * NSTATE, offs_d, mask_d, NSTATE, 1, offs_n, NSTATE, BLOCK_N, ACC)
         dA += lam * h * d_total[None, :]
@@ -448,9 +442,9 @@ def _vectors(x, dtype):
         dtype, memory_format=torch.contiguous_format).transpose(1, 2)
 
 
-def _setup(u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, reset, config, backward):
+def _setup(u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, reset, config):
     """Both passes' launch inputs: the checked config, ``kw`` (accumulation dtype, device), ``D``, ``delta_bias``,
-    ``reset``, ``B``, ``C`` as the kernels index them, the per-chunk grid and constants but ``HAS_Z``, ``HAS_D``."""
+    ``reset``, ``B``, ``C`` as the kernels index them, the walks' grid and constants but ``HAS_Z``, ``HAS_D``."""
     batch, dim, length = u.shape
     nstate = A.shape[1]
     config = config or selective_scan_config(device_arch(u.device), u.dtype, nstate)
@@ -467,8 +461,8 @@ def _setup(u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, r
     use_fp64 = inputs_compute_dtype(u, delta, A, B, C, D, z, delta_bias, initial_state) == torch.float64
     kw = dict(dtype=torch.float64 if use_fp64 else torch.float32, device=u.device)
     D, delta_bias = (None if t is None else t.contiguous() for t in (D, delta_bias))  # indexed as contiguous
-    reset = None if reset is None else reset.to(dtype=torch.int8).contiguous()
-    tiles = _tiles(config, dim, backward)
+    reset = None if reset is None else torch.where(reset.bool(), -float("inf"), 0.0)  # exp2(... + reset): 0
+    tiles = _tiles(config, dim, backward=False)
     flags = dict(CHUNK=config.chunk, NSTATE=nstate, HAS_BIAS=delta_bias is not None, SOFTPLUS=bool(delta_softplus),
                  HAS_RESET=reset is not None, ACC=tl.float64 if use_fp64 else tl.float32,
                  BLOCK_N=triton.next_power_of_2(nstate), num_stages=config.num_stages, **tiles)
@@ -483,9 +477,10 @@ def _carry(kernel, x, delta, A, V, z, bias, reset, x0, kw, grid, flags, config):
     batch, dim, length = x.shape
     n_chunks, nstate, reverse = grid[1], A.shape[1], kernel is _selective_scan_chunk_adjoint_kernel
     vals, dtsum = torch.empty(batch, n_chunks, dim, nstate, **kw), torch.empty(batch, n_chunks, dim, **kw)
-    flag = torch.empty(batch, n_chunks, dtype=torch.int8, device=x.device) if reset is not None else None
+    flag = None if reset is None else torch.nn.functional.pad(reset, (0, n_chunks * flags["CHUNK"] - length)).view(
+        batch, n_chunks, -1).amin(-1)  # -inf where a document starts in the chunk
     launch(kernel)[grid](
-        x, delta, A, V, z, bias, reset, vals, dtsum, flag,
+        x, delta, A, V, z, bias, reset, vals, dtsum,
         *_strides3(x), *_strides3(delta), A.stride(0), A.stride(1), *_strides3(V), *_strides3(z),
         dim, length, n_chunks, REVERSE=reverse, HAS_Z=z is not None, **flags)
     out, final = torch.empty_like(vals), torch.empty(batch, dim, nstate, **kw)
@@ -510,14 +505,14 @@ def selective_scan_triton_fwd(u, delta, A, B, C, D=None, z=None, delta_bias=None
     """
     batch, dim, length = u.shape
     config, kw, D, delta_bias, reset_k, Bv, Cv, grid, flags = _setup(
-        u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, reset, config, backward=False)
+        u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, reset, config)
     states, last_state, _ = _carry(_selective_scan_chunk_state_kernel, u, delta, A, Bv, None, delta_bias, reset_k,
                                    initial_state, kw, grid, flags, config)
     y = token_major_like(u)
     launch(_selective_scan_chunk_output_kernel)[grid](
         u, delta, A, Bv, Cv, D, z, delta_bias, reset_k, states, y,
         *_strides3(u), *_strides3(delta), A.stride(0), A.stride(1), *_strides3(Bv), *_strides3(Cv), *_strides3(z),
-        *_strides3(y), dim, length, grid[1], HAS_D=D is not None, HAS_Z=z is not None, **flags)
+        dim, length, grid[1], HAS_D=D is not None, HAS_Z=z is not None, **flags)
     return y, last_state, states if save_states else torch.empty(batch, 0, dim, A.shape[1], **kw)
 
 
@@ -533,7 +528,7 @@ def selective_scan_triton_bwd(dy, dlast, u, delta, A, B, C, D=None, z=None, delt
     """
     batch, dim, length = u.shape
     config, kw, D_k, bias_k, reset_k, Bv, Cv, grid, flags = _setup(
-        u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, reset, config, backward=True)
+        u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, reset, config)
     n_chunks = grid[1]
     if chunk_states is None or chunk_states.shape[1] != n_chunks:
         raise ValueError(f"chunk_states must hold the {n_chunks} chunk states of a forward pass with save_states=True "
@@ -545,12 +540,12 @@ def selective_scan_triton_bwd(dy, dlast, u, delta, A, B, C, D=None, z=None, delt
     dB, dC = torch.zeros(batch, length, A.shape[1], **kw), torch.zeros(batch, length, A.shape[1], **kw)
     dA = torch.empty(batch, n_chunks, dim, A.shape[1], **kw)
     dD, dbias = torch.empty(batch, n_chunks, dim, **kw), torch.empty(batch, n_chunks, dim, **kw)
-    launch(_selective_scan_chunk_bwd_kernel)[grid](
+    tiles = _tiles(config, dim, backward=True)
+    launch(_selective_scan_chunk_bwd_kernel)[_grid(batch, dim, n_chunks, tiles["BLOCK_D"], tiles["D_STEPS"])](
         u, delta, A, Bv, Cv, D_k, z, bias_k, reset_k, dy, chunk_states.to(kw["dtype"]).contiguous(), lam, dtsum,
         torch.empty(batch, length, dim, **kw), du, ddelta, dz, dB, dC, dA, dD, dbias,
         *_strides3(u), *_strides3(delta), A.stride(0), A.stride(1), *_strides3(Bv), *_strides3(Cv), *_strides3(z),
-        *_strides3(dy), *_strides3(du), *_strides3(ddelta), *_strides3(dz),
-        dim, length, n_chunks, HAS_D=D is not None, HAS_Z=z is not None, **flags)
+        *_strides3(dy), dim, length, n_chunks, HAS_D=D is not None, HAS_Z=z is not None, **dict(flags, **tiles))
     return (du, ddelta, dA.sum((0, 1)).to(A.dtype), dB.to(B.dtype).transpose(1, 2), dC.to(C.dtype).transpose(1, 2),
             None if D is None else dD.sum((0, 1)).to(D.dtype), dz,
             None if delta_bias is None else dbias.sum((0, 1)).to(delta_bias.dtype),

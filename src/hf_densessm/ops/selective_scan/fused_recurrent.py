@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ..backend import GPUArch, device_arch
-from ..triton_utils import acc, launch, silu, softplus, tl, triton  # raises ImportError without triton
+from ..triton_utils import acc, launch, sigmoid, softplus, tl, triton  # raises ImportError without triton
 
 __all__ = ["selective_state_update_config", "selective_state_update_triton"]
 
@@ -52,7 +52,7 @@ def _selective_state_update_kernel(
         y += acc(tl.load(D_ptr + offs_d, mask=mask_d, other=0.0), USE_FP64) * x
     if HAS_Z:
         z = acc(tl.load(z_ptr + pid_b * s_z_b + offs_d * s_z_d, mask=mask_d, other=0.0), USE_FP64)
-        y = y * silu(z)
+        y = y * z * sigmoid(z)
     tl.store(y_ptr + pid_b * dim + offs_d, y.to(y_ptr.dtype.element_ty), mask=mask_d)
 
 
