@@ -2,6 +2,8 @@
 for the kernel files, whose import thus raises ``ImportError`` without triton (docs/kernels.md).
 """
 
+import inspect
+
 try:  # triton: needed only when a kernel of this file runs
     import triton
     import triton.language as tl
@@ -52,8 +54,16 @@ def softplus(x):
     return tl.maximum(x, 0.0) + v * p
 
 
+APPROX_DIV = tl.constexpr("approx" in inspect.signature(tl.math.fdiv).parameters)  # triton 3.6 has no `approx`
+
+
 @triton.jit
 def sigmoid(x):
-    """``1 / (1 + exp(-x))`` elementwise, in float32 by an approximate division (2 ulp, no range check); the gate
-    ``y * silu(z) = y z sigmoid(z)`` of the Mamba block (Mamba paper Fig. 3)."""
-    return tl.math.fdiv(1.0, 1.0 + tl.exp2(x * -1.4426950408889634), approx=x.dtype == tl.float32)
+    """``1 / (1 + exp(-x))`` elementwise, in float32 by an approximate division (2 ulp, no range check) where this
+    triton's ``fdiv`` has ``approx``, else by ``/``; the gate ``y * silu(z) = y z sigmoid(z)`` of the Mamba block."""
+    denominator = 1.0 + tl.exp2(x * -1.4426950408889634)
+    if APPROX_DIV:
+        result = tl.math.fdiv(1.0, denominator, approx=x.dtype == tl.float32)
+    else:
+        result = 1.0 / denominator
+    return result
