@@ -131,13 +131,6 @@ def rollback_costs(model, prompt, draft: int, repeats: int) -> dict:
     return {name: statistics.median(values[1:]) for name, values in times.items()}
 
 
-def _synchronized(device, fn):
-    """``fn()``, then a CUDA synchronize on a GPU (so that a timer stops after the device's work)."""
-    fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _clock(device):
     """``time.perf_counter`` after the device's queued work (a CUDA synchronize first)."""
     def clock():
@@ -145,6 +138,12 @@ def _clock(device):
             torch.cuda.synchronize(device)
         return time.perf_counter()
     return clock
+
+
+def _synchronized(device, fn):
+    """``fn()``, then :func:`_clock`'s wait for the device's queued work (so that a timer stops after it)."""
+    fn()
+    _clock(device)()
 
 
 def main(argv=None) -> dict:
