@@ -18,17 +18,23 @@ def default_chunk_size(key_dim, value_dim):
     return 64 if key_dim * value_dim <= 2**18 else 256
 
 
+def _decays(log2_gamma, C, dtype):
+    """``(q_decay, k_decay, chunk_decay)`` of chunks of ``C`` tokens, ``gamma^(i+1)``, ``gamma^(C-1-j)`` (both ``(H, 1,
+    C, 1)``) and ``gamma^C`` ``(1, H, 1, 1, 1)``: slices of one row of powers ``gamma^0 .. gamma^C``."""
+    heads = log2_gamma.shape[0]
+    powers = torch.exp2(log2_gamma[:, None] * torch.arange(C + 1, device=log2_gamma.device, dtype=dtype))
+    return (powers[:, 1:].view(heads, 1, C, 1), powers[:, :C].flip(1).view(heads, 1, C, 1),
+            powers[:, C].view(1, heads, 1, 1, 1))
+
+
 def _block_masks(log2_gamma, C, n, segments, dtype):
-    """``(intra, q_decay, k_decay, chunk_decay)`` of ``n`` chunks of ``C`` tokens: ``gamma^(i-j)`` (``j <= i``),
-    ``gamma^(i+1)``, ``gamma^(C-1-j)``, ``gamma^C``, masked to documents by ``segments`` ``(B, n, C + 1)`` (the
-    document of the token before each chunk, then of its tokens) or None (docs/kernels.md, "Packed sequences")."""
-    i = torch.arange(C + 1, device=log2_gamma.device, dtype=dtype)
-    powers = torch.exp2(log2_gamma[:, None] * i)  # (H, C + 1): gamma^0 .. gamma^C
-    distance = i[:C, None] - i[None, :C]  # gamma^(i-j) for j > i is finite (at most gamma_0^-255) and zeroed
-    intra = torch.exp2(log2_gamma[:, None, None] * distance).tril()  # (H, C, C): gamma^(i-j)
-    q_decay = powers[:, None, 1:, None]  # (H, 1, C, 1)
-    k_decay = powers[:, None, :C, None].flip(2)  # (H, 1, C, 1)
-    chunk_decay = powers[None, :, C, None, None, None]  # (1, H, 1, 1, 1)
+    """``(intra, q_decay, k_decay, chunk_decay)`` of ``n`` chunks of ``C`` tokens: ``gamma^(i-j)`` (``j <= i``) and
+    :func:`_decays`, masked to documents by ``segments`` ``(B, n, C + 1)`` (the document of the token before each
+    chunk, then of its tokens) or None (docs/kernels.md, "Packed sequences")."""
+    i = torch.arange(C, device=log2_gamma.device, dtype=dtype)
+    # gamma^(i-j) for j > i is finite (at most gamma_0^-255) and zeroed
+    intra = torch.exp2(log2_gamma.view(-1, 1, 1) * (i[:, None] - i)).tril()  # (H, C, C)
+    q_decay, k_decay, chunk_decay = _decays(log2_gamma, C, dtype)
     if segments is None:
         return intra[:, None], q_decay, k_decay, chunk_decay.expand(-1, -1, n, -1, -1)
     before, seg = segments[:, :, :1], segments[:, :, 1:]  # (B, n, 1), (B, n, C)
@@ -46,10 +52,10 @@ def _causal(scores, intra):
     return torch.where(intra > 0, scores * intra, 0)
 
 
-def _states(k, v, state, masks):
+def _states(k, v, state, k_decay, chunk_decay):
     """The states before each of ``n`` chunks ``(B, H, n, K, V)`` and after the last, from ``k`` ``(B, H, n, C, K)``,
-    ``v`` ``(B, H, n, C, V)`` and the state before the first chunk ``(B, H, K, V)``; and ``k * k_decay``."""
-    _, _, k_decay, chunk_decay = masks
+    ``v`` ``(B, H, n, C, V)``, the state before the first chunk ``(B, H, K, V)`` and the decays of :func:`_block_masks`
+    (or, for one chunk, :func:`_decays`); and ``k * k_decay``."""
     k_write = k * k_decay
     updates = k_write.transpose(-1, -2) @ v  # (B, H, n, K, V): sum_j gamma^(C-1-j) k_j^T v_j
     states = []
@@ -66,7 +72,7 @@ def retention_state_after(k, v, initial_state, n):
     dtype = compute_dtype(v.dtype)
     k, v = (_block(x, 0, n, n, dtype) for x in (k, v))
     state = k.new_zeros(*k.shape[:2], k.shape[-1], v.shape[-1]) if initial_state is None else initial_state.to(dtype)
-    return _states(k, v, state, _block_masks(retention_log2_gamma(k.shape[1], k.device, dtype), n, 1, None, dtype))[1]
+    return _states(k, v, state, *_decays(retention_log2_gamma(k.shape[1], k.device, dtype), n, dtype)[1:])[1]
 
 
 def _block_forward(q, k, v, state, masks):
@@ -76,7 +82,7 @@ def _block_forward(q, k, v, state, masks):
     # ((q k^T) * D) v of all chunks: v's finite part by the product, the rest by a running sum (docs/kernels.md)
     finite_v = torch.nan_to_num(v, nan=0.0, posinf=0.0, neginf=0.0)
     o = _causal(q @ k.transpose(-1, -2), intra) @ finite_v + (v - finite_v).cumsum(-2)
-    previous, state, _ = _states(k, v, state, masks)
+    previous, state, _ = _states(k, v, state, *masks[2:])
     return o + (q * q_decay) @ previous, state
 
 
@@ -161,7 +167,7 @@ def chunk_retention_torch_backward(d_o, d_final_state, q, k, v, scale, initial_s
     d_state = torch.zeros_like(state) if d_final_state is None else d_final_state.to(state.dtype, copy=True)
     kept = []
     for inputs, masks in blocks:  # the states, recomputed once
-        previous, state, k_write = _states(inputs[1], inputs[2], state, masks)
+        previous, state, k_write = _states(inputs[1], inputs[2], state, *masks[2:])
         kept.append((previous, k_write))
     grads = []
     for (inputs, masks), states, d_o_block in reversed(list(zip(blocks, kept, d_o_blocks))):  # backward in time
