@@ -124,9 +124,7 @@ def check_logits_to_keep(logits_to_keep, seq_len: int):
     ``TypeError``: a ``bool``, a float, or a non-integer tensor; ``ValueError``: a negative int, a tensor that is not
     1-D, or an index outside ``[-seq_len, seq_len)``."""
     if isinstance(logits_to_keep, torch.Tensor):
-        if logits_to_keep.dtype.is_floating_point or logits_to_keep.dtype == torch.bool:
-            raise TypeError(f"`logits_to_keep` as a tensor must hold integer positions, got {logits_to_keep.dtype}.")
-        if logits_to_keep.dim() != 1:
+        if _integer_tensor("logits_to_keep", logits_to_keep).dim() != 1:
             shape = tuple(logits_to_keep.shape)
             raise ValueError(f"`logits_to_keep` as a tensor must be 1-D (positions to keep), got shape {shape}.")
         require(((logits_to_keep >= -seq_len) & (logits_to_keep < seq_len)).all(),

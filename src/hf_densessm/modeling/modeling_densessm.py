@@ -211,10 +211,8 @@ class DenseSSMForCausalLM(DenseSSMPreTrainedModel, GenerationMixin):
             for name in CACHE_FIELDS:
                 model_kwargs.pop(name, None)
             model_kwargs["past_key_values"] = cache
-        if isinstance(cache, DenseSSMCache) and generation_config.is_assistant:
-            cache.activate_past_recording()
-        elif isinstance(cache, DenseSSMCache):
-            cache.stop_recording()
+        if isinstance(cache, DenseSSMCache):  # recording only as an assistant
+            (cache.activate_past_recording if generation_config.is_assistant else cache.stop_recording)()
 
     def compile_decode_step(self, enable: bool = True):
         """Compile ``generate()``'s decoding steps on every device (``generation_config.compile_config =

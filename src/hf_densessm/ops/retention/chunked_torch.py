@@ -21,18 +21,15 @@ def default_chunk_size(key_dim, value_dim):
 def _decays(log2_gamma, C, dtype):
     """``(q_decay, k_decay, chunk_decay)`` of chunks of ``C`` tokens, ``gamma^(i+1)``, ``gamma^(C-1-j)`` (both ``(H, 1,
     C, 1)``) and ``gamma^C`` ``(1, H, 1, 1, 1)``: slices of one row of powers ``gamma^0 .. gamma^C``."""
-    heads = log2_gamma.shape[0]
     powers = torch.exp2(log2_gamma[:, None] * torch.arange(C + 1, device=log2_gamma.device, dtype=dtype))
-    return (powers[:, 1:].view(heads, 1, C, 1), powers[:, :C].flip(1).view(heads, 1, C, 1),
-            powers[:, C].view(1, heads, 1, 1, 1))
+    return powers[:, 1:].view(-1, 1, C, 1), powers[:, :C].flip(1).view(-1, 1, C, 1), powers[:, C].view(1, -1, 1, 1, 1)
 
 
 def _block_masks(log2_gamma, C, n, segments, dtype):
     """``(intra, q_decay, k_decay, chunk_decay)`` of ``n`` chunks of ``C`` tokens: ``gamma^(i-j)`` (``j <= i``) and
     :func:`_decays`, masked to documents by ``segments`` ``(B, n, C + 1)`` (the document of the token before each
     chunk, then of its tokens) or None (docs/kernels.md, "Packed sequences")."""
-    i = torch.arange(C, device=log2_gamma.device, dtype=dtype)
-    # gamma^(i-j) for j > i is finite (at most gamma_0^-255) and zeroed
+    i = torch.arange(C, device=log2_gamma.device, dtype=dtype)  # gamma^(i-j), j > i: finite (<= gamma_0^-255), zeroed
     intra = torch.exp2(log2_gamma.view(-1, 1, 1) * (i[:, None] - i)).tril()  # (H, C, C)
     q_decay, k_decay, chunk_decay = _decays(log2_gamma, C, dtype)
     if segments is None:
