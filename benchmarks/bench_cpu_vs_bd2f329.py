@@ -29,6 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_cpu_scan_vs_retired import ROOT, RETIRED, _cpu_name, _extract_retired  # noqa: E402
+from bench_cpu import RUNTIME_ENV_PREFIXES  # noqa: E402
 
 MODELS = {"DenseMamba m=0": ("densemamba", 0), "DenseMamba m=4": ("densemamba", 4),
           "DenseRetNet m=0": ("denseretnet", 0), "DenseRetNet m=2": ("denseretnet", 2)}
@@ -150,6 +151,7 @@ def main(argv=None) -> dict:
         "fp32_matmul_peak_gflops": peak / 1e9, "threads": args.threads, "rounds": args.rounds,
         "repeats": args.repeats, "cpu": _cpu_name(), "load_average_1_5_15_min_at_start_and_end":
             [load_at_start, os.getloadavg()], "dry": args.dry,
+        "runtime_env": {key: value for key, value in sorted(os.environ.items()) if key.startswith(RUNTIME_ENV_PREFIXES)},
     }
     print(f"{args.batch} x {args.length} tokens, {args.threads} thread(s), {report['cpu']}, fp32 matmul peak "
           f"{peak / 1e9:.0f} GFLOP/s; median of {args.rounds} x {args.repeats}")

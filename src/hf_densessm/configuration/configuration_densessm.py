@@ -164,10 +164,8 @@ class DenseSSMConfig(PretrainedConfig):
 
     def to_dict(self) -> dict:
         """transformers' ``to_dict``, without the runtime ``kernel_backend`` and the save id (:data:`SAVE_ID`)."""
-        output = super().to_dict()
-        for key in ("_kernel_backend", "kernel_backend", SAVE_ID):
-            output.pop(key, None)
-        return output
+        return {key: value for key, value in super().to_dict().items()
+                if key not in ("_kernel_backend", "kernel_backend", SAVE_ID)}
 
     @property
     def layer_types(self) -> list[str]:

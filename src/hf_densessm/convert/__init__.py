@@ -236,7 +236,5 @@ def denseretnet_from_official(src: str | os.PathLike) -> DenseRetNetForCausalLM:
     return model.eval()
 
 
-__all__ = [
-    "DENSE_ARGUMENTS", "densemamba_from_mamba", "denseretnet_from_official",
-    "official_denseretnet_config", "official_denseretnet_name", "read_config", "read_tensors",
-]
+__all__ = ["DENSE_ARGUMENTS", "densemamba_from_mamba", "denseretnet_from_official", "official_denseretnet_config",
+           "official_denseretnet_name", "read_config", "read_tensors"]

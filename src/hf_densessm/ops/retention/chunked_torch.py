@@ -179,8 +179,7 @@ def retention_state_update_torch(state, q, k, v, scale=None):
     """``hf_densessm::retention_state_update`` with ``backend="torch"``, no checks: arguments and returns as
     :func:`hf_densessm.ops.retention.retention_state_update`. Three operations on the state; the decay is computed
     on its device from an ``arange`` (exact, no host copy)."""
-    batch, heads, key_dim = q.shape
-    value_dim = v.shape[-1]
+    (batch, heads, key_dim), value_dim = q.shape, v.shape[-1]
     scale = key_dim**-0.5 if scale is None else scale
     sdt = state.dtype
     gamma = 1.0 - torch.exp2(torch.arange(-5, -5 - heads, -1, device=state.device, dtype=sdt))
