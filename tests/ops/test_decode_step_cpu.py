@@ -1,7 +1,7 @@
 """The C++ decoding step (``csrc/selective_scan_cpu.cpp``: ``selective_state_update_cpu``,
-``causal_conv1d_step_cpu``; the ``"cpp"`` entries of the two ops' tables, called by the public functions without a
-Python op in between): against the PyTorch step and the float64 token loop, in place, strided inputs, every option;
-chosen only for an eager step; ``opcheck``."""
+``causal_conv1d_step_cpu``, and ``chunk_retention_cpu`` for a few tokens; the ``"cpp"`` entries of the three ops'
+tables, called by the public functions without a Python op in between): against the PyTorch path and the float64
+token loop, in place, strided inputs, every option; chosen only for an eager, decoding-sized call; ``opcheck``."""
 
 import pytest
 import torch
@@ -9,6 +9,8 @@ import torch
 from hf_densessm.ops.causal_conv1d import causal_conv1d
 from hf_densessm.ops.causal_conv1d.torch_path import causal_conv1d_torch
 from hf_densessm.ops.dispatch import choose
+from hf_densessm.ops.retention import STEP_TOKENS, chunk_retention, retention_gamma
+from hf_densessm.ops.retention.chunked_torch import chunk_retention_torch
 from hf_densessm.ops.selective_scan import selective_state_update
 from hf_densessm.ops.selective_scan.chunked_torch import selective_state_update_torch
 from hf_densessm.ops.selective_scan.naive import selective_scan_naive
@@ -140,3 +142,66 @@ def test_opcheck_step_ops(enabled):
                            True))
     x, taps, window = torch.randn(2, 1, 8), torch.randn(8, 4), torch.randn(2, 8, 4)
     torch.library.opcheck(torch.ops.hf_densessm.causal_conv1d_step_cpu.default, (x, taps, None, window, True))
+
+
+def _retention_loop(q, k, v, scale, state):
+    """Eq. 18, 19 token by token in float64 (independent of both paths): ``S = gamma S + k^T v``, ``o = scale q S``."""
+    gamma = retention_gamma(q.shape[2], dtype=torch.float64)[None, :, None, None]
+    state = torch.zeros(*q.shape[::2], q.shape[3], v.shape[3], dtype=torch.float64) if state is None else state.double()
+    outputs = []
+    for t in range(q.shape[1]):
+        state = gamma * state + k[:, t, :, :, None].double() * v[:, t, :, None, :].double()
+        outputs.append(scale * (q[:, t, :, None, :].double() @ state)[:, :, 0])
+    return torch.stack(outputs, 1), state
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-13), (torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("length", [1, 5, STEP_TOKENS])
+@pytest.mark.parametrize("with_state", [True, False])
+def test_retention_few_tokens_matches_float64_loop_and_torch_path(enabled, dtype, tol, length, with_state):
+    """Inputs as the model passes them (v a slice of a wider tensor), at the published init's scale (unit-variance
+    q, k, v, scale head_dim^-0.5) and a float32 state: outputs and final state against the loop and the chunked path."""
+    g = torch.Generator().manual_seed(length)
+    batch, heads, key_dim, value_dim = 2, 3, 16, 24
+    q, k = (torch.randn(batch, length, heads, key_dim, generator=g).to(dtype) for _ in range(2))
+    v = torch.randn(batch, length, heads, 2 * value_dim, generator=g).to(dtype)[..., :value_dim]
+    state_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    state = torch.randn(batch, heads, key_dim, value_dim, generator=g).to(state_dtype) if with_state else None
+    assert choose("chunk_retention", CPU, None, step=True) == "cpp"
+    with torch.no_grad():
+        o, final = chunk_retention(q, k, v, key_dim**-0.5, state, output_final_state=True)
+        o_torch, final_torch = chunk_retention_torch(q, k, v, key_dim**-0.5, state, output_final_state=True)
+    o_ref, final_ref = _retention_loop(q, k, v, key_dim**-0.5, state)
+    assert o.dtype == dtype and o.shape == (batch, length, heads, value_dim) and o.is_contiguous()
+    assert final.dtype == state_dtype and final.shape == (batch, heads, key_dim, value_dim)
+    assert state is None or final.data_ptr() != state.data_ptr()  # a new state; the initial one is left as it was
+    assert_close(o.double(), o_ref, tol, "o vs the float64 loop")
+    assert_close(final.double(), final_ref, max(tol, 1e-6 if dtype != torch.float64 else tol), "state vs the loop")
+    assert_close(o.double(), o_torch.double(), tol, "o vs the chunked PyTorch path")
+    assert_close(final, final_torch, max(tol, 1e-6 if dtype != torch.float64 else tol), "state vs the chunked path")
+
+
+def test_retention_entry_only_for_few_tokens_without_gradients_or_resets(enabled, monkeypatch):
+    """The C++ retention only for an eager call of 1 to STEP_TOKENS tokens with nothing to differentiate and no
+    reset; a longer call, a reset, gradients, the switch off: the chunked path (and its backward)."""
+    calls = []
+    from hf_densessm.ops import cpu_kernel
+
+    original = cpu_kernel.RETENTION_STEP.calls["direct"]
+    monkeypatch.setitem(cpu_kernel.RETENTION_STEP.calls, "direct", lambda *a: calls.append(1) or original(*a))
+    q, k, v = (torch.randn(1, STEP_TOKENS + 1, 2, 8) for _ in range(3))
+    with torch.no_grad():
+        chunk_retention(q[:, :STEP_TOKENS], k[:, :STEP_TOKENS], v[:, :STEP_TOKENS])
+        chunk_retention(q, k, v)  # one token too many
+        chunk_retention(q[:, :2], k[:, :2], v[:, :2], reset=torch.tensor([[True, True]]))
+    o, _ = chunk_retention(q[:, :2], k[:, :2].requires_grad_(), v[:, :2])
+    o.sum().backward()  # the chunked path's backward
+    assert len(calls) == 1
+    monkeypatch.setenv("HF_DENSESSM_CPU_KERNEL", "0")
+    assert choose("chunk_retention", CPU, None, step=True) == "torch"
+
+
+def test_opcheck_retention_op(enabled):
+    q, k, v = torch.randn(2, 3, 2, 8), torch.randn(2, 3, 2, 8), torch.randn(2, 3, 2, 16)
+    torch.library.opcheck(torch.ops.hf_densessm.chunk_retention_cpu.default, (q, k, v, 0.5, torch.randn(2, 2, 8, 16)))
+    torch.library.opcheck(torch.ops.hf_densessm.chunk_retention_cpu.default, (q, k, v, 1.0, None))

@@ -16,7 +16,7 @@ import torch
 from hf_densessm.ops.causal_conv1d import causal_conv1d
 from hf_densessm.ops.cpu_kernel import load_kernel
 from hf_densessm.ops.dispatch import triton_available
-from hf_densessm.ops.retention import chunk_retention
+from hf_densessm.ops.retention import STEP_TOKENS, chunk_retention
 from hf_densessm.ops.selective_scan import selective_scan
 
 HAS_TRITON = triton_available()
@@ -48,9 +48,10 @@ def _interpreted_half(backend, dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("value", VALUES)
 @pytest.mark.parametrize("name", ["q", "k", "v"])
-def test_retention_later_token_never_reaches_earlier_ones(backend, dtype, value, name):
+@pytest.mark.parametrize("length", [LENGTH, pytest.param(STEP_TOKENS, id="few_tokens")])  # few: the C++ entry on CPU
+def test_retention_later_token_never_reaches_earlier_ones(backend, dtype, value, name, length):
     g = torch.Generator().manual_seed(0)
-    clean = {x: torch.randn(2, LENGTH, 2, 16, generator=g).to(DEVICE, dtype) for x in "qkv"}
+    clean = {x: torch.randn(2, length, 2, 16, generator=g).to(DEVICE, dtype) for x in "qkv"}
 
     def run(t):
         return chunk_retention(t["q"], t["k"], t["v"], output_final_state=True, backend=backend)

@@ -17,7 +17,6 @@ from hf_densessm.ops.retention import chunk_retention, retention_gamma, retentio
 from hf_densessm.ops.retention.chunked_torch import (
     chunk_retention_torch,
     chunk_retention_torch_backward,
-    retention_state_after,
     retention_state_update_torch,
 )
 from hf_densessm.ops.retention.naive import chunk_retention_naive, retention_log2_gamma
@@ -119,14 +118,20 @@ def test_parallel_matches_eq24_sum():
 
 @pytest.mark.parametrize("n", [1, 4, 7])
 @pytest.mark.parametrize("initial_state", [False, True])
-def test_state_after_the_first_tokens_is_eq18_unrolled(n, initial_state):
-    """``crop``'s state after the first ``n`` tokens against Eq. 18 as a loop, S_t = gamma S_{t-1} + k_t^T v_t."""
+@pytest.mark.parametrize("cpu_kernel", ["0", "1"])
+def test_crop_state_after_the_first_tokens_is_eq18_unrolled(monkeypatch, n, initial_state, cpu_kernel):
+    """DenseRetNet ``crop``'s state after the first ``n`` tokens (the op's final state over them, ``k`` for ``q``;
+    on the CPU the C++ entry or the chunked path) against Eq. 18 as a loop, S_t = gamma S_{t-1} + k_t^T v_t."""
+    from hf_densessm.modeling.modeling_denseretnet import _state_after
+
+    monkeypatch.setenv("HF_DENSESSM_CPU_KERNEL", cpu_kernel)
     _, k, v, s0 = _inputs(2, 7, 3, 4, 5, initial_state=initial_state)
     gamma = retention_gamma(3, dtype=torch.float64).to(k.device)[:, None, None]
     expected = torch.zeros(2, 3, 4, 5, dtype=torch.float64, device=k.device) if s0 is None else s0.clone()
     for t in range(n):
         expected = gamma * expected + k[:, t, :, :, None] * v[:, t, :, None, :]
-    state = retention_state_after(k, v, s0, n)
+    with torch.no_grad():
+        state = _state_after(k, v, s0, n)
     assert state.dtype == torch.float64 and state.shape == (2, 3, 4, 5)
     torch.testing.assert_close(state, expected, rtol=1e-12, atol=1e-12)
 

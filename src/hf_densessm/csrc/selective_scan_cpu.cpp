@@ -928,6 +928,70 @@ Tensor causal_conv1d_step_cpu(const Tensor& x, const Tensor& taps, const std::op
   return out.to(x.scalar_type());
 }
 
+// ---------------------------------------------------------------------------------------------------------------
+// Multi-scale retention over a few tokens (speculative decoding's verification forwards, issue 37), the recurrent
+// form of DenseSSM Eq. 18, 19, as an op dispatched in C++ that chunk_retention calls without a Python op in between:
+//
+//   hf_densessm::chunk_retention_cpu(q, k, v, scale, initial_state?) -> (o, final_state)
+//       per batch row and head h, gamma_h = 1 - 2^(-5 - h):  S_t = gamma_h S_{t-1} + k_t^T v_t  (S_{-1}: the initial
+//       state, else 0);  o_t = scale q_t S_t
+//
+// q, k (batch, length, heads, key_dim), v (batch, length, heads, value_dim); computed in float32 (float64 for float64
+// v), inputs of other dtypes converted once; they need unit stride along their last dimension only. o (batch, length,
+// heads, value_dim) contiguous in v's dtype; final_state (batch, heads, key_dim, value_dim) contiguous, a new tensor.
+// Each token costs 2 key_dim x value_dim multiply-adds: cheaper than the chunked form's products only for a few tokens
+// (the caller chooses, ops/retention/__init__.py). A token reads only earlier ones, so a non-finite input reaches only
+// its own and later outputs (docs/kernels.md, "Non-finite values").
+
+std::tuple<Tensor, Tensor> chunk_retention_cpu(const Tensor& q, const Tensor& k, const Tensor& v, double scale,
+                                               const std::optional<Tensor>& initial_state) {
+  TORCH_CHECK(q.dim() == 4 && k.sizes() == q.sizes() && v.dim() == 4 && v.sizes().slice(0, 3) == q.sizes().slice(0, 3)
+                  && q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(),
+              "chunk_retention_cpu: CPU q, k (batch, length, heads, key_dim) and v (batch, length, heads, value_dim) "
+              "expected, got ", q.sizes(), ", ", k.sizes(), ", ", v.sizes());
+  const int64_t batch = q.size(0), length = q.size(1), heads = q.size(2), K = q.size(3), V = v.size(3);
+  const auto S_ = v.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  const Tensor qs = as_dtype(q, S_), ks = as_dtype(k, S_), vs = as_dtype(v, S_);
+  Tensor state;
+  if (initial_state) {
+    TORCH_CHECK(initial_state->sizes() == at::IntArrayRef({batch, heads, K, V}) && initial_state->device().is_cpu(),
+                "chunk_retention_cpu: initial_state must be a CPU (batch, heads, key_dim, value_dim) tensor");
+    state = initial_state->to(S_, /*non_blocking=*/false, /*copy=*/true).contiguous();
+  } else {
+    state = at::zeros({batch, heads, K, V}, v.options().dtype(S_));
+  }
+  auto o = at::zeros({batch, length, heads, V}, v.options().dtype(S_));
+  AT_DISPATCH_FLOATING_TYPES(S_, "chunk_retention_cpu", [&] {
+    using S = scalar_t;
+    const S *qp = qs.const_data_ptr<S>(), *kp = ks.const_data_ptr<S>(), *vp = vs.const_data_ptr<S>();
+    S *sp = state.mutable_data_ptr<S>(), *op = o.mutable_data_ptr<S>();
+    const S sc = static_cast<S>(scale);
+    at::parallel_for(0, batch * heads, std::max<int64_t>(1, 65536 / std::max<int64_t>(1, length * K * V)),
+                     [&](int64_t begin, int64_t end) {
+      for (int64_t bh = begin; bh < end; ++bh) {
+        const int64_t b = bh / heads, h = bh % heads;
+        const S gamma = static_cast<S>(1.0 - std::exp2(-5.0 - static_cast<double>(h)));
+        S* st = sp + bh * K * V;
+        for (int64_t t = 0; t < length; ++t) {
+          const S* qt = qp + b * qs.stride(0) + t * qs.stride(1) + h * qs.stride(2);
+          const S* kt = kp + b * ks.stride(0) + t * ks.stride(1) + h * ks.stride(2);
+          const S* vt = vp + b * vs.stride(0) + t * vs.stride(1) + h * vs.stride(2);
+          S* __restrict__ ot = op + ((b * length + t) * heads + h) * V;
+          for (int64_t i = 0; i < K; ++i) {  // row i of S_t, then its share of o_t
+            S* __restrict__ row = st + i * V;
+            const S ki = kt[i], qi = sc * qt[i];
+            for (int64_t j = 0; j < V; ++j) {
+              row[j] = gamma * row[j] + ki * vt[j];
+              ot[j] += qi * row[j];
+            }
+          }
+        }
+      }
+    });
+  });
+  return {o.to(v.scalar_type()), state};
+}
+
 // ------------------------------------------------------------------------------------------ meta (fake) kernels
 // The outputs' shapes, dtypes and strides only, from symbolic sizes (torch.compile, torch.library.opcheck).
 
@@ -970,6 +1034,13 @@ Tensor causal_conv1d_step_cpu_meta(const Tensor& x, const Tensor& taps, const st
   return at::empty_symint(x.sym_sizes(), x.options());
 }
 
+std::tuple<Tensor, Tensor> chunk_retention_cpu_meta(const Tensor& q, const Tensor& k, const Tensor& v, double scale,
+                                                    const std::optional<Tensor>& initial_state) {
+  const auto S_ = v.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  return {at::empty_symint(v.sym_sizes(), v.options()),
+          at::empty_symint({q.sym_size(0), q.sym_size(2), q.sym_size(3), v.sym_size(3)}, v.options().dtype(S_))};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(hf_densessm, m) {
@@ -984,6 +1055,7 @@ TORCH_LIBRARY_FRAGMENT(hf_densessm, m) {
       "selective_state_update_cpu(Tensor(a!) state, Tensor x, Tensor dt, Tensor A, Tensor B, Tensor C, Tensor? D, "
       "Tensor? z, Tensor? dt_bias, bool dt_softplus) -> Tensor");
   m.def("causal_conv1d_step_cpu(Tensor x, Tensor taps, Tensor? bias, Tensor window, bool silu) -> Tensor");
+  m.def("chunk_retention_cpu(Tensor q, Tensor k, Tensor v, float scale, Tensor? initial_state) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(hf_densessm, CPU, m) {
@@ -991,6 +1063,7 @@ TORCH_LIBRARY_IMPL(hf_densessm, CPU, m) {
   m.impl("selective_scan_cpu_bwd", &selective_scan_cpu_bwd);
   m.impl("selective_state_update_cpu", &selective_state_update_cpu);
   m.impl("causal_conv1d_step_cpu", &causal_conv1d_step_cpu);
+  m.impl("chunk_retention_cpu", &chunk_retention_cpu);
 }
 
 TORCH_LIBRARY_IMPL(hf_densessm, Meta, m) {
@@ -998,4 +1071,5 @@ TORCH_LIBRARY_IMPL(hf_densessm, Meta, m) {
   m.impl("selective_scan_cpu_bwd", &selective_scan_cpu_bwd_meta);
   m.impl("selective_state_update_cpu", &selective_state_update_cpu_meta);
   m.impl("causal_conv1d_step_cpu", &causal_conv1d_step_cpu_meta);
+  m.impl("chunk_retention_cpu", &chunk_retention_cpu_meta);
 }

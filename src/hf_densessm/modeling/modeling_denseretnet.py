@@ -12,7 +12,6 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from ..configuration.configuration_denseretnet import DenseRetNetConfig
 from ..ops.packing import document_positions
 from ..ops.retention import chunk_retention, retention_state_update
-from ..ops.retention.chunked_torch import retention_state_after
 from .cache import cache_state, record_states, store_recurrent_state
 from .dense_connection import build_dense_connection, init_dense_linear, split_dense_inputs
 from .modeling_densessm import (
@@ -42,6 +41,12 @@ def retention_row_sums(positions: torch.Tensor, num_heads: int, dtype: torch.dty
     log_gamma = torch.log1p(-torch.exp2(-5.0 - heads))  # log(gamma_h), (H,)
     count = positions.clamp(min=0).to(torch.float64)[..., None] + 1  # t + 1
     return (torch.expm1(count * log_gamma) / torch.expm1(log_gamma)).to(dtype)[..., None]
+
+
+def _state_after(k, v, initial_state, n):
+    """The retention state after the first ``n`` of a forward's tokens (``k``, ``v`` as the op takes them), for
+    ``crop`` (:func:`~.cache.record_states`): the op's final state over them, ``k`` standing in for ``q`` (unread)."""
+    return chunk_retention(k[:, :n], k[:, :n], v[:, :n], 1.0, initial_state, output_final_state=True)[1]
 
 
 class DenseRetNetRetention(nn.Module):
@@ -94,7 +99,7 @@ class DenseRetNetRetention(nn.Module):
         q, k = (theta_shift(t.view(batch, seq_len, self.num_heads, self.head_dim), *rotary[:2]) for t in (q, k))
         v = v.reshape(batch, seq_len, self.num_heads, -1)
         state = cache_state(cache, self.layer_idx)
-        record_states(cache, self.layer_idx, state, retention_state_after, k, v)
+        record_states(cache, self.layer_idx, state, _state_after, k, v)
 
         if state is not None and seq_len == 1 and not torch.is_grad_enabled():
             # decode: S = gamma S + k^T v; o = q S (Eq. 18, 19), the state updated in place

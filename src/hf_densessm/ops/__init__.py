@@ -7,4 +7,9 @@ from .causal_conv1d import causal_conv1d
 from .retention import chunk_retention, retention_state_update
 from .selective_scan import selective_scan, selective_state_update
 
+try:  # the C++ CPU kernel's entries join the tables above (remote code builds no C++: no "cpp" entries there)
+    from . import cpu_kernel  # noqa: F401
+except ImportError:
+    pass
+
 __all__ = ["causal_conv1d", "chunk_retention", "retention_state_update", "selective_scan", "selective_state_update"]

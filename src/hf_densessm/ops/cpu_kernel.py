@@ -16,12 +16,11 @@ from pathlib import Path
 import torch
 
 from .backend import flat_saved, inputs_compute_dtype
-from .dispatch import Implementation
+from .dispatch import Implementation, register
 
-__all__ = [
-    "CHECKPOINT", "CONV_STEP", "IMPLEMENTATION", "MAX_STATE", "SOURCE", "STATE_UPDATE", "SWITCH", "capability_flags",
-    "extension_name", "kernel_enabled", "load_kernel", "missing", "openmp_flags", "scan_bwd", "scan_fwd",
-]
+__all__ = ["CHECKPOINT", "CONV_STEP", "IMPLEMENTATION", "MAX_STATE", "RETENTION_STEP", "SOURCE", "STATE_UPDATE",
+           "SWITCH", "capability_flags", "extension_name", "kernel_enabled", "load_kernel", "missing", "openmp_flags",
+           "scan_bwd", "scan_fwd"]
 
 #: The C++ source; absent from an install that did not ship ``csrc/`` (then the kernel is never built).
 SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "selective_scan_cpu.cpp"
@@ -181,10 +180,10 @@ def _saved(u, A, dtype):
 
 
 def _step_missing(device: torch.device, state_size: int = 1, step: bool = False, **facts) -> str | None:
-    """:func:`missing` for the decoding-step entries, which also need ``step`` (the op's facts allow the C++ step)
-    and an eager call (``torch.compile`` traces the PyTorch step instead)."""
+    """:func:`missing` for the decoding-step entries, which also need ``step`` (the op's facts allow the C++ step: a
+    call of decoding size) and an eager call (``torch.compile`` traces the PyTorch path instead)."""
     if not step:
-        return "runs a decoding step only (one token over a window, no reset or gradients; a contiguous float state)"
+        return "runs decoding-sized calls only (see the op's step condition; no reset or gradients)"
     if torch.compiler.is_compiling():
         return "is not traced by torch.compile (the PyTorch step is)"
     return missing(device, state_size)
@@ -200,14 +199,25 @@ def _conv_step(x, taps, bias, window, reset, silu):
     return torch.ops.hf_densessm.causal_conv1d_step_cpu(x, taps, bias, window, silu)
 
 
-#: The decoding-step entries of ``selective_state_update`` and ``causal_conv1d``: eager CPU steps, each one operator
-#: dispatched in C++ (``"direct"``: the public function calls it without its Python op in between).
+def _retention(q, k, v, scale, initial_state, reset):
+    """The ``"cpp"`` entry of ``chunk_retention`` (its ``"forward"``, ``reset`` None), one C++ operator call."""
+    return torch.ops.hf_densessm.chunk_retention_cpu(q, k, v, scale, initial_state)
+
+
+#: The decoding-step entries of ``selective_state_update``, ``causal_conv1d`` and ``chunk_retention`` (a verification
+#: forward's few tokens): eager CPU calls, each one operator dispatched in C++ (``"direct"``: the public function calls
+#: it without its Python op in between).
 STATE_UPDATE = Implementation("cpp", ("auto", "torch"), ("cpu",), _step_missing,
                               calls=dict(step=_state_update, direct=_state_update))
 CONV_STEP = Implementation("cpp", ("auto", "torch"), ("cpu",), _step_missing,
                            calls=dict(forward=_conv_step, direct=_conv_step))
+RETENTION_STEP = Implementation("cpp", ("auto", "torch"), ("cpu",), _step_missing,
+                                calls=dict(forward=_retention, direct=_retention))
 
-#: The selective scan's ``"cpp"`` entry (``selective_scan/__init__.py``): CPU tensors, taken by ``"auto"`` and
-#: ``"torch"`` before the chunked PyTorch path.
+#: The selective scan's ``"cpp"`` entry: CPU tensors, taken by ``"auto"`` and ``"torch"`` before the chunked PyTorch path.
 IMPLEMENTATION = Implementation("cpp", ("auto", "torch"), ("cpu",), missing,
                                 calls=dict(saved=_saved, **flat_saved(scan_fwd, scan_bwd, lambda A: (-1, A.shape[1]))))
+# each entry joins its op's table before the PyTorch path (ops/__init__.py imports this module after the op modules)
+for _op, _entry in (("selective_scan", IMPLEMENTATION), ("selective_state_update", STATE_UPDATE),
+                    ("causal_conv1d", CONV_STEP), ("chunk_retention", RETENTION_STEP)):
+    register(_op, _entry)

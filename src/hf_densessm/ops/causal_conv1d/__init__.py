@@ -13,11 +13,6 @@ from ..dispatch import TABLES, Implementation, choose, implementation, triton_en
 from ..packing import check_reset
 from .torch_path import causal_conv1d_backward_torch, causal_conv1d_torch
 
-try:  # the C++ decoding step (absent from remote code, which builds no C++)
-    from .. import cpu_kernel
-except ImportError:
-    cpu_kernel = None
-
 __all__ = ["causal_conv1d"]
 
 _ACTIVATIONS = (None, "silu")
@@ -37,7 +32,6 @@ def _triton(name):
 # (optional, a decoding step's entry): "forward" as a registered operator the public function calls itself.
 TABLES["causal_conv1d"] = [
     triton_entry(forward=_triton("causal_conv1d_triton_fwd"), backward=_triton("causal_conv1d_triton_bwd")),
-    *([cpu_kernel.CONV_STEP] if cpu_kernel else []),
     Implementation("torch", ("auto", "torch"), traced=True, calls=dict(
         forward=in_own_precision(causal_conv1d_torch), backward=in_own_precision(causal_conv1d_backward_torch))),
 ]

@@ -17,6 +17,8 @@ from .naive import retention_gamma, retention_log2_gamma
 
 __all__ = ["chunk_retention", "retention_gamma", "retention_log2_gamma", "retention_state_update"]
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+#: The most tokens of an eager call without gradients or resets that a decoding-sized ("step") entry takes.
+STEP_TOKENS = 16
 Tensor = torch.Tensor
 _ops = OpGroup()
 
@@ -81,6 +83,7 @@ def _triton(module: str, name: str):
 #       contiguous), final_state in the compute dtype;
 #   "backward"(d_o, d_final_state, q, k, v, scale, initial_state, reset) -> (dq, dk, dv, d_initial_state) (where not
 #       traced: dq, dk, dv contiguous);
+#   "direct" (optional, a step entry's): "forward" as a registered operator the public function calls itself;
 #   "step"(state, q, k, v, scale) -> o, state updated in place (retention_state_update's entries).
 TABLES["chunk_retention"] = [
     triton_entry(forward=_triton("chunk", "chunk_retention_fwd_triton"),
@@ -191,8 +194,12 @@ def chunk_retention(q, k, v, scale=None, initial_state=None, output_final_state=
     """
     scale = _check(q, k, v, ("batch", "length", "heads"), scale, "initial_state", initial_state)
     reset = check_reset(reset, q.shape[0], q.shape[1], q.device)
-    impl = choose("chunk_retention", q.device, backend)
-    o, final_state = _ops.chunk_retention(q, k, v, scale, initial_state, reset, impl)
+    grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, initial_state))
+    step = 0 < q.shape[1] <= STEP_TOKENS and reset is None and not grads  # e.g. a speculative verification forward
+    impl = choose("chunk_retention", q.device, backend, step=step)
+    direct = implementation("chunk_retention", impl).calls.get("direct")
+    args = (q, k, v, scale, initial_state, reset)
+    o, final_state = direct(*args) if direct is not None else _ops.chunk_retention(*args, impl)
     return o, (final_state if output_final_state else None)
 
 

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from ..backend import compute_dtype
 from .naive import retention_log2_gamma
 
-__all__ = ["chunk_retention_torch", "chunk_retention_torch_backward", "default_chunk_size", "retention_state_after",
+__all__ = ["chunk_retention_torch", "chunk_retention_torch_backward", "default_chunk_size",
            "retention_state_update_torch"]
 
 
@@ -18,20 +18,15 @@ def default_chunk_size(key_dim, value_dim):
     return 64 if key_dim * value_dim <= 2**18 else 256
 
 
-def _decays(log2_gamma, C, dtype):
-    """``(q_decay, k_decay, chunk_decay)`` of chunks of ``C`` tokens, ``gamma^(i+1)``, ``gamma^(C-1-j)`` (both ``(H, 1,
-    C, 1)``) and ``gamma^C`` ``(1, H, 1, 1, 1)``: slices of one row of powers ``gamma^0 .. gamma^C``."""
-    powers = torch.exp2(log2_gamma[:, None] * torch.arange(C + 1, device=log2_gamma.device, dtype=dtype))
-    return powers[:, 1:].view(-1, 1, C, 1), powers[:, :C].flip(1).view(-1, 1, C, 1), powers[:, C].view(1, -1, 1, 1, 1)
-
-
 def _block_masks(log2_gamma, C, n, segments, dtype):
-    """``(intra, q_decay, k_decay, chunk_decay)`` of ``n`` chunks of ``C`` tokens: ``gamma^(i-j)`` (``j <= i``) and
-    :func:`_decays`, masked to documents by ``segments`` ``(B, n, C + 1)`` (the document of the token before each
-    chunk, then of its tokens) or None (docs/kernels.md, "Packed sequences")."""
-    i = torch.arange(C, device=log2_gamma.device, dtype=dtype)  # gamma^(i-j), j > i: finite (<= gamma_0^-255), zeroed
-    intra = torch.exp2(log2_gamma.view(-1, 1, 1) * (i[:, None] - i)).tril()  # (H, C, C)
-    q_decay, k_decay, chunk_decay = _decays(log2_gamma, C, dtype)
+    """``(intra, q_decay, k_decay, chunk_decay)`` of ``n`` chunks of ``C`` tokens: ``gamma^(i-j)`` (``j <= i``),
+    ``gamma^(i+1)``, ``gamma^(C-1-j)``, ``gamma^C``, masked to documents by ``segments`` ``(B, n, C + 1)`` (the
+    document of the token before each chunk, then of its tokens) or None (docs/kernels.md, "Packed sequences")."""
+    i = torch.arange(C + 1, device=log2_gamma.device, dtype=dtype)  # gamma^(i-j), j > i: finite (<= gamma_0^-255)
+    intra = torch.exp2(log2_gamma.view(-1, 1, 1) * (i[:C, None] - i[:C])).tril()  # (H, C, C), zeroed above
+    powers = torch.exp2(log2_gamma[:, None] * i)  # (H, C + 1): gamma^0 .. gamma^C
+    q_decay, k_decay = powers[:, 1:].view(-1, 1, C, 1), powers[:, :C].flip(1).view(-1, 1, C, 1)
+    chunk_decay = powers[:, C].view(1, -1, 1, 1, 1)
     if segments is None:
         return intra[:, None], q_decay, k_decay, chunk_decay.expand(-1, -1, n, -1, -1)
     before, seg = segments[:, :, :1], segments[:, :, 1:]  # (B, n, 1), (B, n, C)
@@ -51,8 +46,8 @@ def _causal(scores, intra):
 
 def _states(k, v, state, k_decay, chunk_decay):
     """The states before each of ``n`` chunks ``(B, H, n, K, V)`` and after the last, from ``k`` ``(B, H, n, C, K)``,
-    ``v`` ``(B, H, n, C, V)``, the state before the first chunk ``(B, H, K, V)`` and the decays of :func:`_block_masks`
-    (or, for one chunk, :func:`_decays`); and ``k * k_decay``."""
+    ``v`` ``(B, H, n, C, V)``, the state before the first chunk ``(B, H, K, V)`` and the decays of
+    :func:`_block_masks`; and ``k * k_decay``."""
     k_write = k * k_decay
     updates = k_write.transpose(-1, -2) @ v  # (B, H, n, K, V): sum_j gamma^(C-1-j) k_j^T v_j
     states = []
@@ -60,16 +55,6 @@ def _states(k, v, state, k_decay, chunk_decay):
         states.append(state)
         state = torch.addcmul(update, state, chunk_decay[:, :, c])
     return (states[0][:, :, None] if len(states) == 1 else torch.stack(states, dim=2)), state, k_write
-
-
-def retention_state_after(k, v, initial_state, n):
-    """The state ``(B, H, K, V)`` after the first ``n >= 1`` tokens of ``k`` ``(B, L, H, K)``, ``v`` ``(B, L, H, V)``
-    from ``initial_state`` ``(B, H, K, V)`` (None: zeros), in the compute dtype, with no outputs (what ``crop`` writes
-    back, docs/design.md §5): Eq. 18 unrolled, ``gamma^n S_0 + sum_{j<n} gamma^(n-1-j) k_j^T v_j``, as one chunk."""
-    dtype = compute_dtype(v.dtype)
-    k, v = (_block(x, 0, n, n, dtype) for x in (k, v))
-    state = k.new_zeros(*k.shape[:2], k.shape[-1], v.shape[-1]) if initial_state is None else initial_state.to(dtype)
-    return _states(k, v, state, *_decays(retention_log2_gamma(k.shape[1], k.device, dtype), n, dtype)[1:])[1]
 
 
 def _block_forward(q, k, v, state, masks):

@@ -10,10 +10,6 @@ import torch
 from ..backend import OpGroup, flat_saved, in_own_precision, inputs_compute_dtype, require, token_major_like
 from ..dispatch import TABLES, Implementation, choose, implementation, triton_entry
 
-try:  # remote code ships no C++ build code (docs/hub_and_conversion.md): the table has no "cpp" entry there
-    from .. import cpu_kernel
-except ImportError:
-    cpu_kernel = None
 from ..packing import check_reset
 from .chunked_torch import selective_scan_torch_bwd, selective_scan_torch_fwd, selective_state_update_torch
 
@@ -88,13 +84,11 @@ def _torch_saved(u, A, dtype):
 TABLES["selective_scan"] = [
     triton_entry(forward=_triton("chunk", "selective_scan_triton_fwd"),
                  backward=_triton("chunk", "selective_scan_triton_bwd")),
-    *([cpu_kernel.IMPLEMENTATION] if cpu_kernel else []),
     Implementation("torch", ("auto", "torch"), calls=dict(saved=_torch_saved, **flat_saved(
         selective_scan_torch_fwd, selective_scan_torch_bwd, lambda A: (A.shape[1], -1)))),
 ]
 TABLES["selective_state_update"] = [
     triton_entry(step=_triton("fused_recurrent", "selective_state_update_triton")),
-    *([cpu_kernel.STATE_UPDATE] if cpu_kernel else []),
     Implementation("torch", ("auto", "torch"), traced=True,
                    calls=dict(step=in_own_precision(selective_state_update_torch))),
 ]
