@@ -151,7 +151,8 @@ def main(argv=None) -> dict:
         "fp32_matmul_peak_gflops": peak / 1e9, "threads": args.threads, "rounds": args.rounds,
         "repeats": args.repeats, "cpu": _cpu_name(), "load_average_1_5_15_min_at_start_and_end":
             [load_at_start, os.getloadavg()], "dry": args.dry,
-        "runtime_env": {key: value for key, value in sorted(os.environ.items()) if key.startswith(RUNTIME_ENV_PREFIXES)},
+        "runtime_env": {key: value for key, value in sorted(os.environ.items())
+                        if key.startswith(RUNTIME_ENV_PREFIXES)},
     }
     print(f"{args.batch} x {args.length} tokens, {args.threads} thread(s), {report['cpu']}, fp32 matmul peak "
           f"{peak / 1e9:.0f} GFLOP/s; median of {args.rounds} x {args.repeats}")

@@ -214,7 +214,7 @@ CONV_STEP = Implementation("cpp", ("auto", "torch"), ("cpu",), _step_missing,
 RETENTION_STEP = Implementation("cpp", ("auto", "torch"), ("cpu",), _step_missing,
                                 calls=dict(forward=_retention, direct=_retention))
 
-#: The selective scan's ``"cpp"`` entry: CPU tensors, taken by ``"auto"`` and ``"torch"`` before the chunked PyTorch path.
+#: The selective scan's ``"cpp"`` entry: CPU tensors, taken by ``"auto"`` and ``"torch"`` before the chunked path.
 IMPLEMENTATION = Implementation("cpp", ("auto", "torch"), ("cpu",), missing,
                                 calls=dict(saved=_saved, **flat_saved(scan_fwd, scan_bwd, lambda A: (-1, A.shape[1]))))
 # each entry joins its op's table before the PyTorch path (ops/__init__.py imports this module after the op modules)

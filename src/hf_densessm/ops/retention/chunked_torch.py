@@ -44,10 +44,10 @@ def _causal(scores, intra):
     return torch.where(intra > 0, scores * intra, 0)
 
 
-def _states(k, v, state, k_decay, chunk_decay):
+def _states(k, v, state, masks):
     """The states before each of ``n`` chunks ``(B, H, n, K, V)`` and after the last, from ``k`` ``(B, H, n, C, K)``,
-    ``v`` ``(B, H, n, C, V)``, the state before the first chunk ``(B, H, K, V)`` and the decays of
-    :func:`_block_masks`; and ``k * k_decay``."""
+    ``v`` ``(B, H, n, C, V)`` and the state before the first chunk ``(B, H, K, V)``; and ``k * k_decay``."""
+    _, _, k_decay, chunk_decay = masks
     k_write = k * k_decay
     updates = k_write.transpose(-1, -2) @ v  # (B, H, n, K, V): sum_j gamma^(C-1-j) k_j^T v_j
     states = []
@@ -64,7 +64,7 @@ def _block_forward(q, k, v, state, masks):
     # ((q k^T) * D) v of all chunks: v's finite part by the product, the rest by a running sum (docs/kernels.md)
     finite_v = torch.nan_to_num(v, nan=0.0, posinf=0.0, neginf=0.0)
     o = _causal(q @ k.transpose(-1, -2), intra) @ finite_v + (v - finite_v).cumsum(-2)
-    previous, state, _ = _states(k, v, state, *masks[2:])
+    previous, state, _ = _states(k, v, state, masks)
     return o + (q * q_decay) @ previous, state
 
 
@@ -149,7 +149,7 @@ def chunk_retention_torch_backward(d_o, d_final_state, q, k, v, scale, initial_s
     d_state = torch.zeros_like(state) if d_final_state is None else d_final_state.to(state.dtype, copy=True)
     kept = []
     for inputs, masks in blocks:  # the states, recomputed once
-        previous, state, k_write = _states(inputs[1], inputs[2], state, *masks[2:])
+        previous, state, k_write = _states(inputs[1], inputs[2], state, masks)
         kept.append((previous, k_write))
     grads = []
     for (inputs, masks), states, d_o_block in reversed(list(zip(blocks, kept, d_o_blocks))):  # backward in time
