@@ -8,6 +8,7 @@ import torch
 
 from hf_densessm.ops.causal_conv1d import causal_conv1d
 from hf_densessm.ops.causal_conv1d.torch_path import causal_conv1d_torch
+from hf_densessm.ops import cpu_kernel
 from hf_densessm.ops.dispatch import choose
 from hf_densessm.ops.retention import STEP_TOKENS, chunk_retention, retention_gamma
 from hf_densessm.ops.retention.chunked_torch import chunk_retention_torch
@@ -168,8 +169,8 @@ def test_retention_few_tokens_matches_float64_loop_and_torch_path(enabled, dtype
     state_dtype = torch.float64 if dtype == torch.float64 else torch.float32
     state = torch.randn(batch, heads, key_dim, value_dim, generator=g).to(state_dtype) if with_state else None
     assert choose("chunk_retention", CPU, None, step=True) == "cpp"
-    with torch.no_grad():
-        o, final = chunk_retention(q, k, v, key_dim**-0.5, state, output_final_state=True)
+    with torch.no_grad():  # the entry itself (the public function takes it only to continue a state: see below)
+        o, final = cpu_kernel.RETENTION_STEP.calls["direct"](q, k, v, key_dim**-0.5, state, None)
         o_torch, final_torch = chunk_retention_torch(q, k, v, key_dim**-0.5, state, output_final_state=True)
     o_ref, final_ref = _retention_loop(q, k, v, key_dim**-0.5, state)
     assert o.dtype == dtype and o.shape == (batch, length, heads, value_dim) and o.is_contiguous()
@@ -182,19 +183,20 @@ def test_retention_few_tokens_matches_float64_loop_and_torch_path(enabled, dtype
 
 
 def test_retention_entry_only_for_few_tokens_without_gradients_or_resets(enabled, monkeypatch):
-    """The C++ retention only for an eager call of 1 to STEP_TOKENS tokens with nothing to differentiate and no
-    reset; a longer call, a reset, gradients, the switch off: the chunked path (and its backward)."""
+    """The C++ retention only for an eager call continuing a state by 1 to STEP_TOKENS tokens with nothing to
+    differentiate and no reset; no state (a training forward, whose checkpointed recompute must take the same path), a
+    longer call, a reset, gradients, the switch off: the chunked path (and its backward)."""
     calls = []
-    from hf_densessm.ops import cpu_kernel
-
     original = cpu_kernel.RETENTION_STEP.calls["direct"]
     monkeypatch.setitem(cpu_kernel.RETENTION_STEP.calls, "direct", lambda *a: calls.append(1) or original(*a))
     q, k, v = (torch.randn(1, STEP_TOKENS + 1, 2, 8) for _ in range(3))
+    s = torch.randn(1, 2, 8, 8)
     with torch.no_grad():
-        chunk_retention(q[:, :STEP_TOKENS], k[:, :STEP_TOKENS], v[:, :STEP_TOKENS])
-        chunk_retention(q, k, v)  # one token too many
-        chunk_retention(q[:, :2], k[:, :2], v[:, :2], reset=torch.tensor([[True, True]]))
-    o, _ = chunk_retention(q[:, :2], k[:, :2].requires_grad_(), v[:, :2])
+        chunk_retention(q[:, :STEP_TOKENS], k[:, :STEP_TOKENS], v[:, :STEP_TOKENS], initial_state=s)
+        chunk_retention(q[:, :2], k[:, :2], v[:, :2])  # no state
+        chunk_retention(q, k, v, initial_state=s)  # one token too many
+        chunk_retention(q[:, :2], k[:, :2], v[:, :2], initial_state=s, reset=torch.tensor([[True, True]]))
+    o, _ = chunk_retention(q[:, :2], k[:, :2].requires_grad_(), v[:, :2], initial_state=s)
     o.sum().backward()  # the chunked path's backward
     assert len(calls) == 1
     monkeypatch.setenv("HF_DENSESSM_CPU_KERNEL", "0")

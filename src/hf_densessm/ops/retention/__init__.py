@@ -17,7 +17,7 @@ from .naive import retention_gamma, retention_log2_gamma
 
 __all__ = ["chunk_retention", "retention_gamma", "retention_log2_gamma", "retention_state_update"]
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-#: The most tokens of an eager call without gradients or resets that a decoding-sized ("step") entry takes.
+#: The most tokens by which an eager call without gradients or resets continues a state for a "step" entry to take it.
 STEP_TOKENS = 16
 Tensor = torch.Tensor
 _ops = OpGroup()
@@ -195,10 +195,10 @@ def chunk_retention(q, k, v, scale=None, initial_state=None, output_final_state=
     scale = _check(q, k, v, ("batch", "length", "heads"), scale, "initial_state", initial_state)
     reset = check_reset(reset, q.shape[0], q.shape[1], q.device)
     grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, initial_state))
-    step = 0 < q.shape[1] <= STEP_TOKENS and reset is None and not grads  # e.g. a speculative verification forward
+    step = (initial_state is not None and reset is None and not grads and not torch.compiler.is_compiling()
+            and q.shape[1] <= STEP_TOKENS)  # a state continued by a few tokens: e.g. a speculative verification
     impl = choose("chunk_retention", q.device, backend, step=step)
-    direct = implementation("chunk_retention", impl).calls.get("direct")
-    args = (q, k, v, scale, initial_state, reset)
+    direct, args = implementation("chunk_retention", impl).calls.get("direct"), (q, k, v, scale, initial_state, reset)
     o, final_state = direct(*args) if direct is not None else _ops.chunk_retention(*args, impl)
     return o, (final_state if output_final_state else None)
 
