@@ -6,9 +6,9 @@ token loop, in place, strided inputs, every option; chosen only for an eager, de
 import pytest
 import torch
 
+from hf_densessm.ops import cpu_kernel
 from hf_densessm.ops.causal_conv1d import causal_conv1d
 from hf_densessm.ops.causal_conv1d.torch_path import causal_conv1d_torch
-from hf_densessm.ops import cpu_kernel
 from hf_densessm.ops.dispatch import choose
 from hf_densessm.ops.retention import STEP_TOKENS, chunk_retention, retention_gamma
 from hf_densessm.ops.retention.chunked_torch import chunk_retention_torch
@@ -161,7 +161,8 @@ def _retention_loop(q, k, v, scale, state):
 @pytest.mark.parametrize("with_state", [True, False])
 def test_retention_few_tokens_matches_float64_loop_and_torch_path(enabled, dtype, tol, length, with_state):
     """Inputs as the model passes them (v a slice of a wider tensor), at the published init's scale (unit-variance
-    q, k, v, scale head_dim^-0.5) and a float32 state: outputs and final state against the loop and the chunked path."""
+    q, k, v, scale head_dim^-0.5) and a float32 state (float64 with float64 inputs), or none: outputs and final state
+    against the loop and the chunked path."""
     g = torch.Generator().manual_seed(length)
     batch, heads, key_dim, value_dim = 2, 3, 16, 24
     q, k = (torch.randn(batch, length, heads, key_dim, generator=g).to(dtype) for _ in range(2))
