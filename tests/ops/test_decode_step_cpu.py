@@ -183,23 +183,36 @@ def test_retention_few_tokens_matches_float64_loop_and_torch_path(enabled, dtype
     assert_close(final, final_torch, max(tol, 1e-6 if dtype != torch.float64 else tol), "state vs the chunked path")
 
 
-def test_retention_entry_only_for_few_tokens_without_gradients_or_resets(enabled, monkeypatch):
-    """The C++ retention only for an eager call continuing a state by 1 to STEP_TOKENS tokens with nothing to
-    differentiate and no reset; no state (a training forward, whose checkpointed recompute must take the same path), a
-    longer call, a reset, gradients, the switch off: the chunked path (and its backward)."""
+def test_retention_entry_only_for_few_tokens_without_resets(enabled, monkeypatch):
+    """The C++ retention for an eager call of at most STEP_TOKENS tokens without a reset, with or without a state (a
+    reset cache computes as a new one), called directly without gradients and through the op (its autograd the
+    chunked path's backward) with them, so that a reentrant checkpointed forward and its recompute agree; a longer
+    call, a reset, the switch off: the chunked path."""
     calls = []
-    original = cpu_kernel.RETENTION_STEP.calls["direct"]
-    monkeypatch.setitem(cpu_kernel.RETENTION_STEP.calls, "direct", lambda *a: calls.append(1) or original(*a))
-    q, k, v = (torch.randn(1, STEP_TOKENS + 1, 2, 8) for _ in range(3))
-    s = torch.randn(1, 2, 8, 8)
+    for role in ("forward", "direct"):
+        original = cpu_kernel.RETENTION_STEP.calls[role]
+        counted = (lambda f, r: lambda *a: calls.append(r) or f(*a))(original, role)
+        monkeypatch.setitem(cpu_kernel.RETENTION_STEP.calls, role, counted)
+    q, k, v = (torch.randn(1, STEP_TOKENS + 1, 2, 8, dtype=torch.float64) for _ in range(3))
+    s = torch.randn(1, 2, 8, 8, dtype=torch.float64)
+    few = (q[:, :STEP_TOKENS], k[:, :STEP_TOKENS], v[:, :STEP_TOKENS])
     with torch.no_grad():
-        chunk_retention(q[:, :STEP_TOKENS], k[:, :STEP_TOKENS], v[:, :STEP_TOKENS], initial_state=s)
-        chunk_retention(q[:, :2], k[:, :2], v[:, :2])  # no state
+        chunk_retention(*few, initial_state=s)
+        chunk_retention(*few)  # no state
         chunk_retention(q, k, v, initial_state=s)  # one token too many
-        chunk_retention(q[:, :2], k[:, :2], v[:, :2], initial_state=s, reset=torch.tensor([[True, True]]))
-    o, _ = chunk_retention(q[:, :2], k[:, :2].requires_grad_(), v[:, :2], initial_state=s)
-    o.sum().backward()  # the chunked path's backward
-    assert len(calls) == 1
+        reset = torch.zeros(1, STEP_TOKENS, dtype=torch.bool)
+        reset[0, 3] = True
+        chunk_retention(*few, initial_state=s, reset=reset)
+    assert calls == ["direct", "direct"]
+    leaves = [t.clone().requires_grad_() for t in (*few, s)]
+    o, final = chunk_retention(*leaves[:3], initial_state=leaves[3], output_final_state=True)
+    assert calls == ["direct", "direct", "forward"]
+    torch.autograd.backward((o, final), (torch.ones_like(o), torch.ones_like(final)))
+    ref = [t.detach().clone().requires_grad_() for t in (*few, s)]
+    o_ref, final_ref = chunk_retention_torch(*ref[:3], 8**-0.5, ref[3], output_final_state=True)
+    torch.autograd.backward((o_ref, final_ref), (torch.ones_like(o_ref), torch.ones_like(final_ref)))
+    for leaf, expected in zip(leaves, ref):
+        torch.testing.assert_close(leaf.grad, expected.grad, rtol=1e-12, atol=1e-12)
     monkeypatch.setenv("HF_DENSESSM_CPU_KERNEL", "0")
     assert choose("chunk_retention", CPU, None, step=True) == "torch"
 

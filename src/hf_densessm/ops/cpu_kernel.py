@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from .backend import flat_saved, inputs_compute_dtype
-from .dispatch import Implementation, register
+from .dispatch import Implementation, implementation, register
 
 __all__ = ["CHECKPOINT", "CONV_STEP", "IMPLEMENTATION", "MAX_STATE", "RETENTION_STEP", "SOURCE", "STATE_UPDATE",
            "SWITCH", "capability_flags", "extension_name", "kernel_enabled", "load_kernel", "missing", "openmp_flags",
@@ -183,7 +183,7 @@ def _step_missing(device: torch.device, state_size: int = 1, step: bool = False,
     """:func:`missing` for the decoding-step entries, which also need ``step`` (the op's facts allow the C++ step: a
     call of decoding size) and an eager call (``torch.compile`` traces the PyTorch path instead)."""
     if not step:
-        return "runs decoding-sized calls only (see the op's step condition; no reset or gradients)"
+        return "runs decoding-sized calls only (the op's step condition)"
     if torch.compiler.is_compiling():
         return "is not traced by torch.compile (the PyTorch step is)"
     return missing(device, state_size)
@@ -200,19 +200,19 @@ def _conv_step(x, taps, bias, window, reset, silu):
 
 
 def _retention(q, k, v, scale, initial_state, reset):
-    """The ``"cpp"`` entry of ``chunk_retention`` (its ``"forward"``, ``reset`` None), one C++ operator call."""
+    """The ``"cpp"`` entry of ``chunk_retention`` (its ``"forward"``, ``reset`` None), one C++ operator call; its
+    ``"backward"`` is the chunked PyTorch path's, which recomputes from the inputs."""
     return torch.ops.hf_densessm.chunk_retention_cpu(q, k, v, scale, initial_state)
 
 
-#: The decoding-step entries of ``selective_state_update``, ``causal_conv1d`` and ``chunk_retention`` (a verification
-#: forward's few tokens): eager CPU calls, each one operator dispatched in C++ (``"direct"``: the public function calls
-#: it without its Python op in between).
+#: The decoding-sized entries of ``selective_state_update``, ``causal_conv1d``, ``chunk_retention``: eager CPU calls,
+#: each one operator dispatched in C++ (``"direct"``: called by the public function with no Python op between).
 STATE_UPDATE = Implementation("cpp", ("auto", "torch"), ("cpu",), _step_missing,
                               calls=dict(step=_state_update, direct=_state_update))
 CONV_STEP = Implementation("cpp", ("auto", "torch"), ("cpu",), _step_missing,
                            calls=dict(forward=_conv_step, direct=_conv_step))
-RETENTION_STEP = Implementation("cpp", ("auto", "torch"), ("cpu",), _step_missing,
-                                calls=dict(forward=_retention, direct=_retention))
+RETENTION_STEP = Implementation("cpp", ("auto", "torch"), ("cpu",), _step_missing, calls=dict(
+    forward=_retention, direct=_retention, backward=implementation("chunk_retention", "torch").calls["backward"]))
 
 #: The selective scan's ``"cpp"`` entry: CPU tensors, taken by ``"auto"`` and ``"torch"`` before the chunked path.
 IMPLEMENTATION = Implementation("cpp", ("auto", "torch"), ("cpu",), missing,

@@ -17,7 +17,7 @@ from .naive import retention_gamma, retention_log2_gamma
 
 __all__ = ["chunk_retention", "retention_gamma", "retention_log2_gamma", "retention_state_update"]
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-#: The most tokens by which an eager call without gradients or resets continues a state for a "step" entry to take it.
+#: The most tokens of an eager call without resets that a decoding-sized ("step") entry takes.
 STEP_TOKENS = 16
 Tensor = torch.Tensor
 _ops = OpGroup()
@@ -83,7 +83,8 @@ def _triton(module: str, name: str):
 #       contiguous), final_state in the compute dtype;
 #   "backward"(d_o, d_final_state, q, k, v, scale, initial_state, reset) -> (dq, dk, dv, d_initial_state) (where not
 #       traced: dq, dk, dv contiguous);
-#   "direct" (optional, a step entry's): "forward" as a registered operator the public function calls itself;
+#   "direct" (optional, a step entry's): "forward" as a registered operator the public function calls itself when
+#       nothing is differentiated (else the op runs "forward", its autograd "backward");
 #   "step"(state, q, k, v, scale) -> o, state updated in place (retention_state_update's entries).
 TABLES["chunk_retention"] = [
     triton_entry(forward=_triton("chunk", "chunk_retention_fwd_triton"),
@@ -195,11 +196,10 @@ def chunk_retention(q, k, v, scale=None, initial_state=None, output_final_state=
     scale = _check(q, k, v, ("batch", "length", "heads"), scale, "initial_state", initial_state)
     reset = check_reset(reset, q.shape[0], q.shape[1], q.device)
     grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, initial_state))
-    step = (initial_state is not None and reset is None and not grads and not torch.compiler.is_compiling()
-            and q.shape[1] <= STEP_TOKENS)  # a state continued by a few tokens: e.g. a speculative verification
+    step = reset is None and not torch.compiler.is_compiling() and q.shape[1] <= STEP_TOKENS  # e.g. a verification
     impl = choose("chunk_retention", q.device, backend, step=step)
     direct, args = implementation("chunk_retention", impl).calls.get("direct"), (q, k, v, scale, initial_state, reset)
-    o, final_state = direct(*args) if direct is not None else _ops.chunk_retention(*args, impl)
+    o, final_state = direct(*args) if direct is not None and not grads else _ops.chunk_retention(*args, impl)
     return o, (final_state if output_final_state else None)
 
 
