@@ -12,7 +12,9 @@ from torch.export import Dim
 
 from helpers import FAMILIES, micro_model, output_cache, random_ids
 
-TOL = dict(atol=1e-6, rtol=1e-5)
+# float32, two implementations: an exported program runs the traced PyTorch path, the eager model the C++ CPU
+# entries where they apply (a retention of at most 16 tokens: another summation order, about 1e-6 apart)
+TOL = dict(atol=1e-5, rtol=1e-5)
 
 
 def _contents(cache):
