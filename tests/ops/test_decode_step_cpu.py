@@ -170,7 +170,7 @@ def test_retention_few_tokens_matches_float64_loop_and_torch_path(enabled, dtype
     state_dtype = torch.float64 if dtype == torch.float64 else torch.float32
     state = torch.randn(batch, heads, key_dim, value_dim, generator=g).to(state_dtype) if with_state else None
     assert choose("chunk_retention", CPU, None, step=True) == "cpp"
-    with torch.no_grad():  # the entry itself (the public function takes it only to continue a state: see below)
+    with torch.no_grad():  # the entry itself, with and without a state (the choice: below)
         o, final = cpu_kernel.RETENTION_STEP.calls["direct"](q, k, v, key_dim**-0.5, state, None)
         o_torch, final_torch = chunk_retention_torch(q, k, v, key_dim**-0.5, state, output_final_state=True)
     o_ref, final_ref = _retention_loop(q, k, v, key_dim**-0.5, state)
