@@ -52,7 +52,7 @@ def _interpreted_half(backend, dtype):
 def test_retention_later_token_never_reaches_earlier_ones(backend, dtype, value, name, length):
     g = torch.Generator().manual_seed(0)
     clean = {x: torch.randn(2, length, 2, 16, generator=g).to(DEVICE, dtype) for x in "qkv"}
-    state = None if length == LENGTH else torch.zeros(2, 2, 16, 16, device=DEVICE)  # few tokens: the C++ entry, over a state
+    state = None if length == LENGTH else torch.zeros(2, 2, 16, 16, device=DEVICE)  # few tokens: the C++ entry
 
     def run(t):
         return chunk_retention(t["q"], t["k"], t["v"], initial_state=state, output_final_state=True, backend=backend)
