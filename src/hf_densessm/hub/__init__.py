@@ -66,8 +66,7 @@ CITATION = """@article{he2024densessm,
 
 def _markdown(text: str) -> str:
     """reStructuredText inline code (````x````) and roles (``:class:`~a.B```) as Markdown code."""
-    text = re.sub(r":\w+:`~?([^`]+)`", lambda m: f"`{m.group(1).rsplit('.', 1)[-1]}`", text)
-    return text.replace("``", "`")
+    return re.sub(r":\w+:`~?([^`]+)`", lambda m: f"`{m.group(1).rsplit('.', 1)[-1]}`", text).replace("``", "`")
 
 
 def field_docs(config_class: type) -> dict[str, str]:

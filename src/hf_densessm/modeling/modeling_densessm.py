@@ -47,8 +47,7 @@ class DenseSSMRMSNorm(nn.Module):
         input_dtype = hidden_states.dtype
         h = hidden_states.to(torch.promote_types(input_dtype, torch.float32)).unflatten(-1, (self.num_groups, -1))
         eps = self.variance_epsilon if eps_scale is None else self.variance_epsilon * eps_scale
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-        return (self.weight * h.to(input_dtype)).flatten(-2)
+        return (self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(input_dtype)).flatten(-2)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0] * self.num_groups}, eps={self.variance_epsilon}, num_groups={self.num_groups}"

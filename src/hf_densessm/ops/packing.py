@@ -34,5 +34,4 @@ def document_positions(reset: torch.Tensor) -> torch.Tensor:
     """``(batch, seq_len)`` int64 position of each token inside its packed document: 0 at each ``reset``, counting
     from the row's start before the first one. ``reset``: ``(batch, seq_len)`` bool."""
     index = torch.arange(reset.shape[1], device=reset.device).expand_as(reset)
-    start = torch.where(reset, index, torch.zeros_like(index)).cummax(dim=1).values
-    return index - start
+    return index - torch.where(reset, index, torch.zeros_like(index)).cummax(dim=1).values  # minus its start

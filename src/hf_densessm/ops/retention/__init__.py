@@ -105,8 +105,7 @@ TABLES["retention_state_update"] = [
 
 
 def _eager_fake(q, k, v, scale, initial_state, reset, impl):
-    state = q.new_empty(q.shape[0], q.shape[2], q.shape[3], v.shape[3], dtype=compute_dtype(v.dtype))
-    return v.new_empty(v.shape), state
+    return v.new_empty(v.shape), q.new_empty(*q.shape[:1], *q.shape[2:], v.shape[3], dtype=compute_dtype(v.dtype))
 
 
 def _eager_backward_fake(d_o, d_final_state, q, k, v, scale, initial_state, reset, impl):

@@ -44,28 +44,38 @@ def _causal(scores, intra):
     return torch.where(intra > 0, scores * intra, 0)
 
 
+def _walk(updates, state, decay, reverse=False):
+    """``S_c = decay_c S_(c-1) + U_c`` over the chunks (dim 2; ``reverse``: backward in time): entry states, last."""
+    entering, chunks = [None] * updates.shape[2], range(updates.shape[2])
+    for c in reversed(chunks) if reverse else chunks:  # the only loop, over chunks
+        entering[c], state = state, torch.addcmul(updates[:, :, c], state, decay[:, :, c])
+    return torch.stack(entering, dim=2), state
+
+
 def _states(k, v, state, masks):
     """The states before each of ``n`` chunks ``(B, H, n, K, V)`` and after the last, from ``k`` ``(B, H, n, C, K)``,
     ``v`` ``(B, H, n, C, V)`` and the state before the first chunk ``(B, H, K, V)``; and ``k * k_decay``."""
-    _, _, k_decay, chunk_decay = masks
+    k_decay, chunk_decay = masks[2:]
     k_write = k * k_decay
-    updates = k_write.transpose(-1, -2) @ v  # (B, H, n, K, V): sum_j gamma^(C-1-j) k_j^T v_j
-    states = []
-    for c, update in enumerate(updates.unbind(2)):  # the only loop, over chunks: S_c = gamma^C S_{c-1} + U_c
-        states.append(state)
-        state = torch.addcmul(update, state, chunk_decay[:, :, c])
-    return (states[0][:, :, None] if len(states) == 1 else torch.stack(states, dim=2)), state, k_write
+    return *_walk(k_write.transpose(-1, -2) @ v, state, chunk_decay), k_write  # U_c = sum_j gamma^(C-1-j) k_j^T v_j
+
+
+def _add_product(acc, a, b):
+    """``acc + a @ b`` over the leading dimensions, into ``acc`` (a temporary) by one in-place ``baddbmm``."""
+    return acc.flatten(0, -3).baddbmm_(a.flatten(0, -3), b.flatten(0, -3)).view(acc.shape)
 
 
 def _block_forward(q, k, v, state, masks):
     """Retention over ``n`` chunks of ``C``: ``q`` (scaled), ``k`` ``(B, H, n, C, K)``, ``v`` ``(B, H, n, C, V)``,
     ``state`` ``(B, H, K, V)``; returns ``o`` and the state after the last chunk."""
     intra, q_decay = masks[:2]
-    # ((q k^T) * D) v of all chunks: v's finite part by the product, the rest by a running sum (docs/kernels.md)
-    finite_v = torch.nan_to_num(v, nan=0.0, posinf=0.0, neginf=0.0)
-    o = _causal(q @ k.transpose(-1, -2), intra) @ finite_v + (v - finite_v).cumsum(-2)
     previous, state, _ = _states(k, v, state, masks)
-    return o + (q * q_decay) @ previous, state
+    # ((q k^T) * D) v of all chunks: v's finite part by the product, the rest by a running sum (docs/kernels.md); an
+    # eager CPU call skips the sum where v is finite (the check syncs no device; a traced call takes both parts)
+    finite = v.device.type == "cpu" and not torch.compiler.is_compiling() and bool(v.isfinite().all())
+    finite_v = v if finite else torch.nan_to_num(v, nan=0.0, posinf=0.0, neginf=0.0)
+    o = (q * q_decay) @ previous if finite else (q * q_decay) @ previous + (v - finite_v).cumsum(-2)
+    return _add_product(o, _causal(q @ k.transpose(-1, -2), intra), finite_v), state
 
 
 def _block_backward(q, k, v, previous, k_write, masks, d_o, d_state):
@@ -74,15 +84,11 @@ def _block_backward(q, k, v, previous, k_write, masks, d_o, d_state):
     gradient of the state before the first chunk."""
     intra, q_decay, k_decay, chunk_decay = masks
     read_grads = (q * q_decay).transpose(-1, -2) @ d_o  # (B, H, n, K, V): what o adds to dH_prev of each chunk
-    d_after = []
-    for c in range(q.shape[2] - 1, -1, -1):  # backward in time, over chunks
-        d_after.append(d_state)
-        d_state = torch.addcmul(read_grads[:, :, c], d_state, chunk_decay[:, :, c])
-    d_after = torch.stack(d_after[::-1], dim=2)  # (B, H, n, K, V): gradient of the state after each chunk
+    d_after, d_state = _walk(read_grads, d_state, chunk_decay, reverse=True)  # gradient of the state after each chunk
     d_scores = _causal(d_o @ v.transpose(-1, -2), intra)  # (dO v^T) * D
     dq = d_scores @ k + (d_o @ previous.transpose(-1, -2)) * q_decay
     dk = d_scores.transpose(-1, -2) @ q + (v @ d_after.transpose(-1, -2)) * k_decay
-    dv = _causal(q @ k.transpose(-1, -2), intra).transpose(-1, -2) @ d_o + k_write @ d_after
+    dv = _add_product(k_write @ d_after, _causal(q @ k.transpose(-1, -2), intra).transpose(-1, -2), d_o)
     return dq, dk, dv, d_state
 
 
@@ -177,5 +183,4 @@ def retention_state_update_torch(state, q, k, v, scale=None):
     q = q.reshape(-1, 1, key_dim).to(sdt)
     if scale != 1.0:
         q = q * scale
-    o = torch.bmm(q, flat)  # Eq. 19: o = (scale q) S
-    return o.view(batch, heads, value_dim).to(v.dtype)
+    return torch.bmm(q, flat).view(batch, heads, value_dim).to(v.dtype)  # Eq. 19: o = (scale q) S

@@ -38,5 +38,4 @@ def chunk_retention_naive(q, k, v, scale=None, reset=None):
     if reset is not None:
         documents = reset.long().cumsum(-1)  # (B, L)
         decay = decay * (documents[:, None, :, None] == documents[:, None, None, :]).to(cdt)  # (B, H, L, L)
-    o = ((scale * q) @ k.transpose(-1, -2) * decay) @ v
-    return o.transpose(1, 2).to(v_dtype)
+    return (((scale * q) @ k.transpose(-1, -2) * decay) @ v).transpose(1, 2).to(v_dtype)
