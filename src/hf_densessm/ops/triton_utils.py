@@ -43,15 +43,15 @@ def softplus(x):
     if x.dtype == tl.float64:
         return tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))
     v = tl.exp2(-tl.abs(x) * 1.4426950408889634)
-    p = 0.005186003632843494 * v - 0.029210267588496208
-    p = p * v + 0.07754038274288177
-    p = p * v - 0.13583941757678986
-    p = p * v + 0.19055955111980438
-    p = p * v - 0.24825648963451385
-    p = p * v + 0.3331601023674011
-    p = p * v - 0.4999925494194031
-    p = p * v + 0.9999999403953552
-    return tl.maximum(x, 0.0) + v * p
+    p = tl.fma(v, 0.005186003632843494, -0.029210267588496208)
+    p = tl.fma(p, v, 0.07754038274288177)
+    p = tl.fma(p, v, -0.13583941757678986)
+    p = tl.fma(p, v, 0.19055955111980438)
+    p = tl.fma(p, v, -0.24825648963451385)
+    p = tl.fma(p, v, 0.3331601023674011)
+    p = tl.fma(p, v, -0.4999925494194031)
+    p = tl.fma(p, v, 0.9999999403953552)
+    return tl.fma(v, p, tl.maximum(x, 0.0))
 
 
 APPROX_DIV = tl.constexpr("approx" in inspect.signature(tl.math.fdiv).parameters)  # triton 3.6 has no `approx`
@@ -62,8 +62,4 @@ def sigmoid(x):
     """``1 / (1 + exp(-x))`` elementwise, in float32 by an approximate division (2 ulp, no range check) where this
     triton's ``fdiv`` has ``approx``, else by ``/``; the gate ``y * silu(z) = y z sigmoid(z)`` of the Mamba block."""
     denominator = 1.0 + tl.exp2(x * -1.4426950408889634)
-    if APPROX_DIV:
-        result = tl.math.fdiv(1.0, denominator, approx=x.dtype == tl.float32)
-    else:
-        result = 1.0 / denominator
-    return result
+    return tl.math.fdiv(1.0, denominator, approx=x.dtype == tl.float32) if APPROX_DIV else 1.0 / denominator

@@ -84,10 +84,7 @@ def _chunk_decays(log2_gamma, docs, i_b, start, L, HAS_RESET: tl.constexpr, TRAN
     t = start + offs_t
     mask_t = t < L
     n = tl.minimum(L - start, BT)
-    if TRANSPOSED:
-        distance = (offs_t[None, :] - offs_t[:, None]).to(ACC)
-    else:
-        distance = (offs_t[:, None] - offs_t[None, :]).to(ACC)
+    distance = ((offs_t[None, :] - offs_t[:, None]) if TRANSPOSED else (offs_t[:, None] - offs_t[None, :])).to(ACC)
     intra = tl.where(distance >= 0, tl.exp2(tl.maximum(distance, 0) * log2_gamma), 0.0)
     q_decay = tl.exp2((offs_t + 1).to(ACC) * log2_gamma)
     k_decay = tl.where(mask_t, tl.exp2((n - 1 - offs_t).to(ACC) * log2_gamma), 0.0)

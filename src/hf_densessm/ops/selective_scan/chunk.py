@@ -72,11 +72,17 @@ def _store_rows(ptr, tile, offs_d, mask_d, offs_n, NSTATE: tl.constexpr):
 
 
 @triton.jit
-def _sum_rows(x, acc, NSTATE: tl.constexpr):
-    """``acc + sum_n x[n, :]`` over the ``NSTATE`` rows of a :func:`_rows` tile, added in order: one add (a
-    multiply-add where ``x`` is a product) per row, against ``tl.sum``'s tree of products and adds."""
+def _sum_rows(x, acc, NSTATE: tl.constexpr, w=None):
+    """``acc + sum_n x[n, :]`` (times ``w[n, :]``, a tile or a ``(BLOCK_N, 1)`` column) over the ``NSTATE`` rows of a
+    :func:`_rows` tile, in order: one add or ``tl.fma`` per row (a multiply-add whatever triton's FP-fusion default,
+    off from Triton 3.10), each row picked by a constant mask (which folds away), against ``tl.sum``'s tree."""
+    rows = tl.arange(0, x.shape[0])[:, None]
     for n in tl.static_range(NSTATE):
-        acc += tl.sum(tl.where(tl.arange(0, x.shape[0])[:, None] == n, x, -0.0), axis=0)
+        row = tl.sum(tl.where(rows == n, x, -0.0), axis=0)
+        if w is None:
+            acc += row
+        else:
+            acc = tl.fma(row, tl.sum(tl.where(rows == n, tl.broadcast_to(w, x.shape), -0.0), axis=0), acc)
     return acc
 
 
@@ -142,14 +148,14 @@ def _selective_scan_chunk_state_kernel(
             vt = tl.load(v_base + t * s_V_l, mask=mask_n, other=0.0).to(ACC)
             # -inf where a document starts: a_t = exp2(dt A2 - inf) = 0, the state before it is dropped
             shift = tl.load(reset_ptr + pid_b * length + t) if HAS_RESET else 0.0
-            a = tl.exp2(dt[None, :] * A2 + shift)
+            a = tl.exp2(tl.fma(dt[None, :], A2, shift))
             if REVERSE:
                 if HAS_Z:
                     z = tl.load(z_base + t * s_z_l, mask=mask_d, other=0.0).to(ACC)
                     s = s * z * sigmoid(z)
-                state = a * (state + vt[:, None] * s[None, :])
+                state = a * tl.fma(vt[:, None], s[None, :], state)
             else:
-                state = a * state + vt[:, None] * (s * dt)[None, :]
+                state = tl.fma(vt[:, None], (s * dt)[None, :], a * state)
             dtsum += dt
         _store_rows(out_ptr + row * dim * NSTATE, state, offs_d, mask_d, offs_n, NSTATE)
         tl.store(dtsum_ptr + row * dim + offs_d, dtsum, mask=mask_d)
@@ -175,7 +181,7 @@ def _selective_scan_chunk_adjoint_kernel(
 @triton.jit
 def _combine(a1, b1, a2, b2):
     """Composition of two affine maps ``h -> a h + b``: first ``(a1, b1)``, then ``(a2, b2)``."""
-    return a1 * a2, a2 * b1 + b2
+    return a1 * a2, tl.fma(a2, b1, b2)
 
 
 @triton.jit
@@ -195,10 +201,7 @@ def _selective_scan_carry_kernel(
     mask = offs < size
     d = offs // NSTATE
     A2 = tl.load(A_ptr + d * s_A_d + (offs % NSTATE) * s_A_n, mask=mask, other=0.0).to(ACC) * LOG2E
-    if HAS_X0:
-        x = tl.load(x0_ptr + pid_b * size + offs, mask=mask, other=0.0).to(ACC)
-    else:
-        x = A2 * 0.0
+    x = tl.load(x0_ptr + pid_b * size + offs, mask=mask, other=0.0).to(ACC) if HAS_X0 else A2 * 0.0
     rows = tl.arange(0, BLOCK_C)
     for i in range(0, tl.cdiv(n_chunks, BLOCK_C)):
         c0 = n_chunks - (i + 1) * BLOCK_C if REVERSE else i * BLOCK_C
@@ -212,7 +215,7 @@ def _selective_scan_carry_kernel(
             p += tl.load(flag_ptr + pid_b * n_chunks + offs_c, mask=mask_c, other=0.0)[:, None]
         p = tl.where(mask2, tl.exp2(p), 1.0)
         p_cum, v_cum = tl.associative_scan((p, v), axis=0, combine_fn=_combine, reverse=REVERSE)
-        after = p_cum * x[None, :] + v_cum  # x after chunk c (in the walk's order)
+        after = tl.fma(p_cum, x[None, :], v_cum)  # x after chunk c (in the walk's order)
         if REVERSE:
             nxt, first, last = offs_c - 1, c0 + BLOCK_C - 1, 0
             keep = (rows > 0) & (nxt >= 0)
@@ -261,7 +264,7 @@ def _selective_scan_chunk_output_kernel(
             bt = tl.load(b_base + t * s_B_l, mask=mask_n, other=0.0).to(ACC)
             ct = tl.load(c_base + t * s_C_l, mask=mask_n, other=0.0).to(ACC)
             shift = tl.load(reset_ptr + pid_b * length + t) if HAS_RESET else 0.0  # a_t = 0 where a document starts
-            h = tl.exp2(dt[None, :] * A2 + shift) * h + bt[:, None] * (dt * u)[None, :]
+            h = tl.fma(bt[:, None], (dt * u)[None, :], tl.exp2(tl.fma(dt[None, :], A2, shift)) * h)
             y = _sum_rows(h * ct[:, None], Dv * u, NSTATE)
             if HAS_Z:
                 z = tl.load(z_base + t * s_z_l, mask=mask_d, other=0.0).to(ACC)
@@ -356,20 +359,20 @@ def _selective_scan_chunk_bwd_kernel(
                 gy = gy * z * sigmoid(z)
             bt = tl.load(b_base + t * s_B_l, mask=mask_n, other=0.0).to(ACC)
             ct = tl.load(c_base + t * s_C_l, mask=mask_n, other=0.0).to(ACC)
-            g = ct[:, None] * gy[None, :] + gn
+            g = tl.fma(ct[:, None], gy[None, :], gn)
             gb = g * bt[:, None]
             sum_gb = _sum_rows(gb, -0.0, NSTATE)
             dtu = dt * u
-            q_suf += dtu * _sum_rows(gb * A2, -0.0, NSTATE)
-            dA -= gb * (d_rem * dtu)[None, :]
+            q_suf = tl.fma(dtu, _sum_rows(gb, -0.0, NSTATE, A2), q_suf)
+            dA = tl.fma(-gb, (d_rem * dtu)[None, :], dA)
             _add_over_channels(dB_ptr + dbc_base + t * NSTATE, g * dtu[None, :], offs_n, NSTATE, BLOCK_N, BLOCK_D,
                                CPT)
-            tl.store(du_ptr + o_base + t * dim, (dt * sum_gb + Dv * gy).to(du_ptr.dtype.element_ty), mask=mask_d)
-            tl.store(w_ptr + o_base + t * dim, sum_gb * u - LN2 * q_suf, mask=mask_d)
-            dDv += gy * u
+            tl.store(du_ptr + o_base + t * dim, tl.fma(dt, sum_gb, Dv * gy).to(du_ptr.dtype.element_ty), mask=mask_d)
+            tl.store(w_ptr + o_base + t * dim, tl.fma(sum_gb, u, -LN2 * q_suf), mask=mask_d)
+            dDv = tl.fma(gy, u, dDv)
             d_rem -= dt
             shift = tl.load(reset_ptr + pid_b * length + t) if HAS_RESET else 0.0
-            gn = tl.exp2(dt[None, :] * A2 + shift) * g
+            gn = tl.exp2(tl.fma(dt[None, :], A2, shift)) * g
         h = _rows(states_ptr + row * dim * NSTATE, offs_d, mask_d, NSTATE, 1, offs_n, NSTATE, BLOCK_N, ACC)
         # sum_n A_n X_n at the chunk's first position, X = dL/d(dt A) = g a h_{t-1}; then X_t = X_{t-1} - p + q
         base = LN2 * (q_suf + tl.sum(A2 * gn * h, axis=0))
@@ -390,14 +393,14 @@ def _selective_scan_chunk_bwd_kernel(
             bt = tl.load(b_base + t * s_B_l, mask=mask_n, other=0.0).to(ACC)
             ct = tl.load(c_base + t * s_C_l, mask=mask_n, other=0.0).to(ACC)
             shift = tl.load(reset_ptr + pid_b * length + t) if HAS_RESET else 0.0
-            h = tl.exp2(dt[None, :] * A2 + shift) * h + bt[:, None] * (dt * u)[None, :]
+            h = tl.fma(tl.exp2(tl.fma(dt[None, :], A2, shift)), h, bt[:, None] * (dt * u)[None, :])
             ch = ct[:, None] * h
             d_pre += dt
-            dA += ch * (d_pre * gy)[None, :]
+            dA = tl.fma(ch, (d_pre * gy)[None, :], dA)
             _add_over_channels(dC_ptr + dbc_base + t * NSTATE, h * gy[None, :], offs_n, NSTATE, BLOCK_N, BLOCK_D,
                                CPT)
             ddt = tl.load(w_ptr + o_base + t * dim, mask=mask_d, other=0.0) + base - LN2 * p_pre
-            p_pre += gy * _sum_rows(ch * A2, -0.0, NSTATE)
+            p_pre = tl.fma(gy, _sum_rows(ch, -0.0, NSTATE, A2), p_pre)
             ddt = ddt * sigmoid(raw) if SOFTPLUS else ddt
             tl.store(ddelta_ptr + o_base + t * dim, ddt.to(ddelta_ptr.dtype.element_ty), mask=mask_d)
             dbias += ddt
@@ -406,7 +409,7 @@ def _selective_scan_chunk_bwd_kernel(
                 tl.store(dz_ptr + o_base + t * dim,
                          (dy * y * sig * (1.0 + z * (1.0 - sig))).to(dz_ptr.dtype.element_ty), mask=mask_d)
         lam = _rows(lam_ptr + row * dim * NSTATE, offs_d, mask_d, NSTATE, 1, offs_n, NSTATE, BLOCK_N, ACC)
-        dA += lam * h * d_total[None, :]
+        dA = tl.fma(lam * h, d_total[None, :], dA)
         _store_rows(dA_ptr + row * dim * NSTATE, dA, offs_d, mask_d, offs_n, NSTATE)
         tl.store(dD_ptr + row * dim + offs_d, dDv, mask=mask_d)
         tl.store(dbias_ptr + row * dim + offs_d, dbias, mask=mask_d)
