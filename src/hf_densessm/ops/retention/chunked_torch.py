@@ -45,7 +45,8 @@ def _causal(scores, intra):
 
 
 def _walk(updates, state, decay, reverse=False):
-    """``S_c = decay_c S_(c-1) + U_c`` over the chunks (dim 2; ``reverse``: backward in time): entry states, last."""
+    """``S_c = decay_c S_(c-1) + U_c`` over the chunks of ``updates`` ``(B, H, n, K, V)`` (``reverse``: backward in
+    time): the states entering each chunk, ``(B, H, n, K, V)``, and the last state."""
     entering, chunks = [None] * updates.shape[2], range(updates.shape[2])
     for c in reversed(chunks) if reverse else chunks:  # the only loop, over chunks
         entering[c], state = state, torch.addcmul(updates[:, :, c], state, decay[:, :, c])
