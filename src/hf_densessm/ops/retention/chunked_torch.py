@@ -75,7 +75,8 @@ def _block_forward(q, k, v, state, masks):
     # eager CPU call skips the sum where v is finite (the check syncs no device; a traced call takes both parts)
     finite = v.device.type == "cpu" and not torch.compiler.is_compiling() and bool(v.isfinite().all())
     finite_v = v if finite else torch.nan_to_num(v, nan=0.0, posinf=0.0, neginf=0.0)
-    o = (q * q_decay) @ previous if finite else (q * q_decay) @ previous + (v - finite_v).cumsum(-2)
+    o = (q * q_decay) @ previous
+    o = o if finite else o + (v - finite_v).cumsum(-2)
     return _add_product(o, _causal(q @ k.transpose(-1, -2), intra), finite_v), state
 
 
